@@ -1,0 +1,24 @@
+"""xgrad: distributed gradient computation that is the same across frameworks.
+
+The core (this package, outside ``torch_backend`` and ``jax_backend``) never imports
+torch or jax: it says *what* happens — dependency counts, bucket plans, the reducer's
+state machine, pipeline schedules — and backends say *how*.
+"""
+
+from xgrad.backend import Comm as Comm
+from xgrad.backend import Work as Work
+from xgrad.backend import get_backend as get_backend
+from xgrad.backend import list_backends as list_backends
+from xgrad.backend import register_backend as register_backend
+from xgrad.buckets import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from xgrad.buckets import DEFAULT_FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
+from xgrad.buckets import BucketPlan as BucketPlan
+from xgrad.buckets import assign_buckets as assign_buckets
+from xgrad.buckets import ddp_initial_plan as ddp_initial_plan
+from xgrad.buckets import rebuild_plan as rebuild_plan
+from xgrad.numpy_ops import NumpyOps as NumpyOps
+from xgrad.reducer import GradBucket as GradBucket
+from xgrad.reducer import IterationRecord as IterationRecord
+from xgrad.reducer import Reducer as Reducer
+
+__version__ = "0.1.0"

@@ -1,0 +1,264 @@
+"""Bucket plans: which gradients are reduced together, and in which order.
+
+A plan is frozen data. It is computed once (purely, from byte sizes), can be printed,
+hashed, saved as JSON and replayed by any backend, so torch and JAX reduce exactly the
+same groups of gradients. The assignment reproduces PyTorch's
+``torch.distributed._compute_bucket_assignment_by_size`` for the same inputs, so a plan
+computed here is the plan PyTorch's DDP would use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+#: What PyTorch's DDP uses for its first, unbucketed iteration (one bucket for all).
+NO_LIMIT = sys.maxsize
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Parameter indices per bucket, in launch order, and the cap each was filled to.
+
+    Attributes:
+        buckets: one tuple of parameter indices per bucket; bucket ``b`` is launched
+            before bucket ``b + 1`` on every rank.
+        limits: the byte cap bucket ``b`` was filled to (0 for a sparse gradient's own
+            bucket, which has no cap).
+
+    Example:
+        >>> plan = assign_buckets([400, 400, 400], [800])
+        >>> plan.buckets
+        ((0, 1), (2,))
+        >>> BucketPlan.from_json(plan.to_json()) == plan
+        True
+    """
+
+    buckets: tuple[tuple[int, ...], ...]
+    limits: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.buckets) != len(self.limits):
+            raise ValueError(
+                f"BucketPlan needs one limit per bucket: got {len(self.buckets)} buckets "
+                f"and {len(self.limits)} limits"
+            )
+        seen: set[int] = set()
+        for b, bucket in enumerate(self.buckets):
+            if not bucket:
+                raise ValueError(f"BucketPlan bucket {b} is empty")
+            for index in bucket:
+                if not isinstance(index, int) or index < 0:
+                    raise ValueError(f"BucketPlan bucket {b} holds {index!r}, not an index >= 0")
+                if index in seen:
+                    raise ValueError(f"BucketPlan: parameter {index} is in more than one bucket")
+                seen.add(index)
+        if seen != set(range(len(seen))):
+            missing = sorted(set(range(max(seen) + 1)) - seen)
+            raise ValueError(f"BucketPlan leaves parameters {missing} in no bucket")
+
+    @property
+    def num_params(self) -> int:
+        return sum(len(b) for b in self.buckets)
+
+    @cached_property
+    def _positions(self) -> dict[int, tuple[int, int]]:
+        return {i: (b, k) for b, bucket in enumerate(self.buckets) for k, i in enumerate(bucket)}
+
+    def bucket_of(self) -> dict[int, tuple[int, int]]:
+        """Map each parameter index to ``(bucket, position within the bucket)``."""
+        return dict(self._positions)
+
+    def to_dict(self) -> dict[str, list[list[int]] | list[int]]:
+        return {"buckets": [list(b) for b in self.buckets], "limits": list(self.limits)}
+
+    def to_json(self) -> str:
+        """Canonical JSON: the same plan always gives the same text (and digest)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> BucketPlan:
+        data = json.loads(text)
+        if not isinstance(data, dict) or set(data) != {"buckets", "limits"}:
+            raise ValueError(f"not a BucketPlan JSON object: {text[:80]!r}")
+        return cls(
+            buckets=tuple(tuple(int(i) for i in b) for b in data["buckets"]),
+            limits=tuple(int(x) for x in data["limits"]),
+        )
+
+    def digest(self) -> str:
+        """A stable SHA-256 of the canonical JSON, so ranks can compare plans cheaply."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def reversed(self) -> BucketPlan:
+        """The same buckets launched in the opposite order (how DDP uses its first plan)."""
+        return BucketPlan(tuple(reversed(self.buckets)), tuple(reversed(self.limits)))
+
+    def table(self, nbytes: Sequence[int] | None = None, names: Sequence[str] | None = None) -> str:
+        """A plain-text table of the plan, one row per bucket."""
+        rows = [("bucket", "params", "bytes", "limit", "members")]
+        for b, (bucket, limit) in enumerate(zip(self.buckets, self.limits, strict=True)):
+            size = "-" if nbytes is None else str(sum(nbytes[i] for i in bucket))
+            members = [names[i] if names is not None else str(i) for i in bucket]
+            shown = ", ".join(members[:6]) + (
+                f", ... (+{len(members) - 6})" if len(members) > 6 else ""
+            )
+            rows.append((str(b), str(len(bucket)), size, str(limit) if limit else "none", shown))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        return "\n".join(
+            "  ".join(r[c].rjust(widths[c]) for c in range(4)) + "  " + r[4] for r in rows
+        )
+
+
+def _check_inputs(
+    nbytes: Sequence[int],
+    limits: Sequence[int],
+    keys: Sequence[Hashable] | None,
+    sparse: Sequence[bool] | None,
+    order: Sequence[int] | None,
+) -> None:
+    if len(nbytes) == 0:
+        raise ValueError("assign_buckets needs at least one parameter: nbytes is empty")
+    for i, n in enumerate(nbytes):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"nbytes[{i}] = {n!r}: expected a byte count >= 0")
+    if len(limits) == 0:
+        raise ValueError("limits is empty: expected at least one bucket cap in bytes")
+    for i, lim in enumerate(limits):
+        if isinstance(lim, bool) or not isinstance(lim, int) or lim <= 0:
+            raise ValueError(f"limits[{i}] = {lim!r}: expected a byte cap > 0")
+    if keys is not None and len(keys) != len(nbytes):
+        raise ValueError(f"keys has {len(keys)} entries for {len(nbytes)} parameters")
+    if sparse is not None and len(sparse) != len(nbytes):
+        raise ValueError(f"sparse has {len(sparse)} entries for {len(nbytes)} parameters")
+    if order is not None and sorted(order) != list(range(len(nbytes))):
+        raise ValueError(
+            f"order must be a permutation of 0..{len(nbytes) - 1}: got {list(order)[:20]!r}"
+        )
+
+
+def assign_buckets(
+    nbytes: Sequence[int],
+    limits: Sequence[int],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    sparse: Sequence[bool] | None = None,
+    order: Sequence[int] | None = None,
+) -> BucketPlan:
+    """Group parameters into buckets exactly as PyTorch's DDP does.
+
+    Parameters are visited in ``order`` (default ``0..n-1``). Each key (dtype and device,
+    for PyTorch) fills its own open bucket; a bucket closes as soon as its size reaches
+    the key's current limit, after which that key moves on to the next limit (the last
+    one repeats). A parameter whose gradient is sparse gets a bucket to itself, with no
+    limit (recorded as 0). Without ``order`` the buckets are sorted by their smallest
+    parameter index, which is the order PyTorch returns; DDP then launches them reversed
+    (see :func:`ddp_initial_plan`). With ``order`` — a rebuild from the order in which
+    gradients became ready — buckets keep the order in which they were closed, and the
+    buckets still open at the end follow in the order their keys first appeared (PyTorch
+    leaves that order to a hash map; this makes it deterministic).
+
+    Args:
+        nbytes: bytes of each parameter's gradient (numel times element size).
+        limits: bucket caps in bytes; the last one repeats.
+        keys: per parameter, what must not be mixed in one bucket (e.g. ``(dtype, device)``).
+        sparse: per parameter, whether its gradient is sparse.
+        order: the order in which to visit parameters (a permutation of their indices).
+
+    Raises:
+        ValueError: on negative sizes, empty or non-positive limits, mismatched lengths or
+            an ``order`` that is not a permutation; the message names the value.
+    """
+    _check_inputs(nbytes, limits, keys, sparse, order)
+    visit = range(len(nbytes)) if order is None else order
+    closed: list[tuple[tuple[int, ...], int]] = []
+    open_indices: dict[Hashable, list[int]] = {}
+    open_size: dict[Hashable, int] = {}
+    open_limit: dict[Hashable, int] = {}
+    limit_pos: dict[Hashable, int] = {}
+    for index in visit:
+        if sparse is not None and sparse[index]:
+            closed.append(((index,), 0))
+            continue
+        key = None if keys is None else keys[index]
+        bucket = open_indices.setdefault(key, [])
+        bucket.append(index)
+        open_size[key] = open_size.get(key, 0) + nbytes[index]
+        pos = limit_pos.setdefault(key, 0)
+        open_limit[key] = limits[pos]
+        if open_size[key] >= limits[pos]:
+            closed.append((tuple(bucket), limits[pos]))
+            open_indices[key] = []
+            open_size[key] = 0
+            limit_pos[key] = min(pos + 1, len(limits) - 1)
+    for key, bucket in open_indices.items():
+        if bucket:
+            closed.append((tuple(bucket), open_limit[key]))
+    if order is None:
+        closed.sort(key=lambda entry: min(entry[0]))
+    return BucketPlan(tuple(b for b, _ in closed), tuple(lim for _, lim in closed))
+
+
+def ddp_initial_plan(
+    nbytes: Sequence[int],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    sparse: Sequence[bool] | None = None,
+    bucket_cap_bytes: int | None = None,
+    first_bucket_cap_bytes: int | None = None,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+) -> BucketPlan:
+    """The plan PyTorch's DDP starts with, in launch order.
+
+    DDP does not trust the definition order when it will rebuild buckets anyway (no
+    unused parameters searched, or a static graph): it starts with one bucket for all
+    and rebuilds from the observed order after the first iteration. Otherwise it uses a
+    small first bucket and then ``bucket_cap_bytes``. Either way it launches the buckets
+    in reverse, since gradients arrive roughly in reverse definition order.
+
+    ``bucket_cap_bytes=None`` means DDP's default (25 MiB, with a 1 MiB first bucket);
+    an explicit cap is used for the first bucket too unless ``first_bucket_cap_bytes``
+    says otherwise, as in PyTorch.
+    """
+    cap = DEFAULT_BUCKET_BYTES if bucket_cap_bytes is None else bucket_cap_bytes
+    if first_bucket_cap_bytes is not None:
+        first = first_bucket_cap_bytes
+    else:
+        first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap
+    if static_graph or not find_unused_parameters:
+        limits = [NO_LIMIT]
+    elif first < cap:
+        limits = [first, cap]
+    else:
+        limits = [cap]
+    return assign_buckets(nbytes, limits, keys=keys, sparse=sparse).reversed()
+
+
+def rebuild_plan(
+    nbytes: Sequence[int],
+    ready_order: Sequence[int],
+    *,
+    keys: Sequence[Hashable] | None = None,
+    sparse: Sequence[bool] | None = None,
+    bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES,
+    first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+) -> BucketPlan:
+    """Buckets rebuilt from the order in which gradients became ready (DDP's rebuild).
+
+    The first bucket gets the small cap so the earliest gradients start reducing soon.
+    """
+    return assign_buckets(
+        nbytes,
+        [first_bucket_cap_bytes, bucket_cap_bytes],
+        keys=keys,
+        sparse=sparse,
+        order=ready_order,
+    )

@@ -1,0 +1,63 @@
+"""The ``xgrad`` command: a thin dispatcher over one module per subcommand.
+
+Each subcommand lives in its own module exposing ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their subcommand runs, so
+``xgrad plan`` never pays for importing torch or jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: subcommand -> module implementing it (imported lazily).
+COMMANDS: dict[str, str] = {
+    "crosscheck": "xgrad.commands.crosscheck",
+    "plan": "xgrad.commands.plan",
+    "schedule": "xgrad.commands.schedule",
+    "bench": "xgrad.commands.bench",
+    "experiment": "xgrad.commands.experiment",
+    "backends": "xgrad.commands.backends",
+}
+
+#: one-line help per subcommand, kept here so ``xgrad --help`` imports nothing heavy.
+SUMMARIES: dict[str, str] = {
+    "crosscheck": "run one model on several backends and compare the reduced gradients",
+    "plan": "print the bucket plan for a built-in model or a JSON list of sizes",
+    "schedule": "print a pipeline schedule's grid and simulated figures",
+    "bench": "benchmarks against PyTorch's own implementations (ratios)",
+    "experiment": "paper experiments (sweeps on the reference backend's virtual clock)",
+    "backends": "list the registered backends and whether they can be imported",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xgrad",
+        description="Distributed gradient computation, the same across frameworks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        sub.add_parser(name, help=SUMMARIES[name], add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        # Let argparse print usage / the unknown-command error with the known names.
+        parser.parse_args(argv or ["--help"])
+        return 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name])
+    sub = argparse.ArgumentParser(prog=f"xgrad {name}", description=module.HELP)
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``xgrad`` subcommand (see ``xgrad.cli``)."""

@@ -1,0 +1,32 @@
+"""``xgrad bench TARGET``: benchmarks that compare xgrad with PyTorch's own implementation.
+
+Each target is a module with ``HELP``, ``add_arguments`` and ``run``, imported only when
+it runs (the torch and jax ones need those frameworks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "benchmarks against PyTorch's own implementations, reported as ratios"
+
+#: target -> module implementing it.
+TARGETS: dict[str, str] = {
+    "ddp": "xgrad.torch_backend.bench",
+    "jax": "xgrad.jax_backend.bench",
+    "pipeline": "xgrad.torch_backend.pipeline_bench",
+    "graph": "xgrad.graph_bench",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", choices=sorted(TARGETS), help="what to benchmark")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="the target's own options")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(TARGETS[args.target])
+    sub = argparse.ArgumentParser(prog=f"xgrad bench {args.target}", description=module.HELP)
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(args.rest)) or 0)
