@@ -1,0 +1,335 @@
+"""The reducer state machine on simulated ranks: order, unused parameters, errors, rebuild.
+
+The model-level scenarios (PyTorch's ignored-output pair, world sizes 1..8 against the
+single-process gradients) live in tests/reference; these drive ``mark_ready`` directly
+so each rule of the state machine is checked on its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from xgrad.buckets import BucketPlan, assign_buckets
+from xgrad.hooks import HOOKS
+from xgrad.numpy_ops import NumpyOps
+from xgrad.reducer import Reducer
+from xgrad.reference import RankError, ReferenceComm, spawn
+
+SHAPES = [(3,), (2, 2), (5,), (1,)]
+NAMES = ["a.weight", "a.bias", "b.weight", "b.bias"]
+
+
+def grads_for(rank: int, dtype: Any = np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + rank)
+    return [rng.standard_normal(s).astype(dtype) for s in SHAPES]
+
+
+def expected_mean(world: int, dtype: Any = np.float32) -> list[np.ndarray]:
+    """DDP's arithmetic: each rank multiplies by 1/N, then the sum in rank order."""
+    scale = np.dtype(dtype).type(1.0 / world)
+    out = []
+    for i in range(len(SHAPES)):
+        total = grads_for(0, dtype)[i] * scale
+        for r in range(1, world):
+            total = total + grads_for(r, dtype)[i] * scale
+        out.append(total)
+    return out
+
+
+def make_reducer(
+    comm: ReferenceComm,
+    plan: BucketPlan,
+    got: dict[int, np.ndarray],
+    params: Sequence[np.ndarray] | None = None,
+    **kwargs: Any,
+) -> Reducer:
+    tick = itertools.count()
+    return Reducer(
+        params if params is not None else [np.zeros(s, np.float32) for s in SHAPES],
+        plan,
+        comm,
+        NumpyOps(),
+        names=NAMES,
+        set_grad=lambda i, v: got.__setitem__(i, np.array(v)),
+        clock=lambda: float(next(tick)),
+        **kwargs,
+    )
+
+
+TWO_BUCKETS = BucketPlan(((2, 3), (0, 1)), (64, 64))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_averaged_gradients_bit_for_bit(world: int) -> None:
+    def body(comm: ReferenceComm) -> dict[int, np.ndarray]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got)
+        reducer.prepare_for_backward()
+        for i in (3, 2, 1, 0):
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        reducer.finalize()
+        return got
+
+    want = expected_mean(world)
+    for got in spawn(world, body):
+        for i in range(len(SHAPES)):
+            np.testing.assert_array_equal(got[i], want[i])
+
+
+def test_buckets_launch_in_bucket_order() -> None:
+    """Bucket 1 is ready first, but waits until bucket 0 is ready and launched."""
+
+    def body(comm: ReferenceComm) -> Any:
+        reducer = make_reducer(comm, TWO_BUCKETS, {})
+        reducer.prepare_for_backward()
+        for i in (0, 1, 2, 3):  # bucket 1 = (0, 1) completes before bucket 0 = (2, 3)
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        reducer.finalize()
+        return reducer.records[-1]
+
+    for record in spawn(2, body):
+        assert record.ready_order == (0, 1, 2, 3)
+        launch0, launch1 = record.launch_times
+        last_ready = record.ready_times[-1]  # param 3 completes bucket 0
+        assert launch0 < launch1
+        assert launch1 > last_ready  # bucket 1 was held back until bucket 0 launched
+
+
+def test_unused_parameters_marked_at_first_hook_and_globally_unused_left_alone() -> None:
+    def body(comm: ReferenceComm) -> dict[int, np.ndarray]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, find_unused_parameters=True)
+        # Rank 0 does not use parameter 1; no rank uses parameter 3.
+        unused = [1, 3] if comm.rank == 0 else [3]
+        reducer.prepare_for_backward(unused)
+        g = grads_for(comm.rank)
+        for i in (2, 0, 1):
+            if i not in unused:
+                reducer.mark_ready(i, g[i])
+        reducer.finalize()
+        return got
+
+    results = spawn(2, body)
+    half = np.float32(0.5)
+    for got in results:
+        assert 3 not in got  # globally unused: the gradient is left untouched, as DDP does
+        np.testing.assert_array_equal(got[1], grads_for(1)[1] * half)  # 0 + g/2
+        np.testing.assert_array_equal(got[0], grads_for(0)[0] * half + grads_for(1)[0] * half)
+
+
+@pytest.mark.parametrize("with_unused", [False, True])
+def test_discarded_forward_leaves_nothing_behind(with_unused: bool) -> None:
+    """PyTorch's test_ignored_output pair at the reducer level."""
+
+    def body(comm: ReferenceComm) -> list[dict[int, np.ndarray]]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, find_unused_parameters=with_unused)
+        unused = [3] if with_unused else []
+        for _ in range(4):  # outputs dropped: prepared, but no hook ever fires
+            assert not reducer.rebuild_buckets()
+            reducer.prepare_for_backward(unused)
+        steps = []
+        for _ in range(4):
+            reducer.rebuild_buckets()
+            reducer.prepare_for_backward(unused)
+            for i in (2, 1, 0, 3):
+                if i not in unused:
+                    reducer.mark_ready(i, grads_for(comm.rank)[i])
+            reducer.finalize()
+            steps.append(dict(got))
+        return steps
+
+    want = expected_mean(2)
+    for steps in spawn(2, body):
+        for got in steps:
+            for i in got:
+                np.testing.assert_array_equal(got[i], want[i])
+            assert (3 in got) is not with_unused
+
+
+def test_marked_twice_names_parameter_and_rank() -> None:
+    def body(comm: ReferenceComm) -> None:
+        reducer = make_reducer(comm, TWO_BUCKETS, {})
+        reducer.prepare_for_backward()
+        reducer.mark_ready(1, grads_for(comm.rank)[1])
+        reducer.mark_ready(1, grads_for(comm.rank)[1])
+
+    with pytest.raises(RankError) as err:
+        spawn(2, body)
+    text = str(err.value.__cause__)
+    assert "Parameter at index 1 with name a.bias has been marked as ready twice" in text
+    assert "rank 0" in text
+
+
+def test_missing_gradient_raises_at_finalize_and_at_the_next_iteration() -> None:
+    def body(comm: ReferenceComm) -> tuple[str, str]:
+        reducer = make_reducer(comm, TWO_BUCKETS, {})
+        reducer.prepare_for_backward()
+        for i in (2, 0, 1):  # parameter 3 never gets a gradient
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        with pytest.raises(RuntimeError) as at_end:
+            reducer.finalize()
+        with pytest.raises(RuntimeError) as at_next:
+            reducer.prepare_for_backward()
+        return str(at_end.value), str(at_next.value)
+
+    for rank, (at_end, at_next) in enumerate(spawn(2, body)):
+        for text in (at_end, at_next):
+            assert f"Parameters which did not receive grad for rank {rank}: b.bias" in text
+        assert "Expected to have finished reduction in the prior iteration" in at_next
+
+
+def test_no_sync_hooks_do_nothing_and_accumulated_grads_are_reduced_later() -> None:
+    def body(comm: ReferenceComm) -> tuple[dict[int, np.ndarray], int]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got)
+        g = grads_for(comm.rank)
+        for i in range(4):  # under no_sync: no prepare_for_backward, hooks are no-ops
+            reducer.mark_ready(i, g[i])
+        reducer.finalize()
+        synced_before = len(reducer.records)
+        reducer.prepare_for_backward()
+        for i in (3, 2, 1, 0):
+            reducer.mark_ready(i, g[i] + g[i])  # what autograd accumulated over two steps
+        reducer.finalize()
+        return got, synced_before
+
+    results = spawn(2, body)
+    half = np.float32(0.5)
+    for got, synced_before in results:
+        assert synced_before == 0
+        for i in range(4):
+            a, b = grads_for(0)[i], grads_for(1)[i]
+            np.testing.assert_array_equal(got[i], (a + a) * half + (b + b) * half)
+
+
+def test_rebuild_once_from_rank_zeros_ready_order() -> None:
+    def body(comm: ReferenceComm) -> tuple[bool, bool, BucketPlan]:
+        reducer = make_reducer(comm, BucketPlan(((0, 1, 2, 3),), (1 << 30,)), {})
+        reducer.rebuild_limits = (12, 24)
+        reducer.prepare_for_backward()
+        # Ranks observe different orders; rank 0's decides for everyone.
+        order = (3, 2, 1, 0) if comm.rank == 0 else (0, 1, 2, 3)
+        for i in order:
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        reducer.finalize()
+        first = reducer.rebuild_buckets()
+        second = reducer.rebuild_buckets()
+        return first, second, reducer.plan
+
+    want = assign_buckets([12, 16, 20, 4], [12, 24], order=[3, 2, 1, 0])
+    for first, second, plan in spawn(2, body):
+        assert (first, second) == (True, False)
+        assert plan == want
+
+
+def test_gradient_as_bucket_view_divides_in_place() -> None:
+    def body(comm: ReferenceComm) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, gradient_as_bucket_view=True)
+        views = reducer.bucket_views()
+        reducer.prepare_for_backward()
+        for i in (3, 2, 1, 0):
+            views[i][...] = grads_for(comm.rank)[i]  # autograd accumulated into the view
+            reducer.mark_ready(i, views[i])
+        reducer.finalize()
+        return views, got
+
+    want = [grads_for(0)[i] / np.float32(2) + grads_for(1)[i] / np.float32(2) for i in range(4)]
+    for views, got in spawn(2, body):
+        for i in range(4):
+            np.testing.assert_array_equal(views[i], want[i])
+            assert np.shares_memory(got[i], got[i])  # written back as the bucket view
+            np.testing.assert_array_equal(got[i], want[i])
+
+
+def test_static_graph_learns_unused_in_first_iteration() -> None:
+    def body(comm: ReferenceComm) -> list[dict[int, np.ndarray]]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, static_graph=True)
+        steps = []
+        for _ in range(3):
+            reducer.rebuild_buckets()
+            reducer.prepare_for_backward()
+            for i in (2, 1, 0):  # parameter 3 is never used
+                reducer.mark_ready(i, grads_for(comm.rank)[i])
+            reducer.finalize()
+            steps.append(dict(got))
+        assert reducer.has_rebuilt_buckets
+        return steps
+
+    want = expected_mean(2)
+    for steps in spawn(2, body):
+        for got in steps:
+            assert sorted(got) == [0, 1, 2]
+            for i in got:
+                np.testing.assert_array_equal(got[i], want[i])
+
+
+def _hook_arithmetic(name: str, world: int, i: int) -> np.ndarray:
+    """What the hook must produce, written out: compress, divide, sum in rank order."""
+    import ml_dtypes
+
+    low = {"allreduce": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[name]
+    parts = [grads_for(r)[i].astype(low) / low(world) for r in range(world)]
+    total = parts[0]
+    for p in parts[1:]:
+        total = (total + p).astype(low)
+    return total.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(HOOKS))
+@pytest.mark.parametrize("world", [2, 3])
+def test_backend_neutral_hooks(name: str, world: int) -> None:
+    def body(comm: ReferenceComm) -> dict[int, np.ndarray]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, hook=HOOKS[name](comm))
+        reducer.prepare_for_backward()
+        for i in (3, 2, 1, 0):
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        reducer.finalize()
+        return got
+
+    for got in spawn(world, body):
+        for i in range(4):
+            np.testing.assert_array_equal(got[i], _hook_arithmetic(name, world, i))
+    if name != "allreduce":  # compression loses precision, and the loss is visible
+        exact = expected_mean(world)
+        assert any(not np.array_equal(got[i], exact[i]) for i in range(4))
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda c: make_reducer(c, BucketPlan(((0, 1),), (8,)), {}), "covers 2 parameters"),
+        (
+            lambda c: Reducer(
+                [np.zeros(2, np.float32), np.zeros(2, np.float64)],
+                BucketPlan(((0, 1),), (64,)),
+                c,
+                NumpyOps(),
+                set_grad=lambda i, v: None,
+            ),
+            "bucket 0 of the plan mixes",
+        ),
+    ],
+)
+def test_bad_construction(build: Callable[[ReferenceComm], Any], needle: str) -> None:
+    with pytest.raises(RankError) as err:
+        spawn(1, build)
+    assert isinstance(err.value.__cause__, ValueError)
+    assert needle in str(err.value.__cause__)
+
+
+def test_unused_without_find_unused_is_refused() -> None:
+    def body(comm: ReferenceComm) -> None:
+        make_reducer(comm, TWO_BUCKETS, {}).prepare_for_backward([2])
+
+    with pytest.raises(RankError) as err:
+        spawn(1, body)
+    assert "['b.weight'] but find_unused_parameters is off" in str(err.value.__cause__)
