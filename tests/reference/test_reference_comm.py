@@ -1,0 +1,102 @@
+"""The reference backend's simulated ranks: exact collectives, mismatches, timeouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xgrad.backend import Comm, get_backend
+from xgrad.reference import RankError, ReferenceComm, World, spawn
+
+
+def test_registered_and_available() -> None:
+    backend = get_backend("reference")
+    assert backend.available() is True
+    assert backend.name == "reference"
+    assert isinstance(World(2).comm(1), Comm)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5, 8])
+def test_allreduce_sums_in_rank_order(world_size: int) -> None:
+    # float32 values whose sum depends on the order: the result must be exactly 0+1+...+N-1.
+    rng = np.random.default_rng(world_size)
+    values = [
+        (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6, 64)).astype(np.float32)
+        for _ in range(world_size)
+    ]
+    expected = values[0].copy()
+    for v in values[1:]:
+        expected += v
+
+    def body(comm: ReferenceComm) -> np.ndarray:
+        buf = values[comm.rank].copy()
+        work = comm.allreduce(buf)
+        buf[:] = -1  # written after the launch: must not leak into the sum
+        out = work.wait()
+        assert out is buf
+        return buf
+
+    for result in spawn(world_size, body):
+        assert result.tobytes() == expected.tobytes()
+
+
+def test_object_collectives() -> None:
+    def body(comm: ReferenceComm) -> tuple:
+        got = comm.broadcast_object({"from": comm.rank}, src=2)
+        everyone = comm.allgather_object(comm.rank * 10)
+        comm.barrier()
+        return got, everyone
+
+    for got, everyone in spawn(3, body):
+        assert got == {"from": 2}
+        assert everyone == [0, 10, 20]
+
+
+def test_mismatched_collectives_name_the_ranks() -> None:
+    def body(comm: ReferenceComm) -> None:
+        if comm.rank == 0:
+            comm.allreduce(np.zeros(3)).wait()
+        else:
+            comm.allgather_object("x")
+
+    with pytest.raises(RankError, match="called allgather but rank 0 called allreduce"):
+        spawn(2, body, timeout=5.0)
+
+
+def test_mismatched_shapes_name_the_ranks() -> None:
+    def body(comm: ReferenceComm) -> None:
+        comm.allreduce(np.zeros(3 + comm.rank)).wait()
+
+    with pytest.raises(RankError, match=r"rank 1 gave shape \(4,\) dtype float64, rank 0 gave"):
+        spawn(2, body, timeout=5.0)
+
+
+def test_a_rank_that_never_joins_times_out_naming_ranks() -> None:
+    def body(comm: ReferenceComm) -> None:
+        if comm.rank != 2:
+            comm.allreduce(np.ones(2)).wait()
+
+    with pytest.raises(RankError, match=r"rank 0: allreduce .* within 0.2s; ranks \[2\] never"):
+        spawn(3, body, timeout=0.2)
+
+
+def test_a_failing_rank_aborts_the_others_quickly() -> None:
+    def body(comm: ReferenceComm) -> None:
+        if comm.rank == 1:
+            raise KeyError("missing weights on this rank")
+        comm.allreduce(np.ones(2)).wait()
+
+    with pytest.raises(RankError, match="rank 1 failed: KeyError") as info:
+        spawn(4, body, timeout=30.0)
+    assert info.value.rank == 1
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world size=0"):
+        World(0)
+    with pytest.raises(ValueError, match="rank=3"):
+        World(2).comm(3)
+    with pytest.raises(TypeError, match="rank 0: allreduce takes a numpy array, got list"):
+        World(1).comm(0).allreduce([1.0])
+    with pytest.raises(ValueError, match="src=5"):
+        World(1).comm(0).broadcast_object(1, src=5)
