@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[torch,jax,test]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[torch,jax,test,plot]"
 	touch $@
 
 demo: setup

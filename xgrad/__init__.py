@@ -5,6 +5,7 @@ torch or jax: it says *what* happens — dependency counts, bucket plans, the re
 state machine, pipeline schedules — and backends say *how*.
 """
 
+from xgrad import pipeline as pipeline
 from xgrad.backend import Comm as Comm
 from xgrad.backend import Work as Work
 from xgrad.backend import get_backend as get_backend

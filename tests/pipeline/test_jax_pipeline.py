@@ -1,0 +1,145 @@
+"""JAX pipeline on several CPU devices: gradients equal the whole model and the torch pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import xgrad.pipeline as xp
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+WIDTH, BATCH = 5, 12
+
+
+def block(params: dict[str, Any], x: Any) -> Any:
+    return jnp.tanh(x @ params["weight"].T + params["bias"])
+
+
+def mse(out: Any, y: Any) -> Any:
+    return jnp.mean((out - y) ** 2)
+
+
+def weights(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "weight": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) * 0.5,
+            "bias": rng.standard_normal(WIDTH).astype(np.float32) * 0.1,
+        }
+        for _ in range(n)
+    ]
+
+
+def data(seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
+        rng.standard_normal((BATCH, WIDTH)).astype(np.float32),
+    )
+
+
+def whole(params: list[Any], order: list[int], x: Any, y: Any) -> tuple[Any, list[Any]]:
+    def f(ps: list[Any]) -> Any:
+        out = x
+        for i in order:
+            out = block(ps[i], out)
+        return mse(out, y)
+
+    return jax.value_and_grad(f)(params)
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def max_err(got: list[Any], want: list[Any]) -> float:
+    return max(
+        rel(g, w)
+        for gp, wp in zip(got, want, strict=True)
+        for g, w in zip(jax.tree_util.tree_leaves(gp), jax.tree_util.tree_leaves(wp), strict=True)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(xp.SCHEDULES))
+@pytest.mark.parametrize("p", [2, 4])
+def test_schedule_matches_whole_model(name: str, p: int) -> None:
+    s = xp.make(name, p, 2 * p if p == 2 else 4, chunks=2)
+    n = s.num_stages
+    params = weights(n)
+    x, y = data()
+    loss, grads = xp_run(s, params, x, y)
+    want_loss, want = whole(params, list(range(n)), x, y)
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert max_err(grads, want) <= 1e-6
+    devices = jax.devices()
+    for k in range(n):
+        leaf = jax.tree_util.tree_leaves(grads[k])[0]
+        assert leaf.devices() == {devices[s.placement[k]]}
+
+
+def xp_run(s: xp.Schedule, params: list[Any], x: Any, y: Any, **kw: Any) -> tuple[Any, list[Any]]:
+    from xgrad.jax_backend.pipeline import pipeline_value_and_grad
+
+    n = len(params)
+    return pipeline_value_and_grad(
+        s, [block] * n, params, mse, jnp.asarray(x), jnp.asarray(y), **kw
+    )
+
+
+@pytest.mark.parametrize("policy", ["gpipe", "1f1b", "zb"])
+def test_reused_partition(policy: str) -> None:
+    inv = xp.chain([(0, 0), (1, 0), (0, 0)])
+    s = xp.from_invocations(inv, 4, policy)
+    params = weights(2)
+    x, y = data()
+    loss, grads = xp_run(s, params, x, y, invocations=inv)
+    want_loss, want = whole(params, [0, 1, 0], x, y)
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert max_err(grads, want) <= 1e-6
+
+
+def test_bad_inputs() -> None:
+    s = xp.one_f_one_b(2, 4)
+    x, y = data()
+    with pytest.raises(ValueError, match="multiple of the 4"):
+        xp_run(s, weights(2), x[:6], y[:6])
+    with pytest.raises(ValueError, match="partitions"):
+        xp_run(s, weights(1), x, y)
+
+
+def _torch_pipeline(rank: int, world: int, params: list[Any], x: Any, y: Any) -> list[Any]:
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    lin = nn.Linear(WIDTH, WIDTH)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(params[rank]["weight"]))
+        lin.bias.copy_(torch.from_numpy(params[rank]["bias"]))
+    rt = PipelineRuntime(
+        xp.one_f_one_b(world, 4), [nn.Sequential(lin, nn.Tanh())], nn.functional.mse_loss
+    )
+    rt.step(
+        torch.from_numpy(x) if rank == 0 else None,
+        torch.from_numpy(y) if rank == world - 1 else None,
+    )
+    assert lin.weight.grad is not None and lin.bias.grad is not None
+    return [lin.weight.grad.numpy(), lin.bias.grad.numpy()]
+
+
+def test_matches_torch_pipeline_on_same_weights() -> None:
+    from xgrad.torch_backend.spawn import spawn
+
+    params = weights(2)
+    x, y = data()
+    torch_grads = spawn(_torch_pipeline, 2, args=(params, x, y), timeout=120)
+    _, grads = xp_run(xp.one_f_one_b(2, 4), params, x, y)
+    for k in range(2):
+        assert rel(grads[k]["weight"], torch_grads[k][0]) <= 1e-5
+        assert rel(grads[k]["bias"], torch_grads[k][1]) <= 1e-5

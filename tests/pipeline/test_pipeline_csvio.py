@@ -1,0 +1,56 @@
+"""CSV: round trips, and the same format as torch.distributed.pipelining reads and writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import xgrad.pipeline as xp
+
+
+@pytest.mark.parametrize("name", sorted(xp.SCHEDULES))
+@pytest.mark.parametrize("comms", [False, True])
+def test_round_trip(name: str, comms: bool, tmp_path: Path) -> None:
+    s = xp.make(name, 2, 4)
+    s = xp.insert_comms(s) if comms else s
+    xp.dump_csv(s, tmp_path / "s.csv")
+    back = xp.load_csv(tmp_path / "s.csv")
+    assert back.actions == s.actions and back.placement == s.placement
+    assert back.num_microbatches == 4
+
+
+def test_literal_text_and_idle_cells() -> None:
+    assert xp.schedule_to_csv(xp.one_f_one_b(2, 1)) == "0F0,0B0\r\n1F0,1B0\r\n"
+    # torch writes idle steps (None) as empty cells.
+    s = xp.schedule_from_csv("0F0,,0B0\n,1F0,1B0\n")
+    assert [[str(a) for a in acts] for acts in s.actions] == [["0F0", "0B0"], ["1F0", "1B0"]]
+
+
+def test_bad_cells_and_placement() -> None:
+    with pytest.raises(ValueError, match="rank 1, column 0"):
+        xp.schedule_from_csv("0F0,0B0\n1Q0\n")
+    with pytest.raises(ValueError, match="ranks 0 and 1"):
+        xp.schedule_from_csv("0F0\n0B0\n")
+    with pytest.raises(ValueError, match=r"stages \[1\]"):
+        xp.schedule_from_csv("0F0,2F0\n")
+    with pytest.raises(ValueError, match="no actions"):
+        xp.schedule_from_csv("\n")
+
+
+def test_torch_reads_our_actions_and_we_read_its_comm_pass() -> None:
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    s = xp.interleaved_1f1b(2, 4, chunks=2)
+    text = xp.schedule_to_csv(s)
+    rows = [line.split(",") for line in text.strip().splitlines()]
+    order = {r: [torch_schedules._Action.from_str(c) for c in row] for r, row in enumerate(rows)}
+    assert [[str(a) for a in acts] for acts in order.values()] == rows
+    # torch's own validator accepts the schedule and finds the same placement.
+    mapping = torch_schedules._validate_schedule(order, 2, 4, 4)
+    assert tuple(mapping[i] for i in range(4)) == s.placement
+    # torch's own send/recv pass; the result passes our validator.
+    with_comms = torch_schedules._add_send_recv(order, lambda i: s.placement[i], 4)
+    text = "\n".join(",".join(str(a) for a in with_comms[r]) for r in sorted(with_comms))
+    theirs = xp.schedule_from_csv(text)
+    xp.validate(theirs, rendezvous=False)
+    assert xp.strip_comms(theirs).actions == s.actions

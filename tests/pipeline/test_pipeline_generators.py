@@ -1,0 +1,104 @@
+"""Generators: literal schedules for small p, m, and validity over a grid of sizes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xgrad.pipeline as xp
+
+
+def texts(schedule: xp.Schedule) -> list[str]:
+    return [" ".join(str(a) for a in acts) for acts in schedule.actions]
+
+
+def test_gpipe_literal() -> None:
+    assert texts(xp.gpipe(2, 3)) == ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1 1F2 1B0 1B1 1B2"]
+
+
+def test_1f1b_literal() -> None:
+    assert texts(xp.one_f_one_b(2, 3)) == ["0F0 0F1 0B0 0F2 0B1 0B2", "1F0 1B0 1F1 1B1 1F2 1B2"]
+    assert texts(xp.one_f_one_b(3, 2)) == ["0F0 0F1 0B0 0B1", "1F0 1F1 1B0 1B1", "2F0 2B0 2F1 2B1"]
+
+
+def test_interleaved_literal() -> None:
+    s = xp.interleaved_1f1b(2, 2, chunks=2)
+    assert s.placement == (0, 1, 0, 1)
+    assert texts(s) == ["0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1", "1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1"]
+    assert texts(xp.interleaved_1f1b(2, 4, chunks=2)) == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+
+
+def test_zero_bubble_literal() -> None:
+    assert texts(xp.zb_h1(2, 3)) == [
+        "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2",
+        "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2",
+    ]
+    assert texts(xp.zb_h2(2, 3)) == [
+        "0F0 0F1 0F2 0I0 0W0 0I1 0W1 0I2 0W2",
+        "1F0 1I0 1F1 1I1 1F2 1I2 1W0 1W1 1W2",
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(xp.SCHEDULES)),
+    p=st.integers(1, 6),
+    k=st.integers(1, 4),
+    v=st.integers(1, 3),
+)
+def test_every_generated_schedule_is_valid(name: str, p: int, k: int, v: int) -> None:
+    m = k * p if name == "interleaved_1f1b" else k + p // 2
+    s = xp.make(name, p, m, chunks=v)
+    assert s.num_ranks == p and s.num_microbatches == m
+    xp.validate(s)
+    with_comms = xp.insert_comms(s)
+    xp.validate(with_comms)
+    assert xp.strip_comms(with_comms) == s
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_sizes_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_stages"):
+        xp.gpipe(bad, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_microbatches"):
+        xp.one_f_one_b(2, bad)  # type: ignore[arg-type]
+
+
+def test_interleaved_needs_multiple_of_p() -> None:
+    with pytest.raises(ValueError, match="multiple of num_stages"):
+        xp.interleaved_1f1b(4, 6)
+
+
+def test_make_unknown_lists_known() -> None:
+    with pytest.raises(ValueError, match="gpipe"):
+        xp.make("pipedream", 2, 2)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])
+def test_drawings_next_to_the_code_are_what_it_generates(name: str) -> None:
+    import inspect
+
+    from xgrad.pipeline import generators
+
+    source = inspect.getsource(generators)
+    sim = xp.simulate(xp.make(name, 4, 8))
+    for r, spans in enumerate(sim.spans):
+        cells = [".."] * int(sim.makespan)
+        for s in spans:
+            for t in range(int(s.start), int(s.end)):
+                cells[t] = f"{s.action.kind.value}{s.action.microbatch}"
+        assert f"#   rank {r}  {''.join(cells).rstrip('.')}\n" in source
+
+
+def test_interleaved_drawing_is_what_it_generates() -> None:
+    import inspect
+
+    from xgrad.pipeline import generators
+
+    source = inspect.getsource(generators)
+    for r, acts in enumerate(xp.interleaved_1f1b(2, 4, chunks=2).actions):
+        assert f"#   rank {r}  {' '.join(map(str, acts))}\n" in source

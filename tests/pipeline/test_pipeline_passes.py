@@ -1,0 +1,56 @@
+"""Passes: sends and receives inserted, literal for 1F1B, and no deadlock under blocking p2p."""
+
+from __future__ import annotations
+
+import pytest
+
+import xgrad.pipeline as xp
+from xgrad.pipeline import Action
+
+
+def test_insert_comms_literal_1f1b() -> None:
+    s = xp.insert_comms(xp.one_f_one_b(2, 2))
+    assert [" ".join(map(str, a)) for a in s.actions] == [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
+    ]
+    xp.validate(s, rendezvous=True)
+
+
+def test_same_rank_neighbours_need_no_comms() -> None:
+    s = xp.from_invocations(xp.chain([(0, 0), (0, 1), (1, 0)]), 1, "gpipe")
+    c = xp.insert_comms(s)
+    assert [str(a) for a in c.actions[0]] == ["0F0", "1F0", "1SEND_F0", "1RECV_B0", "1B0", "0B0"]
+
+
+@pytest.mark.parametrize("name", sorted(xp.SCHEDULES))
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 6), (4, 8)])
+def test_every_schedule_gets_deadlock_free_comms(name: str, p: int, m: int) -> None:
+    s = xp.make(name, p, m)
+    c = xp.insert_comms(s)
+    xp.validate(c, rendezvous=True)
+    sends = sum(a.kind.name.startswith("SEND") for acts in c.actions for a in acts)
+    recvs = sum(a.kind.name.startswith("RECV") for acts in c.actions for a in acts)
+    crossings = sum(s.placement[i] != s.placement[i + 1] for i in range(s.num_stages - 1))
+    assert sends == recvs == 2 * crossings * m
+    assert xp.strip_comms(c) == s
+    assert xp.simulate(c) == xp.simulate(s)
+
+
+def test_insert_twice_is_refused() -> None:
+    c = xp.insert_comms(xp.gpipe(2, 1))
+    with pytest.raises(ValueError, match="already has sends"):
+        xp.insert_comms(c)
+
+
+def test_unschedulable_compute_order_is_drawn() -> None:
+    s = xp.Schedule(
+        (
+            tuple(map(Action.parse, ["0F0", "2F0", "2B0", "0B0"])),
+            tuple(map(Action.parse, ["3F0", "3B0", "1F0", "1B0"])),
+        ),
+        (0, 1, 0, 1),
+        1,
+    )
+    with pytest.raises(xp.ScheduleError, match="cannot place comms"):
+        xp.insert_comms(s)

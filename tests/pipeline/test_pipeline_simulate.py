@@ -1,0 +1,103 @@
+"""Simulator: the published bubble and memory figures, over a grid of p and m."""
+
+from __future__ import annotations
+
+import pytest
+
+import xgrad.pipeline as xp
+from xgrad.pipeline import Kind
+
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_gpipe_and_1f1b_bubble_and_memory(p: int, m: int) -> None:
+    want = (p - 1) / (m + p - 1)
+    g = xp.simulate(xp.gpipe(p, m))
+    o = xp.simulate(xp.one_f_one_b(p, m))
+    assert g.bubble_fraction == pytest.approx(want, abs=1e-12)
+    assert o.bubble_fraction == pytest.approx(want, abs=1e-12)
+    assert g.peak_held == (m,) * p
+    assert max(o.peak_held) == min(p, m)
+    assert o.peak_held == tuple(min(p - r, m) for r in range(p))
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in GRID if m >= p])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
+    o = xp.simulate(xp.one_f_one_b(p, m))
+    z = xp.simulate(xp.zb_h1(p, m))
+    # Idle time per rank: 1F1B (p-1)(F+B) = 3(p-1) units, ZB-H1 p-1.
+    assert o.step_time - o.busy[0] == pytest.approx(3 * (p - 1))
+    assert z.step_time - z.busy[0] == pytest.approx(p - 1)
+    assert z.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert max(z.peak_held) == p
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_zb_h2_about_zero_bubble(p: int, m: int) -> None:
+    z2 = xp.simulate(xp.zb_h2(p, m))
+    z1 = xp.simulate(xp.zb_h1(p, m))
+    if m >= 2 * p - 1:
+        assert z2.bubble_fraction == pytest.approx(0.0, abs=1e-12)
+    assert z2.bubble_fraction <= z1.bubble_fraction + 1e-12
+    assert max(z2.peak_held) == min(2 * p - 1, m)
+
+
+@pytest.mark.parametrize(
+    ("p", "k", "v"), [(p, k, v) for p in (2, 3, 4) for k in (1, 2, 3) for v in (1, 2, 3)]
+)
+def test_interleaved_bubble_is_1_over_v(p: int, k: int, v: int) -> None:
+    m = k * p
+    s = xp.interleaved_1f1b(p, m, chunks=v)
+    assert xp.simulate(s).bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    # A chunk costs 1/v of a whole stage: the idle time is 1/v of 1F1B's.
+    chunk = {Kind.FORWARD: 1 / v, Kind.BACKWARD: 2 / v}
+    it = xp.simulate(s, chunk)
+    o = xp.simulate(xp.one_f_one_b(p, m))
+    assert it.step_time - it.busy[0] == pytest.approx((o.step_time - o.busy[0]) / v)
+
+
+def test_literal_timeline() -> None:
+    sim = xp.simulate(xp.one_f_one_b(2, 2))
+    got = [[(str(s.action), s.start, s.end) for s in spans] for spans in sim.spans]
+    assert got == [
+        [("0F0", 0, 1), ("0F1", 1, 2), ("0B0", 4, 6), ("0B1", 7, 9)],
+        [("1F0", 1, 2), ("1B0", 2, 4), ("1F1", 4, 5), ("1B1", 5, 7)],
+    ]
+    assert sim.makespan == sim.step_time == 9
+    assert sim.busy == (6, 6)
+    assert "bubble fraction (of total time): 0.3333" in sim.summary()
+
+
+def test_grid_literal() -> None:
+    sim = xp.simulate(xp.gpipe(2, 1))
+    assert sim.grid() == (
+        "     rank 0  rank 1\n"
+        "t 0: 0F0\n"
+        "t 1:         1F0\n"
+        "t 2:         1B0\n"
+        "t 3:         1B0\n"
+        "t 4: 0B0\n"
+        "t 5: 0B0\n"
+    )
+
+
+def test_measured_costs_and_comm_latency() -> None:
+    s = xp.one_f_one_b(2, 2)
+    costs = {
+        (0, Kind.FORWARD): 1.0,
+        (1, Kind.FORWARD): 3.0,
+        (0, Kind.BACKWARD): 2.0,
+        (1, Kind.BACKWARD): 1.0,
+    }
+    sim = xp.simulate(s, lambda a: costs[(a.stage, a.kind)], comm_cost=0.5)
+    ends = {str(sp.action): sp.end for spans in sim.spans for sp in spans}
+    assert ends["1F0"] == 1 + 0.5 + 3
+    assert ends["0B0"] == ends["1B0"] + 0.5 + 2
+
+
+def test_missing_cost_and_negative_cost() -> None:
+    with pytest.raises(ValueError, match="BACKWARD"):
+        xp.simulate(xp.gpipe(2, 2), {Kind.FORWARD: 1.0})
+    with pytest.raises(ValueError, match=">= 0"):
+        xp.simulate(xp.gpipe(2, 2), lambda a: -1.0)

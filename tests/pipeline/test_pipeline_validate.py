@@ -1,0 +1,84 @@
+"""Validator: each kind of fault is found, named, and marked on the drawn grid."""
+
+from __future__ import annotations
+
+import pytest
+
+import xgrad.pipeline as xp
+from xgrad.pipeline import Action, Schedule, ScheduleError
+
+
+def sched(rows: list[str], placement: tuple[int, ...], m: int) -> Schedule:
+    return Schedule(
+        tuple(tuple(Action.parse(t) for t in row.split()) for row in rows), placement, m
+    )
+
+
+def fails(s: Schedule, match: str, *, rendezvous: bool = True) -> ScheduleError:
+    with pytest.raises(ScheduleError, match=match) as info:
+        xp.validate(s, rendezvous=rendezvous)
+    return info.value
+
+
+def test_backward_before_forward_marks_the_step() -> None:
+    err = fails(sched(["0F0 0B0", "1B0 1F0"], (0, 1), 1), "1B0 runs before 1F0")
+    assert (err.rank, err.step) == (1, 0)
+    lines = str(err).splitlines()
+    assert lines[1] == "        rank 0  rank 1"
+    assert lines[2] == "step 0: 0F0     1B0  <-- rank 1: 1B0 runs before 1F0"
+    assert "<--" not in lines[3]
+
+
+def test_missing_duplicate_and_misplaced() -> None:
+    fails(sched(["0F0 0B0", "1F0"], (0, 1), 1), "1B0 is missing from rank 1")
+    fails(sched(["0F0 0F0 0B0", "1F0 1B0"], (0, 1), 1), "appears twice")
+    fails(sched(["0F0 0B0 1F0", "1B0"], (0, 1), 1), "placed on rank 1")
+    fails(sched(["0F0 0I0 0B0", "1F0 1I0 1W0"], (0, 1), 1), "mixes")
+    fails(sched(["0F0 0W0 0I0", "1F0 1I0 1W0"], (0, 1), 1), "0W0 runs before 0I0")
+
+
+def test_compute_only_deadlock() -> None:
+    # Stage 3 (rank 1) waits for stage 2 (rank 0), which waits for stage 1 queued behind it.
+    s = sched(["0F0 2F0 2B0 0B0", "3F0 3B0 1F0 1B0"], (0, 1, 0, 1), 1)
+    err = fails(s, "deadlock")
+    assert "rank 0 waits at 2F0" in str(err) and "rank 1 waits at 3F0" in str(err)
+    assert (err.rank, err.step) == (1, 0)
+
+
+def test_unmatched_send_and_unreceived_input() -> None:
+    fails(sched(["0F0 0SEND_F0 0B0", "1F0 1B0"], (0, 1), 1), "no matching 1RECV_F0")
+    rows = ["0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0"]
+    fails(sched(rows, (0, 1), 1), "needs 0RECV_B0")
+    fails(sched(["0F0 0SEND_B0 0B0", "1F0 1B0"], (0, 1), 1), "sends past the end")
+
+
+def test_blocking_sends_deadlock_but_buffered_do_not() -> None:
+    rows = [
+        "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+        "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+    ]
+    s = sched(rows, (0, 1), 2)
+    err = fails(s, "deadlock")
+    assert "rank 0 waits at 0SEND_F1" in str(err) and "rank 1 waits at 1SEND_B0" in str(err)
+    assert xp.validate(s, rendezvous=False) is s
+
+
+def test_valid_schedule_is_returned() -> None:
+    s = xp.one_f_one_b(3, 4)
+    assert xp.validate(s) is s
+
+
+def test_not_a_schedule() -> None:
+    with pytest.raises(TypeError, match="Schedule"):
+        xp.validate("1F0")  # type: ignore[arg-type]
+
+
+def test_schedule_rejects_bad_fields() -> None:
+    with pytest.raises(ValueError, match="microbatch 2"):
+        sched(["0F2"], (0,), 2)
+    with pytest.raises(ValueError, match="stage 1"):
+        sched(["1F0"], (0,), 1)
+    with pytest.raises(ValueError, match=r"placement\[0\] = 3"):
+        sched(["0F0"], (3,), 1)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        sched(["0F0"], (0,), 0)

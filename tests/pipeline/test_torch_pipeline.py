@@ -1,0 +1,178 @@
+"""Torch pipeline runtime on real gloo groups: loss and gradients equal the model run whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import xgrad.pipeline as xp  # noqa: E402
+from xgrad.torch_backend.spawn import spawn  # noqa: E402
+
+WIDTH, BATCH = 6, 12
+
+
+def blocks(n: int) -> list[nn.Module]:
+    """n small blocks (Linear + tanh), the same on every rank (seeded)."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double().float() for _ in range(n)]
+
+
+def batch() -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def grad(p: Any) -> Any:
+    assert p.grad is not None, "a parameter got no gradient"
+    return p.grad
+
+
+def rel(a: Any, b: Any) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def reference(
+    parts: list[nn.Module], order: list[int], x: Any, y: Any
+) -> tuple[float, list[list[Any]]]:
+    """Loss and per-partition gradients of the whole model on the whole batch."""
+    for p in parts:
+        p.zero_grad(set_to_none=True)
+    out = x
+    for i in order:
+        out = parts[i](out)
+    loss = nn.functional.mse_loss(out, y)
+    loss.backward()
+    grads = [[grad(p).clone() for p in part.parameters()] for part in parts]
+    for p in parts:
+        p.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def _cases(world: int) -> list[tuple[str, xp.Schedule, tuple[xp.Invocation, ...] | None]]:
+    m = 2 * world  # microbatches
+    cases: list[tuple[str, xp.Schedule, tuple[xp.Invocation, ...] | None]] = [
+        (name, xp.make(name, world, m, chunks=2), None) for name in sorted(xp.SCHEDULES)
+    ]
+    if world == 2:
+        # Rank 0's partition 0 is invoked first and last: a reused module.
+        inv = xp.chain([(0, 0), (1, 0), (0, 0)])
+        cases += [(f"reuse-{pol}", xp.from_invocations(inv, m, pol), inv) for pol in ("1f1b", "zb")]
+    return cases
+
+
+def _run_all(rank: int, world: int) -> tuple[dict[str, tuple[float | None, float]], list[str]]:
+    x, y = batch()
+    results: dict[str, tuple[float | None, float]] = {}
+    for name, schedule, inv in _cases(world):
+        n = schedule.num_stages
+        if inv is None:
+            parts = blocks(n)
+            order = list(range(n))
+            owner = {s: schedule.placement[s] for s in range(n)}
+            mine = [parts[s] for s in schedule.stages_of(rank)]
+            mine_ids = list(schedule.stages_of(rank))
+        else:
+            parts = blocks(2)  # partition (0, 0) -> parts[0], (1, 0) -> parts[1]
+            order = [0, 1, 0]
+            owner = {0: 0, 1: 1}
+            mine = [parts[rank]]
+            mine_ids = [rank]
+        want_loss, want_grads = reference(parts, order, x, y)
+        for checkpoint in ("always", "except_last", "never"):
+            rt = xp_runtime(schedule, mine, inv, checkpoint)
+            loss = rt.step(
+                x if rank == owner[0] else None, y if schedule.placement[-1] == rank else None
+            )
+            err = 0.0
+            for i, part in zip(mine_ids, mine, strict=True):
+                for p, want in zip(part.parameters(), want_grads[i], strict=True):
+                    err = max(err, rel(grad(p), want))
+                part.zero_grad(set_to_none=True)
+            loss_err = None if loss is None else abs(float(loss) - want_loss) / abs(want_loss)
+            results[f"{name}/{checkpoint}"] = (loss_err, err)
+    if world == 2:
+        results["dropout/always=never"] = (None, _dropout_recomputed(rank, world))
+    return results, _bad_arguments(rank, world)
+
+
+def _dropout_recomputed(rank: int, world: int) -> float:
+    """A recomputed forward draws the same dropout masks: "always" equals "never"."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    x, y = batch()
+    grads = []
+    for checkpoint in ("always", "never"):
+        torch.manual_seed(0)
+        part = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5), nn.Tanh())
+        rt = PipelineRuntime(
+            xp.one_f_one_b(world, 4), [part], nn.functional.mse_loss, checkpoint=checkpoint
+        )
+        torch.manual_seed(7 + rank)
+        rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        grads.append(torch.cat([grad(p).flatten() for p in part.parameters()]))
+    assert float(grads[1].norm()) > 0
+    return rel(grads[0], grads[1])
+
+
+def _bad_arguments(rank: int, world: int) -> list[str]:
+    """The errors bad arguments give, checked before anything is sent."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    messages = []
+    mse = nn.functional.mse_loss
+    part = blocks(world)
+    cases: list[tuple[xp.Schedule, dict[str, Any]]] = [
+        (xp.gpipe(world, 2), {"checkpoint": "sometimes"}),
+        (xp.gpipe(world, 2), {"timeout": 0}),
+        (xp.gpipe(world + 1, 2), {}),
+        (xp.interleaved_1f1b(world, world), {}),  # two stages per rank, one partition
+    ]
+    for schedule, kwargs in cases:
+        try:
+            PipelineRuntime(schedule, [part[rank]], mse, **kwargs)
+        except ValueError as exc:
+            messages.append(str(exc))
+    rt = PipelineRuntime(xp.gpipe(world, 2), [part[rank]], mse)
+    if 0 < rank < world - 1:
+        return messages  # a middle stage takes no batch
+    try:
+        rt.step(torch.zeros(5, WIDTH), torch.zeros(5, WIDTH))
+    except ValueError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def xp_runtime(schedule: xp.Schedule, mine: list[nn.Module], inv: Any, checkpoint: str) -> Any:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    return PipelineRuntime(
+        schedule, mine, nn.functional.mse_loss, invocations=inv, checkpoint=checkpoint, timeout=60
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_schedule_matches_the_whole_model(world: int) -> None:
+    outcome = spawn(_run_all, world, timeout=150)
+    per_rank = [results for results, _ in outcome]
+    keys = per_rank[0].keys()
+    assert len(keys) == 3 * (len(xp.SCHEDULES) + (2 if world == 2 else 0)) + (world == 2)
+    for key in keys:
+        losses = [r[key][0] for r in per_rank if r[key][0] is not None]
+        if not key.startswith("dropout"):
+            assert len(losses) == 1, key  # exactly the last stage's rank reports the loss
+            assert losses[0] <= 1e-6, (key, losses)
+        for r, res in enumerate(per_rank):
+            assert res[key][1] <= 1e-6, (key, r, res[key][1])
+    for rank, (_, messages) in enumerate(outcome):
+        assert len(messages) == (4 if 0 < rank < world - 1 else 5), messages
+        assert "checkpoint must be one of" in messages[0] and "'sometimes'" in messages[0]
+        assert "timeout must be positive" in messages[1]
+        assert f"rank {rank}: schedule has {world + 1} ranks, the group {world}" in messages[2]
+        assert f"rank {rank}: needs partitions for slots [0, 1], got 1" in messages[3]
+        assert all(
+            "batch size 5 is not a multiple of the 2 microbatches" in e for e in messages[4:]
+        )

@@ -1,0 +1,88 @@
+"""``xgrad schedule NAME``: print a pipeline schedule's grid and its simulated figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = (
+    "print a pipeline schedule as a rank × step grid with its simulated step time, bubble "
+    "fraction and activations held; optionally save the timeline as a PNG or the schedule "
+    "as PyTorch pipelining's CSV"
+)
+
+
+def _costs(text: str) -> dict[str, float]:
+    """Parse ``F=1,B=2`` into a dict (argparse type)."""
+    out: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--costs item {item!r} is not KIND=NUMBER")
+        try:
+            out[key.strip().upper()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--costs value {value!r} is not a number") from None
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from xgrad.pipeline import SCHEDULES
+
+    parser.add_argument("name", choices=sorted(SCHEDULES), help="which schedule")
+    parser.add_argument("--stages", "-p", type=int, required=True, help="p: pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, required=True, help="m: microbatches")
+    parser.add_argument(
+        "--chunks", "-v", type=int, default=2, help="v: chunks per rank (interleaved_1f1b)"
+    )
+    parser.add_argument(
+        "--costs",
+        type=_costs,
+        default=None,
+        help="per-kind costs, e.g. F=1,B=2,I=1,W=1 (default: equal, B = I + W)",
+    )
+    parser.add_argument("--comms", action="store_true", help="show the sends and receives")
+    parser.add_argument("--timeline", action="store_true", help="also print the time grid")
+    parser.add_argument("--png", metavar="FILE", help="save the timeline as a PNG")
+    parser.add_argument("--csv", metavar="FILE", help="save the schedule as a CSV file")
+
+
+def run(args: argparse.Namespace) -> int:
+    import xgrad.pipeline as xp
+    from xgrad.pipeline.plot import save_timeline_png
+
+    try:
+        schedule = xp.make(args.name, args.stages, args.microbatches, chunks=args.chunks)
+        costs = None
+        if args.costs is not None:
+            costs = dict(xp.DEFAULT_COSTS)
+            for key, value in args.costs.items():
+                kind = {k.value: k for k in xp.Kind if k.is_compute}.get(key)
+                if kind is None:
+                    raise ValueError(f"--costs kind {key!r} is not one of F, B, I, W")
+                costs[kind] = value
+        sim = xp.simulate(schedule, costs)
+    except ValueError as exc:
+        print(f"xgrad schedule: error: {exc}", file=sys.stderr)
+        return 2
+    shown = xp.validate(xp.insert_comms(schedule)) if args.comms else schedule
+    print(f"{schedule.name}: p={schedule.num_ranks} m={schedule.num_microbatches}")
+    print(shown.grid(), end="")
+    print()
+    if args.timeline:
+        print(sim.grid(), end="")
+        print()
+    print(sim.summary(), end="")
+    if args.csv:
+        xp.dump_csv(shown, args.csv)
+        print(f"CSV written to {args.csv}")
+    if args.png:
+        try:
+            save_timeline_png(
+                sim, args.png, title=f"{schedule.name} p={args.stages} m={args.microbatches}"
+            )
+        except RuntimeError as exc:
+            print(f"xgrad schedule: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"PNG written to {args.png}")
+    return 0

@@ -1,0 +1,145 @@
+"""Pipeline schedules on JAX devices: one process, each rank's stages on its own device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from xgrad.pipeline import (
+    Action,
+    Invocation,
+    Kind,
+    Schedule,
+    partitions_of,
+    placement_of,
+    strip_comms,
+    validate,
+)
+from xgrad.pipeline.simulate import dependencies
+
+__all__ = ["StageFn", "pipeline_value_and_grad"]
+
+#: ``apply(params, x) -> y`` of one partition.
+StageFn = Callable[[Any, Any], Any]
+
+
+def _partition_ids(schedule: Schedule, invocations: Sequence[Invocation] | None) -> list[int]:
+    """Virtual stage -> partition number (partitions numbered by their first invocation)."""
+    if invocations is None:
+        return list(range(schedule.num_stages))
+    if placement_of(invocations) != schedule.placement:
+        raise ValueError(
+            f"invocations place stages on {placement_of(invocations)}, "
+            f"the schedule on {schedule.placement}"
+        )
+    locs = partitions_of(invocations)
+    number = {loc: i for i, loc in enumerate(dict.fromkeys(locs))}
+    return [number[loc] for loc in locs]
+
+
+def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """Every rank's compute actions merged in an order that respects the dependencies."""
+    queues = schedule.actions
+    heads = [0] * schedule.num_ranks
+    done: set[Action] = set()
+    order: list[tuple[int, Action]] = []
+    while len(order) < sum(len(q) for q in queues):
+        for r, q in enumerate(queues):
+            while heads[r] < len(q) and all(d in done for d in dependencies(schedule, q[heads[r]])):
+                order.append((r, q[heads[r]]))
+                done.add(q[heads[r]])
+                heads[r] += 1
+    return order
+
+
+def pipeline_value_and_grad(
+    schedule: Schedule,
+    partitions: Sequence[StageFn],
+    params: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    inputs: Any,
+    targets: Any,
+    *,
+    invocations: Sequence[Invocation] | None = None,
+    devices: Sequence[Any] | None = None,
+) -> tuple[Any, list[Any]]:
+    """Run ``schedule`` with rank r's stages on ``devices[r]``; return loss and gradients.
+
+    Activations and gradients move between ranks with ``jax.device_put``. The backward of a
+    stage is a VJP; split backward (I, W) takes the VJP with respect to the input at I and
+    with respect to the parameters at W (which linearises the stage again from its saved
+    input). The loss of each microbatch is scaled by 1/m, so for a mean loss the result
+    equals ``jax.value_and_grad`` of the whole model on the whole batch.
+
+    Args:
+        schedule: a valid schedule (comms, if any, are implicit here and dropped).
+        partitions: ``apply(params, x)`` per partition; without ``invocations`` partition k
+            is virtual stage k, with them partitions are numbered by first invocation.
+        params: a pytree per partition.
+        loss_fn: ``loss_fn(output, target)``, a mean over the microbatch.
+        inputs: the whole batch (leading axis split into m microbatches).
+        targets: its targets.
+        invocations: fairscale-style invocations (a partition may run at several stages;
+            its gradient is the sum).
+        devices: one device per rank (default: the first p of ``jax.devices()``).
+
+    Returns:
+        ``(loss, grads)``, grads a pytree per partition (on its rank's device).
+    """
+    schedule = validate(strip_comms(schedule))
+    ids = _partition_ids(schedule, invocations)
+    if len(partitions) != len(params) or len(partitions) <= max(ids):
+        raise ValueError(
+            f"need {max(ids) + 1} partitions with params, got {len(partitions)} partitions "
+            f"and {len(params)} param trees"
+        )
+    p, m, n = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
+    devs = list(jax.devices()[:p] if devices is None else devices)
+    if len(devs) < p:
+        raise ValueError(f"schedule has {p} ranks, only {len(devs)} devices: {devs}")
+    if inputs.shape[0] % m:
+        raise ValueError(f"batch size {inputs.shape[0]} is not a multiple of the {m} microbatches")
+    rank_of_part = {ids[s]: schedule.placement[s] for s in range(n)}
+    placed = [jax.device_put(params[k], devs[rank_of_part[k]]) for k in range(len(params))]
+    grads: list[Any] = [jax.tree_util.tree_map(jnp.zeros_like, t) for t in placed]
+    xs = jnp.split(inputs, m)
+    ys = jnp.split(targets, m)
+
+    ys_on = [jax.device_put(y, devs[schedule.placement[-1]]) for y in ys]
+
+    def run(s: int, prm: Any, x: Any, mb: int) -> Any:
+        y = partitions[ids[s]](prm, x)
+        return loss_fn(y, ys_on[mb]) / m if s == n - 1 else y
+
+    saved: dict[tuple[int, int], Any] = {}  # (stage, mb) -> (input, VJP wrt the input)
+    arriving: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its input from stage - 1
+    cotangent: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient of its output
+    loss = jnp.zeros((), dtype=inputs.dtype)
+    for r, a in _global_order(schedule):
+        s, mb = a.stage, a.microbatch
+        dev = devs[r]
+        prm = placed[ids[s]]
+        if a.kind is Kind.FORWARD:
+            x = jax.device_put(xs[mb] if s == 0 else arriving.pop((s, mb)), dev)
+            y, vjp_x = jax.vjp(lambda x_, _s=s, _p=prm, _mb=mb: run(_s, _p, x_, _mb), x)
+            saved[(s, mb)] = (x, vjp_x)
+            if s == n - 1:
+                loss = loss + jax.device_put(y, devs[schedule.placement[-1]])
+            else:
+                arriving[(s + 1, mb)] = jax.device_put(y, devs[schedule.placement[s + 1]])
+            continue
+        x, vjp_x = saved[(s, mb)]
+        g = jnp.ones((), dtype=inputs.dtype) if s == n - 1 else cotangent[(s, mb)]
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s > 0:
+            (dx,) = vjp_x(g)
+            cotangent[(s - 1, mb)] = jax.device_put(dx, devs[schedule.placement[s - 1]])
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+            _, vjp_p = jax.vjp(lambda q, _s=s, _x=x, _mb=mb: run(_s, q, _x, _mb), prm)
+            (dp,) = vjp_p(g)
+            grads[ids[s]] = jax.tree_util.tree_map(jnp.add, grads[ids[s]], dp)
+            saved.pop((s, mb))
+            cotangent.pop((s, mb), None)
+    return loss, grads

@@ -1,0 +1,80 @@
+"""PyTorch pipelining's CSV schedule format: one row per rank, one action text per cell."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+
+from xgrad.pipeline.actions import Action
+from xgrad.pipeline.schedule import Schedule
+
+__all__ = ["dump_csv", "load_csv", "schedule_from_csv", "schedule_to_csv"]
+
+
+def schedule_to_csv(schedule: Schedule) -> str:
+    """The CSV text ``torch.distributed.pipelining``'s ``_dump_csv`` writes for these actions
+    (compute-only or with comms, as the schedule is)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    for acts in schedule.actions:
+        writer.writerow([str(a) for a in acts])
+    return buf.getvalue()
+
+
+def schedule_from_csv(
+    text: str, *, placement: tuple[int, ...] | None = None, name: str = "csv"
+) -> Schedule:
+    """Read CSV text (as ``_load_csv`` does); empty cells (torch's idle steps) are skipped.
+
+    Args:
+        text: rows of action texts, row r for rank r.
+        placement: stage -> rank; by default found from where each stage's actions appear.
+        name: the schedule's name.
+
+    Raises:
+        ValueError: a malformed cell (its rank and column named), or a stage found on two
+            ranks, or a stage that never appears.
+    """
+    rows = list(csv.reader(io.StringIO(text)))
+    actions: list[tuple[Action, ...]] = []
+    for r, row in enumerate(rows):
+        parsed: list[Action] = []
+        for c, cell in enumerate(row):
+            if not cell.strip():
+                continue
+            try:
+                parsed.append(Action.parse(cell))
+            except ValueError as exc:
+                raise ValueError(f"CSV rank {r}, column {c}: {exc}") from None
+        actions.append(tuple(parsed))
+    everything = [a for acts in actions for a in acts]
+    if not everything:
+        raise ValueError("CSV holds no actions")
+    if placement is None:
+        owner: dict[int, int] = {}
+        for r, rank_actions in enumerate(actions):
+            for a in rank_actions:
+                if a.kind.is_compute and owner.setdefault(a.stage, r) != r:
+                    raise ValueError(
+                        f"CSV: stage {a.stage} has actions on ranks {owner[a.stage]} and {r}"
+                    )
+        n = max(a.stage for a in everything) + 1
+        missing = [s for s in range(n) if s not in owner]
+        if missing:
+            raise ValueError(f"CSV: stages {missing} have no compute action, placement unknown")
+        placement = tuple(owner[s] for s in range(n))
+    m = max(a.microbatch for a in everything) + 1
+    return Schedule(tuple(actions), tuple(placement), m, name)
+
+
+def dump_csv(schedule: Schedule, path: str | os.PathLike[str]) -> None:
+    """Write :func:`schedule_to_csv` to ``path``."""
+    with open(path, "w", newline="") as f:
+        f.write(schedule_to_csv(schedule))
+
+
+def load_csv(path: str | os.PathLike[str], *, placement: tuple[int, ...] | None = None) -> Schedule:
+    """Read a schedule CSV file (see :func:`schedule_from_csv`)."""
+    with open(path, newline="") as f:
+        return schedule_from_csv(f.read(), placement=placement, name=os.path.basename(path))

@@ -1,0 +1,278 @@
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-H2.
+
+Index letters, used throughout: p ranks (pipeline stages of the model, one per rank), m
+microbatches, v chunks (virtual stages) per rank. Each generator returns a compute-only
+:class:`~xgrad.pipeline.Schedule`; :func:`~xgrad.pipeline.insert_comms` adds the sends and
+receives. The drawings show p = 4, m = 8 with the equal costs of
+:data:`~xgrad.pipeline.DEFAULT_COSTS` (F = I = W = 1, B = 2), as simulated: each unit of time
+is two characters, the pass and its microbatch (a B, two units, shows twice; ``..`` is idle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from xgrad.pipeline.actions import Action, Kind
+from xgrad.pipeline.invocation import Invocation, placement_of
+from xgrad.pipeline.schedule import Schedule
+
+__all__ = [
+    "SCHEDULES",
+    "from_invocations",
+    "gpipe",
+    "interleaved_1f1b",
+    "make",
+    "one_f_one_b",
+    "zb_h1",
+    "zb_h2",
+]
+
+F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
+
+
+def _check(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _chain(p: int) -> tuple[int, ...]:
+    return tuple(range(p))
+
+
+# GPipe (fill-drain): every forward, then every backward; holds all m microbatches.
+#
+#   rank 0  F0F1F2F3F4F5F6F7..................B0B0B1B1B2B2B3B3B4B4B5B5B6B6B7B7
+#   rank 1  ..F0F1F2F3F4F5F6F7............B0B0B1B1B2B2B3B3B4B4B5B5B6B6B7B7
+#   rank 2  ....F0F1F2F3F4F5F6F7......B0B0B1B1B2B2B3B3B4B4B5B5B6B6B7B7
+#   rank 3  ......F0F1F2F3F4F5F6F7B0B0B1B1B2B2B3B3B4B4B5B5B6B6B7B7
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: all m forwards, then all m backwards (bubble (p-1)/(m+p-1), holds m)."""
+    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    actions = tuple(
+        tuple(Action(r, F, i) for i in range(m)) + tuple(Action(r, B, i) for i in range(m))
+        for r in range(p)
+    )
+    return Schedule(actions, _chain(p), m, "gpipe")
+
+
+# 1F1B: rank r runs p-1-r warm-up forwards, then alternates one forward and one backward,
+# then drains; holds at most p - r microbatches, with GPipe's bubble.
+#
+#   rank 0  F0F1F2F3............B0B0F4B1B1F5B2B2F6B3B3F7B4B4..B5B5..B6B6..B7B7
+#   rank 1  ..F0F1F2........B0B0F3B1B1F4B2B2F5B3B3F6B4B4F7B5B5..B6B6..B7B7
+#   rank 2  ....F0F1....B0B0F2B1B1F3B2B2F4B3B3F5B4B4F6B5B5F7B6B6..B7B7
+#   rank 3  ......F0B0B0F1B1B1F2B2B2F3B3B3F4B4B4F5B5B5F6B6B6F7B7B7
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-flush): bubble (p-1)/(m+p-1), at most p microbatches held."""
+    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [Action(r, F, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            acts += [Action(r, F, warmup + i), Action(r, B, i)]
+        acts += [Action(r, B, i) for i in range(m - warmup, m)]
+        ranks.append(tuple(acts))
+    return Schedule(tuple(ranks), _chain(p), m, "1f1b")
+
+
+# Interleaved 1F1B (Megatron-LM): rank r holds chunks r, r+p, ..., r+(v-1)p; microbatches go
+# through the chunks in groups of p. Warm-up is (v-1)p + 2(p-1-r) chunk forwards, then one
+# forward and one backward alternate. With chunk costs 1/v of a whole stage, the bubble time
+# is 1/v of 1F1B's. In list order, p = 2, m = 4, v = 2 (rank 0 runs stages 0 and 2):
+#
+#   rank 0  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+#   rank 1  1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B with v = ``chunks`` virtual stages per rank (m a multiple of p).
+
+    Virtual stage s runs on rank s mod p. Bubble fraction (p-1)/(v·m+p-1).
+    """
+    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    v = _check("chunks", chunks)
+    if m % p:
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches a multiple of num_stages ({p}), got {m}"
+        )
+    total = m * v
+
+    def forward(r: int, k: int) -> Action:
+        chunk = (k // p) % v
+        return Action(chunk * p + r, F, (k // (p * v)) * p + k % p)
+
+    def backward(r: int, k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return Action(chunk * p + r, B, (k // (p * v)) * p + k % p)
+
+    ranks = []
+    for r in range(p):
+        warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+        acts = [forward(r, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [forward(r, warmup + k), backward(r, k)]
+        acts += [backward(r, k) for k in range(total - warmup, total)]
+        ranks.append(tuple(acts))
+    placement = tuple(s % p for s in range(p * v))
+    return Schedule(tuple(ranks), placement, m, f"interleaved_1f1b(v={v})")
+
+
+# ZB-H1 (zero-bubble, 1F1B's memory): 1F1B with backward split into I (input gradient, on the
+# critical path) and W (weight gradient, free to move). Rank r defers its weight passes by r
+# steps, so the later ranks fill their drain with W; every rank holds p microbatches. Bubble
+# p-1 units against 1F1B's 3(p-1): a third.
+#
+#   rank 0  F0F1F2F3......I0W0F4I1W1F5I2W2F6I3W3F7I4W4I5W5I6W6I7W7
+#   rank 1  ..F0F1F2....I0F3I1W0F4I2W1F5I3W2F6I4W3F7I5W4I6W5I7W6W7
+#   rank 2  ....F0F1..I0F2I1F3I2W0F4I3W1F5I4W2F6I5W3F7I6W4I7W5W6W7
+#   rank 3  ......F0I0F1I1F2I2F3I3W0F4I4W1F5I5W2F6I6W3F7I7W4W5W6W7
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1: bubble about a third of 1F1B's, at most p microbatches held."""
+    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    ranks = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        acts = [Action(r, F, i) for i in range(warmup)]
+        weights = 0
+        for i in range(m):
+            if warmup + i < m:
+                acts.append(Action(r, F, warmup + i))
+            acts.append(Action(r, I, i))
+            if i >= r:
+                acts.append(Action(r, W, weights))
+                weights += 1
+        acts += [Action(r, W, i) for i in range(weights, m)]
+        ranks.append(tuple(acts))
+    return Schedule(tuple(ranks), _chain(p), m, "zb_h1")
+
+
+def _greedy(
+    placement: tuple[int, ...],
+    m: int,
+    limits: list[int],
+    *,
+    split: bool,
+    forward_first: bool = False,
+) -> list[list[Action]]:
+    """List-schedule on a unit clock (F = I = W = 1, B = 2); the order per rank is the schedule.
+
+    A free rank runs, among its stages' ready actions: the backward (B, or I when ``split``)
+    of the oldest microbatch, deepest stage first; else a forward while it holds fewer than
+    ``limits[rank]`` activation sets; else the oldest pending W. ``forward_first`` swaps the
+    first two (GPipe's fill-drain).
+    """
+    n = len(placement)
+    p = max(placement) + 1
+    bwd = I if split else B
+    done_at: dict[Action, int] = {}
+    order: list[list[Action]] = [[] for _ in range(p)]
+    next_f, next_b, next_w = [0] * n, [0] * n, [0] * n
+    held, free = [0] * p, [0] * p
+    stages = [[s for s in range(n) if placement[s] == r] for r in range(p)]
+    t = 0
+    while any(next_w[s] < m if split else next_b[s] < m for s in range(n)):
+        for r in range(p):
+            if free[r] > t:
+                continue
+
+            def ready(a: Action, _t: int = t) -> bool:
+                return done_at.get(a, _t + 1) <= _t
+
+            backward = [
+                Action(s, bwd, next_b[s])
+                for s in stages[r]
+                if next_b[s] < m
+                and ready(Action(s, F, next_b[s]))
+                and (s == n - 1 or ready(Action(s + 1, bwd, next_b[s])))
+            ]
+            forward = [
+                Action(s, F, next_f[s])
+                for s in stages[r]
+                if next_f[s] < m
+                and held[r] < limits[r]
+                and (s == 0 or ready(Action(s - 1, F, next_f[s])))
+            ]
+            weight = [Action(s, W, next_w[s]) for s in stages[r] if split and next_w[s] < next_b[s]]
+            key = lambda a: (a.microbatch, -a.stage)  # noqa: E731
+            groups = [forward, backward] if forward_first else [backward, forward]
+            candidates = [sorted(g, key=key) for g in [*groups, weight] if g]
+            if not candidates:
+                continue
+            pick = candidates[0][0]
+            if pick.kind is F:
+                next_f[pick.stage] += 1
+                held[r] += 1
+            elif pick.kind is W:
+                next_w[pick.stage] += 1
+                held[r] -= 1
+            else:
+                next_b[pick.stage] += 1
+                held[r] -= 0 if split else 1
+            order[r].append(pick)
+            done_at[pick] = free[r] = t + (2 if pick.kind is B else 1)
+        t += 1
+    return order
+
+
+# ZB-H2 (zero-bubble): every rank may hold 2p-1 microbatches, so rank 0 keeps running
+# forwards until the first input gradient arrives and the last rank defers its W passes to
+# its drain; I has priority, then F, then W. Every rank is busy from its first to its last
+# action (a parallelogram), so steps run back to back without a bubble when m >= 2p-1.
+#
+#   rank 0  F0F1F2F3F4F5F6I0W0I1F7I2W1I3W2I4W3I5W4I6W5W6I7W7
+#   rank 1  ..F0F1F2F3F4I0F5I1F6I2W0I3F7I4W1I5W2I6W3W4I7W5W6W7
+#   rank 2  ....F0F1F2I0F3I1F4I2F5I3F6I4W0I5F7I6W1W2I7W3W4W5W6W7
+#   rank 3  ......F0I0F1I1F2I2F3I3F4I4F5I5F6I6W0F7I7W1W2W3W4W5W6W7
+def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H2: about zero bubble for steps run back to back, at most 2p-1 microbatches held."""
+    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    order = _greedy(_chain(p), m, [2 * p - 1] * p, split=True)
+    return Schedule(tuple(tuple(acts) for acts in order), _chain(p), m, "zb_h2")
+
+
+def from_invocations(
+    invocations: Sequence[Invocation], num_microbatches: int, policy: str = "1f1b"
+) -> Schedule:
+    """A schedule for any placement of invocations (a rank visited twice, a reused module).
+
+    Policies: ``"gpipe"`` (forwards first, nothing limits the activations held), ``"1f1b"``
+    (backward first, each rank holds at most as many activation sets as there are virtual
+    stages) and ``"zb"`` (backward split into I and W, I first, W fills the gaps, up to twice
+    that many held). Orders come from list scheduling on a unit clock.
+
+    Example:
+        >>> from xgrad.pipeline import chain
+        >>> s = from_invocations(chain([(0, 0), (1, 0), (0, 1)]), 2, "gpipe")
+        >>> [str(a) for a in s.actions[0]]
+        ['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
+    """
+    placement = placement_of(invocations)
+    m = _check("num_microbatches", num_microbatches)
+    n, p = len(placement), max(placement) + 1
+    if policy == "gpipe":
+        order = _greedy(placement, m, [n * m] * p, split=False, forward_first=True)
+    elif policy == "1f1b":
+        order = _greedy(placement, m, [n] * p, split=False)
+    elif policy == "zb":
+        order = _greedy(placement, m, [2 * n - 1] * p, split=True)
+    else:
+        raise ValueError(f"policy must be 'gpipe', '1f1b' or 'zb', got {policy!r}")
+    return Schedule(tuple(tuple(a) for a in order), placement, m, f"{policy}(invocations)")
+
+
+#: name -> generator taking (num_stages, num_microbatches, chunks).
+SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
+    "gpipe": lambda p, m, v: gpipe(p, m),
+    "1f1b": lambda p, m, v: one_f_one_b(p, m),
+    "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": lambda p, m, v: zb_h1(p, m),
+    "zb_h2": lambda p, m, v: zb_h2(p, m),
+}
+
+
+def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """The schedule called ``name`` (a key of :data:`SCHEDULES`); ``chunks`` is used by the
+    interleaved one only."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
+    return SCHEDULES[name](num_stages, num_microbatches, chunks)

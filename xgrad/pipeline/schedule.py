@@ -1,0 +1,124 @@
+"""A schedule: one tuple of actions per rank, the stage placement, and a text grid of it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from xgrad.pipeline.actions import Action, Kind
+
+__all__ = ["Schedule", "format_grid"]
+
+
+def format_grid(
+    columns: Sequence[Sequence[str]],
+    *,
+    row_label: str = "step",
+    column_label: str = "rank",
+    mark: int | None = None,
+    note: str = "",
+) -> str:
+    """Draw columns of cells (one column per rank) as rows of steps, marking row ``mark``.
+
+    Args:
+        columns: the cells of each column, top to bottom; shorter columns are padded blank.
+        row_label: word printed before each row number.
+        column_label: word printed above each column number.
+        mark: a row to point at (an error's step), or ``None``.
+        note: text after the marker arrow.
+    """
+    rows = max((len(c) for c in columns), default=0)
+    digits = len(str(max(rows - 1, 0)))
+    labels = [f"{row_label} {i:0{digits}d}" for i in range(rows)]
+    heads = [f"{column_label} {r}" for r in range(len(columns))]
+    widths = [
+        max([len(h), *(len(cell) for cell in col)]) for h, col in zip(heads, columns, strict=True)
+    ]
+    pad = len(labels[0]) if labels else len(row_label)
+    lines = [" " * (pad + 2) + "  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))]
+    for i, label in enumerate(labels):
+        cells = [
+            (col[i] if i < len(col) else "").ljust(w)
+            for col, w in zip(columns, widths, strict=True)
+        ]
+        line = f"{label}: " + "  ".join(cells)
+        if i == mark:
+            line = line.rstrip() + "  <-- " + (note or "here")
+        lines.append(line.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What every rank does, in order: plain data, printable, comparable and hashable.
+
+    Index letters: p ranks (``num_ranks``), s virtual stages (``num_stages``; s = p·v with v
+    chunks per rank), m microbatches (``num_microbatches``).
+
+    Attributes:
+        actions: ``actions[r]`` is rank r's actions in execution order.
+        placement: ``placement[s]`` is the rank that runs virtual stage s (stage s's output
+            feeds stage s + 1; see :mod:`xgrad.pipeline.invocation` for how a model maps here).
+        num_microbatches: m.
+        name: the generator that made it (for printing).
+    """
+
+    actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
+    num_microbatches: int
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(
+                f"num_microbatches must be a positive int, got {self.num_microbatches!r}"
+            )
+        if not self.placement:
+            raise ValueError("placement must name the rank of at least one stage, got ()")
+        p = len(self.actions)
+        for s, r in enumerate(self.placement):
+            if not isinstance(r, int) or not 0 <= r < p:
+                raise ValueError(f"placement[{s}] = {r!r} is not a rank in 0..{p - 1}")
+        for r, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                if not isinstance(a, Action):
+                    raise TypeError(f"rank {r} step {i}: expected an Action, got {a!r}")
+                if not 0 <= a.stage < len(self.placement):
+                    raise ValueError(
+                        f"rank {r} step {i}: action {a} names stage {a.stage}, "
+                        f"stages are 0..{len(self.placement) - 1}"
+                    )
+                if not 0 <= a.microbatch < self.num_microbatches:
+                    raise ValueError(
+                        f"rank {r} step {i}: action {a} names microbatch {a.microbatch}, "
+                        f"microbatches are 0..{self.num_microbatches - 1}"
+                    )
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def has_comms(self) -> bool:
+        """Whether sends and receives are explicit (after :func:`~xgrad.pipeline.insert_comms`)."""
+        return any(a.kind.is_comm for acts in self.actions for a in acts)
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward is split into input (I) and weight (W) parts (zero-bubble)."""
+        return any(a.kind is Kind.BACKWARD_INPUT for acts in self.actions for a in acts)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages placed on ``rank``, in stage order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def grid(self, *, mark: int | None = None, note: str = "") -> str:
+        """The rank × step grid (a column per rank), optionally pointing at step ``mark``."""
+        return format_grid([[str(a) for a in acts] for acts in self.actions], mark=mark, note=note)
+
+    def __str__(self) -> str:
+        return self.grid()

@@ -1,0 +1,200 @@
+"""Cost simulation of a schedule: timeline, step time, bubble fraction, activations held."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from xgrad.pipeline.actions import Action, Kind
+from xgrad.pipeline.schedule import Schedule, format_grid
+
+__all__ = ["DEFAULT_COSTS", "Simulation", "Span", "dependencies", "peak_held", "simulate"]
+
+#: Equal costs in the zero-bubble paper's sense: forward, input-backward and weight-backward
+#: take one unit each, so a full backward (input and weight together) takes two.
+DEFAULT_COSTS: Mapping[Kind, float] = {
+    Kind.FORWARD: 1.0,
+    Kind.BACKWARD_INPUT: 1.0,
+    Kind.BACKWARD_WEIGHT: 1.0,
+    Kind.BACKWARD: 2.0,
+}
+
+Costs = Mapping[Kind, float] | Callable[[Action], float]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One compute action on the timeline."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What :func:`simulate` found.
+
+    Attributes:
+        spans: every compute action with its start and end, per rank in execution order.
+        makespan: one isolated step, from the first start to the last end.
+        step_time: the time of one step when steps run back to back with nothing
+            synchronising them: the longest span of one rank from its first start to its last
+            end (the zero-bubble paper's measure; a rank starts its next step as soon as its
+            own part of this one is done).
+        busy: per rank, the summed cost of its actions.
+        bubble_fraction: idle share of total time, ``1 - sum(busy) / (p * step_time)``.
+        peak_held: per rank, the most (stage, microbatch) activation sets held at once (from
+            the forward until the backward that frees them: B, or W when backward is split).
+    """
+
+    spans: tuple[tuple[Span, ...], ...]
+    makespan: float
+    step_time: float
+    busy: tuple[float, ...]
+    bubble_fraction: float
+    peak_held: tuple[int, ...]
+
+    def summary(self) -> str:
+        """The figures as a few labelled lines."""
+        held = ", ".join(str(h) for h in self.peak_held)
+        return (
+            f"step time (back to back): {self.step_time:g}\n"
+            f"makespan (one step alone): {self.makespan:g}\n"
+            f"bubble fraction (of total time): {self.bubble_fraction:.4f}\n"
+            f"peak microbatches held per rank: {held}\n"
+        )
+
+    def grid(self, quantum: float | None = None) -> str:
+        """The timeline as a time × rank grid; each row is ``quantum`` long (default: the
+        shortest action), idle rows left blank."""
+        all_spans = [s for spans in self.spans for s in spans]
+        if not all_spans:
+            return ""
+        q = quantum or min(s.end - s.start for s in all_spans if s.end > s.start)
+        rows = round(self.makespan / q)
+        columns: list[list[str]] = []
+        for spans in self.spans:
+            col = [""] * rows
+            for s in spans:
+                for t in range(round(s.start / q), max(round(s.end / q), round(s.start / q) + 1)):
+                    if t < rows:
+                        col[t] = str(s.action)
+            columns.append(col)
+        return format_grid(columns, row_label="t")
+
+
+def dependencies(schedule: Schedule, action: Action) -> list[Action]:
+    """The compute actions that must finish before compute ``action`` may start."""
+    s, mb = action.stage, action.microbatch
+    last = schedule.num_stages - 1
+    backward = Kind.BACKWARD_INPUT if schedule.splits_backward else Kind.BACKWARD
+    if action.kind is Kind.FORWARD:
+        return [Action(s - 1, Kind.FORWARD, mb)] if s > 0 else []
+    if action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+        deps = [Action(s, Kind.FORWARD, mb)]
+        return deps + ([Action(s + 1, backward, mb)] if s < last else [])
+    if action.kind is Kind.BACKWARD_WEIGHT:
+        return [Action(s, Kind.BACKWARD_INPUT, mb)]
+    raise ValueError(f"dependencies are defined for compute actions, got {action}")
+
+
+def peak_held(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank, the most (stage, microbatch) activation sets held at once, in list order."""
+    frees = Kind.BACKWARD_WEIGHT if schedule.splits_backward else Kind.BACKWARD
+    peaks = []
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind is Kind.FORWARD:
+                held += 1
+                peak = max(peak, held)
+            elif a.kind is frees:
+                held -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _cost_fn(costs: Costs | None) -> Callable[[Action], float]:
+    if costs is None:
+        costs = DEFAULT_COSTS
+    if callable(costs):
+        return costs
+    table = dict(costs)
+
+    def lookup(a: Action) -> float:
+        if a.kind not in table:
+            raise ValueError(f"costs has no entry for {a.kind.name} (action {a}); got {table}")
+        return float(table[a.kind])
+
+    return lookup
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, *, comm_cost: float = 0.0
+) -> Simulation:
+    """Run the schedule on a virtual clock.
+
+    Each rank runs its compute actions in order, each as soon as the rank is free and the
+    actions it depends on are done (``comm_cost`` later when they ran on another rank).
+    Sends and receives are taken as asynchronous and are not timed themselves.
+
+    Args:
+        schedule: any valid schedule (with or without explicit comms).
+        costs: a cost per kind (default :data:`DEFAULT_COSTS`) or a function of the action
+            (measured per-stage costs).
+        comm_cost: latency added to a dependency that crosses ranks.
+
+    Raises:
+        ValueError: the schedule cannot finish (validate it for a drawn explanation).
+    """
+    cost = _cost_fn(costs)
+    p = schedule.num_ranks
+    queues = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
+    where = {a: r for r, q in enumerate(queues) for a in q}
+    end: dict[Action, float] = {}
+    spans: list[list[Span]] = [[] for _ in range(p)]
+    free = [0.0] * p
+    heads = [0] * p
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while heads[r] < len(queues[r]):
+                a = queues[r][heads[r]]
+                deps = dependencies(schedule, a)
+                if any(d not in end for d in deps):
+                    break
+                ready = max(
+                    [end[d] + (comm_cost if where.get(d) != r else 0.0) for d in deps],
+                    default=0.0,
+                )
+                start = max(free[r], ready)
+                c = cost(a)
+                if c < 0:
+                    raise ValueError(f"cost of {a} must be >= 0, got {c!r}")
+                end[a] = free[r] = start + c
+                spans[r].append(Span(r, a, start, start + c))
+                heads[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(queues[r][heads[r]]) for r in range(p) if heads[r] < len(queues[r])}
+            raise ValueError(
+                f"schedule {schedule.name!r} cannot finish; stuck heads per rank: {stuck}"
+            )
+    busy = tuple(sum(s.end - s.start for s in sp) for sp in spans)
+    firsts = [sp[0].start for sp in spans if sp]
+    lasts = [sp[-1].end for sp in spans if sp]
+    makespan = max(lasts) - min(firsts) if lasts else 0.0
+    step_time = max((sp[-1].end - sp[0].start for sp in spans if sp), default=0.0)
+    bubble = 1.0 - sum(busy) / (p * step_time) if step_time > 0 else 0.0
+    return Simulation(
+        spans=tuple(tuple(sp) for sp in spans),
+        makespan=makespan,
+        step_time=step_time,
+        busy=busy,
+        bubble_fraction=bubble,
+        peak_held=peak_held(schedule),
+    )

@@ -1,0 +1,208 @@
+"""Schedule validation; an error draws the rank × step grid and points at the failing step."""
+
+from __future__ import annotations
+
+from xgrad.pipeline.actions import Action, Kind
+from xgrad.pipeline.schedule import Schedule
+
+__all__ = ["ScheduleError", "validate"]
+
+F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message ends with the grid, the failing step marked.
+
+    Attributes:
+        rank: the rank at fault (the first stuck one for a deadlock).
+        step: the index of the failing action in that rank's list.
+    """
+
+    def __init__(self, schedule: Schedule, rank: int, step: int, reason: str) -> None:
+        self.rank = rank
+        self.step = step
+        self.reason = reason
+        grid = schedule.grid(mark=step, note=f"rank {rank}: {reason}")
+        super().__init__(
+            f"schedule {schedule.name!r} is invalid at rank {rank}, step {step}: {reason}\n{grid}"
+        )
+
+
+def comm_partner(schedule: Schedule, action: Action) -> tuple[int, Action]:
+    """For a send or receive, the peer rank and the matching action it must run."""
+    s, mb = action.stage, action.microbatch
+    k = action.kind
+    if k is Kind.SEND_F:
+        return schedule.placement[s + 1], Action(s + 1, Kind.RECV_F, mb)
+    if k is Kind.RECV_F:
+        return schedule.placement[s - 1], Action(s - 1, Kind.SEND_F, mb)
+    if k is Kind.SEND_B:
+        return schedule.placement[s - 1], Action(s - 1, Kind.RECV_B, mb)
+    if k is Kind.RECV_B:
+        return schedule.placement[s + 1], Action(s + 1, Kind.SEND_B, mb)
+    raise ValueError(f"{action} is not a send or receive")
+
+
+def _check_comm_ends(schedule: Schedule, r: int, i: int, a: Action) -> None:
+    last = schedule.num_stages - 1
+    k = a.kind
+    if (k is Kind.SEND_F and a.stage == last) or (k is Kind.SEND_B and a.stage == 0):
+        raise ScheduleError(schedule, r, i, f"{a} sends past the end of the pipeline")
+    if (k is Kind.RECV_F and a.stage == 0) or (k is Kind.RECV_B and a.stage == last):
+        raise ScheduleError(schedule, r, i, f"{a} receives from beyond the end of the pipeline")
+    peer, _ = comm_partner(schedule, a)
+    if peer == r:
+        raise ScheduleError(schedule, r, i, f"{a} talks to its own rank {r}")
+
+
+def _check_contents(schedule: Schedule) -> None:
+    """Placement, duplicates, completeness and the local order of each stage's passes."""
+    split = schedule.splits_backward
+    backward = I if split else B
+    seen: dict[Action, tuple[int, int]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for i, a in enumerate(acts):
+            if schedule.placement[a.stage] != r:
+                raise ScheduleError(
+                    schedule,
+                    r,
+                    i,
+                    f"{a} is for stage {a.stage}, placed on rank {schedule.placement[a.stage]}",
+                )
+            if a in seen:
+                raise ScheduleError(
+                    schedule, r, i, f"{a} appears twice (first at step {seen[a][1]})"
+                )
+            seen[a] = (r, i)
+            if a.kind.is_comm:
+                _check_comm_ends(schedule, r, i, a)
+                continue
+            if (split and a.kind is B) or (not split and a.kind in (I, W)):
+                raise ScheduleError(
+                    schedule, r, i, f"{a} mixes full backward (B) with split backward (I, W)"
+                )
+            need = {
+                F: None,
+                B: Action(a.stage, F, a.microbatch),
+                I: Action(a.stage, F, a.microbatch),
+                W: Action(a.stage, I, a.microbatch),
+            }[a.kind]
+            if need is not None and need not in seen:
+                raise ScheduleError(schedule, r, i, f"{a} runs before {need}")
+    kinds = (F, backward, W) if split else (F, backward)
+    for s in range(schedule.num_stages):
+        for mb in range(schedule.num_microbatches):
+            for k in kinds:
+                a = Action(s, k, mb)
+                if a not in seen:
+                    r = schedule.placement[s]
+                    raise ScheduleError(
+                        schedule, r, len(schedule.actions[r]), f"{a} is missing from rank {r}"
+                    )
+
+
+def _needs(schedule: Schedule, a: Action, r: int) -> list[Action]:
+    """What rank r must have run before compute ``a`` (with explicit comms: local actions)."""
+    last = schedule.num_stages - 1
+    backward = I if schedule.splits_backward else B
+    s, mb = a.stage, a.microbatch
+    if a.kind is F:
+        if s == 0:
+            return []
+        if schedule.placement[s - 1] == r or not schedule.has_comms:
+            return [Action(s - 1, F, mb)]
+        return [Action(s, Kind.RECV_F, mb)]
+    if a.kind in (B, I):
+        need = [Action(s, F, mb)]
+        if s == last:
+            return need
+        if schedule.placement[s + 1] == r or not schedule.has_comms:
+            return [*need, Action(s + 1, backward, mb)]
+        return [*need, Action(s, Kind.RECV_B, mb)]
+    if a.kind is W:
+        return [Action(s, I, mb)]
+    # A send needs the pass that produced what it sends.
+    return (
+        [Action(s, F if a.kind is Kind.SEND_F else backward, mb)]
+        if a.kind
+        in (
+            Kind.SEND_F,
+            Kind.SEND_B,
+        )
+        else []
+    )
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    """Every send has its receive on the peer and vice versa; cross-rank inputs are received."""
+    where = {a: (r, i) for r, acts in enumerate(schedule.actions) for i, a in enumerate(acts)}
+    for a, (r, i) in where.items():
+        if a.kind.is_comm:
+            peer, partner = comm_partner(schedule, a)
+            if partner not in where:
+                raise ScheduleError(schedule, r, i, f"{a} has no matching {partner} on rank {peer}")
+        else:
+            for need in _needs(schedule, a, r):
+                if need.kind.is_comm and need not in where:
+                    raise ScheduleError(schedule, r, i, f"{a} needs {need} on rank {r}, never run")
+
+
+def _run(schedule: Schedule, rendezvous: bool) -> None:
+    """Execute in lock step; a step where no rank can move is a deadlock."""
+    p = schedule.num_ranks
+    heads = [0] * p
+    done: set[Action] = set()
+    acts = schedule.actions
+    while any(heads[r] < len(acts[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            if heads[r] >= len(acts[r]):
+                continue
+            a = acts[r][heads[r]]
+            if a.kind.is_comm:
+                peer, partner = comm_partner(schedule, a)
+                if any(n not in done for n in _needs(schedule, a, r)):
+                    continue
+                is_send = a.kind in (Kind.SEND_F, Kind.SEND_B)
+                if rendezvous:
+                    if heads[peer] < len(acts[peer]) and acts[peer][heads[peer]] == partner:
+                        done.update((a, partner))
+                        heads[r] += 1
+                        heads[peer] += 1
+                        moved = True
+                elif is_send or partner in done:
+                    done.add(a)
+                    heads[r] += 1
+                    moved = True
+            elif all(n in done for n in _needs(schedule, a, r)):
+                done.add(a)
+                heads[r] += 1
+                moved = True
+        if not moved:
+            stuck = [r for r in range(p) if heads[r] < len(acts[r])]
+            waits = "; ".join(f"rank {r} waits at {acts[r][heads[r]]}" for r in stuck)
+            r0 = min(stuck, key=lambda r: (heads[r], r))
+            raise ScheduleError(schedule, r0, heads[r0], f"deadlock: {waits}")
+
+
+def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
+    """Check that ``schedule`` can run, and return it.
+
+    Checks: each action on the rank of its stage, once; every (stage, microbatch) has its
+    forward and its backward (B, or I and W); a forward before its backward and I before
+    W; every send matched by a receive on the peer and every cross-rank input received; and
+    that executing it cannot deadlock. Point-to-point is taken as blocking: with
+    ``rendezvous`` a send and its receive complete together (the strictest model; a schedule
+    valid under it is valid with buffered sends too), otherwise a send never blocks and a
+    receive waits for its send. A compute-only schedule waits on the other ranks' passes.
+
+    Raises:
+        ScheduleError: naming the rank and step, with the rank × step grid marked there.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    _check_contents(schedule)
+    if schedule.has_comms:
+        _check_pairs(schedule)
+    _run(schedule, rendezvous)
+    return schedule
