@@ -28,13 +28,12 @@ class NumpyOps:
     def new_flat(self, like: Sequence[Any], numel: int) -> np.ndarray:
         return np.zeros(numel, dtype=np.asarray(like[0]).dtype)
 
-    def copy_into(self, flat: np.ndarray, offset: int, x: Any, scale: float | None = None) -> None:
-        out = flat[offset : offset + np.size(x)]
-        src = np.asarray(x).reshape(-1)
+    def copy_to(self, out: np.ndarray, x: Any, scale: float | None = None) -> None:
+        src = np.asarray(x).reshape(out.shape)
         if scale is None:
             out[...] = src
         else:
-            np.multiply(src, flat.dtype.type(scale), out=out)
+            np.multiply(src, out.dtype.type(scale), out=out)
 
     def view(self, flat: np.ndarray, offset: int, like: Any) -> np.ndarray:
         shape = np.shape(like)

@@ -46,8 +46,12 @@ class ArrayOps(Protocol):
         """A zeroed 1-D buffer of ``numel`` elements with ``like[0]``'s dtype and device."""
         ...
 
-    def copy_into(self, flat: Any, offset: int, x: Any, scale: float | None = None) -> None:
-        """``flat[offset:offset+numel(x)] = ravel(x) * scale`` (no multiply when ``None``)."""
+    def copy_to(self, out: Any, x: Any, scale: float | None = None) -> None:
+        """``out[...] = x * scale`` (no multiply when ``None``); ``out`` is a bucket view.
+
+        The scaled copy is PyTorch's pre-division (``mul_out`` by ``1/world_size``): it
+        must round exactly as that does for results to agree bit for bit.
+        """
         ...
 
     def view(self, flat: Any, offset: int, like: Any) -> Any:
@@ -248,7 +252,7 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.hook = hook
+        self.hook = hook  # through the property: also sets the pre-division scale
         self.rebuild_limits = rebuild_limits
         self.nbytes = list(nbytes) if nbytes is not None else [ops.nbytes(p) for p in self.params]
         self.keys = list(keys) if keys is not None else [ops.key(p) for p in self.params]
@@ -394,7 +398,19 @@ class Reducer:
             bucket.result = None
 
     @property
-    def _static_first_iteration(self) -> bool:
+    def hook(self) -> Hook | None:
+        """The communication hook (``None``: DDP's default pre-divided allreduce)."""
+        return self._hook
+
+    @hook.setter
+    def hook(self, hook: Hook | None) -> None:
+        self._hook = hook
+        # Without a hook the reducer pre-divides while copying; a hook divides itself.
+        self._scale = 1.0 / self.comm.size if hook is None else None
+
+    @property
+    def _delay_launch(self) -> bool:
+        """The first static-graph iteration reduces everything at its end (DDP's delay)."""
         return self.static_graph and self._static_unused is None
 
     def mark_ready(self, index: int, grad: Any) -> None:
@@ -429,16 +445,17 @@ class Reducer:
         self._require_finalize = True
         bucket, k = self._locate[index]
         view = bucket.in_views[k]
+        ops = self.ops
         if grad is None:
-            self.ops.zero_(view)
-        elif self.ops.is_view_of(grad, view):
-            if self.hook is None:
-                self.ops.div_(view, self.comm.size)
+            ops.zero_(view)
+        elif self.gradient_as_bucket_view and ops.is_view_of(grad, view):
+            # Autograd accumulated straight into the bucket: only the division is left.
+            if self._scale is not None:
+                ops.div_(view, self.comm.size)
         else:
-            scale = 1.0 / self.comm.size if self.hook is None else None
-            self.ops.copy_into(bucket.flat, bucket.offsets[k], grad, scale)
+            ops.copy_to(view, grad, self._scale)
         bucket.pending -= 1
-        if bucket.pending == 0 and not self._static_first_iteration:
+        if bucket.pending == 0 and not self._delay_launch:
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -477,7 +494,7 @@ class Reducer:
             # No hook fired: nothing to reduce (e.g. the loss did not depend on the params).
             self._expect_hooks = False
             return
-        if self._static_first_iteration:
+        if self._delay_launch:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
             self._static_unused = self._missing()
@@ -497,7 +514,7 @@ class Reducer:
             result = bucket.work.wait()
             finish_times.append(self.clock())
             if result is not None and not self.ops.is_view_of(result, bucket.flat):
-                self.ops.copy_into(bucket.flat, 0, result)
+                self.ops.copy_to(bucket.flat, result)
             for k, i in enumerate(bucket.indices):
                 if i not in globally_unused:
                     self.set_grad(i, bucket.in_views[k])

@@ -1,0 +1,54 @@
+"""The local launcher: results by rank, a real collective, failures and timeouts named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from xgrad.torch_backend.spawn import SpawnError, spawn
+
+
+def _sum_ranks(rank: int, world_size: int, scale: int) -> tuple[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank * scale, float(t.item())
+
+
+def _fail_on_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    time.sleep(60)
+    return rank
+
+
+def _sleep_on_zero(rank: int, world_size: int) -> int:
+    if rank == 0:
+        time.sleep(60)
+    return rank
+
+
+def test_results_by_rank_after_a_real_allreduce() -> None:
+    assert spawn(_sum_ranks, 3, args=(10,)) == [(0, 3.0), (10, 3.0), (20, 3.0)]
+
+
+def test_first_failure_names_rank_and_traceback_and_stops_the_others() -> None:
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match="rank 1 failed: ValueError: boom on purpose") as info:
+        spawn(_fail_on_one, 2, timeout=50)
+    assert info.value.rank == 1
+    assert "_fail_on_one" in info.value.remote_traceback
+    assert time.monotonic() - start < 40
+
+
+def test_timeout_names_ranks_still_running() -> None:
+    with pytest.raises(SpawnError, match=r"ranks still running: \[0\]"):
+        spawn(_sleep_on_zero, 2, timeout=15)
+
+
+def test_bad_world_size() -> None:
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
+        spawn(_sum_ranks, 0)

@@ -1,0 +1,53 @@
+"""PyTorch backend: c10d process groups, autograd hooks, a DDP drop-in, a local launcher.
+
+Importing this package does not import torch; the names below are loaded on first use,
+so ``xgrad backends`` can ask :func:`available` cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.comm import TorchComm as TorchComm
+    from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
+    from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
+    from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
+    from xgrad.torch_backend.spawn import SpawnError as SpawnError
+    from xgrad.torch_backend.spawn import spawn as spawn
+
+name = "torch"
+
+#: public name -> module that defines it (imported on first attribute access).
+_EXPORTS: dict[str, str] = {
+    "DistributedDataParallel": "xgrad.torch_backend.ddp",
+    "IterationTimes": "xgrad.torch_backend.ddp",
+    "TorchComm": "xgrad.torch_backend.comm",
+    "TorchArrayOps": "xgrad.torch_backend.ops",
+    "spawn": "xgrad.torch_backend.spawn",
+    "SpawnError": "xgrad.torch_backend.spawn",
+}
+
+__all__ = ["available", "name", *sorted(_EXPORTS)]
+
+
+def available() -> bool:
+    """Whether torch with ``torch.distributed`` can be used in this environment."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available())
+
+
+def __getattr__(attr: str) -> Any:
+    module = _EXPORTS.get(attr)
+    if module is None:
+        raise AttributeError(f"module 'xgrad.torch_backend' has no attribute {attr!r}")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[attr] = value
+    return value

@@ -1,0 +1,371 @@
+"""``xgrad bench ddp``: xgrad's DDP against PyTorch's, same model and data, ratios printed.
+
+Both run in the same processes of one gloo group, alternating step by step so that
+load on the machine hits both alike. Reported per model and per
+``find_unused_parameters`` setting: median step time (zero_grad, forward, backward,
+optimizer step), memory (bytes allocated by DDP's construction plus the peak of one
+step above its start, from the C allocator, polled by a thread during the step), and xgrad's Python cost per gradient hook.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import ctypes.util
+import functools
+import itertools
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from xgrad.torch_backend.ddp import DistributedDataParallel
+from xgrad.torch_backend.spawn import spawn
+
+HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
+
+MODELS = ("mlp", "transformer", "many")
+
+#: model -> (description for the table, sizes at "full" and "tiny" scale).
+_SCALES: dict[str, dict[str, dict[str, int]]] = {
+    "mlp": {
+        "full": {"width": 1024, "depth": 3, "inputs": 512, "batch": 32},
+        "tiny": {"width": 32, "depth": 2, "inputs": 16, "batch": 4},
+    },
+    "transformer": {
+        "full": {"dim": 128, "layers": 2, "heads": 4, "seq": 32, "vocab": 2000, "batch": 8},
+        "tiny": {"dim": 16, "layers": 1, "heads": 2, "seq": 4, "vocab": 50, "batch": 2},
+    },
+    "many": {
+        "full": {"blocks": 110, "width": 32, "batch": 32},
+        "tiny": {"blocks": 101, "width": 4, "batch": 2},
+    },
+}
+
+
+@dataclass
+class CaseResult:
+    """One row of the table (rank 0's view; times in seconds, memory in bytes)."""
+
+    model: str
+    find_unused: bool
+    tensors: int
+    parameters: int
+    xgrad_step: float
+    torch_step: float
+    xgrad_memory: int
+    torch_memory: int
+    hook_seconds: float
+
+    @property
+    def time_ratio(self) -> float:
+        return self.xgrad_step / self.torch_step
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.xgrad_memory / max(self.torch_memory, 1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
+    )
+    parser.add_argument("--rounds", type=int, default=6, help="alternations per case")
+    parser.add_argument("--iters", type=int, default=8, help="timed steps per round and side")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps per side")
+    parser.add_argument(
+        "--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke run"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the run")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise ValueError(f"--models: unknown model(s) {unknown}; expected some of {MODELS}")
+    if args.world_size < 2:
+        raise ValueError(f"--world-size must be at least 2, got {args.world_size}")
+    settings = {
+        "models": models,
+        "rounds": args.rounds,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "scale": args.scale,
+    }
+    rows = spawn(
+        _bench, args.world_size, args=(settings,), timeout=args.timeout, num_threads=args.threads
+    )[0]
+    results = [CaseResult(**r) for r in rows]
+    print(
+        f"xgrad DDP vs torch DDP: world size {args.world_size}, gloo on CPU, "
+        f"{args.threads} thread(s) per rank, median of {args.rounds * args.iters} steps each"
+    )
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                [
+                    asdict(r) | {"time_ratio": r.time_ratio, "memory_ratio": r.memory_ratio}
+                    for r in results
+                ],
+                f,
+                indent=2,
+            )
+    return 0
+
+
+def table(results: list[CaseResult]) -> str:
+    """The benchmark's table, as the README shows it (Markdown)."""
+    lines = [
+        "| model | find_unused | tensors | xgrad ms | torch ms | time ratio "
+        "| xgrad MiB | torch MiB | memory ratio | xgrad µs/hook |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.model} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
+            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f} "
+            f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
+            f"| {r.memory_ratio:.3f} | {r.hook_seconds * 1e6:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- inside each rank
+
+
+class _Allocator:
+    """Bytes currently allocated through the C allocator (torch's CPU tensors use it).
+
+    glibc's ``mallinfo2``: in-use bytes of the main arena plus mmapped blocks. Falls back
+    to the resident set size where it is missing.
+    """
+
+    class _Info(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                "fsmblks", "uordblks", "fordblks", "keepcost",
+            )
+        ]  # fmt: skip
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], Any] | None = None
+        path = ctypes.util.find_library("c")
+        if path is not None:
+            libc = ctypes.CDLL(path)
+            fn = getattr(libc, "mallinfo2", None)
+            if fn is not None:
+                fn.restype = self._Info
+                self._fn = fn
+
+    def live(self) -> int:
+        if self._fn is not None:
+            info = self._fn()
+            return int(info.uordblks + info.hblkhd)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _build(name: str, sizes: dict[str, int]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model, one input batch and its targets, seeded the same on every rank."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        dims = [sizes["inputs"]] + [sizes["width"]] * sizes["depth"] + [10]
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(dims):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        model: nn.Module = nn.Sequential(*layers[:-1])
+        x = torch.randn(sizes["batch"], sizes["inputs"])
+        return model, x, torch.randn(sizes["batch"], 10)
+    if name == "transformer":
+        model = _TinyTransformer(sizes)
+        x = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]))
+        return model, x, torch.randn(sizes["batch"], sizes["seq"], sizes["dim"])
+    model = _ManySmall(sizes["blocks"], sizes["width"])
+    x = torch.randn(sizes["batch"], sizes["width"])
+    return model, x, torch.randn(sizes["batch"], sizes["width"])
+
+
+class _TinyTransformer(nn.Module):
+    """Token embedding and a few pre-norm encoder layers (training mode: no fast path)."""
+
+    def __init__(self, s: dict[str, int]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(s["vocab"], s["dim"])
+        layer = nn.TransformerEncoderLayer(
+            s["dim"], s["heads"], 4 * s["dim"], dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, s["layers"], enable_nested_tensor=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embed(tokens))  # type: ignore[no-any-return]
+
+
+class _ManySmall(nn.Module):
+    """A residual chain of small linear layers: two parameter tensors per block."""
+
+    def __init__(self, blocks: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + 0.1 * torch.tanh(block(x))
+        return x
+
+
+class _Side:
+    """One implementation under test: its model copy, DDP wrapper and optimizer."""
+
+    def __init__(self, wrap: Callable[[Any], Any], base: Any, alloc: _Allocator) -> None:
+        self.model = copy.deepcopy(base)
+        before = alloc.live()
+        self.ddp = wrap(self.model)
+        self.construction = alloc.live() - before
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.times: list[float] = []
+        self.peak = 0
+
+    def step(self, x: Any, y: Any, sample: Callable[[], None] | None = None) -> None:
+        self.opt.zero_grad()
+        out = self.ddp(x)
+        if sample is not None:
+            sample()
+        ((out - y) ** 2).mean().backward()
+        if sample is not None:
+            sample()
+        self.opt.step()
+
+
+def _factories(find_unused: bool) -> dict[str, Callable[[Any], Any]]:
+    return {
+        "xgrad": functools.partial(DistributedDataParallel, find_unused_parameters=find_unused),
+        "torch": functools.partial(TorchDDP, find_unused_parameters=find_unused),
+    }
+
+
+def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    alloc = _Allocator()
+    # Both implementations allocate once per process on first use (gloo's pair buffers,
+    # PyTorch's logger, pickling tables): pay that here, outside every measurement.
+    base, x, y = _build("mlp", _SCALES["mlp"]["tiny"])
+    for make in _factories(True).values():
+        _Side(make, base, alloc).step(x, y)
+    rows = []
+    case = 0
+    for name in settings["models"]:
+        for find_unused in (False, True):
+            base, x, y = _build(name, _SCALES[name][settings["scale"]])
+            factories = _factories(find_unused)
+            # Constructed in alternating order, so neither is always first on a fresh heap.
+            order = ["xgrad", "torch"] if case % 2 == 0 else ["torch", "xgrad"]
+            case += 1
+            sides = {key: _Side(factories[key], base, alloc) for key in order}
+            for side in sides.values():
+                for _ in range(settings["warmup"]):
+                    side.step(x, y)
+            dist.barrier()
+            # Alternate step by step (each step is synchronised across ranks by its
+            # allreduce), flipping who goes first, so load on the machine hits both alike.
+            for i in range(settings["rounds"] * settings["iters"]):
+                for key in order if i % 2 == 0 else order[::-1]:
+                    side = sides[key]
+                    start = time.perf_counter()
+                    side.step(x, y)
+                    side.times.append(time.perf_counter() - start)
+            for side in sides.values():
+                _measure_peak(side, x, y, alloc)
+            hook = _hook_seconds(sides["xgrad"], x, y)
+            params = list(base.parameters())
+            rows.append(
+                asdict(
+                    CaseResult(
+                        model=name,
+                        find_unused=find_unused,
+                        tensors=len(params),
+                        parameters=sum(p.numel() for p in params),
+                        xgrad_step=statistics.median(sides["xgrad"].times),
+                        torch_step=statistics.median(sides["torch"].times),
+                        xgrad_memory=sides["xgrad"].construction + sides["xgrad"].peak,
+                        torch_memory=sides["torch"].construction + sides["torch"].peak,
+                        hook_seconds=hook,
+                    )
+                )
+            )
+            del sides
+            torch.manual_seed(0)
+    return rows
+
+
+def _measure_peak(side: _Side, x: Any, y: Any, alloc: _Allocator, steps: int = 3) -> None:
+    """Peak bytes above the start of a step, polled by a thread while the step runs.
+
+    Polling rather than sampling in gradient hooks: PyTorch's reducer runs its hooks at
+    another point of the autograd node than tensor hooks do, so samples taken in hooks
+    would see the two implementations at different moments (the backward pass runs
+    without the GIL, so the poller gets to run throughout).
+    """
+    peak = [0]
+    running = threading.Event()
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            if running.is_set():
+                peak[0] = max(peak[0], alloc.live())
+            time.sleep(0)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        for _ in range(steps):
+            side.opt.zero_grad()
+            start = alloc.live()
+            peak[0] = start
+            running.set()
+            side.step(x, y, sample=lambda: peak.__setitem__(0, max(peak[0], alloc.live())))
+            running.clear()
+            side.peak = max(side.peak, max(peak[0], alloc.live()) - start)
+    finally:
+        stop.set()
+        poller.join()
+
+
+def _hook_seconds(side: _Side, x: Any, y: Any) -> float:
+    """Median wall time of xgrad's per-parameter hook work (``Reducer.mark_ready``).
+
+    The median, not the mean: the one call per bucket that launches its allreduce, and
+    calls stalled by other processes, would otherwise hide the typical cost.
+    """
+    reducer = side.ddp.reducer
+    original = reducer.mark_ready
+    calls: list[float] = []
+
+    def timed(index: int, grad: Any) -> None:
+        start = time.perf_counter()
+        original(index, grad)
+        calls.append(time.perf_counter() - start)
+
+    reducer.mark_ready = timed
+    try:
+        for _ in range(3):
+            side.step(x, y)
+    finally:
+        del reducer.mark_ready
+    return statistics.median(calls)

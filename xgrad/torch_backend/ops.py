@@ -1,0 +1,74 @@
+"""The reducer's array operations on torch tensors (one instance serves every rank)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["TorchArrayOps"]
+
+
+class TorchArrayOps:
+    """``xgrad.reducer.ArrayOps`` for torch tensors, on any device.
+
+    Copies write straight into the bucket views the reducer keeps (no intermediate
+    tensor), and the pre-division multiplies while copying, as PyTorch's reducer does, so
+    the averaged gradients match PyTorch's bit for bit.
+
+    ``copy_to`` is the per-gradient hot path. Multiplying by a Python float wraps it in a
+    new tensor on every call, so float32 and float64 reuse a 0-dim tensor holding the same
+    value (other dtypes keep the Python float, to round exactly as PyTorch does).
+    """
+
+    def __init__(self) -> None:
+        self._scales: dict[tuple[float, torch.dtype], torch.Tensor | float] = {}
+
+    def numel(self, x: torch.Tensor) -> int:
+        return x.numel()
+
+    def nbytes(self, x: torch.Tensor) -> int:
+        return x.numel() * x.element_size()
+
+    def key(self, x: torch.Tensor) -> Hashable:
+        return (x.dtype, x.device)
+
+    def new_flat(self, like: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=like[0].dtype, device=like[0].device)
+
+    def copy_to(self, out: torch.Tensor, x: torch.Tensor, scale: float | None = None) -> None:
+        if scale is None:
+            out.copy_(x)
+            return
+        factor = self._scales.get((scale, x.dtype))
+        torch.mul(x, self._scale(scale, x.dtype) if factor is None else factor, out=out)
+
+    def _scale(self, scale: float, dtype: torch.dtype) -> torch.Tensor | float:
+        if dtype is not torch.float32 and dtype is not torch.float64:
+            return scale
+        found = self._scales[scale, dtype] = torch.tensor(scale, dtype=dtype)
+        return found
+
+    def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        return flat.narrow(0, offset, like.numel()).view(like.shape)
+
+    def div_(self, x: torch.Tensor, divisor: int) -> None:
+        x.div_(divisor)
+
+    def zero_(self, x: torch.Tensor) -> None:
+        x.zero_()
+
+    def is_view_of(self, x: torch.Tensor, view: torch.Tensor) -> bool:
+        return (
+            x.data_ptr() == view.data_ptr()
+            and x.shape == view.shape
+            and x.stride() == view.stride()
+            and x.dtype == view.dtype
+        )
+
+    def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return x.detach().cpu().numpy()
