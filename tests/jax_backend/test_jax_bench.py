@@ -1,0 +1,48 @@
+"""``xgrad bench jax`` runs end to end at a tiny size (its speed is not tested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("jax")
+
+from xgrad.cli import main
+from xgrad.crosscheck import Case
+from xgrad.jax_backend.bench import format_table
+
+
+def test_bench_jax_prints_bucketed_and_leafwise_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "jax", "--steps", "2", "--no-torch", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "3 buckets of <= 2048 B vs 6 leaves" in text
+    rows = json.loads(out.read_text())
+    assert set(rows["jax"]) == {
+        "shard_map bucketed",
+        "shard_map leaf-by-leaf",
+        "pmap bucketed",
+        "pmap leaf-by-leaf",
+    }
+    assert all(seconds > 0 for seconds in rows["jax"].values())
+    assert rows["torch"] == {}
+
+
+def test_table_shows_ratios_to_torch() -> None:
+    jax_s = {
+        "shard_map bucketed": 0.002,
+        "shard_map leaf-by-leaf": 0.004,
+        "pmap bucketed": 0.010,
+        "pmap leaf-by-leaf": 0.010,
+    }
+    torch_s = {"torch DDP": 0.004, "xgrad torch DDP": 0.005}
+    lines = format_table(Case(), jax_s, torch_s).splitlines()
+    shard_map = next(line for line in lines if line.strip().startswith("shard_map"))
+    assert shard_map.split()[-2:] == ["0.50", "0.50"]  # vs leaf-by-leaf, vs torch DDP
+    pmap = next(line for line in lines if line.strip().startswith("pmap"))
+    assert pmap.split()[-2:] == ["1.00", "2.50"]
+    assert any("xgrad torch DDP" in line and "x1.25 of torch DDP" in line for line in lines)

@@ -1,0 +1,203 @@
+"""The crosscheck: metrics, tolerances, the compression model, runners, skips, exit status."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xgrad import crosscheck
+from xgrad.crosscheck import Case, Inputs, Runner, RunResult
+
+pytest.importorskip("torch")
+
+
+def test_ulp_distance_counts_representable_steps() -> None:
+    one = np.array([1.0], dtype=np.float32)
+    up = np.nextafter(one, np.float32(2))
+    assert crosscheck.ulp_distance(one, np.array([1.0])) == 0
+    assert crosscheck.ulp_distance(up, np.array([1.0])) == 1
+    down2 = np.nextafter(np.nextafter(one, np.float32(0)), np.float32(0))
+    assert crosscheck.ulp_distance(down2, np.array([1.0])) == 2
+    # Across zero: the smallest subnormals either side are two steps apart.
+    tiny = np.array([np.nextafter(np.float32(0), np.float32(1))])
+    assert crosscheck.ulp_distance(-tiny, tiny.astype(np.float64)) == 2
+    # The reference is rounded to the dtype first: 1 + 2**-30 rounds to 1.0f.
+    assert crosscheck.ulp_distance(one, np.array([1.0 + 2.0**-30])) == 0
+    half = np.array([1.0], dtype=np.float16)
+    assert crosscheck.ulp_distance(half, np.array([1.0 + 2.0**-10])) == 1
+    assert crosscheck.ulp_distance(np.array([np.nan], np.float32), np.array([1.0])) > 2**40
+
+
+def test_rel_is_relative_to_the_largest_reference_element() -> None:
+    ref = np.array([10.0, 1e-9, 0.0])
+    got = np.array([10.0, 2e-9, 1e-6], dtype=np.float64)
+    m = crosscheck.compare("w", got, ref, tol=1e-6)
+    assert m.max_abs == pytest.approx(1e-6)
+    assert m.rel == pytest.approx(1e-7)
+    assert m.passed
+    zero = crosscheck.compare("b", np.array([0.0, 3e-7]), np.zeros(2), tol=1e-6)
+    assert zero.rel == pytest.approx(3e-7) and zero.passed
+    assert not crosscheck.compare("c", np.array([1.1]), np.array([1.0]), tol=1e-6).passed
+    with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(2,\), expected \(3,\)"):
+        crosscheck.compare("w", np.zeros(2), np.zeros(3), tol=1.0)
+
+
+def test_tolerances_per_dtype_and_hook() -> None:
+    assert crosscheck.tolerance("float32") == 1e-6
+    assert crosscheck.tolerance("float64") == 1e-12
+    assert crosscheck.tolerance("float32", "fp16") == 2e-3
+    assert crosscheck.tolerance("float32", "allreduce") == 1e-6
+    assert crosscheck.tolerance("bfloat16", "fp16") == 5e-2
+    assert crosscheck.tolerance("float32", "powersgd") == pytest.approx(1e-5)
+
+
+def test_compression_model_rounds_per_rank_then_sums_in_the_wire_dtype() -> None:
+    # float16 steps by 2**-10 near 1, ties to even: 1 + 2**-11 -> 1.0, 1 + 3 * 2**-11 -> 1 + 2**-9.
+    a = {"w": np.array([1.0 + 2.0**-11, 3.0])}
+    b = {"w": np.array([1.0 + 3 * 2.0**-11, 5.0])}
+    out = crosscheck.compression_model([a, b], "fp16", "float32")
+    assert out["w"].dtype == np.float32
+    assert out["w"].tolist() == [(1.0 + (1.0 + 2.0**-9)) / 2, 4.0]
+
+
+def test_case_validation_names_the_value() -> None:
+    with pytest.raises(ValueError, match="world_size=0"):
+        Case(world_size=0)
+    with pytest.raises(ValueError, match="hook='topk'"):
+        Case(hook="topk")
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        Case(model="vgg")
+    with pytest.raises(ValueError, match="timeout=0"):
+        Case(timeout=0)
+    with pytest.raises(ValueError, match=r"unknown backends \['nccl'\]"):
+        crosscheck.run_crosscheck(Case(), backends=["nccl"])
+
+
+def test_the_shared_plan_is_capped_and_launched_in_reverse() -> None:
+    inputs = crosscheck.make_inputs(Case(bucket_cap_bytes=2048))
+    # layers.0.weight alone fills 2048 B; then (bias 0, weight 1); then the rest. Reversed.
+    assert inputs.plan.buckets == ((3, 4, 5), (1, 2), (0,))
+    assert inputs.x.shape == (8, 16)
+
+
+def _perturbed(inputs: Inputs) -> RunResult:
+    from xgrad.torch_backend.models import single_process_grads
+
+    grads = single_process_grads(inputs.case.model, inputs.weights, inputs.x, inputs.y)
+    grads = {k: v.astype(np.float32) for k, v in grads.items()}
+    grads["layers.1.bias"] = grads["layers.1.bias"] * np.float32(1.001)
+    return RunResult(grads, 0.001, inputs.plan)
+
+
+def test_a_wrong_backend_fails_and_a_missing_one_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(
+        crosscheck.RUNNERS, "off", Runner("off", "gradients 0.1% off", (), _perturbed)
+    )
+    monkeypatch.setitem(
+        crosscheck.RUNNERS,
+        "absent",
+        Runner("absent", "needs a module that is not there", ("xgrad_no_such_module",), _perturbed),
+    )
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["off", "absent", "reference"])
+    status = {b.name: b.status for b in report.backends}
+    assert status == {"off": "fail", "absent": "skipped", "reference": "ok"}
+    assert not report.ok
+    off = report.backends[0]
+    assert [m.name for m in off.params if not m.passed] == ["layers.1.bias"]
+    assert "layers.1.bias: rel" in off.reason
+    assert [m.passed for m in off.buckets] == [False, True, True]  # (3,4,5), (1,2), (0,)
+    assert "xgrad_no_such_module is not importable" in report.backends[1].reason
+    text = crosscheck.format_report(report)
+    assert "<-- beyond tolerance" in text and text.endswith("FAIL")
+    json_path, csv_path = crosscheck.write_outputs(report, tmp_path)
+    data = json.loads(json_path.read_text())
+    assert data["ok"] is False and data["plan"]["buckets"] == [[3, 4, 5], [1, 2], [0]]
+    rows = list(csv.DictReader(csv_path.open()))
+    assert {r["backend"] for r in rows} == {"off", "absent", "reference"}
+    assert [r["name"] for r in rows if r["backend"] == "off" and r["passed"] == "0"] == [
+        "layers.1.bias",
+        "bucket 0 [3,4,5]",
+    ]
+
+
+def test_a_raising_backend_is_an_error_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(inputs: Inputs) -> RunResult:
+        raise RuntimeError(f"rank 1 lost (world size {inputs.case.world_size})")
+
+    monkeypatch.setitem(crosscheck.RUNNERS, "boom", Runner("boom", "raises", (), boom))
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["boom"])
+    assert report.backends[0].status == "error"
+    assert report.backends[0].reason == "RuntimeError: rank 1 lost (world size 2)"
+    assert not report.ok
+
+
+def test_jax_and_reference_within_float32_tolerance_and_fp16_attributed() -> None:
+    pytest.importorskip("jax")
+    plain = crosscheck.run_crosscheck(
+        Case(steps=1), backends=["reference", "jax-pmap", "jax-shard_map"]
+    )
+    assert plain.ok and all(b.status == "ok" for b in plain.backends)
+    assert all(m.rel <= 1e-6 for b in plain.backends for m in b.params)
+    assert plain.attribution == []
+    assert plain.agreement[0] == "bit-identical: jax-pmap = jax-shard_map"
+    assert plain.agreement[1].startswith("reference vs jax-pmap: max rel")
+    fp16 = crosscheck.run_crosscheck(Case(steps=1, hook="fp16"), backends=["jax-pmap"])
+    assert fp16.ok
+    worst = fp16.backends[0].worst
+    assert worst is not None and 1e-6 < worst.rel <= 2e-3  # visible, and within the fp16 bound
+    assert "jax-pmap: within 0 float16 ULPs (rel 0) of the compression model" in fp16.attribution
+
+
+@pytest.mark.slow
+def test_default_command_passes_on_every_backend(tmp_path: Path) -> None:
+    """The README's main command: every backend runs and is within 1e-6 of the reference."""
+    from xgrad.cli import main
+
+    pytest.importorskip("jax")
+    pytest.importorskip("xgrad.torch_backend.crosscheck")
+    assert main(["crosscheck", "--out", str(tmp_path), "--steps", "2"]) == 0
+    data = json.loads((tmp_path / "crosscheck-mlp-ws2-float32-cap2048-nohook.json").read_text())
+    assert [b["status"] for b in data["backends"]] == ["ok"] * 5
+    assert max(m["rel"] for b in data["backends"] for m in b["params"]) <= 1e-6
+
+
+def test_pytorch_bf16_hook_is_skipped_on_cpu_with_the_reason() -> None:
+    report = crosscheck.run_crosscheck(Case(hook="bf16", steps=1), backends=["torch-ddp"])
+    assert report.backends[0].status == "skipped"
+    assert "needs NCCL on CUDA" in report.backends[0].reason
+    assert report.ok
+
+
+@pytest.mark.slow
+def test_fp16_difference_between_torch_and_jax_is_attributed_to_compression() -> None:
+    pytest.importorskip("jax")
+    pytest.importorskip("xgrad.torch_backend.crosscheck")
+    report = crosscheck.run_crosscheck(
+        Case(hook="fp16", steps=1), backends=["torch-xgrad", "jax-shard_map"]
+    )
+    assert [b.status for b in report.backends] == ["ok", "ok"]
+    line = next(s for s in report.attribution if s.startswith("torch-xgrad vs jax-shard_map"))
+    assert "explained by rounding per-rank float32 gradients" in line
+    for name in ("torch-xgrad", "jax-shard_map"):
+        within = next(s for s in report.attribution if s.startswith(f"{name}: within"))
+        assert float(within.split()[2]) <= 1.0  # at most one float16 step from the model
+
+
+def test_powersgd_is_measured_against_its_model_not_the_exact_gradient() -> None:
+    pytest.importorskip("jax")
+    report = crosscheck.run_crosscheck(
+        Case(hook="powersgd", steps=1), backends=["jax-shard_map", "torch-xgrad", "reference"]
+    )
+    jax_side, torch_side, reference = report.backends
+    assert jax_side.status == "ok" and report.ok
+    assert report.reference.startswith("PowerSGD model")
+    assert "races across buckets" in torch_side.reason
+    assert reference.reason == "the reference backend has no PowerSGD hook"
+    lossy = float(report.attribution[0].split("off by rel ")[1].split()[0])
+    assert lossy > 0.1  # rank 1 is far from exact: the model, not the exact value, is the bar

@@ -1,0 +1,186 @@
+"""The outputs of a crosscheck: the printed tables, JSON and CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from xgrad import models as zoo
+from xgrad.crosscheck.metrics import format_ulp
+from xgrad.crosscheck.run import Report
+
+
+def format_report(report: Report, *, per_bucket: bool = True) -> str:
+    """The tables: per backend, per parameter (and per bucket), then a summary."""
+    case = report.case
+    names = zoo.param_names(case.model)
+    lines = [
+        f"xgrad crosscheck: model {case.model} ({zoo.get_spec(case.model).description}), "
+        f"world size {case.world_size}, {case.dtype}, bucket cap {case.bucket_cap_bytes} B, "
+        f"hook {case.hook or 'none'}, batch {case.world_size}x{case.batch_per_rank}, "
+        f"seed {case.seed}",
+        f"reference: {report.reference}; rel = max|g-ref| / max|ref| per parameter; "
+        f"tolerance rel <= {report.tolerance:.3g}",
+        "plan (launch order): "
+        + "; ".join(
+            f"{b}: " + ",".join(names[i] for i in bucket)
+            for b, bucket in enumerate(report.plan.buckets)
+        ),
+        "",
+    ]
+    labels = [m.name for b in report.backends for m in (*b.params, *b.buckets)]
+    width = max(len(n) for n in (*names, *labels))
+    for b in report.backends:
+        if b.status == "skipped":
+            lines.append(f"{b.name}: skipped ({b.reason})")
+            lines.append("")
+            continue
+        if b.status == "error":
+            lines.append(f"{b.name}: ERROR {b.reason}")
+            lines.append("")
+            continue
+        step = f"{b.seconds_per_step * 1e3:.2f} ms/step" if b.seconds_per_step is not None else ""
+        if b.plan is None:
+            plan = "plan not reported"
+        elif b.plan == report.plan:
+            plan = "shared plan"
+        else:
+            plan = f"its own plan, {len(b.plan.buckets)} buckets; rows below use the shared one"
+        lines.append(f"{b.name}: {b.status.upper()}  {step}  {plan}  ({b.description})")
+        lines.append(f"  {'':<{width}}  {'max abs':>10}  {'rel':>10}  {'ulp':>10}  {'ulp@max':>8}")
+        rows = list(b.params) + (list(b.buckets) if per_bucket else [])
+        for m in rows:
+            flag = "" if m.passed else "  <-- beyond tolerance"
+            lines.append(
+                f"  {m.name:<{width}}  {m.max_abs:>10.3g}  {m.rel:>10.3g}  "
+                f"{format_ulp(m.ulp):>10}  {m.ulp_at_max:>8.3g}{flag}"
+            )
+        lines.append("")
+    lines.append("summary")
+    lines.append(
+        f"  {'backend':<14} {'status':<8} {'max abs':>10} {'max rel':>10} {'ulp':>10} "
+        f"{'ulp@max':>8} {'ms/step':>9}"
+    )
+    for b in report.backends:
+        worst = b.worst
+        if worst is None:
+            lines.append(f"  {b.name:<14} {b.status:<8}")
+            continue
+        max_abs = max(m.max_abs for m in b.params)
+        ulp = max(m.ulp for m in b.params)
+        at_max = max(m.ulp_at_max for m in b.params)
+        ms = f"{b.seconds_per_step * 1e3:.2f}" if b.seconds_per_step is not None else "-"
+        lines.append(
+            f"  {b.name:<14} {b.status:<8} {max_abs:>10.3g} {worst.rel:>10.3g} "
+            f"{format_ulp(ulp):>10} {at_max:>8.3g} {ms:>9}"
+        )
+    if report.agreement:
+        lines.append("")
+        lines.append("between backends")
+        lines.extend(f"  {line}" for line in report.agreement)
+    if report.attribution:
+        lines.append("")
+        lines.append("attribution")
+        lines.extend(f"  {line}" for line in report.attribution)
+    lines.append("")
+    lines.append("PASS: every backend that ran is within tolerance" if report.ok else "FAIL")
+    return "\n".join(lines)
+
+
+def report_to_dict(report: Report) -> dict[str, Any]:
+    """A JSON-ready form of the report (gradients left out)."""
+    return {
+        "case": asdict(report.case),
+        "tolerance": report.tolerance,
+        "reference": report.reference,
+        "plan": report.plan.to_dict(),
+        "plan_digest": report.plan.digest(),
+        "param_names": list(zoo.param_names(report.case.model)),
+        "ok": report.ok,
+        "attribution": report.attribution,
+        "agreement": report.agreement,
+        "backends": [
+            {
+                "name": b.name,
+                "description": b.description,
+                "status": b.status,
+                "reason": b.reason,
+                "seconds_per_step": b.seconds_per_step,
+                "wall_seconds": b.wall_seconds,
+                "plan": None if b.plan is None else b.plan.to_dict(),
+                "params": [asdict(m) for m in b.params],
+                "buckets": [asdict(m) for m in b.buckets],
+            }
+            for b in report.backends
+        ],
+    }
+
+
+def write_outputs(report: Report, out_dir: Path) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` and ``<stem>.csv`` under ``out_dir``; return their paths.
+
+    The stem names the case; a pair's ``module:attribute`` becomes ``module_attribute``.
+    """
+    case = report.case
+    model = re.sub(r"[^A-Za-z0-9_.-]", "_", case.model)
+    stem = (
+        f"crosscheck-{model}-ws{case.world_size}-{case.dtype}-"
+        f"cap{case.bucket_cap_bytes}-{case.hook or 'nohook'}"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    csv_path = out_dir / f"{stem}.csv"
+    json_path.write_text(json.dumps(_finite(report_to_dict(report)), indent=2))
+    with csv_path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(
+            [
+                "backend",
+                "status",
+                "kind",
+                "name",
+                "max_abs",
+                "rel",
+                "ulp",
+                "ulp_at_max",
+                "passed",
+                "ms_per_step",
+            ]
+        )
+        for b in report.backends:
+            ms = "" if b.seconds_per_step is None else f"{b.seconds_per_step * 1e3:.4f}"
+            if not b.params:
+                writer.writerow([b.name, b.status, "", "", "", "", "", "", "", ms])
+            for kind, rows in (("param", b.params), ("bucket", b.buckets)):
+                for m in rows:
+                    writer.writerow(
+                        [
+                            b.name,
+                            b.status,
+                            kind,
+                            m.name,
+                            repr(m.max_abs),
+                            repr(m.rel),
+                            m.ulp,
+                            repr(m.ulp_at_max),
+                            int(m.passed),
+                            ms,
+                        ]
+                    )
+    return json_path, csv_path
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats as strings (``"inf"``), which strict JSON cannot hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,287 @@
+"""Running a case on the runners and comparing every result with what it is measured against."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import numpy as np
+
+from xgrad import models as zoo
+from xgrad.buckets import BucketPlan
+from xgrad.crosscheck.case import WIRE_DTYPES, Case, Inputs, make_inputs, tolerance
+from xgrad.crosscheck.metrics import (
+    Metrics,
+    compare,
+    compare_buckets,
+    format_ulp,
+    ulp_distance,
+    wire_ulps,
+)
+from xgrad.crosscheck.runners import RUNNERS, Runner, missing_module
+from xgrad.crosscheck.truth import (
+    POWERSGD_RANK,
+    compression_model,
+    per_rank_grads,
+    powersgd_model,
+    reference_grads,
+    torch_powersgd_qs,
+)
+
+
+@dataclass
+class BackendReport:
+    """One runner's outcome: ``status`` is ``ok``, ``fail``, ``error`` or ``skipped``."""
+
+    name: str
+    description: str
+    status: str
+    reason: str = ""
+    seconds_per_step: float | None = None
+    wall_seconds: float = 0.0
+    plan: BucketPlan | None = None
+    params: list[Metrics] = field(default_factory=list)
+    buckets: list[Metrics] = field(default_factory=list)
+    grads: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    @property
+    def worst(self) -> Metrics | None:
+        """The parameter with the largest ``rel``."""
+        return max(self.params, key=lambda m: m.rel) if self.params else None
+
+
+@dataclass
+class Report:
+    """Everything a crosscheck found; ``ok`` is the exit status's source."""
+
+    case: Case
+    tolerance: float
+    plan: BucketPlan
+    reference: str
+    backends: list[BackendReport]
+    attribution: list[str]
+    agreement: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """No backend failed or raised (skipped ones do not count)."""
+        return all(b.status in ("ok", "skipped") for b in self.backends)
+
+
+def _run_one(
+    runner: Runner,
+    inputs: Inputs,
+    measure: Callable[[BucketPlan | None], Mapping[str, np.ndarray]],
+    tol: float,
+) -> BackendReport:
+    report = BackendReport(runner.name, runner.description, "skipped")
+    reason = missing_module(runner.modules) or runner.unsupported(inputs.case)
+    if reason:
+        report.reason = reason
+        return report
+    start = time.perf_counter()
+    try:
+        result = runner.run(inputs)
+    except Exception as err:  # a backend's failure is a finding, reported with the others
+        report.status = "error"
+        report.reason = f"{type(err).__name__}: {err}"
+        report.wall_seconds = time.perf_counter() - start
+        return report
+    report.wall_seconds = time.perf_counter() - start
+    report.seconds_per_step = result.seconds_per_step
+    report.plan = result.plan
+    names = list(inputs.weights)
+    missing = [n for n in names if n not in result.grads]
+    if missing:
+        report.status = "error"
+        report.reason = f"no gradient returned for {missing}"
+        return report
+    report.grads = {n: result.grads[n] for n in names}
+    ref = measure(result.plan)
+    report.params = [compare(n, report.grads[n], ref[n], tol) for n in names]
+    report.buckets = compare_buckets(names, report.grads, ref, inputs.plan, tol)
+    report.status = "ok" if all(m.passed for m in report.params) else "fail"
+    if report.status == "fail":
+        worst = report.worst
+        assert worst is not None
+        report.reason = f"{worst.name}: rel {worst.rel:.3g} > tolerance {tol:.3g}"
+    return report
+
+
+def _attribution(
+    inputs: Inputs,
+    backends: Sequence[BackendReport],
+    ref: Mapping[str, np.ndarray],
+    measure: Mapping[str, np.ndarray],
+) -> list[str]:
+    """With a compression hook: how much of each difference the compression explains."""
+    case = inputs.case
+    hook = case.hook
+    names = list(inputs.weights)
+    if hook == "powersgd":
+        lossy = max(compare(n, measure[n], ref[n], math.inf).rel for n in names)
+        return [
+            f"hook powersgd (rank {POWERSGD_RANK}): backends are measured against the PowerSGD "
+            f"model, which itself is off by rel {lossy:.3g} from the exact float64 gradient "
+            "(a low-rank approximation, lossy by design); tolerance "
+            f"{tolerance(case.dtype, hook):.3g}."
+        ]
+    if hook not in WIRE_DTYPES:
+        return []
+    wire = WIRE_DTYPES[hook]
+    lines = [
+        f"hook {hook}: gradients cross the wire in {wire}; tolerance "
+        f"{tolerance(case.dtype, hook):.3g} (wire) instead of {tolerance(case.dtype):.3g} "
+        f"({case.dtype} alone)."
+    ]
+    if importlib.util.find_spec("torch") is None:
+        return [*lines, "compression model skipped: it needs torch for per-rank float64 gradients"]
+    model = compression_model(per_rank_grads(inputs), hook, case.dtype)
+    wire_dtype = zoo.as_dtype(wire)
+    exact = max(compare(n, model[n], ref[n], math.inf).rel for n in names)
+    lines.append(
+        f"the compression alone (exact per-rank gradients, {hook}-reduced in numpy) is off "
+        f"by rel {exact:.3g} from the float64 reference."
+    )
+    ran = [b for b in backends if b.grads]
+    for b in ran:
+        ulps = max(wire_ulps(b.grads[n], model[n], wire_dtype) for n in names)
+        rel = max(compare(n, b.grads[n], model[n], math.inf).rel for n in names)
+        lines.append(
+            f"{b.name}: within {ulps:.3g} {wire} ULPs (rel {rel:.3g}) of the compression model"
+        )
+    torch_side = next((b for b in ran if b.name.startswith("torch")), None)
+    jax_side = next((b for b in ran if b.name.startswith("jax")), None)
+    if torch_side is not None and jax_side is not None:
+        ulps = max(wire_ulps(torch_side.grads[n], jax_side.grads[n], wire_dtype) for n in names)
+        rel = max(compare(n, torch_side.grads[n], jax_side.grads[n], math.inf).rel for n in names)
+        steps = max(
+            ulp_distance(
+                torch_side.grads[n].astype(np.float64).astype(wire_dtype),
+                jax_side.grads[n].astype(np.float64),
+            )
+            for n in names
+        )
+        lines.append(
+            f"{torch_side.name} vs {jax_side.name}: differ by up to {ulps:.3g} {wire} ULPs at "
+            f"the parameters' scale (rel {rel:.3g}; {format_ulp(steps)} {wire} steps element by "
+            "element, which elements near zero inflate), while each is within the ULPs above "
+            "of the compression model: "
+            f"the difference is explained by rounding per-rank {case.dtype} gradients that "
+            f"differ in their last bits to {wire}, not by either reduction."
+        )
+    return lines
+
+
+def agreement(backends: Sequence[BackendReport], names: Sequence[str]) -> list[str]:
+    """Which backends agree bit for bit, and how far apart the groups that do not are."""
+    groups: list[list[BackendReport]] = []
+    for b in (b for b in backends if b.grads):
+        for group in groups:
+            if all(np.array_equal(b.grads[n], group[0].grads[n]) for n in names):
+                group.append(b)
+                break
+        else:
+            groups.append([b])
+    lines = [
+        "bit-identical: " + " = ".join(b.name for b in group) for group in groups if len(group) > 1
+    ]
+    for i, first in enumerate(groups):
+        for second in groups[i + 1 :]:
+            a, b = first[0], second[0]
+            metrics = [compare(n, a.grads[n], b.grads[n], math.inf) for n in names]
+            worst = max(metrics, key=lambda m: m.rel)
+            lines.append(
+                f"{a.name} vs {b.name}: max rel {worst.rel:.3g} ({worst.name}), "
+                f"max ulp@max {max(m.ulp_at_max for m in metrics):.3g}"
+            )
+    return lines
+
+
+def _measure(
+    inputs: Inputs, exact: Mapping[str, np.ndarray]
+) -> Callable[[BucketPlan | None], Mapping[str, np.ndarray]]:
+    """What a backend that ran with a given plan is measured against.
+
+    The exact gradient, except under PowerSGD, whose result depends on the buckets (their
+    random draws and the order of their gradients): then the PowerSGD model for that plan.
+    """
+    case = inputs.case
+    if case.hook != "powersgd":
+        return lambda plan: exact
+    rank_grads = per_rank_grads(inputs)
+    cache: dict[str, dict[str, np.ndarray]] = {}
+
+    def model(plan: BucketPlan | None) -> Mapping[str, np.ndarray]:
+        plan = inputs.plan if plan is None else plan
+        key = plan.digest()
+        if key not in cache:
+            qs = torch_powersgd_qs(inputs.weights, plan, case.steps)
+            cache[key] = powersgd_model(rank_grads, inputs.weights, plan, qs, case.dtype)
+        return cache[key]
+
+    return model
+
+
+def run_crosscheck(
+    case: Case,
+    *,
+    backends: Sequence[str] | None = None,
+    progress: TextIO | None = None,
+) -> Report:
+    """Run ``case`` on every runner (or those named in ``backends``) and compare.
+
+    Args:
+        case: the configuration.
+        backends: runner names (``RUNNERS``); default all.
+        progress: where to write one line per backend as it starts and ends (e.g. stderr).
+
+    Raises:
+        ValueError: an unknown backend name (the message lists the known ones).
+    """
+    chosen = list(RUNNERS) if backends is None else list(backends)
+    unknown = [b for b in chosen if b not in RUNNERS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {list(RUNNERS)}")
+    inputs = make_inputs(case)
+    tol = tolerance(case.dtype, case.hook)
+
+    def say(text: str) -> None:
+        if progress is not None:
+            print(text, file=progress, flush=True)
+
+    total = len(chosen) + 1
+    say(f"[1/{total}] single-process float64 reference ...")
+    start = time.perf_counter()
+    exact, how = reference_grads(inputs)
+    measure = _measure(inputs, exact)
+    ref = measure(inputs.plan)
+    if case.hook == "powersgd":
+        how = (
+            "PowerSGD model: torch's powerSGD_hook (rank 1) in float64 on exact per-rank "
+            "gradients, from torch's own random draws, for the plan each backend ran"
+        )
+    say(f"[1/{total}] reference done ({time.perf_counter() - start:.1f} s): {how}")
+    reports = []
+    for k, name in enumerate(chosen, start=2):
+        runner = RUNNERS[name]
+        say(f"[{k}/{total}] {name}: {runner.description} ...")
+        report = _run_one(runner, inputs, measure, tol)
+        extra = f": {report.reason}" if report.reason else ""
+        say(f"[{k}/{total}] {name} {report.status} ({report.wall_seconds:.1f} s){extra}")
+        reports.append(report)
+    names = list(inputs.weights)
+    return Report(
+        case,
+        tol,
+        inputs.plan,
+        how,
+        reports,
+        _attribution(inputs, reports, exact, ref),
+        agreement(reports, names),
+    )

@@ -1,0 +1,73 @@
+"""JAX backend: bucketed data-parallel gradients under pmap and shard_map, jaxpr graphs, the zoo.
+
+Importing this package does not import JAX; the names below are loaded on first use, so
+``xgrad backends`` can ask :func:`available` cheaply.
+
+Several hosts (documented, exercised here on one host only): start every process with
+``jax.distributed.initialize(coordinator_address, num_processes, process_id)`` (no
+arguments on managed clusters) before anything else touches JAX. ``jax.devices()`` then
+lists the devices of every host, and ``data_parallel_value_and_grad(...,
+world_size=jax.device_count(), mode="shard_map")`` reduces over all of them with the same
+per-bucket code: each process calls the step with the same global batch (``device_put``
+keeps the shards of its own devices) or with global arrays it already holds
+(``jax.make_array_from_process_local_data``). Use the shard_map mode across hosts: pmap
+maps over the devices it is given, which across hosts means each process's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xgrad.jax_backend.data_parallel import HOOKS as HOOKS
+    from xgrad.jax_backend.data_parallel import MODES as MODES
+    from xgrad.jax_backend.data_parallel import (
+        data_parallel_value_and_grad as data_parallel_value_and_grad,
+    )
+    from xgrad.jax_backend.data_parallel import leaf_names as leaf_names
+    from xgrad.jax_backend.data_parallel import plan_for as plan_for
+    from xgrad.jax_backend.data_parallel import reduce_gradients as reduce_gradients
+    from xgrad.jax_backend.graph import JaxprGraph as JaxprGraph
+    from xgrad.jax_backend.graph import backward_graph as backward_graph
+    from xgrad.jax_backend.graph import find_unused_parameters as find_unused_parameters
+    from xgrad.jax_backend.powersgd import PowerSGD as PowerSGD
+
+name = "jax"
+
+#: public name -> module that defines it (imported on first attribute access).
+_EXPORTS: dict[str, str] = {
+    "HOOKS": "xgrad.jax_backend.data_parallel",
+    "MODES": "xgrad.jax_backend.data_parallel",
+    "data_parallel_value_and_grad": "xgrad.jax_backend.data_parallel",
+    "leaf_names": "xgrad.jax_backend.data_parallel",
+    "plan_for": "xgrad.jax_backend.data_parallel",
+    "reduce_gradients": "xgrad.jax_backend.data_parallel",
+    "JaxprGraph": "xgrad.jax_backend.graph",
+    "backward_graph": "xgrad.jax_backend.graph",
+    "find_unused_parameters": "xgrad.jax_backend.graph",
+    "PowerSGD": "xgrad.jax_backend.powersgd",
+}
+
+__all__ = ["available", "name", *sorted(_EXPORTS)]
+
+
+def available() -> bool:
+    """Whether a JAX with ``jax.shard_map`` and ``lax.pcast`` (0.10 is tested) imports here."""
+    if importlib.util.find_spec("jax") is None:
+        return False
+    try:
+        import jax
+    except ImportError:
+        return False
+    return hasattr(jax, "shard_map") and hasattr(jax.lax, "pcast")
+
+
+def __getattr__(attr: str) -> Any:
+    module = _EXPORTS.get(attr)
+    if module is None:
+        raise AttributeError(f"module 'xgrad.jax_backend' has no attribute {attr!r}")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[attr] = value
+    return value

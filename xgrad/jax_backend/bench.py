@@ -1,0 +1,168 @@
+"""``xgrad bench jax``: bucketed vs leaf-by-leaf reduction in JAX, and JAX vs torch per step.
+
+For one zoo model and world size, the same data-parallel step (forward, backward, gradient
+reduction) runs under ``jax.shard_map`` and ``jax.pmap``, once reducing per bucket of the
+shared plan and once leaf by leaf; PyTorch's own DDP and xgrad's torch DDP run the same
+model on gloo processes. Printed side by side: median time per step, the bucketed /
+leaf-by-leaf ratio, and each JAX mode's ratio to PyTorch's DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from xgrad import crosscheck
+from xgrad import models as zoo
+
+HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        help=f"zoo model ({', '.join(zoo.list_models())}) or a ModelPair as package.module:NAME",
+    )
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    parser.add_argument(
+        "--bucket-cap-bytes", type=int, default=crosscheck.DEFAULT_CAP_BYTES, help="plan's cap"
+    )
+    parser.add_argument("--batch-per-rank", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--no-torch", action="store_true", help="JAX variants only")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+
+
+def time_steps(step: Callable[[], Any], steps: int) -> float:
+    """Median seconds of ``step()`` over ``steps`` calls, after one untimed warm-up call."""
+    import jax
+
+    jax.block_until_ready(step())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(step())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def jax_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
+    """Median step time of each JAX variant: ``{"shard_map bucketed": s, ...}``."""
+    from xgrad.jax_backend.crosscheck import cpu_devices
+
+    devices = cpu_devices(case.world_size)
+    from xgrad.jax_backend import models as jm
+    from xgrad.jax_backend.data_parallel import data_parallel_value_and_grad
+
+    inputs = crosscheck.make_inputs(case)
+    params = jm.to_params(inputs.weights)
+    loss = jm.make_loss(jm.get_apply(case.model))
+    out = {}
+    for mode in ("shard_map", "pmap"):
+        for label, plan in (("bucketed", inputs.plan), ("leaf-by-leaf", None)):
+            step = data_parallel_value_and_grad(
+                loss,
+                world_size=case.world_size,
+                plan=plan,
+                names=list(inputs.weights),
+                mode=mode,
+                devices=devices,
+            )
+            out[f"{mode} {label}"] = time_steps(
+                functools.partial(step, params, inputs.x, inputs.y), steps
+            )
+    return out
+
+
+def torch_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
+    """Seconds per step of PyTorch's DDP and xgrad's torch DDP on gloo processes."""
+    from xgrad.torch_backend.crosscheck import run_ddp
+
+    inputs = crosscheck.make_inputs(case)
+    out = {}
+    for label, implementation in (("torch DDP", "torch"), ("xgrad torch DDP", "xgrad")):
+        answer = run_ddp(
+            case.model,
+            inputs.weights,
+            inputs.x,
+            inputs.y,
+            world_size=case.world_size,
+            implementation=implementation,
+            plan=inputs.plan if implementation == "xgrad" else None,
+            bucket_cap_mb=case.bucket_cap_bytes / 2**20,
+            steps=steps,
+            timeout=case.timeout,
+        )
+        out[label] = float(answer["seconds_per_step"])
+    return out
+
+
+def format_table(case: crosscheck.Case, jax_s: dict[str, float], torch_s: dict[str, float]) -> str:
+    """The side-by-side table of times and ratios."""
+    plan = crosscheck.make_inputs(case).plan
+    lines = [
+        f"xgrad bench jax: {case.model}, world size {case.world_size}, {case.dtype}, "
+        f"{len(plan.buckets)} buckets of <= {case.bucket_cap_bytes} B vs "
+        f"{plan.num_params} leaves, batch {case.world_size}x{case.batch_per_rank}",
+        "",
+        f"  {'JAX mode':<10} {'bucketed ms':>12} {'leafwise ms':>12} {'bucketed/leafwise':>18}"
+        + (f" {'bucketed/torch DDP':>19}" if "torch DDP" in torch_s else ""),
+    ]
+    for mode in ("shard_map", "pmap"):
+        bucketed = jax_s[f"{mode} bucketed"]
+        leafwise = jax_s[f"{mode} leaf-by-leaf"]
+        row = f"  {mode:<10} {bucketed * 1e3:>12.3f} {leafwise * 1e3:>12.3f} {bucketed / leafwise:>18.2f}"
+        if "torch DDP" in torch_s:
+            row += f" {bucketed / torch_s['torch DDP']:>19.2f}"
+        lines.append(row)
+    if torch_s:
+        lines.append("")
+        for label, seconds in torch_s.items():
+            ratio = seconds / torch_s["torch DDP"]
+            lines.append(
+                f"  {label:<16} {seconds * 1e3:>9.3f} ms/step  (x{ratio:.2f} of torch DDP)"
+            )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        case = crosscheck.Case(
+            model=args.model,
+            world_size=args.world_size,
+            dtype=args.dtype,
+            bucket_cap_bytes=args.bucket_cap_bytes,
+            batch_per_rank=args.batch_per_rank,
+            steps=args.steps,
+        )
+    except ValueError as err:
+        print(f"xgrad bench jax: {err}", file=sys.stderr)
+        return 2
+    print("timing JAX variants (shard_map, pmap; bucketed, leaf-by-leaf) ...", file=sys.stderr)
+    jax_s = jax_times(case, args.steps)
+    torch_s: dict[str, float] = {}
+    if args.no_torch:
+        print("torch comparison left out (--no-torch)", file=sys.stderr)
+    elif importlib.util.find_spec("xgrad.torch_backend.crosscheck") is None:
+        print(
+            "torch comparison skipped: xgrad.torch_backend.crosscheck is missing", file=sys.stderr
+        )
+    else:
+        print("timing torch DDP and xgrad torch DDP on gloo processes ...", file=sys.stderr)
+        torch_s = torch_times(case, args.steps)
+    print(format_table(case, jax_s, torch_s))
+    if args.json is not None:
+        rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
