@@ -173,6 +173,7 @@ class _Bucket:
     """The mutable per-bucket state (plain attributes: this is the per-hook hot path)."""
 
     __slots__ = (
+        "finished_at",
         "flat",
         "in_views",
         "index",
@@ -181,6 +182,7 @@ class _Bucket:
         "offsets",
         "pending",
         "result",
+        "waited",
         "work",
     )
 
@@ -193,7 +195,18 @@ class _Bucket:
         self.pending = len(indices)
         self.work: Work | None = None
         self.result: Any = None
+        self.waited = False
         self.launched_at = 0.0
+        self.finished_at = 0.0
+
+    def wait(self, clock: Callable[[], float]) -> Any:
+        """The reduction's result, waiting for it once."""
+        if not self.waited:
+            assert self.work is not None
+            self.result = self.work.wait()
+            self.finished_at = clock()
+            self.waited = True
+        return self.result
 
 
 class Reducer:
@@ -216,6 +229,10 @@ class Reducer:
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
+        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s. Needed
+            where a hook issues collectives from its futures' callbacks (PowerSGD) and
+            those callbacks run on the comm's threads in completion order (gloo): the
+            ranks would otherwise issue collectives in different orders and hang.
         rebuild_limits: (first bucket cap, bucket cap) in bytes for the rebuild.
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the time source of the records (the reference backend passes a virtual one).
@@ -234,6 +251,7 @@ class Reducer:
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         hook: Hook | None = None,
+        serial_hooks: bool = False,
         rebuild_limits: tuple[int, int] = (DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
         nbytes: Sequence[int] | None = None,
         keys: Sequence[Hashable] | None = None,
@@ -253,6 +271,7 @@ class Reducer:
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.hook = hook  # through the property: also sets the pre-division scale
+        self.serial_hooks = serial_hooks
         self.rebuild_limits = rebuild_limits
         self.nbytes = list(nbytes) if nbytes is not None else [ops.nbytes(p) for p in self.params]
         self.keys = list(keys) if keys is not None else [ops.key(p) for p in self.params]
@@ -396,6 +415,7 @@ class Reducer:
             bucket.pending = len(bucket.indices)
             bucket.work = None
             bucket.result = None
+            bucket.waited = False
 
     @property
     def hook(self) -> Hook | None:
@@ -466,6 +486,8 @@ class Reducer:
             self._next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self.serial_hooks and self.hook is not None and bucket.index > 0:
+            self._buckets[bucket.index - 1].wait(self.clock)
         bucket.launched_at = self.clock()
         if self.hook is None:
             bucket.work = self.comm.allreduce(bucket.flat)
@@ -508,11 +530,8 @@ class Reducer:
                 "model are legitimately unused. " + self._describe_missing(self._missing())
             )
         globally_unused = self._globally_unused()
-        finish_times: list[float] = []
         for bucket in self._buckets:
-            assert bucket.work is not None
-            result = bucket.work.wait()
-            finish_times.append(self.clock())
+            result = bucket.wait(self.clock)
             if result is not None and not self.ops.is_view_of(result, bucket.flat):
                 self.ops.copy_to(bucket.flat, result)
             for k, i in enumerate(bucket.indices):
@@ -528,7 +547,7 @@ class Reducer:
                 ready_order=tuple(self._ready_order),
                 ready_times=tuple(self._ready_times),
                 launch_times=tuple(b.launched_at for b in self._buckets),
-                finish_times=tuple(finish_times),
+                finish_times=tuple(b.finished_at for b in self._buckets),
                 backward_start=self._backward_start,
                 backward_end=end,
                 unused=tuple(self._unused if self._static_unused is None else self._static_unused),

@@ -191,9 +191,11 @@ def _hooks(rank: int, world: int) -> dict[str, Any]:
     dist.all_gather_object(gathered, local)
     out["local"] = gathered
 
-    def with_torch_hook(hook: Any, state: Any = None) -> Callable[[nn.Module], nn.Module]:
+    def with_torch_hook(
+        hook: Any, state: Any = None, **ddp_kwargs: Any
+    ) -> Callable[[nn.Module], nn.Module]:
         def wrap(m: nn.Module) -> nn.Module:
-            ddp = DistributedDataParallel(m, timeout=60)
+            ddp = DistributedDataParallel(m, timeout=60, **ddp_kwargs)
             ddp.register_comm_hook(state, hook)
             return ddp
 
@@ -235,6 +237,19 @@ def _hooks(rank: int, world: int) -> dict[str, Any]:
             base, with_torch_hook(psgd.powerSGD_hook, state), xs, ys, steps=4
         )[0]
         out[f"powersgd-{rank_k}-iter"] = state.iter
+    # One bucket per tensor, all in flight at once, state cleared after the last one: on
+    # gloo PowerSGD's callbacks issue collectives in completion order (PyTorch's DDP hangs).
+    state = psgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=8,
+        start_powerSGD_iter=2,
+        min_compression_rate=0.1,
+        orthogonalization_epsilon=0,
+        warm_start=False,
+    )
+    out["powersgd-buckets"] = _train(
+        base, with_torch_hook(psgd.powerSGD_hook, state, bucket_cap_mb=1e-5), xs, ys, steps=4
+    )[0]
     out["full4"] = _train(base, None, x, y, steps=4)[0]
     return out
 
@@ -514,6 +529,7 @@ def test_powersgd_runs_without_hanging(battery: tuple[int, Results]) -> None:
         assert h["powersgd-8-iter"] == 4 and h["powersgd-1-iter"] == 4
         # Full-rank approximation: the averaged gradient itself.
         _assert_equal(h["powersgd-8"], h["full4"], rtol=1e-5, what="powerSGD rank 8")
+        _assert_equal(h["powersgd-buckets"], h["full4"], rtol=1e-5, what="powerSGD buckets")
         # Rank 1 from step 2 on: a real compression of the weight matrices.
         err = np.abs(h["powersgd-1"][3]["0.weight"] - h["full4"][3]["0.weight"]).max()
         assert err > 1e-4

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
@@ -405,6 +406,11 @@ class DistributedDataParallel(nn.Module):
             return FutureWork(future, timeout, name=f"comm hook {name} on bucket {bucket.index()}")
 
         self.register_hook(run)
+        # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
+        # order that differs between ranks; PowerSGD issues collectives from such callbacks,
+        # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
+        # hangs there). NCCL runs callbacks in stream order, so it keeps the overlap.
+        self.reducer.serial_hooks = dist.get_backend(self.comm.group) != "nccl"
 
     def register_hook(self, hook: Hook) -> None:
         """Register a backend-neutral hook with its state bound (``bucket -> Work``).
