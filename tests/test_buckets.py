@@ -12,6 +12,7 @@ from xgrad.buckets import (
     NO_LIMIT,
     BucketPlan,
     assign_buckets,
+    ddp_bucket_caps,
     ddp_initial_plan,
     rebuild_plan,
 )
@@ -53,6 +54,13 @@ def test_ddp_initial_plan_is_reversed_and_unbucketed_unless_unused_are_searched(
     assert plan.buckets == ((1, 2, 3), (0,))
     explicit = ddp_initial_plan(sizes, find_unused_parameters=True, bucket_cap_bytes=4 << 20)
     assert explicit.buckets == ((2, 3), (0, 1))
+
+
+def test_ddp_bucket_caps_follow_pytorch_defaults() -> None:
+    assert ddp_bucket_caps() == (1 << 20, 25 << 20)
+    assert ddp_bucket_caps(4096) == (4096, 4096)  # an explicit cap applies to the first too
+    assert ddp_bucket_caps(4096, 100) == (100, 4096)
+    assert ddp_bucket_caps(None, 100) == (100, 25 << 20)
 
 
 def test_json_round_trip_and_digest() -> None:

@@ -206,6 +206,20 @@ def assign_buckets(
     return BucketPlan(tuple(b for b, _ in closed), tuple(lim for _, lim in closed))
 
 
+def ddp_bucket_caps(
+    bucket_cap_bytes: int | None = None, first_bucket_cap_bytes: int | None = None
+) -> tuple[int, int]:
+    """DDP's ``(first bucket cap, bucket cap)`` in bytes for the caps a user gave.
+
+    ``None`` means DDP's default: 25 MiB with a 1 MiB first bucket. An explicit cap is
+    used for the first bucket too unless that one is given as well, as in PyTorch.
+    """
+    cap = DEFAULT_BUCKET_BYTES if bucket_cap_bytes is None else bucket_cap_bytes
+    if first_bucket_cap_bytes is not None:
+        return first_bucket_cap_bytes, cap
+    return (DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap), cap
+
+
 def ddp_initial_plan(
     nbytes: Sequence[int],
     *,
@@ -224,15 +238,9 @@ def ddp_initial_plan(
     small first bucket and then ``bucket_cap_bytes``. Either way it launches the buckets
     in reverse, since gradients arrive roughly in reverse definition order.
 
-    ``bucket_cap_bytes=None`` means DDP's default (25 MiB, with a 1 MiB first bucket);
-    an explicit cap is used for the first bucket too unless ``first_bucket_cap_bytes``
-    says otherwise, as in PyTorch.
+    The caps follow :func:`ddp_bucket_caps`.
     """
-    cap = DEFAULT_BUCKET_BYTES if bucket_cap_bytes is None else bucket_cap_bytes
-    if first_bucket_cap_bytes is not None:
-        first = first_bucket_cap_bytes
-    else:
-        first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap
+    first, cap = ddp_bucket_caps(bucket_cap_bytes, first_bucket_cap_bytes)
     if static_graph or not find_unused_parameters:
         limits = [NO_LIMIT]
     elif first < cap:

@@ -44,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_module(path: str, prog: str, argv: Sequence[str]) -> int:
+    """Import the command module at ``path``, parse ``argv`` with its options, run it.
+
+    Subcommands, bench targets and experiments are all such modules.
+    """
+    module = importlib.import_module(path)
+    parser = argparse.ArgumentParser(prog=prog, description=module.HELP)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(list(argv))) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -52,11 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args(argv or ["--help"])
         return 2
     name = argv[0]
-    module = importlib.import_module(COMMANDS[name])
-    sub = argparse.ArgumentParser(prog=f"xgrad {name}", description=module.HELP)
-    module.add_arguments(sub)
-    args = sub.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    return run_module(COMMANDS[name], f"xgrad {name}", argv[1:])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,8 @@ it runs (the torch and jax ones need those frameworks).
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from xgrad.cli import run_module
 
 HELP = "benchmarks against PyTorch's own implementations, reported as ratios"
 
@@ -26,7 +27,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(TARGETS[args.target])
-    sub = argparse.ArgumentParser(prog=f"xgrad bench {args.target}", description=module.HELP)
-    module.add_arguments(sub)
-    return int(module.run(sub.parse_args(args.rest)) or 0)
+    return run_module(TARGETS[args.target], f"xgrad bench {args.target}", args.rest)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
+from xgrad.cli import run_module
 from xgrad.experiments import EXPERIMENTS
 
 HELP = "paper experiments on the reference backend's virtual clock (tables, CSV, JSON)"
@@ -16,7 +16,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(EXPERIMENTS[args.name])
-    sub = argparse.ArgumentParser(prog=f"xgrad experiment {args.name}", description=module.HELP)
-    module.add_arguments(sub)
-    return int(module.run(sub.parse_args(args.rest)) or 0)
+    return run_module(EXPERIMENTS[args.name], f"xgrad experiment {args.name}", args.rest)

@@ -85,27 +85,17 @@ def jax_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
     return out
 
 
-def torch_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
-    """Seconds per step of PyTorch's DDP and xgrad's torch DDP on gloo processes."""
-    from xgrad.torch_backend.crosscheck import run_ddp
+def torch_times(case: crosscheck.Case) -> dict[str, float]:
+    """Seconds per step of PyTorch's DDP and xgrad's torch DDP on gloo processes.
 
+    These are the crosscheck's own torch runners, so the bench times exactly what the
+    crosscheck compares (``case.steps`` timed steps after a warm-up).
+    """
     inputs = crosscheck.make_inputs(case)
-    out = {}
-    for label, implementation in (("torch DDP", "torch"), ("xgrad torch DDP", "xgrad")):
-        answer = run_ddp(
-            case.model,
-            inputs.weights,
-            inputs.x,
-            inputs.y,
-            world_size=case.world_size,
-            implementation=implementation,
-            plan=inputs.plan if implementation == "xgrad" else None,
-            bucket_cap_mb=case.bucket_cap_bytes / 2**20,
-            steps=steps,
-            timeout=case.timeout,
-        )
-        out[label] = float(answer["seconds_per_step"])
-    return out
+    return {
+        label: crosscheck.RUNNERS[runner].run(inputs).seconds_per_step
+        for label, runner in (("torch DDP", "torch-ddp"), ("xgrad torch DDP", "torch-xgrad"))
+    }
 
 
 def format_table(case: crosscheck.Case, jax_s: dict[str, float], torch_s: dict[str, float]) -> str:
@@ -160,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print("timing torch DDP and xgrad torch DDP on gloo processes ...", file=sys.stderr)
-        torch_s = torch_times(case, args.steps)
+        torch_s = torch_times(case)
     print(format_table(case, jax_s, torch_s))
     if args.json is not None:
         rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}

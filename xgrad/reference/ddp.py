@@ -16,9 +16,8 @@ import numpy as np
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
+    ddp_bucket_caps,
     ddp_initial_plan,
 )
 from xgrad.engine import Engine, PassResult
@@ -77,11 +76,7 @@ class DataParallel:
         ops = NumpyOps()
         nbytes = [int(p.nbytes) for p in model.params]
         keys = [ops.key(p) for p in model.params]
-        cap = DEFAULT_BUCKET_BYTES if bucket_cap_bytes is None else bucket_cap_bytes
-        if first_bucket_cap_bytes is not None:
-            first = first_bucket_cap_bytes
-        else:
-            first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_bytes is None else cap
+        first, cap = ddp_bucket_caps(bucket_cap_bytes, first_bucket_cap_bytes)
         self._rebuild = plan is None
         if plan is None:
             plan = ddp_initial_plan(

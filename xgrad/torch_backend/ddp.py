@@ -35,9 +35,8 @@ from torch.utils._pytree import tree_map
 
 from xgrad.backend import Comm, Work
 from xgrad.buckets import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
+    ddp_bucket_caps,
     ddp_initial_plan,
 )
 from xgrad.reducer import GradBucket, Hook, Reducer
@@ -170,12 +169,10 @@ class DistributedDataParallel(nn.Module):
         ops = TorchArrayOps()
         nbytes = [ops.nbytes(p) for p in self._params]
         keys = [ops.key(p) for p in self._params]
-        default_caps = bucket_cap_mb is None
-        cap = DEFAULT_BUCKET_BYTES if default_caps else int(bucket_cap_mb * _MIB)  # type: ignore[operator]
-        if first_bucket_cap_mb is not None:
-            first = int(first_bucket_cap_mb * _MIB)
-        else:
-            first = DEFAULT_FIRST_BUCKET_BYTES if default_caps else cap
+        first, cap = ddp_bucket_caps(
+            None if bucket_cap_mb is None else int(bucket_cap_mb * _MIB),
+            None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB),
+        )
         self.plan_is_explicit = plan is not None
         if plan is None:
             plan = ddp_initial_plan(
