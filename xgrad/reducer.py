@@ -179,19 +179,19 @@ class _Bucket:
         "index",
         "indices",
         "launched_at",
-        "offsets",
         "pending",
         "result",
         "waited",
         "work",
     )
 
-    def __init__(self, index: int, indices: tuple[int, ...], flat: Any, offsets: list[int]) -> None:
+    def __init__(
+        self, index: int, indices: tuple[int, ...], flat: Any, in_views: list[Any]
+    ) -> None:
         self.index = index
         self.indices = indices
         self.flat = flat
-        self.offsets = offsets
-        self.in_views: list[Any] = []
+        self.in_views = in_views
         self.pending = len(indices)
         self.work: Work | None = None
         self.result: Any = None
@@ -312,10 +312,9 @@ class Reducer:
             for p in members:
                 offsets.append(total)
                 total += self.ops.numel(p)
-            bucket = _Bucket(b, indices, self.ops.new_flat(members, total), offsets)
-            bucket.in_views = [
-                self.ops.view(bucket.flat, off, p) for off, p in zip(offsets, members, strict=True)
-            ]
+            flat = self.ops.new_flat(members, total)
+            views = [self.ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
+            bucket = _Bucket(b, indices, flat, views)
             self._buckets.append(bucket)
             for k, i in enumerate(indices):
                 self._locate[i] = (bucket, k)
@@ -394,14 +393,14 @@ class Reducer:
         """
         self._ensure_prior_reduction_finished()
         unused = sorted(set(unused))
+        for i in unused:
+            if not 0 <= i < len(self.params):
+                raise ValueError(f"unused parameter index {i} is not in 0..{len(self.params) - 1}")
         if unused and not (self.find_unused_parameters or self.static_graph):
             raise ValueError(
                 "prepare_for_backward got unused parameters "
                 f"{[self.names[i] for i in unused]} but find_unused_parameters is off"
             )
-        for i in unused:
-            if not 0 <= i < len(self.params):
-                raise ValueError(f"unused parameter index {i} is not in 0..{len(self.params) - 1}")
         if self.static_graph and self._static_unused is not None:
             unused = self._static_unused
         self._unused = unused

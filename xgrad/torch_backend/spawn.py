@@ -59,11 +59,15 @@ def _worker(
         value = pickle.dumps(fn(rank, world_size, *args))
     except BaseException as exc:  # the parent re-raises it, naming this rank
         results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        return
-    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        return
     results.put((rank, True, value, ""))
+    # Drain before leaving: a hook's future completes while gloo's thread is still
+    # unwinding its callbacks (PowerSGD's hold the group); destroying the group in that
+    # window drops its last reference on that thread, which then joins itself and aborts.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _stop(processes: Sequence[Any]) -> None:
@@ -167,6 +171,9 @@ def spawn(
                 _check_exits(processes, values, results)
                 continue
             _record(values, rank, ok, payload, tb)
+        # Let every rank leave the group cleanly (bounded by the same deadline).
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
     finally:
         _stop(processes)
         results.close()
