@@ -20,7 +20,16 @@ def test_bench_prints_ratios_bubbles_and_memory(capsys: pytest.CaptureFixture[st
         assert ratio == pytest.approx(ours_t / torch_t, rel=1e-2)
         bubble = next(line for line in lines if line.startswith(f"{name} ") and "measured" in line)
         assert "equal-cost 0.333" in bubble  # (p-1)/(m+p-1) for p = m = 2
-    assert "stage 0: gpipe xgrad_activation=" in out and "stage 1:" in out
+    assert "peak memory per stage, MiB (heap: C heap in use above the step's start (" in out
+    for stage in (0, 1):
+        line = next(line for line in lines if line.startswith(f"stage {stage}: "))
+        cells = dict(zip(("gpipe", "1f1b"), line.split(": ", 1)[1].split(" | "), strict=True))
+        for name, cell in cells.items():
+            assert cell.startswith(f"{name} ")
+            figures = dict(item.split("=") for item in cell[len(name) + 1 :].split(", "))
+            assert list(figures) == ["torch_heap", "xgrad_heap", "xgrad_activation"]
+            for figure in figures.values():
+                assert figure.endswith(" MiB") and float(figure.removesuffix(" MiB")) >= 0
 
 
 def test_bench_rejects_bad_sizes() -> None:

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import ctypes.util
 import functools
 import itertools
 import json
-import os
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from xgrad.torch_backend.ddp import DistributedDataParallel
+from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 from xgrad.torch_backend.spawn import spawn
 
 HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
@@ -148,40 +145,6 @@ def table(results: list[CaseResult]) -> str:
 # ---------------------------------------------------------------------- inside each rank
 
 
-class _Allocator:
-    """Bytes currently allocated through the C allocator (torch's CPU tensors use it).
-
-    glibc's ``mallinfo2``: in-use bytes of the main arena plus mmapped blocks. Falls back
-    to the resident set size where it is missing.
-    """
-
-    class _Info(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in (
-                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                "fsmblks", "uordblks", "fordblks", "keepcost",
-            )
-        ]  # fmt: skip
-
-    def __init__(self) -> None:
-        self._fn: Callable[[], Any] | None = None
-        path = ctypes.util.find_library("c")
-        if path is not None:
-            libc = ctypes.CDLL(path)
-            fn = getattr(libc, "mallinfo2", None)
-            if fn is not None:
-                fn.restype = self._Info
-                self._fn = fn
-
-    def live(self) -> int:
-        if self._fn is not None:
-            info = self._fn()
-            return int(info.uordblks + info.hblkhd)
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _build(name: str, sizes: dict[str, int]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """The model, one input batch and its targets, seeded the same on every rank."""
     torch.manual_seed(0)
@@ -233,11 +196,11 @@ class _ManySmall(nn.Module):
 class _Side:
     """One implementation under test: its model copy, DDP wrapper and optimizer."""
 
-    def __init__(self, wrap: Callable[[Any], Any], base: Any, alloc: _Allocator) -> None:
+    def __init__(self, wrap: Callable[[Any], Any], base: Any, meter: HeapMeter) -> None:
         self.model = copy.deepcopy(base)
-        before = alloc.live()
+        before = meter.live()
         self.ddp = wrap(self.model)
-        self.construction = alloc.live() - before
+        self.construction = meter.live() - before
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.peak = 0
@@ -261,12 +224,12 @@ def _factories(find_unused: bool) -> dict[str, Callable[[Any], Any]]:
 
 
 def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    alloc = _Allocator()
+    meter = HeapMeter()
     # Both implementations allocate once per process on first use (gloo's pair buffers,
     # PyTorch's logger, pickling tables): pay that here, outside every measurement.
     base, x, y = _build("mlp", _SCALES["mlp"]["tiny"])
     for make in _factories(True).values():
-        _Side(make, base, alloc).step(x, y)
+        _Side(make, base, meter).step(x, y)
     rows = []
     case = 0
     for name in settings["models"]:
@@ -276,7 +239,7 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             # Constructed in alternating order, so neither is always first on a fresh heap.
             order = ["xgrad", "torch"] if case % 2 == 0 else ["torch", "xgrad"]
             case += 1
-            sides = {key: _Side(factories[key], base, alloc) for key in order}
+            sides = {key: _Side(factories[key], base, meter) for key in order}
             for side in sides.values():
                 for _ in range(settings["warmup"]):
                     side.step(x, y)
@@ -290,7 +253,7 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                     side.step(x, y)
                     side.times.append(time.perf_counter() - start)
             for side in sides.values():
-                _measure_peak(side, x, y, alloc)
+                _measure_peak(side, x, y, meter)
             hook = _hook_seconds(sides["xgrad"], x, y)
             params = list(base.parameters())
             rows.append(
@@ -313,38 +276,20 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
     return rows
 
 
-def _measure_peak(side: _Side, x: Any, y: Any, alloc: _Allocator, steps: int = 3) -> None:
+def _measure_peak(side: _Side, x: Any, y: Any, meter: HeapMeter, steps: int = 3) -> None:
     """Peak bytes above the start of a step, polled by a thread while the step runs.
 
     Polling rather than sampling in gradient hooks: PyTorch's reducer runs its hooks at
     another point of the autograd node than tensor hooks do, so samples taken in hooks
     would see the two implementations at different moments (the backward pass runs
-    without the GIL, so the poller gets to run throughout).
+    without the GIL, so the poller gets to run throughout). The step also samples at the
+    ends of its forward and backward passes, so short peaks there are not missed.
     """
-    peak = [0]
-    running = threading.Event()
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.is_set():
-            if running.is_set():
-                peak[0] = max(peak[0], alloc.live())
-            time.sleep(0)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    try:
+    with PeakWatch(meter) as watch:
         for _ in range(steps):
             side.opt.zero_grad()
-            start = alloc.live()
-            peak[0] = start
-            running.set()
-            side.step(x, y, sample=lambda: peak.__setitem__(0, max(peak[0], alloc.live())))
-            running.clear()
-            side.peak = max(side.peak, max(peak[0], alloc.live()) - start)
-    finally:
-        stop.set()
-        poller.join()
+            peak = watch.measure(lambda: side.step(x, y, sample=watch.sample))
+            side.peak = max(side.peak, peak)
 
 
 def _hook_seconds(side: _Side, x: Any, y: Any) -> float:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 
 HELP = (
     "time per step of xgrad's pipeline runtime against PyTorch's ScheduleGPipe and "
@@ -48,6 +51,24 @@ def _sync(device: Any) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
+
+
+def _heap_peaks(
+    runs: Mapping[str, Callable[[], None]], module: Any, device: Any, steps: int = 3
+) -> dict[str, int]:
+    """Per label, the most heap bytes in use above a step's start, polled during the step.
+
+    The most over a few steps, since a poller can miss a short peak; the labels alternate
+    as in the timed loop. The polling thread spins, so it runs only here, after the timing.
+    """
+    peaks = dict.fromkeys(runs, 0)
+    with PeakWatch(HeapMeter()) as watch:
+        for _ in range(steps):
+            for label, fn in runs.items():
+                _sync(device)
+                peaks[label] = max(peaks[label], watch.measure(fn))
+                module.zero_grad(set_to_none=True)
+    return {f"{label}_heap_bytes": peak for label, peak in peaks.items()}
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -107,16 +128,19 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     busy.append(sum(r.end - r.start for r in recs))
                     for r in recs:
                         stage_costs.setdefault(r.action.kind.value, []).append(r.end - r.start)
-        ours.peak_held_bytes = 0
-        ours.step(x if first else None, y if last else None)
-        module.zero_grad(set_to_none=True)
-        peaks["xgrad_activation_bytes"] = ours.peak_held_bytes
         if device.type == "cuda":
             for label, fn in (("torch", run_theirs), ("xgrad", run_ours)):
                 torch.cuda.reset_peak_memory_stats(device)
                 fn()
                 module.zero_grad(set_to_none=True)
                 peaks[f"{label}_cuda_bytes"] = torch.cuda.max_memory_allocated(device)
+        else:
+            runs = {"torch": run_theirs, "xgrad": run_ours}
+            peaks.update(_heap_peaks(runs, module, device))
+        ours.peak_held_bytes = 0
+        ours.step(x if first else None, y if last else None)
+        module.zero_grad(set_to_none=True)
+        peaks["xgrad_activation_bytes"] = ours.peak_held_bytes
         out[name] = {
             "torch": statistics.median(times["torch"]),
             "xgrad": statistics.median(times["xgrad"]),
@@ -186,17 +210,28 @@ def run(args: argparse.Namespace) -> int:
             f"equal-cost {equal.bubble_fraction:.3f}  ((p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f})"
         )
     print()
-    print("peak memory per stage (xgrad: activation bytes held; cuda: max allocated)")
+    print(f"peak memory per stage, MiB ({_memory_legend(args.backend)})")
     for r, res in enumerate(per_rank):
         cells = []
         for name in _TORCH:
+            # In the order measured: torch, then xgrad, then xgrad's own count.
             peaks = res[name]["peaks"]
             cells.append(
                 f"{name} "
                 + ", ".join(
-                    f"{k.replace('_bytes', '')}={v / 2**20:.2f} MiB"
-                    for k, v in sorted(peaks.items())
+                    f"{k.replace('_bytes', '')}={v / 2**20:.2f} MiB" for k, v in peaks.items()
                 )
             )
         print(f"stage {r}: " + " | ".join(cells))
     return 0
+
+
+def _memory_legend(backend: str) -> str:
+    """What each figure of the memory section is."""
+    own = "xgrad_activation: xgrad's own count of microbatch activations and their grads held"
+    if backend == "nccl":
+        return f"cuda: torch.cuda.max_memory_allocated over one step; {own}"
+    return (
+        f"heap: C heap in use above the step's start ({HeapMeter().source}), peak polled by "
+        f"a thread during the step, max of 3 steps; {own}"
+    )
