@@ -113,9 +113,14 @@ def orthogonalize(matrix: np.ndarray) -> np.ndarray:
     return out
 
 
-def _bucket_matrices(
+def bucket_matrices(
     weights: Mapping[str, np.ndarray], plan: BucketPlan, bucket: Sequence[int]
 ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A bucket's PowerSGD layout: compressed gradients in order, plain ones, matrix shapes.
+
+    Shared by the float64 PowerSGD model and the replay of torch's draws, which must agree
+    on which gradients are compressed as which ``(n, m)`` matrices.
+    """
     names = list(weights)
     shapes = [tuple(weights[names[i]].shape) for i in bucket]
     order, plain = powersgd_layout(shapes, POWERSGD_RANK, POWERSGD_MIN_RATE)
@@ -128,30 +133,13 @@ def torch_powersgd_qs(
 ) -> dict[int, list[np.ndarray]]:
     """The initial ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
 
-    Torch seeds its generator once per bucket and step from ``RandomState(seed)`` and draws
-    one ``(1, m, rank)`` normal block per compressed gradient, in layout order; buckets
-    are visited in launch order. Replaying that here lets JAX and the numpy model start
-    from the very same random matrices (needs torch).
+    Replaying torch's draws lets JAX and the numpy model start from the very same random
+    matrices. Needs torch: the draws are made in
+    :func:`xgrad.torch_backend.powersgd.initial_qs`.
     """
-    import torch
+    from xgrad.torch_backend.powersgd import initial_qs
 
-    from xgrad.torch_backend.models import torch_dtype
-
-    rng = np.random.RandomState(seed)
-    dtype = torch_dtype(next(iter(weights.values())).dtype)
-    qs: dict[int, list[np.ndarray]] = {}
-    for _ in range(steps):
-        for b, bucket in enumerate(plan.buckets):
-            generator = torch.Generator().manual_seed(int(rng.randint(1_000_000_000)))
-            _, _, mats = _bucket_matrices(weights, plan, bucket)
-            qs[b] = [
-                torch.randn(1, m, min(n, m, POWERSGD_RANK), generator=generator, dtype=dtype)[0]
-                .float()
-                .numpy()
-                .astype(np.float64)
-                for n, m in mats
-            ]
-    return qs
+    return initial_qs(weights, plan, steps, seed)
 
 
 def powersgd_model(
@@ -172,7 +160,7 @@ def powersgd_model(
     local = [{k: g[k].astype(model_dtype).astype(np.float64) for k in names} for g in rank_grads]
     out: dict[str, np.ndarray] = {}
     for b, bucket in enumerate(plan.buckets):
-        order, plain, _ = _bucket_matrices(weights, plan, bucket)
+        order, plain, _ = bucket_matrices(weights, plan, bucket)
         for k in plain:
             name = names[bucket[k]]
             out[name] = np.sum([g[name] for g in local], axis=0) / n_ranks
