@@ -71,3 +71,21 @@ def test_unimportable_backend_is_reported_not_raised() -> None:
     register_backend("broken", "module_that_does_not_exist_anywhere")
     ok, why = backend_available("broken")
     assert not ok and "module_that_does_not_exist_anywhere" in why
+
+
+def test_the_core_imports_neither_torch_nor_jax() -> None:
+    """Every module outside the backends imports in a fresh interpreter without either."""
+    import subprocess
+
+    code = (
+        "import pkgutil, sys, xgrad\n"
+        "for m in pkgutil.walk_packages(xgrad.__path__, 'xgrad.'):\n"
+        "    if not m.name.startswith(('xgrad.torch_backend', 'xgrad.jax_backend')):\n"
+        "        __import__(m.name)\n"
+        "loaded = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'jax'))\n"
+        "print(len([n for n in sys.modules if n.startswith('xgrad.')]), loaded)\n"
+        "sys.exit(1 if loaded else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert int(done.stdout.split()[0]) > 30  # the walk really imported the core
