@@ -13,7 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.extend.core import jaxprs_in_params  # noqa: E402
 
 from xgrad import crosscheck, models  # noqa: E402
-from xgrad.buckets import BucketPlan, ddp_initial_plan  # noqa: E402
+from xgrad.buckets import BucketPlan, assign_buckets, ddp_initial_plan  # noqa: E402
 from xgrad.jax_backend import models as jm  # noqa: E402
 from xgrad.jax_backend.data_parallel import (  # noqa: E402
     data_parallel_value_and_grad,
@@ -163,6 +163,12 @@ def test_plan_for_is_ddps_plan() -> None:
         nbytes, keys=["float32"] * len(nbytes), find_unused_parameters=True
     )
     assert plan_for(w, names=list(w), bucket_cap_bytes=2048) == crosscheck.bucket_plan(w, 2048)
+    keys = ["float32"] * len(nbytes)
+    # A small first bucket, then the cap (or DDP's 25 MiB when only the first is given).
+    both = plan_for(w, names=list(w), bucket_cap_bytes=4096, first_bucket_cap_bytes=512)
+    assert both == assign_buckets(nbytes, [512, 4096], keys=keys).reversed()
+    first_only = plan_for(w, names=list(w), first_bucket_cap_bytes=512)
+    assert first_only == assign_buckets(nbytes, [512, 25 << 20], keys=keys).reversed()
     with pytest.raises(ValueError, match="bucket_cap_bytes=0"):
         plan_for(w, bucket_cap_bytes=0)
 

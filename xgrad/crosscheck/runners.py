@@ -34,7 +34,7 @@ class Runner:
     unsupported: Callable[[Case], str | None] = field(default=lambda case: None)
 
 
-def _torch_result(answer: Mapping[str, Any]) -> RunResult:
+def _as_result(answer: Mapping[str, Any]) -> RunResult:
     return RunResult(
         grads={k: np.asarray(v) for k, v in answer["grads"].items()},
         seconds_per_step=float(answer["seconds_per_step"]),
@@ -94,7 +94,7 @@ def _torch_runner(implementation: str) -> Callable[[Inputs], RunResult]:
             steps=case.steps,
             timeout=case.timeout,
         )
-        return _torch_result(answer)
+        return _as_result(answer)
 
     return run
 
@@ -121,7 +121,7 @@ def _jax_runner(mode: str) -> Callable[[Inputs], RunResult]:
             hook=hook,
             steps=case.steps,
         )
-        return _torch_result(answer)
+        return _as_result(answer)
 
     return run
 

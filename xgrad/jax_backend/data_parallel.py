@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from xgrad import hooks as xgrad_hooks
-from xgrad.buckets import DEFAULT_BUCKET_BYTES, BucketPlan, assign_buckets, ddp_initial_plan
+from xgrad.buckets import BucketPlan, ddp_initial_plan
 from xgrad.jax_backend import powersgd
 from xgrad.jax_backend.powersgd import PowerSGD
 from xgrad.reducer import GradBucket
@@ -123,12 +123,14 @@ def plan_for(
     ):
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"{label}={cap!r}: expected a positive byte count")
-    if bucket_cap_bytes is None and first_bucket_cap_bytes is None:
-        return ddp_initial_plan(nbytes, keys=keys, find_unused_parameters=True)
-    cap = bucket_cap_bytes if bucket_cap_bytes is not None else DEFAULT_BUCKET_BYTES
-    first = first_bucket_cap_bytes if first_bucket_cap_bytes is not None else cap
-    limits = [first, cap] if first < cap else [cap]
-    return assign_buckets(nbytes, limits, keys=keys).reversed()
+    # DDP's bucketed plan (the one it uses when it will not rebuild), with its cap rules.
+    return ddp_initial_plan(
+        nbytes,
+        keys=keys,
+        bucket_cap_bytes=bucket_cap_bytes,
+        first_bucket_cap_bytes=first_bucket_cap_bytes,
+        find_unused_parameters=True,
+    )
 
 
 def _check_plan(plan: BucketPlan, num_leaves: int) -> None:
