@@ -23,6 +23,7 @@ from xgrad.buckets import (
 from xgrad.engine import Engine, PassResult
 from xgrad.graph import unused_parameters
 from xgrad.hooks import HOOKS
+from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
 from xgrad.reducer import Hook, Reducer
 from xgrad.reference.comm import ReferenceComm, spawn
@@ -153,16 +154,6 @@ class DataParallel:
         }
 
 
-def _shard(a: np.ndarray, world_size: int, rank: int) -> np.ndarray:
-    n = a.shape[0]
-    if n % world_size:
-        raise ValueError(
-            f"batch size {n} does not split evenly over world_size={world_size} (rank {rank})"
-        )
-    per = n // world_size
-    return a[rank * per : (rank + 1) * per]
-
-
 def run_data_parallel(
     weights: Mapping[str, np.ndarray],
     x: np.ndarray,
@@ -194,7 +185,7 @@ def run_data_parallel(
         raise ValueError(f"steps={steps} must be >= 1")
     probe = build_model(model, weights)
     for r in range(world_size):
-        _shard(x, world_size, r)
+        shard(x, world_size, r)
     find = bool(probe.unused) if find_unused_parameters is None else find_unused_parameters
 
     def rank_main(comm: ReferenceComm) -> dict[str, np.ndarray]:
@@ -207,7 +198,7 @@ def run_data_parallel(
             find_unused_parameters=find,
             static_graph=static_graph,
         )
-        xs, ys = _shard(x, world_size, comm.rank), _shard(y, world_size, comm.rank)
+        xs, ys = shard(x, world_size, comm.rank), shard(y, world_size, comm.rank)
         for _ in range(steps):
             dp.zero_grad()
             dp.backward(dp.forward(xs, ys))
