@@ -89,3 +89,26 @@ def test_the_core_imports_neither_torch_nor_jax() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     assert int(done.stdout.split()[0]) > 30  # the walk really imported the core
+
+
+def test_lazy_attributes_import_on_first_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pkg = tmp_path / "lazy_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from xgrad.backend import lazy_attributes\n"
+        "__getattr__ = lazy_attributes(__name__, {'VALUE': 'lazy_pkg.heavy'})\n"
+    )
+    (pkg / "heavy.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "lazy_pkg", raising=False)
+    import lazy_pkg  # type: ignore[import-not-found]
+
+    assert "lazy_pkg.heavy" not in sys.modules
+    assert lazy_pkg.VALUE == 42
+    assert "lazy_pkg.heavy" in sys.modules and "VALUE" in vars(lazy_pkg)  # cached
+    with pytest.raises(AttributeError, match="module 'lazy_pkg' has no attribute 'nope'"):
+        _ = lazy_pkg.nope
+    for name in ("lazy_pkg", "lazy_pkg.heavy"):
+        monkeypatch.delitem(sys.modules, name)

@@ -9,6 +9,8 @@ in torch or jax.
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
@@ -101,6 +103,28 @@ def get_backend(name: str) -> Any:
         target = importlib.import_module(target)
         _REGISTRY[name] = target
     return target
+
+
+def lazy_attributes(package: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each exported name's module on first use.
+
+    A backend package assigns it to ``__getattr__`` so that importing the package (as
+    ``xgrad backends`` does to ask ``available()``) does not import its framework.
+
+    Args:
+        package: the package's ``__name__``.
+        exports: public name -> the module that defines it.
+    """
+
+    def __getattr__(attr: str) -> Any:
+        module = exports.get(attr)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {attr!r}")
+        value = getattr(importlib.import_module(module), attr)
+        setattr(sys.modules[package], attr, value)  # later lookups skip this function
+        return value
+
+    return __getattr__
 
 
 def backend_available(name: str) -> tuple[bool, str]:

@@ -16,9 +16,10 @@ maps over the devices it is given, which across hosts means each process's own.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xgrad.backend import lazy_attributes
 
 if TYPE_CHECKING:
     from xgrad.jax_backend.data_parallel import HOOKS as HOOKS
@@ -64,10 +65,4 @@ def available() -> bool:
     return hasattr(jax, "shard_map") and hasattr(jax.lax, "pcast")
 
 
-def __getattr__(attr: str) -> Any:
-    module = _EXPORTS.get(attr)
-    if module is None:
-        raise AttributeError(f"module 'xgrad.jax_backend' has no attribute {attr!r}")
-    value = getattr(importlib.import_module(module), attr)
-    globals()[attr] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)

@@ -6,9 +6,10 @@ so ``xgrad backends`` can ask :func:`available` cheaply.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from xgrad.backend import lazy_attributes
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
@@ -44,10 +45,4 @@ def available() -> bool:
     return bool(dist.is_available())
 
 
-def __getattr__(attr: str) -> Any:
-    module = _EXPORTS.get(attr)
-    if module is None:
-        raise AttributeError(f"module 'xgrad.torch_backend' has no attribute {attr!r}")
-    value = getattr(importlib.import_module(module), attr)
-    globals()[attr] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
