@@ -2,8 +2,9 @@
 
 Loopback gloo on a small machine shares the CPU with the computation it should overlap,
 so its timings say more about the scheduler than about a network. With the simulated
-link every allreduce still runs for real (the numbers are the real sums), and then the
-bucket is held until the modelled link would have delivered it: one message at a time,
+link every allreduce still runs for real (the numbers are the real sums), and the bucket
+is held until the modelled link would have delivered it, booked when it is launched (so
+the real reduction runs inside the modelled time, not on top of it): one message at a time,
 each taking the ring allreduce time ``2(N-1)·alpha + 2(N-1)/N·bytes·beta`` (see
 :class:`xgrad.reference.LinkModel`), after the previous one finished. Waiting is a
 sleep, so it costs no CPU and overlaps with the backward pass exactly as a network would.

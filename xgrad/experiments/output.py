@@ -39,7 +39,7 @@ def format_verdicts(verdicts: tuple[Verdict, ...]) -> str:
     lines = []
     for v in verdicts:
         lines.append(f"- {v.claim} ({v.source})")
-        lines.append(f"    paper: {v.predicted}   measured: {v.measured}   -> {v.word.upper()}")
+        lines.append(f"    predicted: {v.predicted}   measured: {v.measured}   -> {v.word.upper()}")
         if v.by:
             lines[-1] += f", by {v.by}"
         if v.why:

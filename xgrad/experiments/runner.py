@@ -64,11 +64,15 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
         help="sim: real reduction then an alpha-beta wait; real: loopback gloo timings; "
         "virtual: the reference backend's virtual clock",
     )
+    alpha, beta = getattr(module, "LINK_DEFAULTS", (DEFAULT_ALPHA, DEFAULT_BETA))
     parser.add_argument(
-        "--alpha", type=_positive, default=DEFAULT_ALPHA, help="link latency per message (s)"
+        "--alpha",
+        type=_positive,
+        default=alpha,
+        help=f"link latency per message (s, default {alpha:g})",
     )
     parser.add_argument(
-        "--beta", type=_positive, default=DEFAULT_BETA, help="link seconds per byte"
+        "--beta", type=_positive, default=beta, help=f"link seconds per byte (default {beta:g})"
     )
     extra = getattr(module, "add_arguments", None)
     if extra is not None:
