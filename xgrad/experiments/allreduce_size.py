@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, sizes: list[int], reps: int, link_cfg: Any) -
     import torch
     import torch.distributed as dist
 
-    link = make_link(*link_cfg, world)
+    link = make_link(link_cfg[0], link_cfg[1], link_cfg[2], world)
     out = []
     for n in sizes:
         buf = torch.ones(n, dtype=torch.float32)
