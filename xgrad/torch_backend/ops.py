@@ -22,7 +22,9 @@ class TorchArrayOps:
     value (other dtypes keep the Python float, to round exactly as PyTorch does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flat_dtype: torch.dtype | None = None) -> None:
+        #: the buckets' dtype when it differs from the parameters' (mixed precision).
+        self.flat_dtype = flat_dtype
         self._scales: dict[tuple[float, torch.dtype], torch.Tensor | float] = {}
 
     def numel(self, x: torch.Tensor) -> int:
@@ -35,7 +37,8 @@ class TorchArrayOps:
         return (x.dtype, x.device)
 
     def new_flat(self, like: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=like[0].dtype, device=like[0].device)
+        dtype = like[0].dtype if self.flat_dtype is None else self.flat_dtype
+        return torch.zeros(numel, dtype=dtype, device=like[0].device)
 
     def copy_to(self, out: torch.Tensor, x: torch.Tensor, scale: float | None = None) -> None:
         if scale is None:
@@ -50,11 +53,23 @@ class TorchArrayOps:
         found = self._scales[scale, dtype] = torch.tensor(scale, dtype=dtype)
         return found
 
+    def copy_all(
+        self, outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], scale: float | None
+    ) -> None:
+        # Two fused calls for the whole bucket. Copying and then multiplying in place by
+        # the same scalar rounds exactly as multiplying while copying does.
+        torch._foreach_copy_(list(outs), list(xs))
+        if scale is not None:
+            torch._foreach_mul_(list(outs), scale)
+
     def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, offset, like.numel()).view(like.shape)
 
     def div_(self, x: torch.Tensor, divisor: int) -> None:
         x.div_(divisor)
+
+    def div_all(self, xs: Sequence[torch.Tensor], divisor: int) -> None:
+        torch._foreach_div_(list(xs), divisor)
 
     def zero_(self, x: torch.Tensor) -> None:
         x.zero_()
