@@ -10,6 +10,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch.distributed as dist
+
 
 def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
     """The group to reduce over and the mesh it came from (``None`` without one).
@@ -20,6 +22,8 @@ def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is None:
+        if process_group is None:
+            process_group = dist.distributed_c10d._get_default_group()
         return process_group, None
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
