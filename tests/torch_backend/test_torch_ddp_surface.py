@@ -209,7 +209,7 @@ def _options(rank: int, world: int) -> dict[str, Any]:
     model = _seeded()
     ddp = DistributedDataParallel(model)
     tddp = TorchDDP(copy.deepcopy(model))
-    x, y = _batch(rank)
+    x, _ = _batch(rank)
     for d in (ddp, tddp):
         for _ in range(2):
             d(x).sum().backward()
