@@ -155,7 +155,7 @@ def _options(rank: int, world: int) -> dict[str, Any]:
         "mixed_fp16": _MixedPrecision(torch.float16, torch.float16, torch.float16),
     }.items():
         ours, _, _ = _train(
-            rank, _seeded(), lambda m: DistributedDataParallel(m, mixed_precision=mp)
+            rank, _seeded(), lambda m, mp=mp: DistributedDataParallel(m, mixed_precision=mp)
         )
         out[name] = {"xgrad": ours, "reference": _mixed_reference(rank, _seeded(), mp)}
     base = _seeded()
