@@ -44,6 +44,7 @@ def outside_dynamo(fn: F) -> F:
     return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
 
 
+@frame_skipped
 def traced_module_call(ddp: Any, *inputs: Any, **kwargs: Any) -> Any:
     """The wrapped module's forward, inside DDP's "active module" context for dynamo."""
     with ddp._inside_ddp_forward():
