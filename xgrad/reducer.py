@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
 from xgrad.backend import Comm
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -25,7 +23,7 @@ from xgrad.buckets import (
     BucketPlan,
     assign_buckets,
 )
-from xgrad.reducer_buckets import BucketState, build_buckets
+from xgrad.reducer_buckets import BucketState, build_buckets, fill_bucket, reduced_views
 from xgrad.reducer_errors import (
     buckets_never_reduced,
     marked_ready_twice,
@@ -36,6 +34,7 @@ from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
+from xgrad.reducer_unused import UnusedParams
 
 #: how many per-iteration records a reducer keeps (the newest).
 RECORDS_KEPT = 64
@@ -61,10 +60,9 @@ class Reducer:
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
-        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s. Needed
-            where a hook issues collectives from its futures' callbacks (PowerSGD) and
-            those callbacks run on the comm's threads in completion order (gloo): the
-            ranks would otherwise issue collectives in different orders and hang.
+        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s (for
+            hooks that issue collectives from their futures' callbacks, such as PowerSGD,
+            where those callbacks run in completion order, as on gloo).
         rebuild: rebuild the buckets once, from the first observed ready order (DDP's
             default); off for a plan that must be used as given.
         rebuild_limits: bucket caps in bytes for the rebuild, the last one repeating:
@@ -135,14 +133,12 @@ class Reducer:
         self._expect_hooks = False
         self._require_finalize = False
         self._ready = bytearray(n)
-        self._unused: list[int] = []
+        self._unused = UnusedParams(n)
         self._marked_unused = False
         self._ready_order: list[int] = []
         self._ready_times: list[float] = []
         self._backward_start = 0.0
         self._next_bucket = 0
-        self._static_unused: list[int] | None = None
-        self._static_global_unused: set[int] | None = None
         # The first complete ready order, kept for the one rebuild.
         self._rebuild_order: list[int] | None = None
         self._set_plan(plan)
@@ -156,6 +152,7 @@ class Reducer:
             plan, self.params, self.ops, self.keys, self.sparse
         )
         self.plan = plan
+        self._plan_digest = plan.digest()
 
     def bucket_views(self) -> list[Any]:
         """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""
@@ -222,9 +219,7 @@ class Reducer:
                 "prepare_for_backward got unused parameters "
                 f"{[self.names[i] for i in unused]} but find_unused_parameters is off"
             )
-        if self.static_graph and self._static_unused is not None:
-            unused = self._static_unused
-        self._unused = unused
+        self._unused.prepare(unused, self.static_graph)
         self._expect_hooks = True
         self._marked_unused = False
         self._ready = bytearray(len(self.params))
@@ -283,7 +278,7 @@ class Reducer:
     @property
     def _delay_launch(self) -> bool:
         """The first static-graph iteration reduces everything at its end (DDP's delay)."""
-        return self.static_graph and self._static_unused is None
+        return self.static_graph and self._unused.static is None
 
     def mark_ready(self, index: int, grad: Any) -> None:
         """A parameter's gradient is complete (call from its post-accumulate hook).
@@ -297,7 +292,7 @@ class Reducer:
         if not self._marked_unused:
             self._marked_unused = True
             self._backward_start = now
-            for i in self._unused:
+            for i in self._unused.local:
                 self._mark(i, None, now)
         self._mark(index, grad, now)
 
@@ -317,39 +312,16 @@ class Reducer:
                 self._launch_ready_buckets()
 
     def _fill(self, bucket: BucketState) -> None:
-        """Copy a complete bucket's gradients in, pre-divided, with batched array calls."""
-        ops = self.ops
-        grads = bucket.grads
-        if bucket.sparse:
-            grad = grads[0]
-            if grad is None:
-                raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
-            if self._scale is not None:
-                ops.div_(grad, self.comm.size)  # in place, as PyTorch's reducer does
-            bucket.flat = grad
-            return
-        views = bucket.in_views
-        dst: list[Any] = []
-        src: list[Any] = []
-        aliased: list[Any] = []
-        for k, grad in enumerate(grads):
-            if grad is None:
-                ops.zero_(views[k])
-            elif self.gradient_as_bucket_view and ops.is_view_of(grad, views[k]):
-                aliased.append(views[k])  # autograd accumulated straight into the bucket
-            else:
-                dst.append(views[k])
-                src.append(grad)
-        if self.batched_grad_copy:
-            if dst:
-                ops.copy_all(dst, src, None)
-            if self._scale is not None:
-                ops.div_(bucket.flat, self.comm.size)
-            return
-        if dst:
-            ops.copy_all(dst, src, self._scale)
-        if aliased and self._scale is not None:
-            ops.div_all(aliased, self.comm.size)
+        if bucket.sparse and bucket.grads[0] is None:
+            raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
+        fill_bucket(
+            bucket,
+            self.ops,
+            self._scale,
+            self.comm.size,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            batched_grad_copy=self.batched_grad_copy,
+        )
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in bucket order: a ready bucket waits for all before it."""
@@ -363,8 +335,7 @@ class Reducer:
             self._next_bucket += 1
 
     def _all_unused(self, bucket: BucketState) -> bool:
-        unused = self._unused if self._static_unused is None else self._static_unused
-        return set(bucket.indices) <= set(unused)
+        return set(bucket.indices) <= set(self._unused.current)
 
     def _launch(self, bucket: BucketState) -> None:
         if self.serial_hooks and self.hook is not None and bucket.index > 0:
@@ -400,29 +371,28 @@ class Reducer:
         if self._delay_launch:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
-            self._static_unused = self._missing()
-            for i in self._static_unused:
+            for i in self._unused.learn(self._missing()):
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
             raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
-        globally_unused = self._globally_unused()
+        globally_unused = self._unused.on_every_rank(
+            self.comm,
+            self.ops,
+            self.params[0],
+            find_unused=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
         for bucket in self._buckets:
             if bucket.skipped:
                 continue  # its parameters are unused: their gradients stay untouched
-            result = bucket.wait(self.clock)
-            if bucket.sparse:
-                if bucket.indices[0] not in globally_unused:
-                    self.set_grad(bucket.indices[0], bucket.flat if result is None else result)
-                continue
-            views = bucket.in_views
-            if result is not None and not self.ops.is_view_of(result, bucket.flat):
-                if self.gradient_as_bucket_view:
-                    self.ops.copy_to(bucket.flat, result)
-                else:
-                    # A hook returned a new tensor (perhaps in another dtype, as mixed
-                    # precision's does): gradients are read from it, as PyTorch does.
-                    views = self._views_of(result, bucket)
+            views = reduced_views(
+                bucket,
+                bucket.wait(self.clock),
+                self.params,
+                self.ops,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+            )
             for k, i in enumerate(bucket.indices):
                 if i not in globally_unused:
                     self.set_grad(i, views[k])
@@ -432,44 +402,16 @@ class Reducer:
         self.records.append(
             IterationRecord(
                 iteration=self.num_iterations,
-                plan_digest=self.plan.digest(),
+                plan_digest=self._plan_digest,
                 ready_order=tuple(self._ready_order),
                 ready_times=tuple(self._ready_times),
                 launch_times=tuple(b.launched_at for b in self._buckets),
                 finish_times=tuple(b.finished_at for b in self._buckets),
                 backward_start=self._backward_start,
                 backward_end=end,
-                unused=tuple(self._unused if self._static_unused is None else self._static_unused),
+                unused=tuple(self._unused.current),
             )
         )
         self.num_iterations += 1
         self._expect_hooks = False
         self._require_finalize = False
-
-    def _views_of(self, flat: Any, bucket: BucketState) -> list[Any]:
-        views = []
-        offset = 0
-        for i in bucket.indices:
-            views.append(self.ops.view(flat, offset, self.params[i]))
-            offset += self.ops.numel(self.params[i])
-        return views
-
-    def _globally_unused(self) -> set[int]:
-        """Parameters that no rank used this iteration (their grads stay untouched).
-
-        Only searched when parameters may be unused; then the per-rank used maps are
-        summed with one extra allreduce, as DDP does.
-        """
-        if self.static_graph and self._static_global_unused is not None:
-            return self._static_global_unused
-        if not (self.find_unused_parameters or self.static_graph):
-            return set()
-        locally_unused = self._unused if self._static_unused is None else self._static_unused
-        used = np.ones(len(self.params), dtype=np.int32)
-        used[list(locally_unused)] = 0
-        like = self.params[0]
-        total = self.ops.to_numpy(self.comm.allreduce(self.ops.from_numpy(used, like)).wait())
-        found = {int(i) for i in np.flatnonzero(total == 0)}
-        if self.static_graph:
-            self._static_global_unused = found
-        return found

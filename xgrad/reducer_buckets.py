@@ -125,3 +125,85 @@ def build_buckets(
         for k, i in enumerate(indices):
             locate[i] = (bucket, k)
     return buckets, locate
+
+
+def fill_bucket(
+    bucket: BucketState,
+    ops: ArrayOps,
+    scale: float | None,
+    world_size: int,
+    *,
+    gradient_as_bucket_view: bool,
+    batched_grad_copy: bool,
+) -> None:
+    """Copy a complete bucket's gradients in, pre-divided, with batched array calls.
+
+    The arithmetic is PyTorch's: by default each gradient is multiplied by
+    ``scale = 1/world_size`` as it is copied (a gradient that already is its bucket view
+    is divided in place); with ``batched_grad_copy`` the whole bucket is divided once
+    after the copies. A sparse gradient is divided in place and becomes the bucket's
+    buffer. ``scale`` is ``None`` when a communication hook divides.
+    """
+    grads = bucket.grads
+    if bucket.sparse:
+        if scale is not None:
+            ops.div_(grads[0], world_size)  # in place, as PyTorch's reducer does
+        bucket.flat = grads[0]
+        return
+    views = bucket.in_views
+    dst: list[Any] = []
+    src: list[Any] = []
+    aliased: list[Any] = []
+    for k, grad in enumerate(grads):
+        if grad is None:
+            ops.zero_(views[k])
+        elif gradient_as_bucket_view and ops.is_view_of(grad, views[k]):
+            aliased.append(views[k])  # autograd accumulated straight into the bucket
+        else:
+            dst.append(views[k])
+            src.append(grad)
+    if batched_grad_copy:
+        if dst:
+            ops.copy_all(dst, src, None)
+        if scale is not None:
+            ops.div_(bucket.flat, world_size)
+        return
+    if dst:
+        ops.copy_all(dst, src, scale)
+    if aliased and scale is not None:
+        ops.div_all(aliased, world_size)
+
+
+def reduced_views(
+    bucket: BucketState,
+    result: Any,
+    params: Sequence[Any],
+    ops: ArrayOps,
+    *,
+    gradient_as_bucket_view: bool,
+) -> list[Any]:
+    """Per member of a finished bucket, where its averaged gradient is.
+
+    Normally the bucket's own views (the reduction ran in place). A hook that returned
+    a new tensor (perhaps in another dtype, as mixed precision's does) is read from
+    directly, as PyTorch does, unless the gradients are the bucket's views: then the
+    result is copied into the bucket.
+    """
+    if bucket.sparse:
+        return [bucket.flat if result is None else result]
+    if result is None or ops.is_view_of(result, bucket.flat):
+        return bucket.in_views
+    if gradient_as_bucket_view:
+        ops.copy_to(bucket.flat, result)
+        return bucket.in_views
+    return views_of(result, bucket, params, ops)
+
+
+def views_of(flat: Any, bucket: BucketState, params: Sequence[Any], ops: ArrayOps) -> list[Any]:
+    """Views of ``flat`` laid out as ``bucket`` (for a hook's result in a new tensor)."""
+    views = []
+    offset = 0
+    for i in bucket.indices:
+        views.append(ops.view(flat, offset, params[i]))
+        offset += ops.numel(params[i])
+    return views

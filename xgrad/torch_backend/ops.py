@@ -9,6 +9,10 @@ import torch
 
 __all__ = ["TorchArrayOps"]
 
+#: from this many elements a gradient is scaled while copied (one pass) rather than
+#: batched with others (a copy and a multiply: two passes, but one call for all).
+_ONE_PASS_NUMEL = 1 << 14
+
 
 class TorchArrayOps:
     """``xgrad.reducer.ArrayOps`` for torch tensors, on any device.
@@ -56,11 +60,24 @@ class TorchArrayOps:
     def copy_all(
         self, outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], scale: float | None
     ) -> None:
-        # Two fused calls for the whole bucket. Copying and then multiplying in place by
-        # the same scalar rounds exactly as multiplying while copying does.
-        torch._foreach_copy_(list(outs), list(xs))
-        if scale is not None:
-            torch._foreach_mul_(list(outs), scale)
+        if scale is None:
+            torch._foreach_copy_(list(outs), list(xs))
+            return
+        # Small gradients: two fused calls for all of them (copying, then multiplying in
+        # place by the same scalar, rounds exactly as multiplying while copying does).
+        # Large ones: one multiply-while-copying pass each, as PyTorch's reducer does,
+        # since a second pass over memory would cost more than the call saved.
+        small_out: list[torch.Tensor] = []
+        small_x: list[torch.Tensor] = []
+        for out, x in zip(outs, xs, strict=True):
+            if out.numel() >= _ONE_PASS_NUMEL:
+                self.copy_to(out, x, scale)
+            else:
+                small_out.append(out)
+                small_x.append(x)
+        if small_out:
+            torch._foreach_copy_(small_out, small_x)
+            torch._foreach_mul_(small_out, scale)
 
     def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, offset, like.numel()).view(like.shape)
