@@ -39,12 +39,20 @@ class ArrayOps(Protocol):
         """
         ...
 
+    def copy_all(self, outs: Sequence[Any], xs: Sequence[Any], scale: float | None) -> None:
+        """:meth:`copy_to` for many pairs at once (a bucket's gradients, one batched call)."""
+        ...
+
     def view(self, flat: Any, offset: int, like: Any) -> Any:
         """A view of ``flat`` from ``offset`` shaped like ``like`` (writes go to ``flat``)."""
         ...
 
     def div_(self, x: Any, divisor: int) -> None:
         """Divide in place."""
+        ...
+
+    def div_all(self, xs: Sequence[Any], divisor: int) -> None:
+        """:meth:`div_` for many arrays at once."""
         ...
 
     def zero_(self, x: Any) -> None: ...
