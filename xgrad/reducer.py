@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
 from xgrad.backend import Comm
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
@@ -25,22 +23,23 @@ from xgrad.buckets import (
     BucketPlan,
     rebuild_plan,
 )
-from xgrad.reducer_buckets import BucketState, build_buckets
+from xgrad.reducer_buckets import BucketState, build_buckets, used_nowhere
 from xgrad.reducer_errors import (
     buckets_never_reduced,
     marked_ready_twice,
     prior_reduction_unfinished,
 )
+from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
 
-#: how many per-iteration records a reducer keeps (the newest).
+#: per-iteration records kept (the newest).
 RECORDS_KEPT = 64
 
 
-class Reducer:
+class Reducer(JoinAndRecovery):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -155,10 +154,10 @@ class Reducer:
 
         As in DDP, this happens only when the plan can be trusted to repeat: without
         ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
-        from its own order and then adopts rank 0's, so all ranks launch the same buckets.
+        from its own order and adopts rank 0's, so all ranks launch the same buckets.
 
         Returns:
-            True when the buckets were rebuilt (gradient views must then be re-taken).
+            True when rebuilt (gradient views must then be re-taken).
         """
         self._ensure_prior_reduction_finished()
         if self.has_rebuilt_buckets or self._rebuild_order is None:
@@ -179,7 +178,9 @@ class Reducer:
         self._rebuild_order = None
         return True
 
-    def prepare_for_backward(self, unused: Iterable[int] = ()) -> None:
+    def prepare_for_backward(
+        self, unused: Iterable[int] = (), *, divisor: int | None = None
+    ) -> None:
         """Expect gradient hooks: call at the end of a forward pass that will be synced.
 
         Args:
@@ -187,8 +188,11 @@ class Reducer:
                 walking the graph from them). They are marked ready at the first gradient
                 hook, not now, so a forward pass whose output is dropped leaves nothing
                 half-reduced behind.
+            divisor: instead of the world size (ranks still training, join).
         """
         self._ensure_prior_reduction_finished()
+        self._divisor = divisor or self.comm.size
+        self._scale = None if self._hook else 1.0 / self._divisor
         unused = sorted(set(unused))
         for i in unused:
             if not 0 <= i < len(self.params):
@@ -260,7 +264,7 @@ class Reducer:
         elif self.gradient_as_bucket_view and ops.is_view_of(grad, view):
             # Autograd accumulated straight into the bucket: only the division is left.
             if self._scale is not None:
-                ops.div_(view, self.comm.size)
+                ops.div_(view, self._divisor)
         else:
             ops.copy_to(view, grad, self._scale)
         bucket.pending -= 1
@@ -353,11 +357,7 @@ class Reducer:
         if not (self.find_unused_parameters or self.static_graph):
             return set()
         locally_unused = self._unused if self._static_unused is None else self._static_unused
-        used = np.ones(len(self.params), dtype=np.int32)
-        used[list(locally_unused)] = 0
-        like = self._buckets[0].flat
-        total = self.ops.to_numpy(self.comm.allreduce(self.ops.from_numpy(used, like)).wait())
-        found = {int(i) for i in np.flatnonzero(total == 0)}
+        found = used_nowhere(self.comm, self.ops, len(self.params), locally_unused, self._buckets)
         if self.static_graph:
             self._static_global_unused = found
         return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import numpy as np
+
 from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
 from xgrad.reducer_types import ArrayOps
@@ -83,3 +85,14 @@ def build_buckets(
         for k, i in enumerate(indices):
             locate[i] = (bucket, k)
     return buckets, locate
+
+
+def used_nowhere(
+    comm: Any, ops: ArrayOps, n: int, locally_unused: Sequence[int], buckets: list[BucketState]
+) -> set[int]:
+    """Parameters no rank used: the per-rank used maps summed with one allreduce, as DDP does."""
+    used = np.ones(n, dtype=np.int32)
+    used[list(locally_unused)] = 0
+    like = buckets[0].flat
+    total = ops.to_numpy(comm.allreduce(ops.from_numpy(used, like)).wait())
+    return {int(i) for i in np.flatnonzero(total == 0)}

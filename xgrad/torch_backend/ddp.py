@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from xgrad.agreement import check_agreement
 from xgrad.backend import Comm
 from xgrad.buckets import (
     BucketPlan,
@@ -44,20 +45,32 @@ from xgrad.buckets import (
 )
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, TorchComm
+from xgrad.torch_backend.comm import TorchComm
+from xgrad.torch_backend.ddp_checks import (
+    check_params,
+    check_plan,
+    fingerprint,
+    resolve_caps,
+    resolve_timeout,
+)
 from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import statistics
+from xgrad.torch_backend.join import (
+    Joinable,
+    JoinableDDP,
+    announce_backward_sync,
+    find_common_rank,
+    notify_join_context,
+)
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
-_MIB = 1024 * 1024
 
-
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, JoinableDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     Args:
@@ -82,7 +95,13 @@ class DistributedDataParallel(nn.Module):
             ``named_parameters`` (those that require grad), used as given: no rebuild.
         comm_hook: a backend-neutral hook factory such as ``xgrad.hooks.fp16_compress_hook``,
             called with this module's :class:`~xgrad.torch_backend.comm.TorchComm`.
-        timeout: seconds any wait on a reduction may block before it raises.
+        timeout: seconds any wait on a peer may block before it raises (default
+            ``$XGRAD_DDP_TIMEOUT``, else 300): reductions, the buffer broadcast, the
+            rebuild broadcast and the agreement check alike.
+
+    Before the first reduction and after a rebuild the ranks compare plan, parameters
+    and hook (:mod:`xgrad.agreement`); ``join()`` is PyTorch's; a failed backward pass
+    is dropped at the next forward pass, with a warning.
 
     Example:
         >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
@@ -108,9 +127,12 @@ class DistributedDataParallel(nn.Module):
         first_bucket_cap_mb: float | None = None,
         plan: BucketPlan | None = None,
         comm_hook: Callable[[Comm], Hook] | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        timeout = resolve_timeout(timeout)
+        cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
         self.module = module
         self.process_group = process_group
         self.comm = TorchComm(process_group, timeout=timeout)
@@ -124,6 +146,7 @@ class DistributedDataParallel(nn.Module):
         self.timeout = timeout
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._ignored = ignore
         self.parameter_names, self._params, sparse = reduced_parameters(module, ignore)
         if not self._params:
             raise RuntimeError(
@@ -136,6 +159,8 @@ class DistributedDataParallel(nn.Module):
                 f"sparse gradients are not supported by xgrad's DDP (parameters {names} come "
                 "from an Embedding with sparse=True); use sparse=False"
             )
+        check_params(self.parameter_names, self._params)
+        plan = check_plan(plan, len(self._params))
         self.device_type, self.device_ids, self.output_device = resolve_devices(
             self._params, device_ids, output_device
         )
@@ -148,10 +173,7 @@ class DistributedDataParallel(nn.Module):
         ops = TorchArrayOps()
         nbytes = [ops.nbytes(p) for p in self._params]
         keys = [ops.key(p) for p in self._params]
-        first, cap = ddp_bucket_caps(
-            None if bucket_cap_mb is None else int(bucket_cap_mb * _MIB),
-            None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB),
-        )
+        first, cap = ddp_bucket_caps(cap_bytes, first_cap_bytes)
         self.plan_is_explicit = plan is not None
         if plan is None:
             plan = ddp_initial_plan(
@@ -161,11 +183,6 @@ class DistributedDataParallel(nn.Module):
                 first_bucket_cap_bytes=first,
                 find_unused_parameters=find_unused_parameters,
                 static_graph=static_graph,
-            )
-        elif plan.num_params != len(self._params):
-            raise ValueError(
-                f"plan covers {plan.num_params} parameters but the module has "
-                f"{len(self._params)} that require grad"
             )
         self.initial_plan = plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -187,6 +204,9 @@ class DistributedDataParallel(nn.Module):
         if self.plan_is_explicit:
             self.reducer.has_rebuilt_buckets = True  # a plan given is used as given
         self._hook_registered = False
+        self._hook_name = "allreduce (default)"
+        self._agreement_pending = True  # before the first reduction and after a rebuild
+        self._divide_by_initial_world_size = True
         self._grad_hooks.reducer = self.reducer
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
@@ -199,32 +219,55 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and self.reducer.rebuild_buckets() and self.gradient_as_bucket_view:
-            self._grad_hooks.alias_grads_to_buckets()
-        if self.require_forward_param_sync and self.broadcast_buffers and self._buffers_list:
+        sync = grad_enabled and self.require_backward_grad_sync
+        self._grad_hooks.recover(self.comm.rank)
+        still_training = notify_join_context(self)
+        if grad_enabled and self.reducer.rebuild_buckets():
+            self._agreement_pending = True
+            if self.gradient_as_bucket_view:
+                self._grad_hooks.alias_grads_to_buckets()
+        if self._will_sync_buffers():
             self._sync_buffers()
+        if self._join_config.enable:
+            announce_backward_sync(self, sync)
+        if sync:
+            self._check_agreement()
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = tree_map(
                 lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
             )
         output = self.module(*inputs, **kwargs)
-        if grad_enabled and self.require_backward_grad_sync:
+        if sync:
             self.require_forward_param_sync = True
             unused: Sequence[int] = ()
             if self.find_unused_parameters and not self.static_graph:
                 unused = find_unused_parameters(output, self._param_index, len(self._params))
-            self.reducer.prepare_for_backward(unused)
+            self.reducer.prepare_for_backward(unused, divisor=still_training)
             self._grad_hooks.sync_pending = True
             self._grad_hooks.forward_seconds = time.perf_counter() - start
         else:
             self.require_forward_param_sync = False
         return output
 
+    def _will_sync_buffers(self) -> bool:
+        return (
+            self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers_list)
+        )
+
     def _sync_buffers(self) -> None:
         if self.comm.size > 1:
+            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
+            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
             with torch.no_grad():
-                self.comm.broadcast_tensors(self._buffers_list, src=0)
+                self.comm.broadcast_tensors(self._buffers_list, src=src)
+
+    def _check_agreement(self) -> None:
+        """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
+        if self._agreement_pending:
+            mine = fingerprint(self.plan, self.parameter_names, self._params, self._hook_name)
+            check_agreement(self.comm, mine, where="DistributedDataParallel")
+            self._agreement_pending = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -250,6 +293,7 @@ class DistributedDataParallel(nn.Module):
         with this module's timeout. Call once, before the first forward pass.
         """
         self.register_hook(future_hook(state, hook, self.timeout))
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
         # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
         # order that differs between ranks; PowerSGD issues collectives from such callbacks,
         # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
@@ -272,6 +316,7 @@ class DistributedDataParallel(nn.Module):
             )
         self.reducer.hook = hook
         self._hook_registered = True
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     # ------------------------------------------------------------------ introspection
 

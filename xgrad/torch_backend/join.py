@@ -35,7 +35,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["DDPJoinHook", "Join", "Joinable", "JoinHook"]
+__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
 
 
 def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
@@ -86,6 +86,67 @@ class Join(TorchJoin):
         raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
 
 
+class JoinableDDP(Joinable):
+    """The ``Joinable`` members of the DDP, with PyTorch's names and defaults."""
+
+    timeout: float
+    process_group: Any
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context in which ranks may run out of inputs at different iterations.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size (``True``,
+                PyTorch's default) or by the number of ranks still training.
+            enable: ``False`` turns the context into a no-op (inputs known to be even).
+            throw_on_early_termination: raise on every rank as soon as one runs out,
+                instead of shadowing its collectives.
+
+        Example:
+            >>> with ddp.join():  # doctest: +SKIP
+            ...     for x in my_shard:          # lengths differ between ranks
+            ...         ddp(x).sum().backward()
+        """
+        for name, flag in (
+            ("divide_by_initial_world_size", divide_by_initial_world_size),
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"join(): {name} must be a bool, got {flag!r}")
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook a join context runs for this DDP once its rank has no input left.
+
+        Takes ``divide_by_initial_world_size`` (default ``True``), as PyTorch's does.
+        """
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise TypeError(f"join_hook() got unexpected keyword arguments {sorted(unknown)}")
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))  # type: ignore[arg-type]
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's one-element collectives live (the parameters' device)."""
+        return self._params[0].device  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the join context counts ranks over (the DDP's own)."""
+        return self.process_group
+
+
 class DDPJoinHook(JoinHook):
     """What a rank that has run out of inputs does for each iteration of the others.
 
@@ -98,8 +159,7 @@ class DDPJoinHook(JoinHook):
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         if not isinstance(divide_by_initial_world_size, bool):
             raise TypeError(
-                "divide_by_initial_world_size must be a bool, got "
-                f"{divide_by_initial_world_size!r}"
+                f"divide_by_initial_world_size must be a bool, got {divide_by_initial_world_size!r}"
             )
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
@@ -170,6 +230,11 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     return int(ones.item())
 
 
-def announce_backward_sync(ddp: DistributedDataParallel) -> None:
-    """Tell joined ranks whether this iteration's backward pass reduces (``no_sync`` or not)."""
-    _allreduce(ddp, 1.0 if ddp.require_backward_grad_sync else 0.0)
+def announce_backward_sync(ddp: DistributedDataParallel, sync: bool) -> None:
+    """Tell joined ranks whether this iteration's backward pass reduces.
+
+    ``sync`` is whether a synchronised backward follows this forward pass (grad enabled,
+    not under ``no_sync``); PyTorch looks at ``no_sync`` alone, so a forward pass under
+    ``torch.no_grad()`` inside join makes its joined ranks wait for buckets that never come.
+    """
+    _allreduce(ddp, 1.0 if sync else 0.0)
