@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 
-from xgrad.backend import Comm, Runner, Step, StepResult, unsupported_by_declaration
+from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.numpy_ops import NumpyOps
 from xgrad.reference.comm import DEFAULT_TIMEOUT_S, spawn
-from xgrad.reference.ddp import run_data_parallel
+from xgrad.reference.ddp import run_data_parallel, single_process_grads
 from xgrad.reference.models import MODELS
 
 T = TypeVar("T")
@@ -65,3 +65,22 @@ def run_ranks(
 def array_ops() -> tuple[NumpyOps, Callable[[np.ndarray], Any]]:
     """NumPy's reducer operations; the native array is the numpy array itself."""
     return NumpyOps(), np.asarray
+
+
+def _float64_grads(
+    model: str, weights: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    wide = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    return single_process_grads(
+        wide, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), model
+    )
+
+
+def truth() -> Truth:
+    """xgrad's own engine on the numpy models in float64 (not independent of xgrad)."""
+    return Truth(
+        grads=_float64_grads,
+        covers=lambda model: model in MODELS,
+        description="numpy float64 (xgrad.reference), one process, full batch",
+        independent=False,
+    )

@@ -13,6 +13,7 @@ from xgrad.backend import lazy_attributes
 from xgrad.torch_backend.runner import array_ops as array_ops
 from xgrad.torch_backend.runner import run_ranks as run_ranks
 from xgrad.torch_backend.runner import runners as runners
+from xgrad.torch_backend.runner import truth as truth
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
@@ -34,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
+__all__ = ["array_ops", "available", "name", "run_ranks", "runners", "truth", *sorted(_EXPORTS)]
 
 
 def available() -> bool:
