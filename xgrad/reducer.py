@@ -14,199 +14,30 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from xgrad.backend import Comm, Work
+from xgrad.backend import Comm
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
     rebuild_plan,
 )
+from xgrad.reducer_buckets import BucketState, build_buckets
+from xgrad.reducer_errors import (
+    buckets_never_reduced,
+    marked_ready_twice,
+    prior_reduction_unfinished,
+)
+from xgrad.reducer_types import ArrayOps as ArrayOps
+from xgrad.reducer_types import GradBucket as GradBucket
+from xgrad.reducer_types import Hook as Hook
+from xgrad.reducer_types import IterationRecord as IterationRecord
 
 #: how many per-iteration records a reducer keeps (the newest).
 RECORDS_KEPT = 64
-
-
-class ArrayOps(Protocol):
-    """The few array operations the reducer needs, for one array library."""
-
-    def numel(self, x: Any) -> int: ...
-
-    def nbytes(self, x: Any) -> int: ...
-
-    def key(self, x: Any) -> Hashable:
-        """What must not be mixed in a bucket (dtype and device)."""
-        ...
-
-    def new_flat(self, like: Sequence[Any], numel: int) -> Any:
-        """A zeroed 1-D buffer of ``numel`` elements with ``like[0]``'s dtype and device."""
-        ...
-
-    def copy_to(self, out: Any, x: Any, scale: float | None = None) -> None:
-        """``out[...] = x * scale`` (no multiply when ``None``); ``out`` is a bucket view.
-
-        The scaled copy is PyTorch's pre-division (``mul_out`` by ``1/world_size``): it
-        must round exactly as that does for results to agree bit for bit.
-        """
-        ...
-
-    def view(self, flat: Any, offset: int, like: Any) -> Any:
-        """A view of ``flat`` from ``offset`` shaped like ``like`` (writes go to ``flat``)."""
-        ...
-
-    def div_(self, x: Any, divisor: int) -> None:
-        """Divide in place."""
-        ...
-
-    def zero_(self, x: Any) -> None: ...
-
-    def is_view_of(self, x: Any, view: Any) -> bool:
-        """Whether ``x`` already is (aliases the memory of) ``view``."""
-        ...
-
-    def from_numpy(self, a: np.ndarray, like: Any) -> Any:
-        """``a`` as this library's array, on ``like``'s device."""
-        ...
-
-    def to_numpy(self, x: Any) -> np.ndarray: ...
-
-
-class GradBucket:
-    """A bucket as a communication hook sees it: PyTorch ``GradBucket``'s methods.
-
-    PyTorch's own hooks (``allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook``)
-    call only these methods, so they run unchanged on an xgrad bucket of torch tensors.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        buffer: Any,
-        gradients: list[Any],
-        parameters: list[Any],
-        is_last: bool,
-    ) -> None:
-        self._index = index
-        self._buffer = buffer
-        self._gradients = gradients
-        self._parameters = parameters
-        self._is_last = is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> Any:
-        return self._buffer
-
-    def gradients(self) -> list[Any]:
-        return self._gradients
-
-    def parameters(self) -> list[Any]:
-        return self._parameters
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Any) -> None:
-        self._buffer = buffer
-
-
-#: A communication hook with its state already bound: bucket in, in-flight reduction out.
-Hook = Callable[[GradBucket], Work]
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """What happened in one synchronised backward pass (times from the reducer's clock).
-
-    Attributes:
-        iteration: 0-based count of synchronised backward passes.
-        plan_digest: digest of the plan the iteration ran with.
-        ready_order: parameter indices in the order their gradients became ready
-            (unused parameters marked ready by the reducer included, after the hook
-            that marked them).
-        ready_times: per entry of ``ready_order``, when it became ready.
-        launch_times: per bucket, when its reduction was launched.
-        finish_times: per bucket, when its reduction was seen finished.
-        backward_start: the first gradient hook of the pass.
-        backward_end: when the last gradient was written back.
-        unused: parameters marked ready without a gradient on this rank.
-    """
-
-    iteration: int
-    plan_digest: str
-    ready_order: tuple[int, ...]
-    ready_times: tuple[float, ...]
-    launch_times: tuple[float, ...]
-    finish_times: tuple[float, ...]
-    backward_start: float
-    backward_end: float
-    unused: tuple[int, ...]
-
-    @property
-    def compute_seconds(self) -> float:
-        """From the first gradient hook to the last gradient becoming ready."""
-        return (self.ready_times[-1] if self.ready_times else self.backward_start) - (
-            self.backward_start
-        )
-
-    @property
-    def communication_seconds(self) -> float:
-        """From the first launch to the last observed finish."""
-        if not self.launch_times:
-            return 0.0
-        return max(self.finish_times) - min(self.launch_times)
-
-    @property
-    def overlap_seconds(self) -> float:
-        """Communication that ran while gradients were still being computed."""
-        if not self.launch_times or not self.ready_times:
-            return 0.0
-        return max(0.0, self.ready_times[-1] - min(self.launch_times))
-
-
-class _Bucket:
-    """The mutable per-bucket state (plain attributes: this is the per-hook hot path)."""
-
-    __slots__ = (
-        "finished_at",
-        "flat",
-        "in_views",
-        "index",
-        "indices",
-        "launched_at",
-        "pending",
-        "result",
-        "waited",
-        "work",
-    )
-
-    def __init__(
-        self, index: int, indices: tuple[int, ...], flat: Any, in_views: list[Any]
-    ) -> None:
-        self.index = index
-        self.indices = indices
-        self.flat = flat
-        self.in_views = in_views
-        self.pending = len(indices)
-        self.work: Work | None = None
-        self.result: Any = None
-        self.waited = False
-        self.launched_at = 0.0
-        self.finished_at = 0.0
-
-    def wait(self, clock: Callable[[], float]) -> Any:
-        """The reduction's result, waiting for it once."""
-        if not self.waited:
-            assert self.work is not None
-            self.result = self.work.wait()
-            self.finished_at = clock()
-            self.waited = True
-        return self.result
 
 
 class Reducer:
@@ -298,26 +129,8 @@ class Reducer:
     # ----------------------------------------------------------------- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
-        for b, members_of_b in enumerate(plan.buckets):
-            mixed = {self.keys[i] for i in members_of_b}
-            if len(mixed) > 1:
-                raise ValueError(f"bucket {b} of the plan mixes {sorted(map(str, mixed))}")
+        self._buckets, self._locate = build_buckets(plan, self.params, self.ops, self.keys)
         self.plan = plan
-        self._buckets: list[_Bucket] = []
-        self._locate: list[tuple[_Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
-        for b, indices in enumerate(plan.buckets):
-            members = [self.params[i] for i in indices]
-            offsets: list[int] = []
-            total = 0
-            for p in members:
-                offsets.append(total)
-                total += self.ops.numel(p)
-            flat = self.ops.new_flat(members, total)
-            views = [self.ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
-            bucket = _Bucket(b, indices, flat, views)
-            self._buckets.append(bucket)
-            for k, i in enumerate(indices):
-                self._locate[i] = (bucket, k)
 
     def bucket_views(self) -> list[Any]:
         """Per parameter, its view into the bucket buffers (for ``gradient_as_bucket_view``)."""
@@ -335,23 +148,7 @@ class Reducer:
     def _ensure_prior_reduction_finished(self) -> None:
         if not self._require_finalize:
             return
-        missing = self._missing()
-        raise RuntimeError(
-            "Expected to have finished reduction in the prior iteration before starting a "
-            "new one. This error indicates that your module has parameters that were not "
-            "used in producing loss. You can enable unused parameter detection by passing "
-            "the keyword argument `find_unused_parameters=True`, and by making sure all "
-            "outputs of `forward` take part in calculating the loss. "
-            + self._describe_missing(missing)
-        )
-
-    def _describe_missing(self, missing: list[int]) -> str:
-        return (
-            f"Parameter indices which did not receive grad for rank {self.comm.rank}: "
-            f"{' '.join(map(str, missing))}\n"
-            f"Parameters which did not receive grad for rank {self.comm.rank}: "
-            f"{', '.join(self.names[i] for i in missing)}"
-        )
+        raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
 
     def rebuild_buckets(self) -> bool:
         """Rebuild the buckets once from the first observed ready order (call in forward).
@@ -450,14 +247,7 @@ class Reducer:
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
-            raise RuntimeError(
-                "Expected to mark a variable ready only once. This error is caused by one of "
-                "the following reasons: 1) Use of a module parameter outside the `forward` "
-                "function, 2) Reused parameters in multiple reentrant backward passes, "
-                "3) Incorrect unused parameter detection. "
-                f"Parameter at index {index} with name {self.names[index]} has been marked "
-                f"as ready twice on rank {self.comm.rank}."
-            )
+            raise marked_ready_twice(index, self.names, self.comm.rank)
         self._ready[index] = 1
         self._ready_order.append(index)
         self._ready_times.append(now)
@@ -484,7 +274,7 @@ class Reducer:
             self._launch(buckets[self._next_bucket])
             self._next_bucket += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: BucketState) -> None:
         if self.serial_hooks and self.hook is not None and bucket.index > 0:
             self._buckets[bucket.index - 1].wait(self.clock)
         bucket.launched_at = self.clock()
@@ -523,11 +313,7 @@ class Reducer:
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
-            raise RuntimeError(
-                "Some parameters received no gradient in this backward pass, so their "
-                "buckets were never reduced. Pass find_unused_parameters=True if parts of the "
-                "model are legitimately unused. " + self._describe_missing(self._missing())
-            )
+            raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
         globally_unused = self._globally_unused()
         for bucket in self._buckets:
             result = bucket.wait(self.clock)

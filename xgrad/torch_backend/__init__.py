@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
     from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
+    from xgrad.torch_backend.pipeline import PipelineRuntime as PipelineRuntime
     from xgrad.torch_backend.spawn import SpawnError as SpawnError
     from xgrad.torch_backend.spawn import spawn as spawn
 
@@ -31,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "IterationTimes": "xgrad.torch_backend.ddp",
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
+    "PipelineRuntime": "xgrad.torch_backend.pipeline",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
 }

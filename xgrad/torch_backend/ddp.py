@@ -17,12 +17,15 @@ One training step, as PyTorch's DDP does it::
                unused parameters ready); a full bucket is launched in bucket order
     end        engine's final callback: reducer.finalize() waits for every bucket and
                writes the averaged gradients to .grad (or makes .grad the bucket view)
+
+The pieces: parameter discovery and device checks in ``ddp_params``, the autograd hook
+adapter in ``ddp_hooks``, the timeline and statistics in ``ddp_stats``; this module is the
+``nn.Module`` wrapper that ties them to the reducer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -33,51 +36,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from xgrad.backend import Comm, Work
+from xgrad.backend import Comm
 from xgrad.buckets import (
     BucketPlan,
     ddp_bucket_caps,
     ddp_initial_plan,
 )
-from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, FutureWork, TorchComm
+from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, TorchComm
+from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
+from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
+from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
+from xgrad.torch_backend.ddp_stats import statistics
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
 _MIB = 1024 * 1024
-
-#: per-iteration timings kept for statistics (the newest).
-_TIMINGS_KEPT = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class IterationTimes:
-    """One synchronised iteration's timeline, in seconds (PyTorch's DDP logs the same).
-
-    Attributes:
-        iteration: 0-based count of synchronised backward passes.
-        forward: the forward pass, through DDP (bucket rebuild and buffer sync included).
-        backward: from the first gradient hook to the gradients written back.
-        backward_compute: from the first gradient hook to the last gradient ready.
-        communication: from the first bucket launched to the last one finished.
-        overlap: communication while gradients were still being computed.
-    """
-
-    iteration: int
-    forward: float
-    backward: float
-    backward_compute: float
-    communication: float
-    overlap: float
-
-
-def _produces_sparse_gradient(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return bool(module.sparse)
-    return False
 
 
 class DistributedDataParallel(nn.Module):
@@ -147,7 +124,7 @@ class DistributedDataParallel(nn.Module):
         self.timeout = timeout
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self.parameter_names, self._params, sparse = self._reduced_parameters(module, ignore)
+        self.parameter_names, self._params, sparse = reduced_parameters(module, ignore)
         if not self._params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
@@ -159,7 +136,9 @@ class DistributedDataParallel(nn.Module):
                 f"sparse gradients are not supported by xgrad's DDP (parameters {names} come "
                 "from an Embedding with sparse=True); use sparse=False"
             )
-        self._set_devices(device_ids, output_device)
+        self.device_type, self.device_ids, self.output_device = resolve_devices(
+            self._params, device_ids, output_device
+        )
         self._buffers_list = [b for name, b in module.named_buffers() if name not in ignore]
 
         if init_sync:
@@ -190,12 +169,13 @@ class DistributedDataParallel(nn.Module):
             )
         self.initial_plan = plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._grad_hooks = GradientHooks(self._params, gradient_as_bucket_view)
         self.reducer = Reducer(
             self._params,
             plan,
             self.comm,
             ops,
-            set_grad=self._set_grad,
+            set_grad=self._grad_hooks.set_grad,
             names=self.parameter_names,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -207,131 +187,12 @@ class DistributedDataParallel(nn.Module):
         if self.plan_is_explicit:
             self.reducer.has_rebuilt_buckets = True  # a plan given is used as given
         self._hook_registered = False
-        self._sync_pending = False
-        self._copy_dst: list[torch.Tensor] = []
-        self._copy_src: list[torch.Tensor] = []
+        self._grad_hooks.reducer = self.reducer
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
-        self.timeline: deque[IterationTimes] = deque(maxlen=_TIMINGS_KEPT)
-        self._forward_seconds = 0.0
-        self._backward_started = 0.0
         if gradient_as_bucket_view:
-            self._alias_grads_to_buckets()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self._params)
-        ]
-
-    # ------------------------------------------------------------------ construction
-
-    @staticmethod
-    def _reduced_parameters(
-        module: nn.Module, ignore: set[str]
-    ) -> tuple[list[str], list[nn.Parameter], list[bool]]:
-        """DDP's parameter order: by module, requiring grad, not ignored, shared ones once."""
-        names: list[str] = []
-        params: list[nn.Parameter] = []
-        sparse: list[bool] = []
-        seen: set[int] = set()
-        for module_name, sub in module.named_modules():
-            for param_name, p in sub.named_parameters(recurse=False):
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                if not p.requires_grad or name in ignore or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                names.append(name)
-                params.append(p)
-                sparse.append(_produces_sparse_gradient(sub))
-        return names, params, sparse
-
-    def _set_devices(
-        self,
-        device_ids: Sequence[int | torch.device] | None,
-        output_device: int | torch.device | None,
-    ) -> None:
-        device_types = {p.device.type for p in self._params}
-        if len(device_types) != 1:
-            raise ValueError(
-                "DistributedDataParallel's input module must be on the same type of devices, "
-                f"but input module parameters locate in {device_types}."
-            )
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                f"device_ids can only be None or contain a single element, got {device_ids!r}"
-            )
-        self.device_type = device_types.pop()
-        if not device_ids or self.device_type == "cpu":
-            if device_ids or output_device is not None:
-                raise ValueError(
-                    "DistributedDataParallel device_ids and output_device arguments only work "
-                    f"with single-device GPU modules, but got device_ids {device_ids}, "
-                    f"output_device {output_device} and a {self.device_type} module."
-                )
-            self.device_ids: list[int] | None = None
-            self.output_device: int | None = None
-            return
-        self.device_ids = [_device_index(d) for d in device_ids]
-        self.output_device = (
-            self.device_ids[0] if output_device is None else _device_index(output_device)
-        )
-
-    # ------------------------------------------------------------------ gradients
-
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        reducer = self.reducer
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
-
-        def hook(param: torch.Tensor) -> None:
-            if self._sync_pending:
-                # First gradient of a synchronised backward pass: end it with finalize.
-                self._sync_pending = False
-                self._backward_started = time.perf_counter()
-                engine.queue_callback(self._finalize)
-            reducer.mark_ready(index, param.grad)
-
-        return hook
-
-    def _finalize(self) -> None:
-        try:
-            self.reducer.finalize()
-            if self._copy_dst:
-                # One fused copy for every gradient instead of one call per parameter.
-                torch._foreach_copy_(self._copy_dst, self._copy_src)
-        finally:
-            self._copy_dst.clear()
-            self._copy_src.clear()
-        end = time.perf_counter()
-        record = self.reducer.records[-1]
-        self.timeline.append(
-            IterationTimes(
-                iteration=record.iteration,
-                forward=self._forward_seconds,
-                backward=end - self._backward_started,
-                backward_compute=record.compute_seconds,
-                communication=record.communication_seconds,
-                overlap=record.overlap_seconds,
-            )
-        )
-
-    def _set_grad(self, index: int, view: torch.Tensor) -> None:
-        p = self._params[index]
-        grad = p.grad
-        if self.gradient_as_bucket_view:
-            if grad is None or grad.data_ptr() != view.data_ptr():
-                p.grad = view
-        elif grad is None:
-            p.grad = view.clone()
-        else:
-            self._copy_dst.append(grad)
-            self._copy_src.append(view)
-
-    def _alias_grads_to_buckets(self) -> None:
-        """Make existing gradients views into the (new) buckets, keeping their values."""
-        with torch.no_grad():
-            for p, view in zip(self._params, self.reducer.bucket_views(), strict=True):
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+            self._grad_hooks.alias_grads_to_buckets()
+        self._grad_hooks.attach(self.reducer)
 
     # ------------------------------------------------------------------ forward
 
@@ -339,7 +200,7 @@ class DistributedDataParallel(nn.Module):
         start = time.perf_counter()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and self.reducer.rebuild_buckets() and self.gradient_as_bucket_view:
-            self._alias_grads_to_buckets()
+            self._grad_hooks.alias_grads_to_buckets()
         if self.require_forward_param_sync and self.broadcast_buffers and self._buffers_list:
             self._sync_buffers()
         if self.device_ids:
@@ -354,8 +215,8 @@ class DistributedDataParallel(nn.Module):
             if self.find_unused_parameters and not self.static_graph:
                 unused = find_unused_parameters(output, self._param_index, len(self._params))
             self.reducer.prepare_for_backward(unused)
-            self._sync_pending = True
-            self._forward_seconds = time.perf_counter() - start
+            self._grad_hooks.sync_pending = True
+            self._grad_hooks.forward_seconds = time.perf_counter() - start
         else:
             self.require_forward_param_sync = False
         return output
@@ -388,21 +249,7 @@ class DistributedDataParallel(nn.Module):
         bucket they get has ``GradBucket``'s methods. The returned future is waited on
         with this module's timeout. Call once, before the first forward pass.
         """
-        if not callable(hook):
-            raise TypeError(f"Communication hook must be callable, got {hook!r}")
-        name = getattr(hook, "__name__", type(hook).__name__)
-        timeout = self.timeout
-
-        def run(bucket: GradBucket) -> Work:
-            future = hook(state, bucket)
-            if not isinstance(future, torch._C.Future):
-                raise TypeError(
-                    f"communication hook {name} returned {type(future).__name__}, "
-                    "expected torch.futures.Future[torch.Tensor]"
-                )
-            return FutureWork(future, timeout, name=f"comm hook {name} on bucket {bucket.index()}")
-
-        self.register_hook(run)
+        self.register_hook(future_hook(state, hook, self.timeout))
         # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
         # order that differs between ranks; PowerSGD issues collectives from such callbacks,
         # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
@@ -418,7 +265,7 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
-        if self.reducer.num_iterations or self._sync_pending:
+        if self.reducer.num_iterations or self._grad_hooks.sync_pending:
             raise RuntimeError(
                 "register_comm_hook must be called before the first forward/backward pass "
                 f"(rank {self.comm.rank})"
@@ -445,35 +292,15 @@ class DistributedDataParallel(nn.Module):
         ``avg_backward_compute_time``, ``avg_backward_comm_time``,
         ``avg_backward_compute_comm_overlap_time``.
         """
-        records = list(self.reducer.records)
-        last = records[-1] if records else None
-        timeline = list(self.timeline)
-        return {
-            "world_size": self.comm.size,
-            "rank": self.comm.rank,
-            "num_parameters": len(self._params),
-            "initial_plan": self.initial_plan.to_json(),
-            "plan": self.plan.to_json(),
-            "has_rebuilt_buckets": self.reducer.has_rebuilt_buckets and not self.plan_is_explicit,
-            "bucket_sizes": self.reducer.bucket_sizes(),
-            "ready_order": [self.parameter_names[i] for i in last.ready_order] if last else [],
-            "ready_order_indices": list(last.ready_order) if last else [],
-            "iterations": self.reducer.num_iterations,
-            "timeline": [dataclasses.asdict(t) for t in timeline],
-            "avg_forward_time": _mean([t.forward for t in timeline]),
-            "avg_backward_time": _mean([t.backward for t in timeline]),
-            "avg_backward_compute_time": _mean([t.backward_compute for t in timeline]),
-            "avg_backward_comm_time": _mean([t.communication for t in timeline]),
-            "avg_backward_compute_comm_overlap_time": _mean([t.overlap for t in timeline]),
-        }
+        return statistics(
+            reducer=self.reducer,
+            names=self.parameter_names,
+            initial_plan=self.initial_plan,
+            plan_is_explicit=self.plan_is_explicit,
+            timeline=self.timeline,
+        )
 
-
-def _device_index(device: int | torch.device) -> int:
-    """``3``, ``torch.device("cuda", 3)`` and ``torch.device("cuda:3")`` all give 3."""
-    if isinstance(device, torch.device):
-        return 0 if device.index is None else device.index
-    return int(device)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
+    @property
+    def timeline(self) -> deque[IterationTimes]:
+        """The kept iterations' timelines, oldest first."""
+        return self._grad_hooks.timeline
