@@ -104,6 +104,25 @@ class Runner(Protocol):
         ...
 
 
+def backend_benches() -> dict[str, str]:
+    """Every registered backend's ``xgrad bench`` targets (target -> module path).
+
+    Raises:
+        ValueError: two backends claim one target.
+    """
+    targets: dict[str, str] = {}
+    for name in list_backends():
+        try:
+            benches = getattr(get_backend(name), "BENCHES", {})
+        except ImportError:
+            continue  # reported by `xgrad backends`; its benches cannot run anyway
+        for target, module in benches.items():
+            if target in targets:
+                raise ValueError(f"bench target {target!r} is claimed twice (backend {name})")
+            targets[target] = module
+    return targets
+
+
 @dataclass(frozen=True)
 class Truth:
     """A backend's single-process, full-batch float64 gradients: what runners are judged by.
@@ -176,6 +195,9 @@ class Backend(Protocol):
 
     name: str
     run_ranks: Callable[..., list[Any]] | None
+    #: optional: ``xgrad bench`` targets it adds, target -> module (``HELP``,
+    #: ``add_arguments``, ``run``), imported only when that target runs.
+    BENCHES: Mapping[str, str]
 
     def available(self) -> bool:
         """Whether it can run here (its framework imports); cheap, imports nothing heavy."""

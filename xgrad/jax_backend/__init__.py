@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 name = "jax"
 
+#: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
+BENCHES: dict[str, str] = {"jax": "xgrad.jax_backend.bench"}
+
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "HOOKS": "xgrad.jax_backend.data_parallel",
@@ -52,7 +55,16 @@ _EXPORTS: dict[str, str] = {
     "PowerSGD": "xgrad.jax_backend.powersgd",
 }
 
-__all__ = ["array_ops", "available", "name", "run_ranks", "runners", "truth", *sorted(_EXPORTS)]
+__all__ = [
+    "BENCHES",
+    "array_ops",
+    "available",
+    "name",
+    "run_ranks",
+    "runners",
+    "truth",
+    *sorted(_EXPORTS),
+]
 
 #: JAX reduces inside a compiled function (``psum`` over a mesh axis), not through a
 #: process group object, so it offers no :class:`xgrad.backend.Comm`.

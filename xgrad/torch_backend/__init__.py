@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 name = "torch"
 
+#: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
+BENCHES: dict[str, str] = {
+    "ddp": "xgrad.torch_backend.bench",
+    "pipeline": "xgrad.torch_backend.pipeline_bench",
+}
+
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "DistributedDataParallel": "xgrad.torch_backend.ddp",
@@ -37,7 +43,16 @@ _EXPORTS: dict[str, str] = {
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["array_ops", "available", "name", "run_ranks", "runners", "truth", *sorted(_EXPORTS)]
+__all__ = [
+    "BENCHES",
+    "array_ops",
+    "available",
+    "name",
+    "run_ranks",
+    "runners",
+    "truth",
+    *sorted(_EXPORTS),
+]
 
 
 def available() -> bool:
