@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+from xgrad.commands.options import positive_int
 
 HELP = (
     "print a pipeline schedule as a rank × step grid with its simulated step time, bubble "
@@ -20,9 +23,14 @@ def _costs(text: str) -> dict[str, float]:
         if not sep:
             raise argparse.ArgumentTypeError(f"--costs item {item!r} is not KIND=NUMBER")
         try:
-            out[key.strip().upper()] = float(value)
+            cost = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--costs value {value!r} is not a number") from None
+        if not math.isfinite(cost) or cost < 0:
+            raise argparse.ArgumentTypeError(
+                f"--costs value {value!r} for {key.strip()!r}: expected a finite number >= 0"
+            )
+        out[key.strip().upper()] = cost
     return out
 
 
@@ -30,10 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from xgrad.pipeline import SCHEDULES
 
     parser.add_argument("name", choices=sorted(SCHEDULES), help="which schedule")
-    parser.add_argument("--stages", "-p", type=int, required=True, help="p: pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="m: microbatches")
     parser.add_argument(
-        "--chunks", "-v", type=int, default=2, help="v: chunks per rank (interleaved_1f1b)"
+        "--stages", "-p", type=positive_int, required=True, help="p: pipeline ranks"
+    )
+    parser.add_argument(
+        "--microbatches", "-m", type=positive_int, required=True, help="m: microbatches"
+    )
+    parser.add_argument(
+        "--chunks", "-v", type=positive_int, default=2, help="v: chunks per rank (interleaved_1f1b)"
     )
     parser.add_argument(
         "--costs",
