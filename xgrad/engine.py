@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from xgrad.graph import BackwardGraph, NodeKind, compute_dependencies
+from xgrad.dependencies import compute_dependencies
+from xgrad.graph import BackwardGraph, NodeKind
 
 #: A node's backward: one gradient per input (None where none arrived) -> one per next edge
 #: (None: no gradient along that edge).

@@ -20,8 +20,8 @@ from xgrad.buckets import (
     ddp_bucket_caps,
     ddp_initial_plan,
 )
+from xgrad.dependencies import unused_parameters
 from xgrad.engine import Engine, PassResult
-from xgrad.graph import unused_parameters
 from xgrad.hooks import HOOKS
 from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
