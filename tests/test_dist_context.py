@@ -67,7 +67,7 @@ def run_two_workers(
         except DistBackwardError as err:
             return err
 
-    return spawn(2, rank_main, timeout=10.0)
+    return spawn(rank_main, 2, timeout=10.0)
 
 
 def test_distributed_pass_sends_gradients_back() -> None:
@@ -167,7 +167,7 @@ def test_three_workers_in_a_chain() -> None:
         r = comm.rank
         return engines[r].backward_distributed(ctx, r, graphs[r], fns[r], roots[r])
 
-    orders = [res.order for res in spawn(3, body, timeout=10.0)]
+    orders = [res.order for res in spawn(body, 3, timeout=10.0)]
     assert orders == [(0, 1, 2), (0, 1, 3, 2), (0, 2, 1)]
     assert [e.grads for e in engines] == [{0: 110.0}, {1: 14.0}, {2: 3.0}]
 
@@ -196,7 +196,7 @@ def test_an_unreached_recv_tells_its_sender_there_is_no_gradient() -> None:
             return engines[0].backward_distributed(ctx, 0, b0.build(), {0: scale(4.0)}, {0: 1.0})
         return engines[1].backward_distributed(ctx, 1, g1, {1: never})
 
-    r0, r1 = spawn(2, body, timeout=10.0)
+    r0, r1 = spawn(body, 2, timeout=10.0)
     assert r0.order == (0, 2) and r1.order == (0, 1, 2)
     assert engines[0].grads == {0: 4.0} and engines[1].grads == {}
     assert hooked == [None]
@@ -216,6 +216,6 @@ def test_a_bad_graph_on_one_worker_fails_the_others_at_once() -> None:
         except DistBackwardError as err:
             return err
 
-    errors = spawn(2, body, timeout=30.0)
+    errors = spawn(body, 2, timeout=30.0)
     assert [e.worker for e in errors] == [0, 0]
     assert all("ValueError: recv node 1" in str(e) for e in errors)

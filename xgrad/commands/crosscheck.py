@@ -23,6 +23,7 @@ HELP = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from xgrad import crosscheck, models
+    from xgrad.hooks import HOOK_NAMES
 
     parser.add_argument(
         "--model",
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hook",
         default="none",
-        choices=["none", *crosscheck.CASE_HOOKS],
+        choices=["none", *HOOK_NAMES],
         help="comm hook (none: sum, then divide by the world size)",
     )
     parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")

@@ -22,25 +22,12 @@ from xgrad.buckets import (
 )
 from xgrad.dependencies import unused_parameters
 from xgrad.engine import Engine, PassResult
-from xgrad.hooks import HOOKS
+from xgrad.hooks import HookSpec, resolve_hook
 from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
-from xgrad.reducer import Hook, Reducer
+from xgrad.reducer import Reducer
 from xgrad.reference.comm import ReferenceComm, spawn
 from xgrad.reference.models import MLP, ForwardPass, build_model
-
-#: a communication hook: a name in ``xgrad.hooks.HOOKS`` or a factory ``comm -> Hook``.
-HookSpec = str | Callable[[Comm], Hook] | None
-
-
-def _resolve_hook(hook: HookSpec, comm: Comm) -> Hook | None:
-    if hook is None:
-        return None
-    if isinstance(hook, str):
-        if hook not in HOOKS:
-            raise ValueError(f"hook={hook!r} is not one of {sorted(HOOKS)}")
-        return HOOKS[hook](comm)
-    return hook(comm)
 
 
 class DataParallel:
@@ -101,7 +88,7 @@ class DataParallel:
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            hook=_resolve_hook(hook, comm),
+            hook=resolve_hook(hook, comm),
             rebuild_limits=(first, cap),
             nbytes=nbytes,
             keys=keys,
@@ -204,7 +191,7 @@ def run_data_parallel(
             dp.backward(dp.forward(xs, ys))
         return dp.grads()
 
-    per_rank = spawn(world_size, rank_main, timeout=timeout)
+    per_rank = spawn(rank_main, world_size, timeout=timeout)
     for r, grads in enumerate(per_rank[1:], start=1):
         for name, g in grads.items():
             if not np.array_equal(g, per_rank[0][name]):

@@ -59,7 +59,7 @@ def run_ranks(
     fn: Callable[[Comm], T], world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S
 ) -> list[T]:
     """``fn(comm)`` on ``world_size`` simulated ranks; results by rank."""
-    return spawn(world_size, fn, timeout=timeout)
+    return spawn(fn, world_size, timeout=timeout)
 
 
 def array_ops() -> tuple[NumpyOps, Callable[[np.ndarray], Any]]:

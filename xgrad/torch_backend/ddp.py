@@ -44,7 +44,7 @@ from xgrad.buckets import (
 )
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, TorchComm
+from xgrad.torch_backend.comm import DEFAULT_TIMEOUT_S, TorchComm
 from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
@@ -108,7 +108,7 @@ class DistributedDataParallel(nn.Module):
         first_bucket_cap_mb: float | None = None,
         plan: BucketPlan | None = None,
         comm_hook: Callable[[Comm], Hook] | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__()
         self.module = module
