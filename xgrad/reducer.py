@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from xgrad.reducer_errors import (
     marked_ready_twice,
     prior_reduction_unfinished,
 )
+from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
@@ -40,7 +41,7 @@ from xgrad.reducer_types import IterationRecord as IterationRecord
 RECORDS_KEPT = 64
 
 
-class Reducer:
+class Reducer(Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -71,12 +72,12 @@ class Reducer:
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

@@ -10,6 +10,7 @@ import numpy as np
 
 from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.numpy_ops import NumpyOps
+from xgrad.reducer_types import ArrayOps
 from xgrad.reference.comm import DEFAULT_TIMEOUT_S, spawn
 from xgrad.reference.ddp import run_data_parallel, single_process_grads
 from xgrad.reference.models import MODELS
@@ -62,7 +63,7 @@ def run_ranks(
     return spawn(fn, world_size, timeout=timeout)
 
 
-def array_ops() -> tuple[NumpyOps, Callable[[np.ndarray], Any]]:
+def array_ops() -> tuple[ArrayOps[np.ndarray], Callable[[np.ndarray], Any]]:
     """NumPy's reducer operations; the native array is the numpy array itself."""
     return NumpyOps(), np.asarray
 
