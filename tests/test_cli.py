@@ -135,3 +135,34 @@ def test_every_option_has_a_help_line_with_its_default(capsys: pytest.CaptureFix
     text = " ".join(capsys.readouterr().out.split())
     assert "--seed SEED seeds the weights and the batch (default: 0)" in text
     assert "(default: 2048B)" in text and "--world-size WORLD_SIZE ranks (default: 2)" in text
+
+
+def test_backends_lists_runners_and_writes_json_and_csv(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import csv
+    import json
+
+    assert main(["backends", "reference", "--json", str(tmp_path / "b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "runners" in text and "allreduce,fp16,bf16" in text
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["backends"] == [{"backend": "reference", "status": "available"}]
+    assert [r["runner"] for r in data["runners"]] == ["reference"]
+    assert main(["backends", "reference", "--csv"]) == 0
+    rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert [r["table"] for r in rows] == ["backends", "runners"]
+
+
+def test_schedule_writes_its_figures_as_json(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import json
+
+    out = tmp_path / "s.json"
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    figures = {row["figure"]: row["value"] for row in data["figures"]}
+    assert figures["bubble_fraction"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    assert [row["rank"] for row in data["ranks"]] == [0, 1]
+    assert len(data["timeline"]) == 2 * 4 * 2  # a forward and a backward per microbatch and rank
