@@ -43,12 +43,20 @@ class ArrayOps(Protocol[A]):
         """
         ...
 
+    def copy_all(self, outs: Sequence[A], xs: Sequence[A], scale: float | None) -> None:
+        """:meth:`copy_to` for many pairs at once (a bucket's gradients, one batched call)."""
+        ...
+
     def view(self, flat: A, offset: int, like: A) -> A:
         """A view of ``flat`` from ``offset`` shaped like ``like`` (writes go to ``flat``)."""
         ...
 
     def div_(self, x: A, divisor: int) -> None:
         """Divide in place."""
+        ...
+
+    def div_all(self, xs: Sequence[A], divisor: int) -> None:
+        """:meth:`div_` for many arrays at once."""
         ...
 
     def zero_(self, x: A) -> None: ...
