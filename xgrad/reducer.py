@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
@@ -31,6 +31,7 @@ from xgrad.reducer_errors import (
     sparse_gradient_missing,
 )
 from xgrad.reducer_recovery import JoinAndRecovery
+from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
@@ -41,7 +42,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(JoinAndRecovery):
+class Reducer(JoinAndRecovery, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -82,12 +83,12 @@ class Reducer(JoinAndRecovery):
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
