@@ -13,8 +13,11 @@ import json
 import shlex
 from pathlib import Path
 
+import pytest
+
 from xgrad.cli import main
 from xgrad.experiments.docs import DOC_EXPERIMENTS, render
+from xgrad.experiments.runner import run_experiment
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -50,3 +53,17 @@ def test_schedules_figure_and_tables_come_from_the_current_code(tmp_path: Path) 
     assert fresh["deterministic_digest"] == doc["deterministic_digest"]
     png = (DOCS / "experiments" / "schedules.png").read_bytes()
     assert (tmp_path / "schedules.png").read_bytes() == png
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    ["allreduce-size", "overlap", "pipeline-bubble", "compression", "cross-framework", "scaling"],
+)
+def test_quick_runs_report_what_the_page_shows(name: str, tmp_path: Path) -> None:
+    """The experiments not run elsewhere in the tests: a quick run works and has the shape
+    (tables, columns, axes, sources) of the documented full run."""
+    code, report = run_experiment(name, ["--quick", "--out", str(tmp_path)])
+    assert code == 0 and report is not None
+    assert report.signature() == documented(name)["signature"]
+    assert (tmp_path / f"{name}.png").exists() and (tmp_path / f"{name}.csv").exists()
