@@ -10,6 +10,9 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from xgrad.backend import lazy_attributes
+from xgrad.torch_backend.runner import array_ops as array_ops
+from xgrad.torch_backend.runner import run_ranks as run_ranks
+from xgrad.torch_backend.runner import runners as runners
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
@@ -33,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["available", "name", *sorted(_EXPORTS)]
+__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
 
 
 def available() -> bool:
