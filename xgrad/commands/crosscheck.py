@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per torch run")
     parser.add_argument(
+        "--stateful",
+        action="store_true",
+        help="with --hook powersgd: PyTorch's default PowerSGD state (error feedback, warm "
+        "start, from the third step) carried over every step; compare the last",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("xgrad-out"), help="folder for the JSON and CSV"
     )
     parser.add_argument("--no-buckets", action="store_true", help="omit the per-bucket rows")
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             steps=args.steps,
             timeout=args.timeout,
+            stateful=args.stateful,
         )
         backends = [b for b in args.backends.split(",") if b]
         report = crosscheck.run_crosscheck(case, backends=backends, progress=sys.stderr)

@@ -61,6 +61,9 @@ class Case:
         seed: seeds weights and batch.
         steps: timed steps per backend (after one untimed warm-up step).
         timeout: seconds a multi-process backend may take before it is stopped.
+        stateful: PowerSGD's multi-step mode: PyTorch's default state (error feedback,
+            warm start, from the third step), carried over every step, so the gradients
+            compared (the last step's) depend on all of them.
     """
 
     model: str = "mlp"
@@ -72,6 +75,7 @@ class Case:
     seed: int = 0
     steps: int = 5
     timeout: float = 120.0
+    stateful: bool = False
 
     def __post_init__(self) -> None:
         zoo.get_spec(self.model)
@@ -82,6 +86,8 @@ class Case:
                 raise ValueError(f"{label}={value!r} must be a positive integer")
         if self.hook is not None and self.hook not in CASE_HOOKS:
             raise ValueError(f"hook={self.hook!r}: expected None or one of {CASE_HOOKS}")
+        if self.stateful and self.hook != "powersgd":
+            raise ValueError(f"stateful=True is PowerSGD's multi-step mode; hook={self.hook!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be > 0 seconds")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import time
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from xgrad.crosscheck.case import Case, Inputs, RunResult, make_inputs
-from xgrad.crosscheck.truth import POWERSGD_MIN_RATE, POWERSGD_RANK, torch_powersgd_qs
+from xgrad.crosscheck.truth import powersgd_config, torch_powersgd_qs
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def _torch_runner(implementation: str) -> Callable[[Inputs], RunResult]:
             hook=case.hook,
             steps=case.steps,
             timeout=case.timeout,
+            powersgd=dataclasses.asdict(powersgd_config(case.stateful)),
         )
         return _as_result(answer)
 
@@ -105,11 +107,14 @@ def _jax_runner(mode: str) -> Callable[[Inputs], RunResult]:
 
         case = inputs.case
         hook: Any = case.hook
+        draws = None
         if hook == "powersgd":
-            from xgrad.jax_backend.powersgd import PowerSGD
+            hook = powersgd_config(case.stateful)
+            if importlib.util.find_spec("torch") is not None:
 
-            qs = torch_powersgd_qs(inputs.weights, inputs.plan, case.steps)
-            hook = PowerSGD(POWERSGD_RANK, POWERSGD_MIN_RATE, qs=qs)
+                def draws(k: int) -> Any:
+                    return torch_powersgd_qs(inputs.weights, inputs.plan, k)
+
         answer = run_data_parallel(
             case.model,
             inputs.weights,
@@ -120,10 +125,17 @@ def _jax_runner(mode: str) -> Callable[[Inputs], RunResult]:
             plan=inputs.plan,
             hook=hook,
             steps=case.steps,
+            draws=draws,
         )
         return _as_result(answer)
 
     return run
+
+
+def _jax_jit_unsupported(case: Case) -> str | None:
+    if case.hook is not None:
+        return f"jax.jit lets XLA combine the reductions: it runs no hook ({case.hook})"
+    return None
 
 
 def _torch_ddp_unsupported(case: Case) -> str | None:
@@ -169,16 +181,23 @@ RUNNERS: dict[str, Runner] = {
             _torch_ddp_unsupported,
         ),
         Runner(
-            "jax-pmap",
-            "xgrad JAX under jax.pmap",
-            ("jax", "xgrad.jax_backend.crosscheck"),
-            _jax_runner("pmap"),
-        ),
-        Runner(
             "jax-shard_map",
             "xgrad JAX under jax.shard_map",
             ("jax", "xgrad.jax_backend.crosscheck"),
             _jax_runner("shard_map"),
+        ),
+        Runner(
+            "jax-jit",
+            "JAX's own reduction: jax.jit with NamedSharding (GSPMD, no plan)",
+            ("jax", "xgrad.jax_backend.crosscheck"),
+            _jax_runner("jit"),
+            _jax_jit_unsupported,
+        ),
+        Runner(
+            "jax-pmap",
+            "xgrad JAX under jax.pmap (a cross-check of shard_map)",
+            ("jax", "xgrad.jax_backend.crosscheck"),
+            _jax_runner("pmap"),
         ),
     )
 }

@@ -15,8 +15,8 @@ from jax.extend.core import jaxprs_in_params  # noqa: E402
 from xgrad import crosscheck, models  # noqa: E402
 from xgrad.buckets import BucketPlan, assign_buckets, ddp_initial_plan  # noqa: E402
 from xgrad.jax_backend import models as jm  # noqa: E402
-from xgrad.jax_backend.data_parallel import (  # noqa: E402
-    data_parallel_value_and_grad,
+from xgrad.jax_backend.data_parallel import data_parallel_value_and_grad  # noqa: E402
+from xgrad.jax_backend.reduce import (  # noqa: E402
     leaf_names,
     plan_for,
     plan_order,
