@@ -88,7 +88,7 @@ def _torch_rank(rank: int, world_size: int, steps: int) -> dict[str, Any]:
         else:
             state = PowerSGDState(CONFIG, sampler=torch_sampler)
             ddp = DistributedDataParallel(
-                module, bucket_cap_mb=0.002, comm_hook=lambda comm: powersgd_hook(comm, state)
+                module, bucket_cap_mb=0.002, comm_hook=lambda comm, s=state: powersgd_hook(comm, s)
             )
         for _ in range(steps):
             module.zero_grad(set_to_none=True)
