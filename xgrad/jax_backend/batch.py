@@ -111,13 +111,14 @@ def place(
     """
 
     def put(leaf: Any, axis: Axis) -> Any:
-        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        traced = isinstance(leaf, jax.core.Tracer)
+        if not traced and isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return leaf
         if axis is None:
             return jax.device_put(leaf, replicated)
         if not local_batch:
             return jax.device_put(leaf, split)
-        if isinstance(leaf, jax.core.Tracer):
+        if traced:
             raise ValueError(
                 "local_batch=True assembles each process's rows into a global array, which "
                 "needs concrete arrays: call the step outside jax.jit (it compiles itself) "

@@ -129,7 +129,9 @@ class DataParallelStep:
 
     # -- the per-device program -------------------------------------------------------
 
-    def _local(self, params: Any, batch: tuple[Any, ...], state: Any) -> tuple[Any, ...]:
+    def _local(
+        self, params: Any, batch: tuple[Any, ...], state: Any, stack_aux: bool = False
+    ) -> tuple[Any, ...]:
         value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, *batch)
         reduced = reduce_gradients(
             grads,
@@ -142,7 +144,8 @@ class DataParallelStep:
         )
         if self.has_aux:
             loss, aux = value
-            aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
+            if stack_aux:  # shard_map concatenates device blocks; pmap stacks on its own
+                aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
             value = (lax.pmean(loss, self.axis_name), aux)
         else:
             value = lax.pmean(value, self.axis_name)
@@ -203,7 +206,7 @@ class DataParallelStep:
                 params = jax.tree_util.tree_map(lambda p: lax.pcast(p, name, to="varying"), params)
                 if state is not None:
                     state = state._replace(errors=tuple(e[0] for e in state.errors))
-                out = self._local(params, batch, state)
+                out = self._local(params, batch, state, stack_aux=True)
                 if state is not None:
                     new = out[-1]
                     new = new._replace(errors=tuple(e[None] for e in new.errors))
