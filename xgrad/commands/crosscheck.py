@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per torch run")
     parser.add_argument(
+        "--jax-processes",
+        type=int,
+        default=1,
+        help="run the JAX rows in this many processes (jax.distributed over gloo on "
+        "127.0.0.1, each passing its own rows of the batch; default 1)",
+    )
+    parser.add_argument(
         "--stateful",
         action="store_true",
         help="with --hook powersgd: PyTorch's default PowerSGD state (error feedback, warm "
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             timeout=args.timeout,
             stateful=args.stateful,
+            jax_processes=args.jax_processes,
         )
         backends = [b for b in args.backends.split(",") if b]
         report = crosscheck.run_crosscheck(case, backends=backends, progress=sys.stderr)

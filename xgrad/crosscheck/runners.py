@@ -103,7 +103,7 @@ def _torch_runner(implementation: str) -> Callable[[Inputs], RunResult]:
 
 def _jax_runner(mode: str) -> Callable[[Inputs], RunResult]:
     def run(inputs: Inputs) -> RunResult:
-        from xgrad.jax_backend.crosscheck import run_data_parallel
+        from xgrad.jax_backend.crosscheck import run_data_parallel, run_in_processes
 
         case = inputs.case
         hook: Any = case.hook
@@ -115,21 +115,43 @@ def _jax_runner(mode: str) -> Callable[[Inputs], RunResult]:
                 def draws(k: int) -> Any:
                     return torch_powersgd_qs(inputs.weights, inputs.plan, k)
 
-        answer = run_data_parallel(
-            case.model,
-            inputs.weights,
-            inputs.x,
-            inputs.y,
-            world_size=case.world_size,
-            mode=mode,
-            plan=inputs.plan,
-            hook=hook,
-            steps=case.steps,
-            draws=draws,
-        )
+        if case.jax_processes > 1:
+            answer = run_in_processes(
+                case.model,
+                inputs.weights,
+                inputs.x,
+                inputs.y,
+                num_processes=case.jax_processes,
+                world_size=case.world_size,
+                mode=mode,
+                plan=inputs.plan,
+                hook=hook,
+                steps=case.steps,
+                draws=draws,
+                timeout=case.timeout,
+            )
+        else:
+            answer = run_data_parallel(
+                case.model,
+                inputs.weights,
+                inputs.x,
+                inputs.y,
+                world_size=case.world_size,
+                mode=mode,
+                plan=inputs.plan,
+                hook=hook,
+                steps=case.steps,
+                draws=draws,
+            )
         return _as_result(answer)
 
     return run
+
+
+def _jax_pmap_unsupported(case: Case) -> str | None:
+    if case.jax_processes > 1:
+        return "jax.pmap maps over one process's devices; several processes need shard_map or jit"
+    return None
 
 
 def _jax_jit_unsupported(case: Case) -> str | None:
@@ -198,6 +220,7 @@ RUNNERS: dict[str, Runner] = {
             "xgrad JAX under jax.pmap (a cross-check of shard_map)",
             ("jax", "xgrad.jax_backend.crosscheck"),
             _jax_runner("pmap"),
+            _jax_pmap_unsupported,
         ),
     )
 }

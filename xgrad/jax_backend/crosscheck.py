@@ -49,6 +49,7 @@ def run_data_parallel(
     steps: int = 1,
     draws: Draws | None = None,
     devices: Sequence[Any] | None = None,
+    local_batch: bool = False,
 ) -> dict[str, Any]:
     """Reduced gradients of zoo model ``model_name`` on ``world_size`` JAX devices.
 
@@ -74,7 +75,19 @@ def run_data_parallel(
     wide = any(np.dtype(w.dtype) == np.float64 for w in weights.values())
     with jax.enable_x64(wide):
         return _timed_run(
-            model_name, weights, x, y, names, world_size, mode, plan, hook, steps, devices, draws
+            model_name,
+            weights,
+            x,
+            y,
+            names,
+            world_size,
+            mode,
+            plan,
+            hook,
+            steps,
+            devices,
+            draws,
+            local_batch,
         )
 
 
@@ -91,6 +104,7 @@ def _timed_run(
     steps: int,
     devices: list[Any],
     draws: Draws | None,
+    local_batch: bool,
 ) -> dict[str, Any]:
     import jax
 
@@ -105,6 +119,7 @@ def _timed_run(
         hook=hook,
         mode=mode,
         devices=devices,
+        local_batch=local_batch,
     )
     params = jm.to_params(weights)
     config = step.hook if isinstance(step.hook, PowerSGD) else None
@@ -129,7 +144,7 @@ def _timed_run(
         grads = call()
     seconds = (time.perf_counter() - start) / max(steps, 1)
     return {
-        "grads": {n: np.asarray(grads[n]) for n in names},
+        "grads": {n: _host(grads[n]) for n in names},
         "seconds_per_step": seconds,
         "plan": None if mode == "jit" else plan,
     }
@@ -144,3 +159,80 @@ def _flat_qs(qs: Mapping[int, Sequence[np.ndarray]], like: Sequence[Any]) -> lis
         flat = np.concatenate(blocks) if blocks else np.zeros(0)
         out.append(jnp.asarray(flat, dtype=old.dtype).reshape(old.shape))
     return out
+
+
+def _host(array: Any) -> np.ndarray:
+    """A replicated result on the host (across processes: this process's copy)."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.asarray(array)
+    return np.asarray(array.addressable_data(0))
+
+
+def run_in_processes(
+    model_name: str,
+    weights: Mapping[str, np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    num_processes: int,
+    world_size: int,
+    mode: str = "shard_map",
+    plan: BucketPlan | None = None,
+    hook: str | PowerSGD | None = None,
+    steps: int = 1,
+    draws: Draws | None = None,
+    timeout: float = 120.0,
+) -> dict[str, Any]:
+    """:func:`run_data_parallel` in ``num_processes`` JAX processes (gloo, 127.0.0.1).
+
+    Each process gets ``world_size // num_processes`` CPU devices and passes only its own
+    rows of the batch (the multi-host convention); the gradients are process 0's (every
+    process holds the same).
+
+    Raises:
+        ValueError: a world size that does not split over the processes, or pmap (which
+            maps over one process's devices).
+        xgrad.jax_backend.processes.ProcessError: a process failed or the run timed out.
+    """
+    from xgrad.jax_backend.processes import run_processes
+
+    if world_size % num_processes:
+        raise ValueError(
+            f"world_size={world_size} does not split over num_processes={num_processes}"
+        )
+    if mode == "pmap":
+        raise ValueError("mode='pmap' maps over one process's devices; use shard_map or jit")
+    fresh = None if draws is None else [draws(k) for k in range(1, steps + 2)]
+    job = {
+        "model_name": model_name,
+        "weights": dict(weights),
+        "x": x,
+        "y": y,
+        "world_size": world_size,
+        "mode": mode,
+        "plan": plan,
+        "hook": hook,
+        "steps": steps,
+        "fresh": fresh,
+    }
+    results = run_processes(
+        "xgrad.jax_backend.crosscheck:process_main",
+        num_processes,
+        (job,),
+        devices_per_process=world_size // num_processes,
+        timeout=timeout,
+    )
+    return results[0]  # type: ignore[no-any-return]
+
+
+def process_main(process_id: int, num_processes: int, job: dict[str, Any]) -> dict[str, Any]:
+    """One process of :func:`run_in_processes`: its rows, the shared step, its results."""
+    from xgrad.models import shard
+
+    fresh = job.pop("fresh")
+    x = shard(job.pop("x"), num_processes, process_id)
+    y = shard(job.pop("y"), num_processes, process_id)
+    draws = None if fresh is None else (lambda k: fresh[k - 1])
+    return run_data_parallel(
+        job.pop("model_name"), job.pop("weights"), x, y, draws=draws, local_batch=True, **job
+    )
