@@ -210,8 +210,9 @@ def test_no_sync_hooks_do_nothing_and_accumulated_grads_are_reduced_later() -> N
 
 def test_rebuild_once_from_rank_zeros_ready_order() -> None:
     def body(comm: ReferenceComm) -> tuple[bool, bool, BucketPlan]:
-        reducer = make_reducer(comm, BucketPlan(((0, 1, 2, 3),), (1 << 30,)), {})
-        reducer.rebuild_limits = (12, 24)
+        reducer = make_reducer(
+            comm, BucketPlan(((0, 1, 2, 3),), (1 << 30,)), {}, rebuild_limits=(12, 24)
+        )
         reducer.prepare_for_backward()
         # Ranks observe different orders; rank 0's decides for everyone.
         order = (3, 2, 1, 0) if comm.rank == 0 else (0, 1, 2, 3)

@@ -16,7 +16,14 @@ from typing import Any
 from xgrad.backend import Comm, Work
 from xgrad.reducer import GradBucket, Hook
 
-__all__ = ["HOOKS", "Then", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = [
+    "HOOKS",
+    "HOOK_NAMES",
+    "Then",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+]
 
 
 class Then:
@@ -90,7 +97,13 @@ def bf16_compress_hook(comm: Comm) -> Hook:
     return _compress_hook(comm, _bfloat16)
 
 
-#: hook name -> factory, for command lines and plans saved as text.
+#: Every communication hook a step or a command line may name: the array-API hooks below,
+#: and ``"powersgd"`` (PyTorch's ``powerSGD_hook`` at rank 1, which each backend realises
+#: in its own way). Each backend's runners say which of these they run.
+HOOK_NAMES: tuple[str, ...] = ("allreduce", "fp16", "bf16", "powersgd")
+
+#: hook name -> factory of the array-API hooks written here, for command lines and plans
+#: saved as text.
 HOOKS: dict[str, Callable[[Comm], Hook]] = {
     "allreduce": allreduce_hook,
     "fp16": fp16_compress_hook,

@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "STATEFUL",
+    "STATELESS",
     "AllReduce",
     "Layout",
     "PowerSGD",
@@ -114,6 +116,15 @@ class PowerSGD:
     def stateless(self) -> bool:
         """No state carried from step to step beyond the step count."""
         return not (self.use_error_feedback or self.warm_start)
+
+
+#: torch's hook as the crosscheck compares it by default: rank 1 from the second step,
+#: nothing carried from step to step (each step depends on its own draws only).
+STATELESS = PowerSGD(1, 1, 2.0, use_error_feedback=False, warm_start=False)
+
+#: PyTorch's default state (error feedback, warm start), rank 1, from the third step (the
+#: earliest PyTorch allows with that state): the crosscheck's multi-step mode.
+STATEFUL = PowerSGD(1, 2, 2.0)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ ranks (NumPy or torch tensors). JAX carries the same state as arrays instead
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from xgrad.powersgd import (
     numpy_sampler,
 )
 
-__all__ = ["PowerSGDState", "powersgd_hook"]
+__all__ = ["PowerSGDState", "fresh_draws", "powersgd_hook"]
 
 
 class PowerSGDState:
@@ -144,3 +145,28 @@ def powersgd_hook(comm: Comm, state: PowerSGDState | PowerSGD | None = None) -> 
 
     hook.state = memory  # type: ignore[attr-defined]
     return hook
+
+
+def fresh_draws(
+    bucket_shapes: Sequence[Sequence[tuple[int, ...]]],
+    config: PowerSGD,
+    dtype: str,
+    sampler: Sampler | None = None,
+) -> Iterator[dict[int, list[np.ndarray]]]:
+    """Every fresh ``Q`` the hook draws, in order: one dict (bucket -> blocks) per draw round.
+
+    Torch draws for every bucket at every PowerSGD step without warm start, and only at
+    the first one with it; buckets in launch order, each consuming one seed whether it
+    compresses anything or not. Replaying this with torch's sampler gives torch's numbers
+    to a backend that computes elsewhere (JAX).
+    """
+    state = PowerSGDState(config, sampler=sampler)
+    layouts = [
+        layout(shapes, config.matrix_approximation_rank, config.min_compression_rate)
+        for shapes in bucket_shapes
+    ]
+    while True:
+        yield {
+            b: state.sampler(int(state.rng.randint(1_000_000_000)), lay.q_shapes, dtype)
+            for b, lay in enumerate(layouts)
+        }

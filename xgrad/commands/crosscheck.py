@@ -41,10 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per backend")
+    names = crosscheck.runner_names()
+    backends = list(dict.fromkeys(e.backend for e in crosscheck.runner_entries(check=False)))
     parser.add_argument(
         "--backends",
-        default=",".join(crosscheck.RUNNERS),
-        help=f"comma-separated subset of {','.join(crosscheck.RUNNERS)}",
+        default=",".join(names),
+        help=f"comma-separated registered backends ({', '.join(backends)}: all their runners) "
+        f"or runners ({', '.join(names)}); default all",
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per torch run")
     parser.add_argument(

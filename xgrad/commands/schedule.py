@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         if args.costs is not None:
             costs = dict(xp.DEFAULT_COSTS)
             for key, value in args.costs.items():
-                kind = {k.value: k for k in xp.Kind if k.is_compute}.get(key)
+                kind = {
+                    k.value: k for k in xp.Kind if k.is_compute and k is not xp.Kind.OVERLAP_F_B
+                }.get(key)
                 if kind is None:
                     raise ValueError(f"--costs kind {key!r} is not one of F, B, I, W")
                 costs[kind] = value

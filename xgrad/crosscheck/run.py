@@ -23,7 +23,7 @@ from xgrad.crosscheck.metrics import (
     ulp_distance,
     wire_ulps,
 )
-from xgrad.crosscheck.runners import RUNNERS, Runner, missing_module
+from xgrad.crosscheck.runners import Entry, runner_entries, step_of
 from xgrad.crosscheck.truth import (
     POWERSGD_RANK,
     compression_model,
@@ -43,6 +43,7 @@ class BackendReport:
     description: str
     status: str
     reason: str = ""
+    backend: str = ""
     seconds_per_step: float | None = None
     wall_seconds: float = 0.0
     plan: BucketPlan | None = None
@@ -75,19 +76,22 @@ class Report:
 
 
 def _run_one(
-    runner: Runner,
+    entry: Entry,
     inputs: Inputs,
     measure: Callable[[BucketPlan | None], Mapping[str, np.ndarray]],
     tol: float,
 ) -> BackendReport:
-    report = BackendReport(runner.name, runner.description, "skipped")
-    reason = missing_module(runner.modules) or runner.unsupported(inputs.case)
-    if reason:
-        report.reason = reason
+    runner = entry.runner
+    description = f"backend {entry.backend}" if runner is None else runner.description
+    report = BackendReport(entry.name, description, "skipped", backend=entry.backend)
+    step = step_of(inputs)
+    reason = entry.unavailable or (runner.unsupported(step) if runner is not None else None)
+    if reason or runner is None:
+        report.reason = reason or ""
         return report
     start = time.perf_counter()
     try:
-        result = runner.run(inputs)
+        result = runner.run(step)
     except Exception as err:  # a backend's failure is a finding, reported with the others
         report.status = "error"
         report.reason = f"{type(err).__name__}: {err}"
@@ -156,27 +160,45 @@ def _attribution(
         lines.append(
             f"{b.name}: within {ulps:.3g} {wire} ULPs (rel {rel:.3g}) of the compression model"
         )
-    torch_side = next((b for b in ran if b.name.startswith("torch")), None)
-    jax_side = next((b for b in ran if b.name.startswith("jax")), None)
-    if torch_side is not None and jax_side is not None:
-        ulps = max(wire_ulps(torch_side.grads[n], jax_side.grads[n], wire_dtype) for n in names)
-        rel = max(compare(n, torch_side.grads[n], jax_side.grads[n], math.inf).rel for n in names)
-        steps = max(
-            ulp_distance(
-                torch_side.grads[n].astype(np.float64).astype(wire_dtype),
-                jax_side.grads[n].astype(np.float64),
-            )
-            for n in names
-        )
-        lines.append(
-            f"{torch_side.name} vs {jax_side.name}: differ by up to {ulps:.3g} {wire} ULPs at "
-            f"the parameters' scale (rel {rel:.3g}; {format_ulp(steps)} {wire} steps element by "
-            "element, which elements near zero inflate), while each is within the ULPs above "
-            "of the compression model: "
-            f"the difference is explained by rounding per-rank {case.dtype} gradients that "
-            f"differ in their last bits to {wire}, not by either reduction."
-        )
+    # Between backends (the first runner of each that ran; runners of one backend share
+    # its arithmetic): how much of their difference the compression explains.
+    firsts: dict[str, BackendReport] = {}
+    for b in ran:
+        firsts.setdefault(b.backend or b.name, b)
+    sides = list(firsts.values())
+    for i, one in enumerate(sides):
+        for other in sides[i + 1 :]:
+            if all(np.array_equal(one.grads[n], other.grads[n]) for n in names):
+                continue
+            lines.append(_wire_pair(one, other, names, wire, wire_dtype, case.dtype))
     return lines
+
+
+def _wire_pair(
+    one: BackendReport,
+    other: BackendReport,
+    names: Sequence[str],
+    wire: str,
+    wire_dtype: np.dtype,
+    dtype: str,
+) -> str:
+    ulps = max(wire_ulps(one.grads[n], other.grads[n], wire_dtype) for n in names)
+    rel = max(compare(n, one.grads[n], other.grads[n], math.inf).rel for n in names)
+    steps = max(
+        ulp_distance(
+            one.grads[n].astype(np.float64).astype(wire_dtype),
+            other.grads[n].astype(np.float64),
+        )
+        for n in names
+    )
+    return (
+        f"{one.name} vs {other.name}: differ by up to {ulps:.3g} {wire} ULPs at "
+        f"the parameters' scale (rel {rel:.3g}; {format_ulp(steps)} {wire} steps element by "
+        "element, which elements near zero inflate), while each is within the ULPs above "
+        "of the compression model: "
+        f"the difference is explained by rounding per-rank {dtype} gradients that "
+        f"differ in their last bits to {wire}, not by either reduction."
+    )
 
 
 def agreement(backends: Sequence[BackendReport], names: Sequence[str]) -> list[str]:
@@ -247,16 +269,14 @@ def run_crosscheck(
 
     Args:
         case: the configuration.
-        backends: runner names (``RUNNERS``); default all.
+        backends: names of registered backends (all their runners) or of runners;
+            default every runner of every registered backend.
         progress: where to write one line per backend as it starts and ends (e.g. stderr).
 
     Raises:
         ValueError: an unknown backend name (the message lists the known ones).
     """
-    chosen = list(RUNNERS) if backends is None else list(backends)
-    unknown = [b for b in chosen if b not in RUNNERS]
-    if unknown:
-        raise ValueError(f"unknown backends {unknown}; known: {list(RUNNERS)}")
+    chosen = runner_entries(backends)
     inputs = make_inputs(case)
     tol = tolerance(case.dtype, case.hook)
 
@@ -282,10 +302,11 @@ def run_crosscheck(
         )
     say(f"[1/{total}] reference done ({time.perf_counter() - start:.1f} s): {how}")
     reports = []
-    for k, name in enumerate(chosen, start=2):
-        runner = RUNNERS[name]
-        say(f"[{k}/{total}] {name}: {runner.description} ...")
-        report = _run_one(runner, inputs, measure, tol)
+    for k, entry in enumerate(chosen, start=2):
+        name = entry.name
+        about = f"backend {entry.backend}" if entry.runner is None else entry.runner.description
+        say(f"[{k}/{total}] {name}: {about} ...")
+        report = _run_one(entry, inputs, measure, tol)
         extra = f": {report.reason}" if report.reason else ""
         say(f"[{k}/{total}] {name} {report.status} ({report.wall_seconds:.1f} s){extra}")
         reports.append(report)

@@ -11,7 +11,7 @@ import numpy as np
 from xgrad import models as zoo
 from xgrad.buckets import BucketPlan
 from xgrad.crosscheck.case import WIRE_DTYPES, Inputs
-from xgrad.powersgd import PowerSGD, Sampler, compress, layout
+from xgrad.powersgd import STATEFUL, STATELESS, PowerSGD, Sampler, compress, layout
 from xgrad.powersgd_hook import PowerSGDState
 
 
@@ -83,15 +83,12 @@ POWERSGD_MIN_RATE = 2.0
 def powersgd_config(stateful: bool = False) -> PowerSGD:
     """The PowerSGD a crosscheck case runs on every backend.
 
-    Stateless (the default): rank 1 from the second step (the first is the untimed
-    warm-up), no error feedback, no warm start, so the last step depends on its own draws
-    only. Stateful (the multi-step mode): PyTorch's defaults, error feedback and warm start,
-    from the third step (the earliest PyTorch allows with them), so the last step depends
-    on every step before it.
+    Stateless (the default, :data:`xgrad.powersgd.STATELESS`): rank 1 from the second
+    step (the first is the untimed warm-up), so the last step depends on its own draws
+    only. Stateful (the multi-step mode, :data:`xgrad.powersgd.STATEFUL`): PyTorch's
+    default state from the third step, so the last step depends on every step before it.
     """
-    if stateful:
-        return PowerSGD(POWERSGD_RANK, 2, POWERSGD_MIN_RATE)
-    return PowerSGD(POWERSGD_RANK, 1, POWERSGD_MIN_RATE, use_error_feedback=False, warm_start=False)
+    return STATEFUL if stateful else STATELESS
 
 
 def powersgd_layout(

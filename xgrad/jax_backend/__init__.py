@@ -20,6 +20,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from xgrad.backend import lazy_attributes
+from xgrad.jax_backend.runner import runners as runners
 
 if TYPE_CHECKING:
     from xgrad.jax_backend.data_parallel import MODES as MODES
@@ -57,7 +58,16 @@ _EXPORTS: dict[str, str] = {
     "PowerSGDCarry": "xgrad.jax_backend.powersgd",
 }
 
-__all__ = ["available", "name", *sorted(_EXPORTS)]
+__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
+
+#: JAX reduces inside a compiled function (``psum`` over a mesh axis), not through a
+#: process group object, so it offers no :class:`xgrad.backend.Comm`.
+run_ranks = None
+
+
+def array_ops() -> None:
+    """None: JAX arrays are immutable, and the reducer's operations write in place."""
+    return None
 
 
 def __dir__() -> list[str]:

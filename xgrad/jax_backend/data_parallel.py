@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from xgrad.buckets import BucketPlan
 from xgrad.jax_backend import powersgd
 from xgrad.jax_backend.batch import check_batch, devices_for, normalize_in_axes, place
+from xgrad.jax_backend.pmap import pmap_call
 from xgrad.jax_backend.reduce import (
     HookSpec,
     powersgd_layouts,
@@ -99,10 +100,7 @@ class DataParallelStep:
         return isinstance(self.hook, PowerSGD)
 
     def __repr__(self) -> str:
-        return (
-            f"DataParallelStep(mode={self.mode!r}, world_size={self.world_size}, "
-            f"hook={self.hook!r}, buckets={None if self.plan is None else len(self.plan.buckets)})"
-        )
+        return f"DataParallelStep(mode={self.mode!r}, world_size={self.world_size}, hook={self.hook!r})"
 
     def init(
         self,
@@ -176,7 +174,7 @@ class DataParallelStep:
             raise ValueError(f"hook={self.hook!r} keeps no state; drop hook_state=")
         axes = normalize_in_axes(self.in_axes, len(batch))
         if self.mode == "pmap":
-            return self._pmap(params, batch, axes, hook_state)
+            return pmap_call(self, params, batch, axes, hook_state)
         if self.local_batch:
             local = len([d for d in self.devices if d.process_index == jax.process_index()])
             check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
@@ -248,52 +246,6 @@ class DataParallelStep:
             self._compiled["jit"] = fn
         return fn(params, *batch)  # type: ignore[no-any-return]
 
-    def _pmap(
-        self, params: Any, batch: tuple[Any, ...], axes: tuple[Any, ...], state: Any
-    ) -> tuple[Any, ...]:
-        if jax.process_count() > 1:
-            raise ValueError(
-                "mode='pmap' maps over this process's devices only; across processes use "
-                "mode='shard_map' or mode='jit'"
-            )
-        check_batch(batch, axes, self.world_size, f"world_size={self.world_size}")
-        key = ("pmap", axes, jax.tree_util.tree_structure(state))
-        fn = self._compiled.get(key)
-        if fn is None:
-            state_axes = None if state is None else self._state_specs(state, 0, None)
-
-            def body(params: Any, batch: tuple[Any, ...], *rest: Any) -> tuple[Any, ...]:
-                return self._local(params, batch, rest[0] if rest else None)
-
-            fn = jax.pmap(
-                body,
-                self.axis_name,
-                in_axes=(None, axes) if state is None else (None, axes, state_axes),
-                devices=self.devices,
-            )
-            self._compiled[key] = fn
-        ws = self.world_size
-        shards = tuple(
-            arg
-            if axis is None
-            else jax.tree_util.tree_map(lambda a: jnp.reshape(a, (ws, -1, *np.shape(a)[1:])), arg)
-            for arg, axis in zip(batch, axes, strict=True)
-        )
-        out = fn(params, shards) if state is None else fn(params, shards, state)
-
-        def first(tree: Any) -> Any:
-            return jax.tree_util.tree_map(lambda a: a[0], tree)
-
-        value = (first(out[0][0]), out[0][1]) if self.has_aux else first(out[0])
-        result: tuple[Any, ...] = (value, first(out[1]))
-        if state is not None:
-            new = out[2]
-            result = (
-                *result,
-                powersgd.PowerSGDCarry(new.iter[0], new.errors, first(new.qs), new.key[0]),
-            )
-        return result
-
 
 def data_parallel_value_and_grad(
     loss_fn: LossFn,
@@ -318,9 +270,7 @@ def data_parallel_value_and_grad(
     :func:`~xgrad.jax_backend.reduce.reduce_gradients` (bucketed when ``plan`` is given).
     The loss returned is the mean of the shard losses; the gradients are replicated.
 
-    Wrap your whole training step (this step and the optimizer's update) in ``jax.jit``:
-    the un-jitted Python around the compiled reduction costs more than the step itself
-    on small models.
+    Wrap the whole training step (this and the optimizer's update) in ``jax.jit``.
 
     Args:
         loss_fn: ``loss_fn(params, *batch) -> scalar`` (``(scalar, aux)`` with ``has_aux``).

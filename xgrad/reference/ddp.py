@@ -15,17 +15,14 @@ from typing import Any
 import numpy as np
 
 from xgrad.backend import Comm
-from xgrad.buckets import (
-    BucketPlan,
-    ddp_bucket_caps,
-    ddp_initial_plan,
-)
+from xgrad.buckets import BucketPlan
+from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.engine import Engine, PassResult
 from xgrad.graph import unused_parameters
 from xgrad.hooks import HOOKS
 from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
-from xgrad.reducer import Hook, Reducer
+from xgrad.reducer import Hook
 from xgrad.reference.comm import ReferenceComm, spawn
 from xgrad.reference.models import MLP, ForwardPass, build_model
 
@@ -74,37 +71,26 @@ class DataParallel:
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        ops = NumpyOps()
-        nbytes = [int(p.nbytes) for p in model.params]
-        keys = [ops.key(p) for p in model.params]
-        first, cap = ddp_bucket_caps(bucket_cap_bytes, first_bucket_cap_bytes)
-        self._rebuild = plan is None
-        if plan is None:
-            plan = ddp_initial_plan(
-                nbytes,
-                keys=keys,
-                bucket_cap_bytes=cap,
-                first_bucket_cap_bytes=first,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-            )
         clock: Callable[[], float] = time.perf_counter
         if isinstance(comm, ReferenceComm) and comm.world.clock is not None:
             clock = comm.now
-        self.reducer = Reducer(
+        self.reducer = ddp_reducer(
             model.params,
-            plan,
             comm,
-            ops,
-            names=model.names,
+            NumpyOps(),
             set_grad=self._set_grad,
+            limits=DDPLimits.of(
+                bucket_cap_bytes=bucket_cap_bytes,
+                first_bucket_cap_bytes=first_bucket_cap_bytes,
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+            ),
+            plan=plan,
+            names=model.names,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
             hook=_resolve_hook(hook, comm),
-            rebuild_limits=(first, cap),
-            nbytes=nbytes,
-            keys=keys,
             clock=clock,
         )
         for i in range(len(model.params)):
@@ -116,8 +102,7 @@ class DataParallel:
 
     def forward(self, x: np.ndarray, y: np.ndarray) -> ForwardPass:
         """The replica's forward pass, then DDP's end-of-forward bookkeeping."""
-        if self._rebuild:
-            self.reducer.rebuild_buckets()
+        self.reducer.rebuild_buckets()
         fp = self.model.forward(x, y)
         if self._sync:
             unused: tuple[int, ...] = ()

@@ -10,12 +10,16 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from xgrad.backend import lazy_attributes
+from xgrad.torch_backend.runner import array_ops as array_ops
+from xgrad.torch_backend.runner import run_ranks as run_ranks
+from xgrad.torch_backend.runner import runners as runners
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
     from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
     from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
+    from xgrad.torch_backend.pipeline import PipelineRuntime as PipelineRuntime
     from xgrad.torch_backend.spawn import SpawnError as SpawnError
     from xgrad.torch_backend.spawn import spawn as spawn
 
@@ -27,11 +31,12 @@ _EXPORTS: dict[str, str] = {
     "IterationTimes": "xgrad.torch_backend.ddp",
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
+    "PipelineRuntime": "xgrad.torch_backend.pipeline",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["available", "name", *sorted(_EXPORTS)]
+__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
 
 
 def available() -> bool:

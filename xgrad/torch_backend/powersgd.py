@@ -9,6 +9,8 @@ very numbers.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -16,8 +18,8 @@ import torch
 
 from xgrad import models as zoo
 from xgrad.buckets import BucketPlan
-from xgrad.powersgd import PowerSGD, layout
-from xgrad.powersgd_hook import PowerSGDState
+from xgrad.powersgd import STATELESS, PowerSGD
+from xgrad.powersgd_hook import fresh_draws
 from xgrad.torch_backend.models import torch_dtype
 
 __all__ = ["initial_qs", "torch_sampler"]
@@ -40,30 +42,17 @@ def initial_qs(
     seed: int = 0,
     config: PowerSGD | None = None,
 ) -> dict[int, list[np.ndarray]]:
-    """The fresh ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th draw per bucket.
+    """The fresh ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th draw round.
 
-    Torch draws fresh ``Q`` for every bucket at every PowerSGD step without warm start,
-    and only at the first one with it (``steps=1``); buckets are visited in launch order
-    and every bucket consumes a seed, compressed gradients or not.
+    See :func:`xgrad.powersgd_hook.fresh_draws` (here with torch's sampler).
 
     Returns:
         bucket index -> one ``(m, rank)`` float64 array per compressed gradient, in the
         bucket's :func:`~xgrad.powersgd.layout` order.
     """
-    cfg = config or PowerSGD(
-        start_powerSGD_iter=1, use_error_feedback=False, warm_start=False, random_seed=seed
-    )
-    state = PowerSGDState(cfg, sampler=torch_sampler)
+    cfg = config or dataclasses.replace(STATELESS, random_seed=seed)
     names = list(weights)
+    shapes = [[weights[names[i]].shape for i in bucket] for bucket in plan.buckets]
     dtype = zoo.as_dtype(next(iter(weights.values())).dtype).name
-    qs: dict[int, list[np.ndarray]] = {}
-    for _ in range(steps):
-        for b, bucket in enumerate(plan.buckets):
-            lay = layout(
-                [weights[names[i]].shape for i in bucket],
-                cfg.matrix_approximation_rank,
-                cfg.min_compression_rate,
-            )
-            seed_b = int(state.rng.randint(1_000_000_000))
-            qs[b] = state.sampler(seed_b, lay.q_shapes, dtype)
-    return qs
+    draws = fresh_draws(shapes, cfg, dtype, torch_sampler)
+    return next(itertools.islice(draws, steps - 1, None))
