@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
     "PipelineRuntime": "xgrad.torch_backend.pipeline",
+    "powersgd_sampler": "xgrad.torch_backend.powersgd",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
 }
