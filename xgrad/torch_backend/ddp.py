@@ -20,19 +20,16 @@ One training step, as PyTorch's DDP does it::
     end        engine's final callback: reducer.finalize() waits for every bucket and
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
-The pieces: parameter discovery and device checks in ``ddp_params``, the autograd hook
-adapter in ``ddp_hooks``, the timeline and statistics in ``ddp_stats``, the options
-``mixed_precision`` and ``delay_all_reduce_named_params`` in ``ddp_mixed`` and
-``ddp_delay``, and how ``torch.compile`` sees the wrapper in ``ddp_compile``; this module
-is the ``nn.Module`` that ties them to the reducer.
+Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, caps, buffer
+flags), ``ddp_hooks`` (autograd hooks), ``ddp_stats``, ``ddp_mixed`` (mixed precision),
+``ddp_delay`` (delayed all-reduce), ``ddp_compile`` (dynamo); this is the wrapper.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,14 +40,14 @@ from torch.utils._pytree import tree_map
 
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan
-from xgrad.ddp_setup import DDPLimits, ddp_reducer
+from xgrad.ddp_setup import ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
 from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, TorchComm
-from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
+from xgrad.torch_backend.ddp_args import bucket_limits, buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
-from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
+from xgrad.torch_backend.ddp_hooks import GradientHooks, builtin_hook, future_hook
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
@@ -60,7 +57,6 @@ from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
-_MIB = 1024 * 1024
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
@@ -68,16 +64,14 @@ class DistributedDataParallel(_TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
-    class's ``__init__`` (which would build PyTorch's C++ reducer and hooks too), so
-    ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` holds for the code
-    in Lightning, accelerate and transformers that unwraps or special-cases DDP, and
-    dynamo's DDP handling (``DDPOptimizer`` graph splitting, guards) applies. Why not
-    the alternatives: torch's class cannot be given an ``__instancecheck__`` without
-    patching torch, and registering as a virtual subclass (``ABC.register``) would not
-    give dynamo's ``issubclass`` checks or the class attributes it reads. Every method of
-    torch's class that would reach its C++ reducer is overridden here; the rest
-    (``_inside_ddp_forward``, ``_register_fused_optim``, ``scatter``/``gather``) work
-    unchanged on this object.
+    class's ``__init__`` (which would build PyTorch's C++ reducer too), so ``isinstance``
+    holds for the code in Lightning, accelerate and transformers that unwraps DDP, and
+    dynamo's DDP handling (``DDPOptimizer``, guards) applies. The alternatives fail:
+    torch's class takes no ``__instancecheck__`` without patching torch, and a virtual
+    subclass (``ABC.register``) gives dynamo neither its ``issubclass`` checks nor the
+    attributes it reads. Every method of torch's class that would reach its C++ reducer
+    is overridden; the rest (``_inside_ddp_forward``, ``_register_fused_optim``,
+    ``scatter``/``gather``, ``no_sync``, ``will_sync_module_buffers``) work unchanged on this object.
 
     Args:
         module, device_ids, output_device, dim, broadcast_buffers, init_sync,
@@ -85,9 +79,7 @@ class DistributedDataParallel(_TorchDDP):
         gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
         param_to_hook_all_reduce, mixed_precision, device_mesh,
         skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
-        forward_sync_buffers: as in PyTorch 2.13's DDP, with its defaults and
-            semantics (``mixed_precision`` also on the CPU, where PyTorch's needs
-            streams).
+        forward_sync_buffers: as in PyTorch 2.13's DDP (``mixed_precision`` also on CPU).
         first_bucket_cap_mb: cap of the first bucket (xgrad extra).
         plan: an explicit :class:`~xgrad.buckets.BucketPlan` over the parameter order of
             ``named_parameters`` (those that require grad), used as given: no rebuild.
@@ -190,14 +182,10 @@ class DistributedDataParallel(_TorchDDP):
         )
         flat_dtype = None if self._casts is None else self._casts.param_dtype
         self._grad_hooks = GradientHooks(self._params, gradient_as_bucket_view)
-        limits = DDPLimits.of(
-            bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * _MIB),
-            first_bucket_cap_bytes=(
-                None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB)
-            ),
-            bucket_cap_bytes_list=(
-                None if bucket_cap_mb_list is None else [int(c * _MIB) for c in bucket_cap_mb_list]
-            ),
+        limits = bucket_limits(
+            bucket_cap_mb,
+            first_bucket_cap_mb,
+            bucket_cap_mb_list,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
         )
@@ -252,11 +240,7 @@ class DistributedDataParallel(_TorchDDP):
                 lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
             )
         if self._casts is not None:
-            self._casts.to_low()
-            if self._casts.param_dtype is not None:
-                from torch.distributed.utils import _cast_forward_inputs
-
-                inputs, kwargs = _cast_forward_inputs(self._casts.param_dtype, *inputs, **kwargs)
+            inputs, kwargs = self._casts.to_low(inputs, kwargs)
         return inputs, kwargs
 
     @outside_dynamo
@@ -276,28 +260,10 @@ class DistributedDataParallel(_TorchDDP):
             self._delayed.point_grads_at_buffer()
         return output
 
-    def will_sync_module_buffers(self) -> bool:
-        return bool(
-            self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers
-        )
-
     def _sync_buffers(self) -> None:
         if self.comm.size > 1:
             with torch.no_grad():
                 self.comm.broadcast_tensors(self.modules_buffers, src=0)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the first synchronised pass after reduces them all.
-
-        The forward pass must run inside the context, as with PyTorch's DDP.
-        """
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
 
     # ------------------------------------------------------------------ hooks
 
@@ -310,10 +276,9 @@ class DistributedDataParallel(_TorchDDP):
         ``GradBucket``'s methods. The returned future is waited on with this module's
         timeout. Call once, before the first forward pass.
         """
-        # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
-        # order that differs between ranks; PowerSGD issues collectives from such callbacks,
-        # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
-        # hangs there). NCCL runs callbacks in stream order, so it keeps the overlap.
+        # Gloo runs a future's callbacks as collectives complete, in an order that differs
+        # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
+        # gloo buckets' hooks run one after another. NCCL keeps stream order: overlap.
         serial = dist.get_backend(self.comm.group) != "nccl"
         self.reducer.register_hook(future_hook(state, hook, self.timeout), serial=serial)
 
@@ -325,29 +290,14 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer.register_hook(hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """PyTorch's built-in C++ hooks, as their Python equivalents."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hooks = {
-            "ALLREDUCE": default_hooks.allreduce_hook,
-            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
-        }
-        name = getattr(comm_hook_type, "name", str(comm_hook_type))
-        if name not in hooks:
-            raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
-        self.register_comm_hook(self.process_group, hooks[name])
+        """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
+        self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
 
     def _set_static_graph(self) -> None:
         """PyTorch's late ``static_graph=True``: call before the first iteration."""
-        if self.static_graph:
-            import warnings
-
-            warnings.warn(
-                "You've set static_graph to be True, no need to set it again.", stacklevel=2
-            )
-            return
-        self.reducer.set_static_graph()
-        self.static_graph = True
+        if not self.static_graph:
+            self.reducer.set_static_graph()
+            self.static_graph = True
 
     # ------------------------------------------------------------------ introspection
 
@@ -370,17 +320,8 @@ class DistributedDataParallel(_TorchDDP):
         return self.process_group
 
     def statistics(self) -> dict[str, Any]:
-        """What PyTorch's DDP logging data says, in seconds and names.
-
-        Keys: ``world_size``, ``rank``, ``num_parameters``, ``initial_plan``, ``plan``
-        (JSON), ``has_rebuilt_buckets``, ``bucket_sizes`` (bytes, launch order),
-        ``ready_order`` (parameter names, last synchronised iteration) and
-        ``ready_order_indices`` (the same as indices), ``iterations``, ``timeline``
-        (per kept iteration: :class:`IterationTimes` as a dict), and the averages over
-        the kept iterations ``avg_forward_time``, ``avg_backward_time``,
-        ``avg_backward_compute_time``, ``avg_backward_comm_time``,
-        ``avg_backward_compute_comm_overlap_time``.
-        """
+        """What PyTorch's DDP logging data says, in seconds and names (keys: see
+        :func:`xgrad.torch_backend.ddp_stats.statistics`)."""
         return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
