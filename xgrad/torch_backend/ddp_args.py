@@ -8,14 +8,9 @@ follow PyTorch's rules and warnings, so a script moving between the two sees the
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
-
-from xgrad.ddp_setup import DDPLimits
-
-_MIB = 1024 * 1024
 
 
 def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
@@ -58,27 +53,3 @@ def buffer_sync_flags(
         return bool(forward_sync_buffers), True
     effective = True if broadcast_buffers is None else bool(broadcast_buffers)
     return effective, effective
-
-
-def bucket_limits(
-    bucket_cap_mb: float | None,
-    first_bucket_cap_mb: float | None,
-    bucket_cap_mb_list: Sequence[float] | None,
-    *,
-    find_unused_parameters: bool,
-    static_graph: bool,
-) -> DDPLimits:
-    """DDP's bucket limits from its MiB arguments (PyTorch truncates MiB to whole bytes)."""
-
-    def nbytes(mb: float | None) -> int | None:
-        return None if mb is None else int(mb * _MIB)
-
-    return DDPLimits.of(
-        bucket_cap_bytes=nbytes(bucket_cap_mb),
-        first_bucket_cap_bytes=nbytes(first_bucket_cap_mb),
-        bucket_cap_bytes_list=(
-            None if bucket_cap_mb_list is None else [int(c * _MIB) for c in bucket_cap_mb_list]
-        ),
-        find_unused_parameters=find_unused_parameters,
-        static_graph=static_graph,
-    )
