@@ -28,7 +28,6 @@ Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,25 +36,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
-from torch.utils._pytree import tree_map
 
-from xgrad.agreement import check_agreement
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
-from xgrad.torch_backend.autograd_graph import find_unused_parameters
 from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
-    fingerprint,
     resolve_caps,
     resolve_timeout,
 )
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
+from xgrad.torch_backend.ddp_forward import (
+    check_agreement_once,
+    post_forward,
+    pre_forward,
+    sync_buffers,
+)
 from xgrad.torch_backend.ddp_hooks import GradientHooks, builtin_hook, future_hook
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
@@ -63,9 +64,6 @@ from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import logging_data, statistics
 from xgrad.torch_backend.join import (
     JoinableDDP,
-    announce_backward_sync,
-    find_common_rank,
-    notify_join_context,
 )
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
@@ -246,6 +244,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
         self._still_training: int | None = None
+        self._forward_started = 0.0
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         self._grad_hooks.attach(self.reducer)
@@ -265,59 +264,18 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
     @outside_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
-        self._forward_started = time.perf_counter()
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._grad_hooks.recover(self.comm.rank)
-        self._still_training = notify_join_context(self)
-        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
-            self._agreement_pending = True
-            if self.gradient_as_bucket_view:
-                self._grad_hooks.alias_grads_to_buckets()
-        if self.will_sync_module_buffers():
-            self._sync_buffers()
-        if self._join_config.enable:
-            announce_backward_sync(self, sync)
-        if sync:
-            self._check_agreement()
-        if self.device_ids:
-            device = torch.device(self.device_type, self.device_ids[0])
-            inputs, kwargs = tree_map(
-                lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
-            )
-        if self._casts is not None:
-            inputs, kwargs = self._casts.to_low(inputs, kwargs)
-        return inputs, kwargs
+        return pre_forward(self, inputs, kwargs)
 
     @outside_dynamo
     def _post_forward(self, output: Any) -> Any:
         """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            unused: Sequence[int] = ()
-            if self.find_unused_parameters and not self.static_graph:
-                unused = find_unused_parameters(output, self._param_index, len(self._params))
-            self.reducer.prepare_for_backward(unused, divisor=self._still_training)
-            self._grad_hooks.sync_pending = True
-            self._grad_hooks.forward_seconds = time.perf_counter() - self._forward_started
-        else:
-            self.require_forward_param_sync = False
-        if self._delayed is not None:
-            self._delayed.point_grads_at_buffer()
-        return output
+        return post_forward(self, output)
 
     def _sync_buffers(self) -> None:
-        if self.comm.size > 1:
-            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
-            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
-            with torch.no_grad():
-                self.comm.broadcast_tensors(self.modules_buffers, src=src)
+        sync_buffers(self)
 
     def _check_agreement(self) -> None:
-        """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
-        if self._agreement_pending:
-            mine = fingerprint(self.plan, self.parameter_names, self._params, self._hook_name)
-            check_agreement(self.comm, mine, where="DistributedDataParallel")
-            self._agreement_pending = False
+        check_agreement_once(self)
 
     # ------------------------------------------------------------------ hooks
 
