@@ -6,15 +6,18 @@ so ``xgrad backends`` can ask :func:`available` cheaply.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
 from xgrad.backend import lazy_attributes
 
 if TYPE_CHECKING:
+    from xgrad.torch_backend import dist_autograd as dist_autograd
     from xgrad.torch_backend.comm import TorchComm as TorchComm
     from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
     from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
+    from xgrad.torch_backend.dist_autograd import DistBackwardError as DistBackwardError
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
     from xgrad.torch_backend.spawn import SpawnError as SpawnError
     from xgrad.torch_backend.spawn import spawn as spawn
@@ -24,6 +27,7 @@ name = "torch"
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "DistributedDataParallel": "xgrad.torch_backend.ddp",
+    "DistBackwardError": "xgrad.torch_backend.dist_autograd",
     "IterationTimes": "xgrad.torch_backend.ddp",
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
@@ -31,7 +35,10 @@ _EXPORTS: dict[str, str] = {
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["available", "name", *sorted(_EXPORTS)]
+#: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).
+_SUBMODULES = ("dist_autograd",)
+
+__all__ = ["available", "name", *sorted(_EXPORTS), *_SUBMODULES]
 
 
 def available() -> bool:
@@ -45,4 +52,10 @@ def available() -> bool:
     return bool(dist.is_available())
 
 
-__getattr__ = lazy_attributes(__name__, _EXPORTS)
+_lazy = lazy_attributes(__name__, _EXPORTS)
+
+
+def __getattr__(attr: str) -> object:
+    if attr in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{attr}")
+    return _lazy(attr)
