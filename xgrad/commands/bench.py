@@ -15,6 +15,7 @@ HELP = "benchmarks against PyTorch's own implementations, reported as ratios"
 #: target -> module implementing it.
 TARGETS: dict[str, str] = {
     "ddp": "xgrad.torch_backend.bench",
+    "dist-autograd": "xgrad.torch_backend.dist_autograd_bench",
     "jax": "xgrad.jax_backend.bench",
     "pipeline": "xgrad.torch_backend.pipeline_bench",
     "graph": "xgrad.graph_bench",
