@@ -51,7 +51,9 @@ def test_zero_bubble_literal() -> None:
     v=st.integers(1, 3),
 )
 def test_every_generated_schedule_is_valid(name: str, p: int, k: int, v: int) -> None:
-    m = k * p if name == "interleaved_1f1b" else k + p // 2
+    m = k * p if name.startswith("interleaved") else k + p // 2
+    if name in ("zbv", "dualpipev"):
+        v, m = 2, max(m, 2 * p)
     s = xp.make(name, p, m, chunks=v)
     assert s.num_ranks == p and s.num_microbatches == m
     xp.validate(s)
@@ -68,9 +70,21 @@ def test_bad_sizes_are_refused(bad: object) -> None:
         xp.one_f_one_b(2, bad)  # type: ignore[arg-type]
 
 
-def test_interleaved_needs_multiple_of_p() -> None:
-    with pytest.raises(ValueError, match="multiple of num_stages"):
-        xp.interleaved_1f1b(4, 6)
+def test_interleaved_needs_m_to_split_into_rounds() -> None:
+    # Like torch: max(1, m // p) rounds, m a multiple of them (m = 10, p = 4 is fine).
+    assert xp.interleaved_1f1b(4, 10).num_microbatches == 10
+    assert xp.interleaved_1f1b(4, 3).num_microbatches == 3
+    with pytest.raises(ValueError, match="multiple of its 3 rounds"):
+        xp.interleaved_1f1b(4, 13)
+    with pytest.raises(ValueError, match="num_microbatches >= the 8 stages"):
+        xp.dualpipev(4, 7)
+    with pytest.raises(ValueError, match="chunks=2"):
+        xp.zbv(2, 4, chunks=3)
+
+
+def test_v_placement_puts_first_and_last_stage_on_rank_0() -> None:
+    assert xp.zbv(3, 6).placement == (0, 1, 2, 2, 1, 0)
+    assert xp.dualpipev(2, 4).placement == (0, 1, 1, 0)
 
 
 def test_make_unknown_lists_known() -> None:
@@ -97,8 +111,8 @@ def test_drawings_next_to_the_code_are_what_it_generates(name: str) -> None:
 def test_interleaved_drawing_is_what_it_generates() -> None:
     import inspect
 
-    from xgrad.pipeline import generators
+    from xgrad.pipeline import multistage
 
-    source = inspect.getsource(generators)
+    source = inspect.getsource(multistage)
     for r, acts in enumerate(xp.interleaved_1f1b(2, 4, chunks=2).actions):
         assert f"#   rank {r}  {' '.join(map(str, acts))}\n" in source

@@ -33,8 +33,8 @@ def test_timeline_comms_costs_and_csv(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_bad_sizes_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["schedule", "interleaved_1f1b", "-p", "2", "-m", "3"]) == 2
-    assert "multiple of num_stages" in capsys.readouterr().err
+    assert main(["schedule", "interleaved_1f1b", "-p", "2", "-m", "5"]) == 2
+    assert "multiple of its 2 rounds" in capsys.readouterr().err
     assert main(["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "X=1"]) == 2
     assert "'X'" in capsys.readouterr().err
 

@@ -41,8 +41,9 @@ def _partition_ids(schedule: Schedule, invocations: Sequence[Invocation] | None)
 
 
 def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """Every rank's compute actions merged in an order that respects the dependencies."""
-    queues = schedule.actions
+    """Every rank's compute actions (overlapped pairs in turn) merged in an order that
+    respects the dependencies."""
+    queues = [schedule.compute(r) for r in range(schedule.num_ranks)]
     heads = [0] * schedule.num_ranks
     done: set[Action] = set()
     order: list[tuple[int, Action]] = []

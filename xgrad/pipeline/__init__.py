@@ -1,7 +1,9 @@
 """Pipeline schedules as data: actions, generators, passes, validation and cost simulation."""
 
+from xgrad.pipeline.actions import NO_MICROBATCH as NO_MICROBATCH
 from xgrad.pipeline.actions import Action as Action
 from xgrad.pipeline.actions import Kind as Kind
+from xgrad.pipeline.actions import expand as expand
 from xgrad.pipeline.csvio import dump_csv as dump_csv
 from xgrad.pipeline.csvio import load_csv as load_csv
 from xgrad.pipeline.csvio import schedule_from_csv as schedule_from_csv
@@ -9,7 +11,6 @@ from xgrad.pipeline.csvio import schedule_to_csv as schedule_to_csv
 from xgrad.pipeline.generators import SCHEDULES as SCHEDULES
 from xgrad.pipeline.generators import from_invocations as from_invocations
 from xgrad.pipeline.generators import gpipe as gpipe
-from xgrad.pipeline.generators import interleaved_1f1b as interleaved_1f1b
 from xgrad.pipeline.generators import make as make
 from xgrad.pipeline.generators import one_f_one_b as one_f_one_b
 from xgrad.pipeline.generators import zb_h1 as zb_h1
@@ -19,6 +20,12 @@ from xgrad.pipeline.invocation import Location as Location
 from xgrad.pipeline.invocation import chain as chain
 from xgrad.pipeline.invocation import partitions_of as partitions_of
 from xgrad.pipeline.invocation import placement_of as placement_of
+from xgrad.pipeline.multistage import dualpipev as dualpipev
+from xgrad.pipeline.multistage import interleaved_1f1b as interleaved_1f1b
+from xgrad.pipeline.multistage import interleaved_zb as interleaved_zb
+from xgrad.pipeline.multistage import looped_bfs as looped_bfs
+from xgrad.pipeline.multistage import v_placement as v_placement
+from xgrad.pipeline.multistage import zbv as zbv
 from xgrad.pipeline.passes import insert_comms as insert_comms
 from xgrad.pipeline.passes import strip_comms as strip_comms
 from xgrad.pipeline.schedule import Schedule as Schedule

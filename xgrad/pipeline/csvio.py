@@ -6,7 +6,7 @@ import csv
 import io
 import os
 
-from xgrad.pipeline.actions import Action
+from xgrad.pipeline.actions import Action, expand
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = ["dump_csv", "load_csv", "schedule_from_csv", "schedule_to_csv"]
@@ -26,6 +26,9 @@ def schedule_from_csv(
     text: str, *, placement: tuple[int, ...] | None = None, name: str = "csv"
 ) -> Schedule:
     """Read CSV text (as ``_load_csv`` does); empty cells (torch's idle steps) are skipped.
+
+    Reads everything torch's ``_dump_csv`` writes, comms included: UNSHARD, RESHARD,
+    REDUCE_GRAD and DualPipeV's ``(0F3;3B1)OVERLAP_F_B`` pairs.
 
     Args:
         text: rows of action texts, row r for rank r.
@@ -48,13 +51,13 @@ def schedule_from_csv(
             except ValueError as exc:
                 raise ValueError(f"CSV rank {r}, column {c}: {exc}") from None
         actions.append(tuple(parsed))
-    everything = [a for acts in actions for a in acts]
+    everything = [a for acts in actions for a in expand(acts)]
     if not everything:
         raise ValueError("CSV holds no actions")
     if placement is None:
         owner: dict[int, int] = {}
         for r, rank_actions in enumerate(actions):
-            for a in rank_actions:
+            for a in expand(rank_actions):
                 if a.kind.is_compute and owner.setdefault(a.stage, r) != r:
                     raise ValueError(
                         f"CSV: stage {a.stage} has actions on ranks {owner[a.stage]} and {r}"
@@ -64,7 +67,7 @@ def schedule_from_csv(
         if missing:
             raise ValueError(f"CSV: stages {missing} have no compute action, placement unknown")
         placement = tuple(owner[s] for s in range(n))
-    m = max(a.microbatch for a in everything) + 1
+    m = max(a.microbatch for a in everything) + 1  # stage ops have none (-1)
     return Schedule(tuple(actions), tuple(placement), m, name)
 
 

@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-H2.
+"""Schedule generators: GPipe, 1F1B, ZB-H1 and ZB-H2 (one stage per rank), and the registry.
 
 Index letters, used throughout: p ranks (pipeline stages of the model, one per rank), m
 microbatches, v chunks (virtual stages) per rank. Each generator returns a compute-only
@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.invocation import Invocation, placement_of
+from xgrad.pipeline.multistage import MULTISTAGE, interleaved_1f1b
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = [
@@ -75,46 +76,6 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
         acts += [Action(r, B, i) for i in range(m - warmup, m)]
         ranks.append(tuple(acts))
     return Schedule(tuple(ranks), _chain(p), m, "1f1b")
-
-
-# Interleaved 1F1B (Megatron-LM): rank r holds chunks r, r+p, ..., r+(v-1)p; microbatches go
-# through the chunks in groups of p. Warm-up is (v-1)p + 2(p-1-r) chunk forwards, then one
-# forward and one backward alternate. With chunk costs 1/v of a whole stage, the bubble time
-# is 1/v of 1F1B's. In list order, p = 2, m = 4, v = 2 (rank 0 runs stages 0 and 2):
-#
-#   rank 0  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
-#   rank 1  1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
-def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
-    """Interleaved 1F1B with v = ``chunks`` virtual stages per rank (m a multiple of p).
-
-    Virtual stage s runs on rank s mod p. Bubble fraction (p-1)/(v·m+p-1).
-    """
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
-    v = _check("chunks", chunks)
-    if m % p:
-        raise ValueError(
-            f"interleaved 1F1B needs num_microbatches a multiple of num_stages ({p}), got {m}"
-        )
-    total = m * v
-
-    def forward(r: int, k: int) -> Action:
-        chunk = (k // p) % v
-        return Action(chunk * p + r, F, (k // (p * v)) * p + k % p)
-
-    def backward(r: int, k: int) -> Action:
-        chunk = v - 1 - (k // p) % v
-        return Action(chunk * p + r, B, (k // (p * v)) * p + k % p)
-
-    ranks = []
-    for r in range(p):
-        warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
-        acts = [forward(r, k) for k in range(warmup)]
-        for k in range(total - warmup):
-            acts += [forward(r, warmup + k), backward(r, k)]
-        acts += [backward(r, k) for k in range(total - warmup, total)]
-        ranks.append(tuple(acts))
-    placement = tuple(s % p for s in range(p * v))
-    return Schedule(tuple(ranks), placement, m, f"interleaved_1f1b(v={v})")
 
 
 # ZB-H1 (zero-bubble, 1F1B's memory): 1F1B with backward split into I (input gradient, on the
@@ -264,15 +225,15 @@ def from_invocations(
 SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "gpipe": lambda p, m, v: gpipe(p, m),
     "1f1b": lambda p, m, v: one_f_one_b(p, m),
-    "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": lambda p, m, v: zb_h1(p, m),
     "zb_h2": lambda p, m, v: zb_h2(p, m),
+    **MULTISTAGE,
 }
 
 
 def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
-    """The schedule called ``name`` (a key of :data:`SCHEDULES`); ``chunks`` is used by the
-    interleaved one only."""
+    """The schedule called ``name`` (a key of :data:`SCHEDULES`); ``chunks`` (stages per rank)
+    is used by the multi-stage ones only (:mod:`xgrad.pipeline.multistage`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
     return SCHEDULES[name](num_stages, num_microbatches, chunks)

@@ -12,6 +12,7 @@ __all__ = ["insert_comms", "strip_comms"]
 def strip_comms(schedule: Schedule) -> Schedule:
     """The compute-only schedule (what the generators make and CSV ``compute_only`` holds)."""
     actions = tuple(tuple(a for a in acts if a.kind.is_compute) for acts in schedule.actions)
+    # (UNSHARD, RESHARD and REDUCE_GRAD go too: torch's compute-only form has none.)
     return Schedule(actions, schedule.placement, schedule.num_microbatches, schedule.name)
 
 
@@ -32,18 +33,20 @@ def insert_comms(schedule: Schedule) -> Schedule:
         raise ValueError(f"schedule {schedule.name!r} already has sends and receives")
     place = schedule.placement
     last = schedule.num_stages - 1
-    backward = Kind.BACKWARD_INPUT if schedule.splits_backward else Kind.BACKWARD
     p = schedule.num_ranks
     out: list[list[Action]] = [[] for _ in range(p)]
     have: list[set[Action]] = [set() for _ in range(p)]
     heads = [0] * p
 
     def ready(a: Action, r: int) -> bool:
+        if a.kind is Kind.OVERLAP_F_B:
+            return all(ready(sub, r) for sub in a.sub)
         s, mb = a.stage, a.microbatch
         if a.kind is Kind.FORWARD and s > 0:
             return bool({Action(s - 1, Kind.FORWARD, mb), Action(s, Kind.RECV_F, mb)} & have[r])
-        if a.kind is backward and s < last:
-            return bool({Action(s + 1, backward, mb), Action(s, Kind.RECV_B, mb)} & have[r])
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s < last:
+            upstream = Action(s + 1, schedule.backward_kind(s + 1, mb), mb)
+            return bool({upstream, Action(s, Kind.RECV_B, mb)} & have[r])
         return True
 
     def place_action(a: Action, r: int) -> None:
@@ -59,13 +62,17 @@ def insert_comms(schedule: Schedule) -> Schedule:
             if not ready(a, r):
                 continue
             place_action(a, r)
-            s, mb = a.stage, a.microbatch
-            if a.kind is Kind.FORWARD and s < last and place[s + 1] != r:
-                place_action(Action(s, Kind.SEND_F, mb), r)
-                place_action(Action(s + 1, Kind.RECV_F, mb), place[s + 1])
-            elif a.kind is backward and s > 0 and place[s - 1] != r:
-                place_action(Action(s, Kind.SEND_B, mb), r)
-                place_action(Action(s - 1, Kind.RECV_B, mb), place[s - 1])
+            for sub in a.sub or (a,):
+                have[r].add(sub)
+                s, mb = sub.stage, sub.microbatch
+                if sub.kind is Kind.FORWARD and s < last and place[s + 1] != r:
+                    place_action(Action(s, Kind.SEND_F, mb), r)
+                    place_action(Action(s + 1, Kind.RECV_F, mb), place[s + 1])
+                elif (
+                    sub.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s > 0 and place[s - 1] != r
+                ):
+                    place_action(Action(s, Kind.SEND_B, mb), r)
+                    place_action(Action(s - 1, Kind.RECV_B, mb), place[s - 1])
             heads[r] += 1
             moved = True
         if not moved:

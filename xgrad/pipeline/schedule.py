@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
-from xgrad.pipeline.actions import Action, Kind
+from xgrad.pipeline.actions import Action, Kind, expand
 
 __all__ = ["Schedule", "format_grid"]
 
@@ -80,19 +82,23 @@ class Schedule:
             if not isinstance(r, int) or not 0 <= r < p:
                 raise ValueError(f"placement[{s}] = {r!r} is not a rank in 0..{p - 1}")
         for r, acts in enumerate(self.actions):
-            for i, a in enumerate(acts):
-                if not isinstance(a, Action):
-                    raise TypeError(f"rank {r} step {i}: expected an Action, got {a!r}")
-                if not 0 <= a.stage < len(self.placement):
-                    raise ValueError(
-                        f"rank {r} step {i}: action {a} names stage {a.stage}, "
-                        f"stages are 0..{len(self.placement) - 1}"
-                    )
-                if not 0 <= a.microbatch < self.num_microbatches:
-                    raise ValueError(
-                        f"rank {r} step {i}: action {a} names microbatch {a.microbatch}, "
-                        f"microbatches are 0..{self.num_microbatches - 1}"
-                    )
+            for i, top in enumerate(acts):
+                if not isinstance(top, Action):
+                    raise TypeError(f"rank {r} step {i}: expected an Action, got {top!r}")
+                for a in expand([top]):
+                    self._check_action(r, i, a)
+
+    def _check_action(self, r: int, i: int, a: Action) -> None:
+        if not 0 <= a.stage < len(self.placement):
+            raise ValueError(
+                f"rank {r} step {i}: action {a} names stage {a.stage}, "
+                f"stages are 0..{len(self.placement) - 1}"
+            )
+        if not a.kind.is_stage_op and not 0 <= a.microbatch < self.num_microbatches:
+            raise ValueError(
+                f"rank {r} step {i}: action {a} names microbatch {a.microbatch}, "
+                f"microbatches are 0..{self.num_microbatches - 1}"
+            )
 
     @property
     def num_ranks(self) -> int:
@@ -109,12 +115,43 @@ class Schedule:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether backward is split into input (I) and weight (W) parts (zero-bubble)."""
-        return any(a.kind is Kind.BACKWARD_INPUT for acts in self.actions for a in acts)
+        """Whether any backward is split into input (I) and weight (W) parts (zero-bubble)."""
+        return bool(self._split_pairs)
+
+    @cached_property
+    def _split_pairs(self) -> frozenset[tuple[int, int]]:
+        return frozenset(
+            (a.stage, a.microbatch)
+            for acts in self.actions
+            for a in expand(acts)
+            if a.kind is Kind.BACKWARD_INPUT
+        )
+
+    def backward_kind(self, stage: int, microbatch: int) -> Kind:
+        """The pass that computes (stage, microbatch)'s input gradient: I where its backward is
+        split, else B (DualPipeV mixes both in one schedule)."""
+        return Kind.BACKWARD_INPUT if (stage, microbatch) in self._split_pairs else Kind.BACKWARD
+
+    def compute(self, rank: int) -> tuple[Action, ...]:
+        """Rank ``rank``'s passes in order, overlapped pairs expanded, no comms or stage ops."""
+        return tuple(a for a in expand(self.actions[rank]) if a.kind.is_compute)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages placed on ``rank``, in stage order."""
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def text(self) -> str:
+        """Canonical text: placement, microbatches, then each rank's actions (what
+        :meth:`digest` hashes; two ranks with the same text run the same schedule)."""
+        rows = [" ".join(str(a) for a in acts) for acts in self.actions]
+        head = (
+            f"placement {','.join(map(str, self.placement))} microbatches {self.num_microbatches}"
+        )
+        return "\n".join([head, *(f"rank {r}: {row}" for r, row in enumerate(rows))]) + "\n"
+
+    def digest(self) -> str:
+        """SHA-256 of :meth:`text`: equal on every rank before a runtime's first step."""
+        return hashlib.sha256(self.text().encode()).hexdigest()
 
     def grid(self, *, mark: int | None = None, note: str = "") -> str:
         """The rank × step grid (a column per rank), optionally pointing at step ``mark``."""

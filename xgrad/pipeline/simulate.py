@@ -89,12 +89,12 @@ def dependencies(schedule: Schedule, action: Action) -> list[Action]:
     """The compute actions that must finish before compute ``action`` may start."""
     s, mb = action.stage, action.microbatch
     last = schedule.num_stages - 1
-    backward = Kind.BACKWARD_INPUT if schedule.splits_backward else Kind.BACKWARD
     if action.kind is Kind.FORWARD:
         return [Action(s - 1, Kind.FORWARD, mb)] if s > 0 else []
     if action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
         deps = [Action(s, Kind.FORWARD, mb)]
-        return deps + ([Action(s + 1, backward, mb)] if s < last else [])
+        upstream = Action(s + 1, schedule.backward_kind(s + 1, mb), mb)
+        return deps + ([upstream] if s < last else [])
     if action.kind is Kind.BACKWARD_WEIGHT:
         return [Action(s, Kind.BACKWARD_INPUT, mb)]
     raise ValueError(f"dependencies are defined for compute actions, got {action}")
@@ -102,15 +102,14 @@ def dependencies(schedule: Schedule, action: Action) -> list[Action]:
 
 def peak_held(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most (stage, microbatch) activation sets held at once, in list order."""
-    frees = Kind.BACKWARD_WEIGHT if schedule.splits_backward else Kind.BACKWARD
     peaks = []
-    for acts in schedule.actions:
+    for r in range(schedule.num_ranks):
         held = peak = 0
-        for a in acts:
+        for a in schedule.compute(r):
             if a.kind is Kind.FORWARD:
                 held += 1
                 peak = max(peak, held)
-            elif a.kind is frees:
+            elif a.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                 held -= 1
         peaks.append(peak)
     return tuple(peaks)
@@ -151,7 +150,7 @@ def simulate(
     """
     cost = _cost_fn(costs)
     p = schedule.num_ranks
-    queues = [[a for a in acts if a.kind.is_compute] for acts in schedule.actions]
+    queues = [list(schedule.compute(r)) for r in range(p)]
     where = {a: r for r, q in enumerate(queues) for a in q}
     end: dict[Action, float] = {}
     spans: list[list[Span]] = [[] for _ in range(p)]

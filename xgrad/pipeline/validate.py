@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xgrad.pipeline.actions import Action, Kind
+from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = ["ScheduleError", "validate"]
@@ -55,12 +55,15 @@ def _check_comm_ends(schedule: Schedule, r: int, i: int, a: Action) -> None:
         raise ScheduleError(schedule, r, i, f"{a} talks to its own rank {r}")
 
 
+def _flat(schedule: Schedule) -> list[list[Action]]:
+    """Each rank's actions with overlapped pairs expanded (one thread runs them in turn)."""
+    return [list(expand(acts)) for acts in schedule.actions]
+
+
 def _check_contents(schedule: Schedule) -> None:
     """Placement, duplicates, completeness and the local order of each stage's passes."""
-    split = schedule.splits_backward
-    backward = I if split else B
     seen: dict[Action, tuple[int, int]] = {}
-    for r, acts in enumerate(schedule.actions):
+    for r, acts in enumerate(_flat(schedule)):
         for i, a in enumerate(acts):
             if schedule.placement[a.stage] != r:
                 raise ScheduleError(
@@ -74,12 +77,18 @@ def _check_contents(schedule: Schedule) -> None:
                     schedule, r, i, f"{a} appears twice (first at step {seen[a][1]})"
                 )
             seen[a] = (r, i)
+            if a.kind.is_stage_op:
+                continue
             if a.kind.is_comm:
                 _check_comm_ends(schedule, r, i, a)
                 continue
-            if (split and a.kind is B) or (not split and a.kind in (I, W)):
+            split = schedule.backward_kind(a.stage, a.microbatch) is I
+            if (split and a.kind is B) or (not split and a.kind is W):
                 raise ScheduleError(
-                    schedule, r, i, f"{a} mixes full backward (B) with split backward (I, W)"
+                    schedule,
+                    r,
+                    i,
+                    f"{a} mixes full backward (B) with split backward (I, W) for one microbatch",
                 )
             need = {
                 F: None,
@@ -89,10 +98,10 @@ def _check_contents(schedule: Schedule) -> None:
             }[a.kind]
             if need is not None and need not in seen:
                 raise ScheduleError(schedule, r, i, f"{a} runs before {need}")
-    kinds = (F, backward, W) if split else (F, backward)
     for s in range(schedule.num_stages):
         for mb in range(schedule.num_microbatches):
-            for k in kinds:
+            backward = schedule.backward_kind(s, mb)
+            for k in (F, backward, W) if backward is I else (F, backward):
                 a = Action(s, k, mb)
                 if a not in seen:
                     r = schedule.placement[s]
@@ -104,8 +113,9 @@ def _check_contents(schedule: Schedule) -> None:
 def _needs(schedule: Schedule, a: Action, r: int) -> list[Action]:
     """What rank r must have run before compute ``a`` (with explicit comms: local actions)."""
     last = schedule.num_stages - 1
-    backward = I if schedule.splits_backward else B
     s, mb = a.stage, a.microbatch
+    if a.kind.is_stage_op:
+        return []
     if a.kind is F:
         if s == 0:
             return []
@@ -117,25 +127,21 @@ def _needs(schedule: Schedule, a: Action, r: int) -> list[Action]:
         if s == last:
             return need
         if schedule.placement[s + 1] == r or not schedule.has_comms:
-            return [*need, Action(s + 1, backward, mb)]
+            return [*need, Action(s + 1, schedule.backward_kind(s + 1, mb), mb)]
         return [*need, Action(s, Kind.RECV_B, mb)]
     if a.kind is W:
         return [Action(s, I, mb)]
     # A send needs the pass that produced what it sends.
-    return (
-        [Action(s, F if a.kind is Kind.SEND_F else backward, mb)]
-        if a.kind
-        in (
-            Kind.SEND_F,
-            Kind.SEND_B,
-        )
-        else []
-    )
+    if a.kind is Kind.SEND_F:
+        return [Action(s, F, mb)]
+    if a.kind is Kind.SEND_B:
+        return [Action(s, schedule.backward_kind(s, mb), mb)]
+    return []
 
 
 def _check_pairs(schedule: Schedule) -> None:
     """Every send has its receive on the peer and vice versa; cross-rank inputs are received."""
-    where = {a: (r, i) for r, acts in enumerate(schedule.actions) for i, a in enumerate(acts)}
+    where = {a: (r, i) for r, acts in enumerate(_flat(schedule)) for i, a in enumerate(acts)}
     for a, (r, i) in where.items():
         if a.kind.is_comm:
             peer, partner = comm_partner(schedule, a)
@@ -152,7 +158,7 @@ def _run(schedule: Schedule, rendezvous: bool) -> None:
     p = schedule.num_ranks
     heads = [0] * p
     done: set[Action] = set()
-    acts = schedule.actions
+    acts = _flat(schedule)
     while any(heads[r] < len(acts[r]) for r in range(p)):
         moved = False
         for r in range(p):
