@@ -1,6 +1,7 @@
-"""Pipeline runtime on 3 real gloo ranks: pytree stage inputs/outputs whose shapes change,
-a stage that raises and stays alive (every rank names it, the next step works), and ranks
-that disagree on the schedule (refused on every rank before anything is sent)."""
+"""Pipeline runtime on 3 real gloo ranks, in one spawn: pytree stage inputs/outputs whose
+shapes change, a stage that raises and stays alive (every rank names it, the next step
+works), ranks that disagree on the schedule (refused on every rank before anything is
+sent), and a DAG of stages with skip connections across ranks (fairscale's invocations)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,61 @@ def _err(part: nn.Module, want: list[Any]) -> float:
     )
 
 
+class Join(nn.Module):
+    """Takes a tuple of earlier outputs (a skip connection): tanh(fc(a) + b)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: Any) -> Any:
+        a, b = pair
+        return torch.tanh(self.fc(a) + b)
+
+
+# Stage 0 (rank 0) feeds stages 1 and 2 (ranks 1, 2); stage 3 (rank 0 again) joins 2 and 1.
+DAG_LOCATIONS = [(0, 0), (1, 0), (2, 0), (0, 1)]
+DAG_INPUTS = [(), (0,), (1, 0), (2, 1)]
+
+
+def _dag_parts() -> list[nn.Module]:
+    torch.manual_seed(3)
+    first = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    return [first, nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()), Join(), Join()]
+
+
+def _dag(rank: int) -> dict[str, float]:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    inv = xp.dag(DAG_LOCATIONS, DAG_INPUTS)
+    x, y = _batch(8, 9)
+    parts = [p.double() for p in _dag_parts()]
+    outs: list[Any] = []
+    for k, part in enumerate(parts):
+        ins = [outs[i] for i in DAG_INPUTS[k]]
+        outs.append(part(x if k == 0 else ins[0] if len(ins) == 1 else tuple(ins)))
+    nn.functional.mse_loss(outs[-1], y).backward()
+    want = [[p.grad.clone() for p in part.parameters()] for part in parts]
+    mine = [k for k, loc in enumerate(DAG_LOCATIONS) if loc[0] == rank]
+    errors = {}
+    for policy in ("gpipe", "1f1b", "zb"):
+        for checkpoint in ("never", "always"):
+            for p in parts:
+                p.zero_grad(set_to_none=True)
+            schedule = xp.from_invocations(inv, M, policy)
+            rt = PipelineRuntime(
+                schedule,
+                [parts[k] for k in mine],
+                nn.functional.mse_loss,
+                invocations=inv,
+                checkpoint=checkpoint,
+                timeout=30,
+            )
+            rt.step(x if rank == 0 else None, y if rank == 0 else None)
+            errors[f"{policy}/{checkpoint}"] = max(_err(parts[k], want[k]) for k in mine)
+    return errors
+
+
 def _scenario(rank: int, world: int) -> dict[str, Any]:
     from xgrad.failure import RankError
     from xgrad.torch_backend.pipeline import PipelineRuntime
@@ -132,10 +188,11 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     # ... and the good runtime still works afterwards.
     step(8, 7)
     out["last"] = _err(part, _want(8, 7)[rank])
+    out["dag"] = _dag(rank)
     return out
 
 
-def test_pytrees_failure_and_schedule_agreement() -> None:
+def test_pytrees_failure_agreement_and_dag() -> None:
     results = spawn(_scenario, 3, timeout=120)
     for rank, res in enumerate(results):
         for key in ("ok8", "ok12", "after8", "after4", "last"):
@@ -149,6 +206,9 @@ def test_pytrees_failure_and_schedule_agreement() -> None:
         assert "ranks disagree on the pipeline schedule" in res["disagree"]
         assert "ranks [0, 1] have digest" in res["disagree"]
         assert "ranks [2] have digest" in res["disagree"]
+        assert len(res["dag"]) == 6
+        for key, err in res["dag"].items():
+            assert err <= 1e-12, (rank, key, err)
     raised = [res["error"][2] for res in results]
     # Every rank raised within 2 s of the failing one (measured, same machine clock).
     assert max(raised) - min(raised) <= 2.0, raised
