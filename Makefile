@@ -8,18 +8,20 @@ TORCH_PIN ?= torch==2.13.0
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# examples/ring_backend is a backend outside xgrad, registered through its entry point
+# alone: installing it is all it takes for the conformance tests and `xgrad crosscheck`.
+$(VENV)/.installed: pyproject.toml examples/ring_backend/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[torch,jax,test,plot]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[torch,jax,test,plot]" -e examples/ring_backend
 	touch $@
 
 demo: setup
 	$(VENV)/bin/xgrad crosscheck
 
 lint: setup
-	$(VENV)/bin/ruff check xgrad tests
-	$(VENV)/bin/ruff format --check xgrad tests
+	$(VENV)/bin/ruff check xgrad tests examples
+	$(VENV)/bin/ruff format --check xgrad tests examples
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -12,6 +12,7 @@ from xgrad.buckets import (
     NO_LIMIT,
     BucketPlan,
     assign_buckets,
+    cap_mb_to_bytes,
     ddp_bucket_caps,
     ddp_initial_plan,
     rebuild_plan,
@@ -157,3 +158,51 @@ def test_same_assignment_as_pytorch() -> None:
         )
         assert plan.buckets == tuple(tuple(b) for b in ref[0])
         assert plan.limits == tuple(ref[1])
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"buckets":[[0,1.7]],"limits":[8]}', "1.7"),
+        ('{"buckets":[[0,1]],"limits":[-1]}', "-1"),
+        ('{"buckets":[],"limits":[]}', "no buckets"),
+        ('{"buckets":[[0,true]],"limits":[8]}', "True"),
+        ('{"buckets":[[0]],"limits":[2.5]}', "2.5"),
+        ('{"buckets":[[0]],"limits":[8],"x":1}', "not a BucketPlan"),
+        ('{"buckets":5,"limits":[8]}', "list of lists"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_from_json_refuses_what_it_would_have_to_coerce(text: str, needle: str) -> None:
+    with pytest.raises(ValueError) as err:
+        BucketPlan.from_json(text)
+    assert needle in str(err.value)
+
+
+def test_from_json_takes_text_only() -> None:
+    with pytest.raises(TypeError, match="JSON text"):
+        BucketPlan.from_json(123)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "needle"),
+    [
+        (-1, ValueError, "bucket_cap_mb = -1"),
+        (0, ValueError, "bucket_cap_mb = 0"),
+        (float("nan"), ValueError, "bucket_cap_mb = nan"),
+        (float("inf"), ValueError, "bucket_cap_mb = inf"),
+        ("25", TypeError, "bucket_cap_mb must be a number"),
+        (True, TypeError, "bucket_cap_mb must be a number"),
+    ],
+)
+def test_cap_errors_name_the_argument(value: object, error: type, needle: str) -> None:
+    with pytest.raises(error) as err:
+        cap_mb_to_bytes(value)
+    assert needle in str(err.value)
+
+
+def test_cap_conversion() -> None:
+    assert cap_mb_to_bytes(25) == 25 * 1024 * 1024
+    assert cap_mb_to_bytes(1e-12, "first_bucket_cap_mb") == 1
+    with pytest.raises(ValueError, match="first_bucket_cap_mb = -2"):
+        cap_mb_to_bytes(-2, "first_bucket_cap_mb")

@@ -1,19 +1,41 @@
 """The Backend and Comm protocols, and the registry that finds backends by name.
 
 The core talks to a process group only through :class:`Comm`, so the same reducer runs
-on c10d, on simulated in-process ranks, or on a package outside this repository. Backends
-are registered by name and imported only when asked for, so ``import xgrad`` never pulls
-in torch or jax.
+on c10d, on simulated in-process ranks, or on a package outside this repository. A
+:class:`Backend` says what it can do — run a data-parallel step (:class:`Step`) with a
+bucket plan and a hook on a model of the zoo, through one or more :class:`Runner` — and
+what it supports; the crosscheck, the benches and the experiments iterate over the
+registry and never name a backend. Backends are registered by name and imported only
+when asked for, so ``import xgrad`` never pulls in torch or jax.
+
+Example (a package outside this repository; see ``examples/ring_backend``)::
+
+    # pyproject.toml: [project.entry-points."xgrad.backends"] ring = "xgrad_ring"
+    # xgrad_ring/__init__.py
+    name = "ring"
+    def available() -> bool: return True
+    def runners() -> tuple[Runner, ...]: return (RingRunner(),)
+    def run_ranks(fn, world_size, *, timeout): ...   # fn(comm) on every rank
+    def array_ops(): return NumpyOps(), numpy.asarray
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from xgrad.step import Step as Step
+from xgrad.step import StepResult as StepResult
+
+if TYPE_CHECKING:
+    from xgrad.reducer import ArrayOps
 
 ENTRY_POINT_GROUP = "xgrad.backends"
 
@@ -50,14 +72,148 @@ class Comm(Protocol):
         ...
 
 
-class Backend(Protocol):
-    """What :func:`get_backend` returns: a module (or object) that says if it can run."""
+@runtime_checkable
+class Runner(Protocol):
+    """One way a backend runs a :class:`Step` (one column of ``xgrad crosscheck``).
 
-    def available(self) -> bool: ...
+    Attributes:
+        name: unique over all backends, e.g. ``"torch-xgrad"``.
+        description: one line for reports.
+        hooks: the hook names it runs (``None``, no hook, always runs).
+        dtypes: the model dtypes it runs.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def hooks(self) -> tuple[str, ...]: ...
+
+    @property
+    def dtypes(self) -> tuple[str, ...]: ...
+
+    def unsupported(self, step: Step) -> str | None:
+        """Why ``step`` cannot run here (hook, dtype, world size, model), or None."""
+        ...
+
+    def run(self, step: Step) -> StepResult:
+        """Run ``step`` and return the reduced gradients and the plan really used."""
+        ...
+
+
+def backend_benches() -> dict[str, str]:
+    """Every registered backend's ``xgrad bench`` targets (target -> module path).
+
+    Raises:
+        ValueError: two backends claim one target.
+    """
+    targets: dict[str, str] = {}
+    for name in list_backends():
+        try:
+            benches = getattr(get_backend(name), "BENCHES", {})
+        except ImportError:
+            continue  # reported by `xgrad backends`; its benches cannot run anyway
+        for target, module in benches.items():
+            if target in targets:
+                raise ValueError(f"bench target {target!r} is claimed twice (backend {name})")
+            targets[target] = module
+    return targets
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A backend's single-process, full-batch float64 gradients: what runners are judged by.
+
+    Attributes:
+        grads: ``grads(model, weights, x, y) -> {name: float64 gradient}``; the weights
+            and batch are converted exactly to float64 first.
+        covers: whether it can differentiate a model (by name).
+        description: one line for reports (``"torch float64, one process, full batch"``).
+        independent: computed by a framework's own autograd rather than xgrad's engine,
+            so it checks xgrad's engine too; preferred over one that is not.
+    """
+
+    grads: Callable[[str, Mapping[str, np.ndarray], np.ndarray, np.ndarray], dict[str, np.ndarray]]
+    covers: Callable[[str], bool]
+    description: str
+    independent: bool
+
+
+def find_truth(model: str) -> Truth:
+    """The float64 truth for ``model``: an independent one if an available backend has it.
+
+    Raises:
+        RuntimeError: no available backend can differentiate ``model`` (saying which
+            backends were asked).
+    """
+    found: list[Truth] = []
+    asked = []
+    for name in list_backends():
+        ok, _ = backend_available(name)
+        offer = getattr(get_backend(name), "truth", None) if ok else None
+        truth = offer() if offer is not None else None
+        if truth is not None:
+            asked.append(name)
+            if truth.covers(model):
+                found.append(truth)
+    if not found:
+        raise RuntimeError(
+            f"no float64 truth for model {model!r}: none of the available backends that offer "
+            f"one ({', '.join(asked) or 'none'}) differentiates it"
+        )
+    return sorted(found, key=lambda t: not t.independent)[0]
+
+
+def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
+    """The reasons a runner's declared ``hooks`` and ``dtypes`` give against ``step``."""
+    if step.hook is not None and step.hook not in runner.hooks:
+        runs = ", ".join(runner.hooks) or "no hook"
+        return f"{runner.name} runs hooks {runs} only, not {step.hook!r}"
+    if step.dtype not in runner.dtypes:
+        return f"{runner.name} runs {', '.join(runner.dtypes)} only, not {step.dtype}"
+    return None
 
 
 #: name -> "module.path" (imported lazily), or the already-imported module.
 _REGISTRY: dict[str, str | ModuleType] = {}
+
+
+class Backend(Protocol):
+    """What :func:`get_backend` returns: a module (or object) that can run steps.
+
+    A backend package is usually the module itself, with these names at module level.
+
+    Attributes:
+        name: the registered name (``"torch"``).
+        run_ranks: ``run_ranks(fn, world_size, *, timeout) -> [fn(comm) per rank]``, the
+            backend's process group as a :class:`Comm` (None where it has none: a backend
+            that reduces inside a compiled function, as JAX does).
+    """
+
+    name: str
+    run_ranks: Callable[..., list[Any]] | None
+    #: optional: ``xgrad bench`` targets it adds, target -> module (``HELP``,
+    #: ``add_arguments``, ``run``), imported only when that target runs.
+    BENCHES: Mapping[str, str]
+
+    def available(self) -> bool:
+        """Whether it can run here (its framework imports); cheap, imports nothing heavy."""
+        ...
+
+    def runners(self) -> Sequence[Runner]:
+        """Its ways to run a :class:`Step`; building them imports nothing heavy."""
+        ...
+
+    def array_ops(self) -> tuple[ArrayOps, Callable[[np.ndarray], Any]] | None:
+        """The reducer's array operations and ``numpy -> native array``, or None."""
+        ...
+
+    def truth(self) -> Truth | None:
+        """Its float64 single-process gradients (:class:`Truth`), or None."""
+        ...
 
 
 def register_backend(name: str, target: str | ModuleType) -> None:
@@ -79,8 +235,9 @@ def _entry_points() -> dict[str, metadata.EntryPoint]:
 
 
 def list_backends() -> list[str]:
-    """Names of every known backend: built in, registered, or from entry points."""
-    return sorted(set(_REGISTRY) | set(_entry_points()))
+    """Names of every known backend: built in and registered (in that order), then those
+    of entry points (sorted)."""
+    return [*_REGISTRY, *sorted(set(_entry_points()) - set(_REGISTRY))]
 
 
 def get_backend(name: str) -> Any:
@@ -138,6 +295,66 @@ def backend_available(name: str) -> tuple[bool, str]:
         return True, ""
     ok = bool(check())
     return ok, "" if ok else "its available() says no"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One runner of one registered backend, as the crosscheck and benches list them.
+
+    Attributes:
+        backend: the backend's registered name.
+        runner: the runner; None when the backend could not be imported at all.
+        unavailable: why the backend cannot run here ("" when it can).
+    """
+
+    backend: str
+    runner: Runner | None
+    unavailable: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.backend if self.runner is None else self.runner.name
+
+
+def runner_entries(names: Sequence[str] | None = None, *, check: bool = True) -> list[Entry]:
+    """Every runner of the backends ``names`` (default: all), in registry order.
+
+    A name may be a backend's (all its runners) or one runner's. A backend that cannot be
+    imported is one entry with no runner, so it is reported, never a crash. With
+    ``check=False`` the backends' ``available()`` (which may import their framework) is
+    not asked, for listings such as ``--help``.
+
+    Raises:
+        ValueError: a name that is neither, listing the names that exist.
+    """
+    entries: list[Entry] = []
+    for backend in list_backends():
+        ok, why = backend_available(backend) if check else (True, "")
+        try:
+            module = get_backend(backend)
+        except ImportError:
+            entries.append(Entry(backend, None, why))
+            continue
+        listed = getattr(module, "runners", None)
+        if listed is None:
+            entries.append(Entry(backend, None, "it registers no runners"))
+            continue
+        entries.extend(Entry(backend, r, "" if ok else why) for r in listed())
+    if names is None:
+        return entries
+    chosen: list[Entry] = []
+    unknown = []
+    for name in names:
+        picked = [e for e in entries if name in (e.backend, e.name)]
+        if not picked:
+            unknown.append(name)
+        chosen.extend(e for e in picked if e not in chosen)
+    known = sorted({e.name for e in entries} | {e.backend for e in entries})
+    if not names:
+        raise ValueError(f"no backend named; known backends and runners: {known}")
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known backends and runners: {known}")
+    return chosen
 
 
 register_backend("reference", "xgrad.reference")

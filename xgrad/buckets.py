@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -45,17 +46,25 @@ class BucketPlan:
     limits: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        if not self.buckets:
+            raise ValueError("BucketPlan has no buckets: a plan needs at least one")
         if len(self.buckets) != len(self.limits):
             raise ValueError(
                 f"BucketPlan needs one limit per bucket: got {len(self.buckets)} buckets "
                 f"and {len(self.limits)} limits"
             )
+        for b, limit in enumerate(self.limits):
+            # 0 is the "no cap" of a sparse gradient's own bucket; below that is nonsense.
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(
+                    f"BucketPlan limit of bucket {b} is {limit!r}: expected a byte cap >= 0"
+                )
         seen: set[int] = set()
         for b, bucket in enumerate(self.buckets):
             if not bucket:
                 raise ValueError(f"BucketPlan bucket {b} is empty")
             for index in bucket:
-                if not isinstance(index, int) or index < 0:
+                if isinstance(index, bool) or not isinstance(index, int) or index < 0:
                     raise ValueError(f"BucketPlan bucket {b} holds {index!r}, not an index >= 0")
                 if index in seen:
                     raise ValueError(f"BucketPlan: parameter {index} is in more than one bucket")
@@ -85,13 +94,29 @@ class BucketPlan:
 
     @classmethod
     def from_json(cls, text: str) -> BucketPlan:
-        data = json.loads(text)
+        """The plan :meth:`to_json` wrote; anything else is refused, never coerced.
+
+        Raises:
+            TypeError: ``text`` is not a string.
+            ValueError: not JSON, not an object with exactly ``buckets`` and ``limits``,
+                a non-integer index or limit (``1.7`` is not rounded), a negative one, or
+                an empty plan; the message shows the value.
+        """
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"BucketPlan.from_json takes JSON text, got {type(text).__name__}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"BucketPlan.from_json: not JSON ({err}): {text[:80]!r}") from None
         if not isinstance(data, dict) or set(data) != {"buckets", "limits"}:
             raise ValueError(f"not a BucketPlan JSON object: {text[:80]!r}")
-        return cls(
-            buckets=tuple(tuple(int(i) for i in b) for b in data["buckets"]),
-            limits=tuple(int(x) for x in data["limits"]),
-        )
+        buckets, limits = data["buckets"], data["limits"]
+        if not isinstance(buckets, list) or not all(isinstance(b, list) for b in buckets):
+            raise ValueError(f"BucketPlan JSON: buckets must be a list of lists, got {buckets!r}")
+        if not isinstance(limits, list):
+            raise ValueError(f"BucketPlan JSON: limits must be a list, got {limits!r}")
+        # Tuples as they came: __post_init__ refuses floats, negatives, bools and gaps.
+        return cls(buckets=tuple(tuple(b) for b in buckets), limits=tuple(limits))
 
     def digest(self) -> str:
         """A stable SHA-256 of the canonical JSON, so ranks can compare plans cheaply."""
@@ -102,7 +127,11 @@ class BucketPlan:
         return BucketPlan(tuple(reversed(self.buckets)), tuple(reversed(self.limits)))
 
     def table(self, nbytes: Sequence[int] | None = None, names: Sequence[str] | None = None) -> str:
-        """A plain-text table of the plan, one row per bucket."""
+        """A plain-text table of the plan, one row per bucket.
+
+        The limit of a bucket without a cap (DDP's first iteration, :data:`NO_LIMIT`) shows
+        as ``∞``; that of a sparse gradient's own bucket as ``none``.
+        """
         rows = [("bucket", "params", "bytes", "limit", "members")]
         for b, (bucket, limit) in enumerate(zip(self.buckets, self.limits, strict=True)):
             size = "-" if nbytes is None else str(sum(nbytes[i] for i in bucket))
@@ -110,7 +139,8 @@ class BucketPlan:
             shown = ", ".join(members[:6]) + (
                 f", ... (+{len(members) - 6})" if len(members) > 6 else ""
             )
-            rows.append((str(b), str(len(bucket)), size, str(limit) if limit else "none", shown))
+            cap = "∞" if limit >= NO_LIMIT else str(limit) if limit else "none"
+            rows.append((str(b), str(len(bucket)), size, cap, shown))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         return "\n".join(
             "  ".join(r[c].rjust(widths[c]) for c in range(4)) + "  " + r[4] for r in rows
@@ -204,6 +234,36 @@ def assign_buckets(
     if order is None:
         closed.sort(key=lambda entry: min(entry[0]))
     return BucketPlan(tuple(b for b, _ in closed), tuple(lim for _, lim in closed))
+
+
+_MIB = 1024 * 1024
+
+
+def cap_mb_to_bytes(value: object, name: str = "bucket_cap_mb") -> int:
+    """A bucket cap given in MiB (DDP's ``bucket_cap_mb``) as bytes, checked.
+
+    The check happens here, where the user's argument name is still known: further down
+    a bad cap would only surface as ``limits[0] = -1048576``.
+
+    Args:
+        value: the cap in MiB, a finite number > 0.
+        name: the argument's name, for the message (``bucket_cap_mb``,
+            ``first_bucket_cap_mb``, ``bucket_cap_mb_list[2]``...).
+
+    Raises:
+        TypeError: ``value`` is not a number (a bool is not one).
+        ValueError: ``value`` is not finite or not > 0.
+
+    Example:
+        >>> cap_mb_to_bytes(0.5)
+        524288
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of MiB, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} = {value!r}: expected a finite bucket cap in MiB > 0")
+    # A tiny positive cap still means "one parameter per bucket", not a zero-byte cap.
+    return max(1, int(value * _MIB))
 
 
 def ddp_bucket_caps(

@@ -14,202 +14,35 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic
 
-import numpy as np
-
-from xgrad.backend import Comm, Work
+from xgrad.backend import Comm
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
-    rebuild_plan,
+    assign_buckets,
 )
+from xgrad.reducer_buckets import BucketState, build_buckets, fill_bucket, reduced_views
+from xgrad.reducer_errors import (
+    buckets_never_reduced,
+    marked_ready_twice,
+    prior_reduction_unfinished,
+    sparse_gradient_missing,
+)
+from xgrad.reducer_recovery import JoinAndRecovery
+from xgrad.reducer_types import A
+from xgrad.reducer_types import ArrayOps as ArrayOps
+from xgrad.reducer_types import GradBucket as GradBucket
+from xgrad.reducer_types import Hook as Hook
+from xgrad.reducer_types import IterationRecord as IterationRecord
+from xgrad.reducer_unused import UnusedParams
 
-#: how many per-iteration records a reducer keeps (the newest).
+#: per-iteration records kept (the newest).
 RECORDS_KEPT = 64
 
 
-class ArrayOps(Protocol):
-    """The few array operations the reducer needs, for one array library."""
-
-    def numel(self, x: Any) -> int: ...
-
-    def nbytes(self, x: Any) -> int: ...
-
-    def key(self, x: Any) -> Hashable:
-        """What must not be mixed in a bucket (dtype and device)."""
-        ...
-
-    def new_flat(self, like: Sequence[Any], numel: int) -> Any:
-        """A zeroed 1-D buffer of ``numel`` elements with ``like[0]``'s dtype and device."""
-        ...
-
-    def copy_to(self, out: Any, x: Any, scale: float | None = None) -> None:
-        """``out[...] = x * scale`` (no multiply when ``None``); ``out`` is a bucket view.
-
-        The scaled copy is PyTorch's pre-division (``mul_out`` by ``1/world_size``): it
-        must round exactly as that does for results to agree bit for bit.
-        """
-        ...
-
-    def view(self, flat: Any, offset: int, like: Any) -> Any:
-        """A view of ``flat`` from ``offset`` shaped like ``like`` (writes go to ``flat``)."""
-        ...
-
-    def div_(self, x: Any, divisor: int) -> None:
-        """Divide in place."""
-        ...
-
-    def zero_(self, x: Any) -> None: ...
-
-    def is_view_of(self, x: Any, view: Any) -> bool:
-        """Whether ``x`` already is (aliases the memory of) ``view``."""
-        ...
-
-    def from_numpy(self, a: np.ndarray, like: Any) -> Any:
-        """``a`` as this library's array, on ``like``'s device."""
-        ...
-
-    def to_numpy(self, x: Any) -> np.ndarray: ...
-
-
-class GradBucket:
-    """A bucket as a communication hook sees it: PyTorch ``GradBucket``'s methods.
-
-    PyTorch's own hooks (``allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook``)
-    call only these methods, so they run unchanged on an xgrad bucket of torch tensors.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        buffer: Any,
-        gradients: list[Any],
-        parameters: list[Any],
-        is_last: bool,
-    ) -> None:
-        self._index = index
-        self._buffer = buffer
-        self._gradients = gradients
-        self._parameters = parameters
-        self._is_last = is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> Any:
-        return self._buffer
-
-    def gradients(self) -> list[Any]:
-        return self._gradients
-
-    def parameters(self) -> list[Any]:
-        return self._parameters
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def set_buffer(self, buffer: Any) -> None:
-        self._buffer = buffer
-
-
-#: A communication hook with its state already bound: bucket in, in-flight reduction out.
-Hook = Callable[[GradBucket], Work]
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """What happened in one synchronised backward pass (times from the reducer's clock).
-
-    Attributes:
-        iteration: 0-based count of synchronised backward passes.
-        plan_digest: digest of the plan the iteration ran with.
-        ready_order: parameter indices in the order their gradients became ready
-            (unused parameters marked ready by the reducer included, after the hook
-            that marked them).
-        ready_times: per entry of ``ready_order``, when it became ready.
-        launch_times: per bucket, when its reduction was launched.
-        finish_times: per bucket, when its reduction was seen finished.
-        backward_start: the first gradient hook of the pass.
-        backward_end: when the last gradient was written back.
-        unused: parameters marked ready without a gradient on this rank.
-    """
-
-    iteration: int
-    plan_digest: str
-    ready_order: tuple[int, ...]
-    ready_times: tuple[float, ...]
-    launch_times: tuple[float, ...]
-    finish_times: tuple[float, ...]
-    backward_start: float
-    backward_end: float
-    unused: tuple[int, ...]
-
-    @property
-    def compute_seconds(self) -> float:
-        """From the first gradient hook to the last gradient becoming ready."""
-        return (self.ready_times[-1] if self.ready_times else self.backward_start) - (
-            self.backward_start
-        )
-
-    @property
-    def communication_seconds(self) -> float:
-        """From the first launch to the last observed finish."""
-        if not self.launch_times:
-            return 0.0
-        return max(self.finish_times) - min(self.launch_times)
-
-    @property
-    def overlap_seconds(self) -> float:
-        """Communication that ran while gradients were still being computed."""
-        if not self.launch_times or not self.ready_times:
-            return 0.0
-        return max(0.0, self.ready_times[-1] - min(self.launch_times))
-
-
-class _Bucket:
-    """The mutable per-bucket state (plain attributes: this is the per-hook hot path)."""
-
-    __slots__ = (
-        "finished_at",
-        "flat",
-        "in_views",
-        "index",
-        "indices",
-        "launched_at",
-        "pending",
-        "result",
-        "waited",
-        "work",
-    )
-
-    def __init__(
-        self, index: int, indices: tuple[int, ...], flat: Any, in_views: list[Any]
-    ) -> None:
-        self.index = index
-        self.indices = indices
-        self.flat = flat
-        self.in_views = in_views
-        self.pending = len(indices)
-        self.work: Work | None = None
-        self.result: Any = None
-        self.waited = False
-        self.launched_at = 0.0
-        self.finished_at = 0.0
-
-    def wait(self, clock: Callable[[], float]) -> Any:
-        """The reduction's result, waiting for it once."""
-        if not self.waited:
-            assert self.work is not None
-            self.result = self.work.wait()
-            self.finished_at = clock()
-            self.waited = True
-        return self.result
-
-
-class Reducer:
+class Reducer(JoinAndRecovery, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -229,30 +62,44 @@ class Reducer:
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
-        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s. Needed
-            where a hook issues collectives from its futures' callbacks (PowerSGD) and
-            those callbacks run on the comm's threads in completion order (gloo): the
-            ranks would otherwise issue collectives in different orders and hang.
-        rebuild_limits: (first bucket cap, bucket cap) in bytes for the rebuild.
+        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s (for
+            hooks that issue collectives from their futures' callbacks, such as PowerSGD,
+            where those callbacks run in completion order, as on gloo).
+        rebuild: rebuild the buckets once, from the first observed ready order (DDP's
+            default); off for a plan that must be used as given.
+        rebuild_limits: bucket caps in bytes for the rebuild, the last one repeating:
+            DDP's (first bucket cap, bucket cap), or ``bucket_cap_mb_list``'s caps.
+        sparse: per parameter, whether its gradient is sparse (a bucket of its own,
+            reduced as the sparse tensor it is).
+        skip_all_reduce_unused_params: launch no reduction for a bucket whose parameters
+            are all unused on this rank (PyTorch's option of that name: it assumes the
+            same parameters are unused on every rank).
+        batched_grad_copy: PyTorch's ``batched_grad_copy``: divide a bucket by the world
+            size once, after its gradients are copied in, instead of multiplying each
+            gradient by ``1/world_size`` while copying (PyTorch's default arithmetic).
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the time source of the records (the reference backend passes a virtual one).
     """
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         hook: Hook | None = None,
         serial_hooks: bool = False,
-        rebuild_limits: tuple[int, int] = (DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+        rebuild: bool = True,
+        rebuild_limits: Sequence[int] = (DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+        sparse: Sequence[bool] | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
         nbytes: Sequence[int] | None = None,
         keys: Sequence[Hashable] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -270,9 +117,14 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.hook = hook  # through the property: also sets the pre-division scale
-        self.serial_hooks = serial_hooks
-        self.rebuild_limits = rebuild_limits
+        self._set_hook(hook, serial_hooks)
+        self.rebuild = rebuild
+        self.rebuild_limits = tuple(rebuild_limits)
+        self.sparse = list(sparse) if sparse is not None else [False] * n
+        if len(self.sparse) != n:
+            raise ValueError(f"got {len(self.sparse)} sparse flags for {n} parameters")
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.nbytes = list(nbytes) if nbytes is not None else [ops.nbytes(p) for p in self.params]
         self.keys = list(keys) if keys is not None else [ops.key(p) for p in self.params]
         self.clock = clock
@@ -283,44 +135,29 @@ class Reducer:
         self._expect_hooks = False
         self._require_finalize = False
         self._ready = bytearray(n)
-        self._unused: list[int] = []
+        self._unused = UnusedParams(n)
         self._marked_unused = False
         self._ready_order: list[int] = []
         self._ready_times: list[float] = []
         self._backward_start = 0.0
         self._next_bucket = 0
-        self._static_unused: list[int] | None = None
-        self._static_global_unused: set[int] | None = None
         # The first complete ready order, kept for the one rebuild.
         self._rebuild_order: list[int] | None = None
         self._set_plan(plan)
+        #: the plan the reducer started with (``plan`` changes at the rebuild).
+        self.initial_plan = plan
 
     # ----------------------------------------------------------------- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
-        for b, members_of_b in enumerate(plan.buckets):
-            mixed = {self.keys[i] for i in members_of_b}
-            if len(mixed) > 1:
-                raise ValueError(f"bucket {b} of the plan mixes {sorted(map(str, mixed))}")
+        self._buckets, self._locate = build_buckets(
+            plan, self.params, self.ops, self.keys, self.sparse
+        )
         self.plan = plan
-        self._buckets: list[_Bucket] = []
-        self._locate: list[tuple[_Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
-        for b, indices in enumerate(plan.buckets):
-            members = [self.params[i] for i in indices]
-            offsets: list[int] = []
-            total = 0
-            for p in members:
-                offsets.append(total)
-                total += self.ops.numel(p)
-            flat = self.ops.new_flat(members, total)
-            views = [self.ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
-            bucket = _Bucket(b, indices, flat, views)
-            self._buckets.append(bucket)
-            for k, i in enumerate(indices):
-                self._locate[i] = (bucket, k)
+        self._plan_digest = plan.digest()
 
     def bucket_views(self) -> list[Any]:
-        """Per parameter, its view into the bucket buffers (for ``gradient_as_bucket_view``)."""
+        """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""
         return [bucket.in_views[k] for bucket, k in self._locate]
 
     def bucket_sizes(self) -> list[int]:
@@ -335,46 +172,29 @@ class Reducer:
     def _ensure_prior_reduction_finished(self) -> None:
         if not self._require_finalize:
             return
-        missing = self._missing()
-        raise RuntimeError(
-            "Expected to have finished reduction in the prior iteration before starting a "
-            "new one. This error indicates that your module has parameters that were not "
-            "used in producing loss. You can enable unused parameter detection by passing "
-            "the keyword argument `find_unused_parameters=True`, and by making sure all "
-            "outputs of `forward` take part in calculating the loss. "
-            + self._describe_missing(missing)
-        )
-
-    def _describe_missing(self, missing: list[int]) -> str:
-        return (
-            f"Parameter indices which did not receive grad for rank {self.comm.rank}: "
-            f"{' '.join(map(str, missing))}\n"
-            f"Parameters which did not receive grad for rank {self.comm.rank}: "
-            f"{', '.join(self.names[i] for i in missing)}"
-        )
+        raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
 
     def rebuild_buckets(self) -> bool:
         """Rebuild the buckets once from the first observed ready order (call in forward).
 
         As in DDP, this happens only when the plan can be trusted to repeat: without
         ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
-        from its own order and then adopts rank 0's, so all ranks launch the same buckets.
+        from its own order and adopts rank 0's, so all ranks launch the same buckets.
 
         Returns:
-            True when the buckets were rebuilt (gradient views must then be re-taken).
+            True when rebuilt (gradient views must then be re-taken).
         """
         self._ensure_prior_reduction_finished()
-        if self.has_rebuilt_buckets or self._rebuild_order is None:
+        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
             return False
         if self.find_unused_parameters and not self.static_graph:
             return False
-        first, cap = self.rebuild_limits
-        local = rebuild_plan(
+        local = assign_buckets(
             self.nbytes,
-            self._rebuild_order,
+            self.rebuild_limits,
             keys=self.keys,
-            bucket_cap_bytes=cap,
-            first_bucket_cap_bytes=first,
+            sparse=self.sparse,
+            order=self._rebuild_order,
         )
         plan = BucketPlan.from_json(self.comm.broadcast_object(local.to_json(), src=0))
         self._set_plan(plan)
@@ -382,7 +202,9 @@ class Reducer:
         self._rebuild_order = None
         return True
 
-    def prepare_for_backward(self, unused: Iterable[int] = ()) -> None:
+    def prepare_for_backward(
+        self, unused: Iterable[int] = (), *, divisor: int | None = None
+    ) -> None:
         """Expect gradient hooks: call at the end of a forward pass that will be synced.
 
         Args:
@@ -390,8 +212,11 @@ class Reducer:
                 walking the graph from them). They are marked ready at the first gradient
                 hook, not now, so a forward pass whose output is dropped leaves nothing
                 half-reduced behind.
+            divisor: instead of the world size (ranks still training, join).
         """
         self._ensure_prior_reduction_finished()
+        self._divisor = divisor or self.comm.size
+        self._scale = None if self._hook else 1.0 / self._divisor
         unused = sorted(set(unused))
         for i in unused:
             if not 0 <= i < len(self.params):
@@ -401,9 +226,7 @@ class Reducer:
                 "prepare_for_backward got unused parameters "
                 f"{[self.names[i] for i in unused]} but find_unused_parameters is off"
             )
-        if self.static_graph and self._static_unused is not None:
-            unused = self._static_unused
-        self._unused = unused
+        self._unused.prepare(unused, self.static_graph)
         self._expect_hooks = True
         self._marked_unused = False
         self._ready = bytearray(len(self.params))
@@ -411,26 +234,59 @@ class Reducer:
         self._ready_times = []
         self._next_bucket = 0
         for bucket in self._buckets:
-            bucket.pending = len(bucket.indices)
-            bucket.work = None
-            bucket.result = None
-            bucket.waited = False
+            bucket.reset()
 
     @property
     def hook(self) -> Hook | None:
         """The communication hook (``None``: DDP's default pre-divided allreduce)."""
         return self._hook
 
-    @hook.setter
-    def hook(self, hook: Hook | None) -> None:
+    @property
+    def serial_hooks(self) -> bool:
+        """Whether bucket ``b``'s hook finishes before bucket ``b + 1``'s starts."""
+        return self._serial_hooks
+
+    def _set_hook(self, hook: Hook | None, serial: bool) -> None:
         self._hook = hook
+        self._serial_hooks = serial
         # Without a hook the reducer pre-divides while copying; a hook divides itself.
-        self._scale = 1.0 / self.comm.size if hook is None else None
+        self._divisor = self.comm.size
+        self._scale = 1.0 / self._divisor if hook is None else None
+
+    def register_hook(self, hook: Hook, *, serial: bool = False) -> None:
+        """Install a communication hook after construction (DDP's ``register_comm_hook``).
+
+        Args:
+            hook: the hook with its state bound.
+            serial: see ``serial_hooks`` in the class docstring.
+
+        Raises:
+            RuntimeError: a hook is already installed, or an iteration has started.
+        """
+        if self._hook is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self._set_hook(hook, serial)
+
+    def set_static_graph(self) -> None:
+        """Switch to ``static_graph`` before the first iteration (DDP's ``_set_static_graph``)."""
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "_set_static_graph must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self.static_graph = True
 
     @property
     def _delay_launch(self) -> bool:
         """The first static-graph iteration reduces everything at its end (DDP's delay)."""
-        return self.static_graph and self._static_unused is None
+        return self.static_graph and self._unused.static is None
 
     def mark_ready(self, index: int, grad: Any) -> None:
         """A parameter's gradient is complete (call from its post-accumulate hook).
@@ -444,47 +300,52 @@ class Reducer:
         if not self._marked_unused:
             self._marked_unused = True
             self._backward_start = now
-            for i in self._unused:
+            for i in self._unused.local:
                 self._mark(i, None, now)
         self._mark(index, grad, now)
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
-            raise RuntimeError(
-                "Expected to mark a variable ready only once. This error is caused by one of "
-                "the following reasons: 1) Use of a module parameter outside the `forward` "
-                "function, 2) Reused parameters in multiple reentrant backward passes, "
-                "3) Incorrect unused parameter detection. "
-                f"Parameter at index {index} with name {self.names[index]} has been marked "
-                f"as ready twice on rank {self.comm.rank}."
-            )
+            raise marked_ready_twice(index, self.names, self.comm.rank)
         self._ready[index] = 1
         self._ready_order.append(index)
         self._ready_times.append(now)
         self._require_finalize = True
         bucket, k = self._locate[index]
-        view = bucket.in_views[k]
-        ops = self.ops
-        if grad is None:
-            ops.zero_(view)
-        elif self.gradient_as_bucket_view and ops.is_view_of(grad, view):
-            # Autograd accumulated straight into the bucket: only the division is left.
-            if self._scale is not None:
-                ops.div_(view, self.comm.size)
-        else:
-            ops.copy_to(view, grad, self._scale)
+        bucket.grads[k] = grad
         bucket.pending -= 1
-        if bucket.pending == 0 and not self._delay_launch:
-            self._launch_ready_buckets()
+        if bucket.pending == 0:
+            self._fill(bucket)
+            if not self._delay_launch:
+                self._launch_ready_buckets()
+
+    def _fill(self, bucket: BucketState) -> None:
+        if bucket.sparse and bucket.grads[0] is None:
+            raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
+        fill_bucket(
+            bucket,
+            self.ops,
+            self._scale,
+            self._divisor,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            batched_grad_copy=self.batched_grad_copy,
+        )
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in bucket order: a ready bucket waits for all before it."""
         buckets = self._buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
-            self._launch(buckets[self._next_bucket])
+            bucket = buckets[self._next_bucket]
+            if self.skip_all_reduce_unused_params and self._all_unused(bucket):
+                bucket.skipped = True
+            else:
+                self._launch(bucket)
             self._next_bucket += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _all_unused(self, bucket: BucketState) -> bool:
+        return set(bucket.indices) <= set(self._unused.current)
+
+    def _launch(self, bucket: BucketState) -> None:
         if self.serial_hooks and self.hook is not None and bucket.index > 0:
             self._buckets[bucket.index - 1].wait(self.clock)
         bucket.launched_at = self.clock()
@@ -518,60 +379,47 @@ class Reducer:
         if self._delay_launch:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
-            self._static_unused = self._missing()
-            for i in self._static_unused:
+            for i in self._unused.learn(self._missing()):
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
-            raise RuntimeError(
-                "Some parameters received no gradient in this backward pass, so their "
-                "buckets were never reduced. Pass find_unused_parameters=True if parts of the "
-                "model are legitimately unused. " + self._describe_missing(self._missing())
-            )
-        globally_unused = self._globally_unused()
+            raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
+        globally_unused = self._unused.on_every_rank(
+            self.comm,
+            self.ops,
+            self.params[0],
+            find_unused=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
         for bucket in self._buckets:
-            result = bucket.wait(self.clock)
-            if result is not None and not self.ops.is_view_of(result, bucket.flat):
-                self.ops.copy_to(bucket.flat, result)
+            if bucket.skipped:
+                continue  # its parameters are unused: their gradients stay untouched
+            views = reduced_views(
+                bucket,
+                bucket.wait(self.clock),
+                self.params,
+                self.ops,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+            )
             for k, i in enumerate(bucket.indices):
                 if i not in globally_unused:
-                    self.set_grad(i, bucket.in_views[k])
+                    self.set_grad(i, views[k])
         end = self.clock()
         if self._rebuild_order is None and not self.has_rebuilt_buckets:
             self._rebuild_order = list(self._ready_order)
         self.records.append(
             IterationRecord(
                 iteration=self.num_iterations,
-                plan_digest=self.plan.digest(),
+                plan_digest=self._plan_digest,
                 ready_order=tuple(self._ready_order),
                 ready_times=tuple(self._ready_times),
                 launch_times=tuple(b.launched_at for b in self._buckets),
                 finish_times=tuple(b.finished_at for b in self._buckets),
                 backward_start=self._backward_start,
                 backward_end=end,
-                unused=tuple(self._unused if self._static_unused is None else self._static_unused),
+                unused=tuple(self._unused.current),
             )
         )
         self.num_iterations += 1
         self._expect_hooks = False
         self._require_finalize = False
-
-    def _globally_unused(self) -> set[int]:
-        """Parameters that no rank used this iteration (their grads stay untouched).
-
-        Only searched when parameters may be unused; then the per-rank used maps are
-        summed with one extra allreduce, as DDP does.
-        """
-        if self.static_graph and self._static_global_unused is not None:
-            return self._static_global_unused
-        if not (self.find_unused_parameters or self.static_graph):
-            return set()
-        locally_unused = self._unused if self._static_unused is None else self._static_unused
-        used = np.ones(len(self.params), dtype=np.int32)
-        used[list(locally_unused)] = 0
-        like = self._buckets[0].flat
-        total = self.ops.to_numpy(self.comm.allreduce(self.ops.from_numpy(used, like)).wait())
-        found = {int(i) for i in np.flatnonzero(total == 0)}
-        if self.static_graph:
-            self._static_global_unused = found
-        return found

@@ -10,8 +10,7 @@ import pytest
 pytest.importorskip("jax")
 
 from xgrad.cli import main
-from xgrad.crosscheck import Case
-from xgrad.jax_backend.bench import format_table
+from xgrad.jax_backend.bench import BenchCase, format_table
 
 
 def test_bench_jax_prints_bucketed_and_leafwise_side_by_side(
@@ -40,7 +39,7 @@ def test_table_shows_ratios_to_torch() -> None:
         "pmap leaf-by-leaf": 0.010,
     }
     torch_s = {"torch DDP": 0.004, "xgrad torch DDP": 0.005}
-    lines = format_table(Case(), jax_s, torch_s).splitlines()
+    lines = format_table(BenchCase(), jax_s, torch_s).splitlines()
     shard_map = next(line for line in lines if line.strip().startswith("shard_map"))
     assert shard_map.split()[-2:] == ["0.50", "0.50"]  # vs leaf-by-leaf, vs torch DDP
     pmap = next(line for line in lines if line.strip().startswith("pmap"))

@@ -203,9 +203,9 @@ def test_pytrees_failure_agreement_and_dag() -> None:
             message,
         )
         assert origin == 1
-        assert "ranks disagree on the pipeline schedule" in res["disagree"]
-        assert "ranks [0, 1] have digest" in res["disagree"]
-        assert "ranks [2] have digest" in res["disagree"]
+        assert "the ranks disagree on the pipeline schedule" in res["disagree"]
+        assert "rank 2 differ from rank 0" in res["disagree"]
+        assert "ranks 0, 1 have" in res["disagree"] and "rank 2 has" in res["disagree"]
         assert len(res["dag"]) == 6
         for key, err in res["dag"].items():
             assert err <= 1e-12, (rank, key, err)

@@ -52,3 +52,44 @@ def test_timeout_names_ranks_still_running() -> None:
 def test_bad_world_size() -> None:
     with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         spawn(_sum_ranks, 0)
+
+
+def _killed_peer(rank: int, world_size: int) -> int:
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))  # the survivors see a closed connection, and report first
+    return rank
+
+
+def _names_its_origin(rank: int, world_size: int) -> int:
+    if rank == 0:
+
+        class Named(RuntimeError):
+            rank = 1
+
+        raise Named("rank 1 in comm hook, bucket 0: the peer's error")
+    time.sleep(60)  # rank 1, the origin, stays alive
+    return rank
+
+
+def test_a_killed_rank_is_blamed_not_the_survivor_that_reported_first() -> None:
+    with pytest.raises(SpawnError) as info:
+        spawn(_killed_peer, 3, timeout=60)
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert message.startswith("rank 1 was killed by SIGKILL without returning a result")
+    assert "rank 0 then failed" in message and "rank 2 then failed" in message
+
+
+def test_an_error_naming_its_origin_blames_that_rank() -> None:
+    with pytest.raises(SpawnError) as info:
+        spawn(_names_its_origin, 2, timeout=30)
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 failed (reported by rank 0): Named: rank 1 in")

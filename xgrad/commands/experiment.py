@@ -1,19 +1,51 @@
-"""``xgrad experiment NAME``: run a paper experiment (seeded; prints a table, writes CSV/JSON)."""
+"""``xgrad experiment list | run NAME [--quick] [--backend B] [--out DIR] | docs``.
+
+With no words it lists the experiments. ``run NAME --help`` shows an experiment's own
+options. ``docs`` reruns every experiment into ``docs/experiments/`` and writes
+``docs/experiments.md`` from what they wrote. The older form ``xgrad experiment NAME ...``
+still runs ``NAME``.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from xgrad.cli import run_module
-from xgrad.experiments import EXPERIMENTS
+from xgrad.experiments import EXPERIMENTS, SUMMARIES
 
-HELP = "paper experiments on the reference backend's virtual clock (tables, CSV, JSON)"
+HELP = "paper experiments: tables, JSON, CSV and a plot each, the paper's prediction and a verdict"
+
+_USAGE = "xgrad experiment [list | run NAME [--quick] [--backend B] [--out DIR] ... | docs ...]"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=sorted(EXPERIMENTS), help="which experiment")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="the experiment's own options")
+    parser.usage = _USAGE
+    parser.add_argument("words", nargs=argparse.REMAINDER, help="list | run NAME ... | docs ...")
+
+
+def list_experiments() -> str:
+    width = max(len(n) for n in EXPERIMENTS)
+    lines = ["experiments (xgrad experiment run NAME [--quick] [--backend B] [--out DIR]):"]
+    lines += [f"  {name:<{width}}  {SUMMARIES[name]}" for name in EXPERIMENTS]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_module(EXPERIMENTS[args.name], f"xgrad experiment {args.name}", args.rest)
+    words = list(args.words)
+    if not words or words[0] == "list":
+        print(list_experiments())
+        return 0
+    if words[0] == "docs":
+        from xgrad.experiments.docs import main as docs_main
+
+        return docs_main(words[1:])
+    if words[0] == "run":
+        if len(words) < 2 or words[1].startswith("-"):
+            raise SystemExit(f"usage: {_USAGE}\n\n{list_experiments()}")
+        name, rest = words[1], words[2:]
+    else:
+        name, rest = words[0], words[1:]
+    if name not in EXPERIMENTS:
+        raise SystemExit(f"xgrad experiment: unknown experiment {name!r}\n\n{list_experiments()}")
+    from xgrad.experiments.runner import run_experiment
+
+    return run_experiment(name, rest)[0]

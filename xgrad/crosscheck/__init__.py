@@ -1,7 +1,8 @@
 """Same model, same data, same bucket plan on several backends: where do the gradients agree?
 
-Every backend is a :class:`Runner` that turns a :class:`Case` (model, world size, dtype,
-bucket cap, hook) into reduced gradients and a time per step. Each result is measured
+Every registered backend lists :class:`Runner` objects that turn a
+:class:`~xgrad.backend.Step` (the case's model, weights, batch, plan and hook) into reduced
+gradients, the plan really used and a time per step; no backend is named here. Each result is measured
 against the *single-process float64 reference*: the model's full-batch gradient computed
 in float64 (torch in float64 when torch is installed, else the reference backend's numpy
 MLP) from the very same weights and batch, which are exact in float64. So the table shows
@@ -42,7 +43,6 @@ Modules: :mod:`~xgrad.crosscheck.case` (configuration, tolerances, inputs),
 :mod:`~xgrad.crosscheck.report`. Their public names are re-exported here.
 """
 
-from xgrad.crosscheck.case import CASE_HOOKS as CASE_HOOKS
 from xgrad.crosscheck.case import DEFAULT_CAP_BYTES as DEFAULT_CAP_BYTES
 from xgrad.crosscheck.case import DTYPE_TOLERANCES as DTYPE_TOLERANCES
 from xgrad.crosscheck.case import HOOK_TOLERANCES as HOOK_TOLERANCES
@@ -67,9 +67,11 @@ from xgrad.crosscheck.run import BackendReport as BackendReport
 from xgrad.crosscheck.run import Report as Report
 from xgrad.crosscheck.run import agreement as agreement
 from xgrad.crosscheck.run import run_crosscheck as run_crosscheck
-from xgrad.crosscheck.runners import RUNNERS as RUNNERS
+from xgrad.crosscheck.runners import Entry as Entry
 from xgrad.crosscheck.runners import Runner as Runner
-from xgrad.crosscheck.runners import missing_module as missing_module
+from xgrad.crosscheck.runners import runner_entries as runner_entries
+from xgrad.crosscheck.runners import runner_names as runner_names
+from xgrad.crosscheck.runners import step_of as step_of
 from xgrad.crosscheck.truth import POWERSGD_MIN_RATE as POWERSGD_MIN_RATE
 from xgrad.crosscheck.truth import POWERSGD_RANK as POWERSGD_RANK
 from xgrad.crosscheck.truth import compression_model as compression_model

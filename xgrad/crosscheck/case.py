@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from xgrad import models as zoo
-from xgrad.buckets import BucketPlan, assign_buckets
+from xgrad.buckets import BucketPlan
+from xgrad.hooks import HOOK_NAMES
+from xgrad.step import StepResult, capped_plan
 
 #: tolerance on ``rel`` per model dtype (a few roundings of the dtype's epsilon, over a
 #: forward and backward pass of a small model and one reduction).
@@ -30,9 +32,6 @@ POWERSGD_FACTOR = 10.0
 
 #: wire dtypes of the compression hooks.
 WIRE_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16"}
-
-#: the hooks a case may name (None: the reducer's default, sum then divide).
-CASE_HOOKS: tuple[str, ...] = ("allreduce", "fp16", "bf16", "powersgd")
 
 #: default byte cap of a bucket: small enough that the default MLP gets several buckets.
 DEFAULT_CAP_BYTES = 2048
@@ -80,8 +79,8 @@ class Case:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label}={value!r} must be a positive integer")
-        if self.hook is not None and self.hook not in CASE_HOOKS:
-            raise ValueError(f"hook={self.hook!r}: expected None or one of {CASE_HOOKS}")
+        if self.hook is not None and self.hook not in HOOK_NAMES:
+            raise ValueError(f"hook={self.hook!r}: expected None or one of {HOOK_NAMES}")
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be > 0 seconds")
 
@@ -97,25 +96,13 @@ class Inputs:
     plan: BucketPlan
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """A runner's answer: gradients by parameter name and the time per step."""
-
-    grads: dict[str, np.ndarray]
-    seconds_per_step: float
-    plan: BucketPlan | None = None
+#: a runner's answer (the backend seam's name for it).
+RunResult = StepResult
 
 
 def bucket_plan(weights: Mapping[str, np.ndarray], bucket_cap_bytes: int) -> BucketPlan:
-    """The shared plan: every bucket capped at ``bucket_cap_bytes``, launched in reverse.
-
-    That is the plan DDP's assignment gives for that cap (no dtype mixing), in DDP's launch
-    order (gradients of the last layers are ready first).
-    """
-    arrays = list(weights.values())
-    nbytes = [int(a.nbytes) for a in arrays]
-    keys = [a.dtype.name for a in arrays]
-    return assign_buckets(nbytes, [bucket_cap_bytes], keys=keys).reversed()
+    """The shared plan: every bucket capped at ``bucket_cap_bytes``, launched in reverse."""
+    return capped_plan(weights, bucket_cap_bytes)
 
 
 def make_inputs(case: Case) -> Inputs:

@@ -11,20 +11,52 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xgrad import crosscheck
 from xgrad import models as zoo
+from xgrad.backend import runner_entries
+from xgrad.step import Step, make_step
 
 HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
+
+#: the torch runners (from the registry) this bench compares with, and their labels.
+TORCH_RUNNERS: dict[str, str] = {"torch-ddp": "torch DDP", "torch-xgrad": "xgrad torch DDP"}
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """What the bench runs: a zoo model's seeded step, bucketed with a byte cap."""
+
+    model: str = "mlp"
+    world_size: int = 2
+    dtype: str = "float32"
+    bucket_cap_bytes: int = 2048
+    batch_per_rank: int = 4
+    steps: int = 30
+
+    def __post_init__(self) -> None:
+        zoo.get_spec(self.model)
+        for label in ("world_size", "bucket_cap_bytes", "batch_per_rank", "steps"):
+            value = getattr(self, label)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{label.replace('_', '-')} {value!r}: expected an integer >= 1")
+
+    def step(self) -> Step:
+        return make_step(
+            self.model,
+            world_size=self.world_size,
+            dtype=self.dtype,
+            bucket_cap_bytes=self.bucket_cap_bytes,
+            batch_per_rank=self.batch_per_rank,
+            steps=self.steps,
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument(
-        "--bucket-cap-bytes", type=int, default=crosscheck.DEFAULT_CAP_BYTES, help="plan's cap"
+        "--bucket-cap-bytes", type=int, default=2048, help="plan's cap in bytes (default 2048)"
     )
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
@@ -57,7 +89,7 @@ def time_steps(step: Callable[[], Any], steps: int) -> float:
     return statistics.median(times)
 
 
-def jax_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
+def jax_times(case: BenchCase, steps: int) -> dict[str, float]:
     """Median step time of each JAX variant: ``{"shard_map bucketed": s, ...}``."""
     from xgrad.jax_backend.crosscheck import cpu_devices
 
@@ -65,7 +97,7 @@ def jax_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
     from xgrad.jax_backend import models as jm
     from xgrad.jax_backend.data_parallel import data_parallel_value_and_grad
 
-    inputs = crosscheck.make_inputs(case)
+    inputs = case.step()
     params = jm.to_params(inputs.weights)
     loss = jm.make_loss(jm.get_apply(case.model))
     out = {}
@@ -85,22 +117,24 @@ def jax_times(case: crosscheck.Case, steps: int) -> dict[str, float]:
     return out
 
 
-def torch_times(case: crosscheck.Case) -> dict[str, float]:
+def torch_times(case: BenchCase) -> dict[str, float]:
     """Seconds per step of PyTorch's DDP and xgrad's torch DDP on gloo processes.
 
-    These are the crosscheck's own torch runners, so the bench times exactly what the
-    crosscheck compares (``case.steps`` timed steps after a warm-up).
+    These are the registry's torch runners, the crosscheck's too, so the bench times
+    exactly what the crosscheck compares (``case.steps`` timed steps after a warm-up).
+    Empty when the registry has no such runner or it cannot run here.
     """
-    inputs = crosscheck.make_inputs(case)
-    return {
-        label: crosscheck.RUNNERS[runner].run(inputs).seconds_per_step
-        for label, runner in (("torch DDP", "torch-ddp"), ("xgrad torch DDP", "torch-xgrad"))
-    }
+    step = case.step()
+    out = {}
+    for entry in runner_entries():
+        if entry.runner is not None and entry.name in TORCH_RUNNERS and not entry.unavailable:
+            out[TORCH_RUNNERS[entry.name]] = entry.runner.run(step).seconds_per_step
+    return dict(sorted(out.items(), key=lambda kv: list(TORCH_RUNNERS.values()).index(kv[0])))
 
 
-def format_table(case: crosscheck.Case, jax_s: dict[str, float], torch_s: dict[str, float]) -> str:
+def format_table(case: BenchCase, jax_s: dict[str, float], torch_s: dict[str, float]) -> str:
     """The side-by-side table of times and ratios."""
-    plan = crosscheck.make_inputs(case).plan
+    plan = case.step().plan
     lines = [
         f"xgrad bench jax: {case.model}, world size {case.world_size}, {case.dtype}, "
         f"{len(plan.buckets)} buckets of <= {case.bucket_cap_bytes} B vs "
@@ -128,7 +162,7 @@ def format_table(case: crosscheck.Case, jax_s: dict[str, float], torch_s: dict[s
 
 def run(args: argparse.Namespace) -> int:
     try:
-        case = crosscheck.Case(
+        case = BenchCase(
             model=args.model,
             world_size=args.world_size,
             dtype=args.dtype,
@@ -144,13 +178,12 @@ def run(args: argparse.Namespace) -> int:
     torch_s: dict[str, float] = {}
     if args.no_torch:
         print("torch comparison left out (--no-torch)", file=sys.stderr)
-    elif importlib.util.find_spec("xgrad.torch_backend.crosscheck") is None:
-        print(
-            "torch comparison skipped: xgrad.torch_backend.crosscheck is missing", file=sys.stderr
-        )
     else:
         print("timing torch DDP and xgrad torch DDP on gloo processes ...", file=sys.stderr)
         torch_s = torch_times(case)
+        if "torch DDP" not in torch_s:
+            print("torch comparison skipped: no torch DDP runner can run here", file=sys.stderr)
+            torch_s = {}
     print(format_table(case, jax_s, torch_s))
     if args.json is not None:
         rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}

@@ -33,6 +33,11 @@ from xgrad.reference.models import ForwardPass as ForwardPass
 from xgrad.reference.models import build_model as build_model
 from xgrad.reference.models import mlp_batch as mlp_batch
 from xgrad.reference.models import mlp_weights as mlp_weights
+from xgrad.reference.runner import ReferenceRunner as ReferenceRunner
+from xgrad.reference.runner import array_ops as array_ops
+from xgrad.reference.runner import run_ranks as run_ranks
+from xgrad.reference.runner import runners as runners
+from xgrad.reference.runner import truth as truth
 
 name = "reference"
 

@@ -10,16 +10,27 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from xgrad.backend import lazy_attributes
+from xgrad.torch_backend.runner import array_ops as array_ops
+from xgrad.torch_backend.runner import run_ranks as run_ranks
+from xgrad.torch_backend.runner import runners as runners
+from xgrad.torch_backend.runner import truth as truth
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
     from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
     from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
+    from xgrad.torch_backend.pipeline import PipelineRuntime as PipelineRuntime
     from xgrad.torch_backend.spawn import SpawnError as SpawnError
     from xgrad.torch_backend.spawn import spawn as spawn
 
 name = "torch"
+
+#: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
+BENCHES: dict[str, str] = {
+    "ddp": "xgrad.torch_backend.bench",
+    "pipeline": "xgrad.torch_backend.pipeline_bench",
+}
 
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
@@ -27,11 +38,21 @@ _EXPORTS: dict[str, str] = {
     "IterationTimes": "xgrad.torch_backend.ddp",
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
+    "PipelineRuntime": "xgrad.torch_backend.pipeline",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
 }
 
-__all__ = ["available", "name", *sorted(_EXPORTS)]
+__all__ = [
+    "BENCHES",
+    "array_ops",
+    "available",
+    "name",
+    "run_ranks",
+    "runners",
+    "truth",
+    *sorted(_EXPORTS),
+]
 
 
 def available() -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.agreement import disagreement
+from xgrad.agreement import Fingerprint, disagreement_error
 from xgrad.failure import FailureChannel
 from xgrad.torch_backend.failure import wait_work
 
@@ -29,18 +29,20 @@ def check_agreement(
     digest: str,
     text: Callable[[], str],
     *,
+    where: str,
     group: Any = None,
     timeout: float | None = None,
     channel: FailureChannel | None = None,
     device: torch.device | str = "cpu",
 ) -> None:
-    """Raise the same ``ValueError`` on every rank of ``group`` unless all ``digest`` agree.
+    """Raise the same ``DisagreementError`` on every rank of ``group`` unless all ``digest`` agree.
 
     Costs one all-gather of one int64 per rank (bounded by ``timeout``); only when the
     digests differ does each rank also gather ``text()`` to name the first difference.
 
     Args:
         what: what is compared, for the message ("pipeline schedule").
+        where: who checks, for the message ("PipelineRuntime").
         digest: this rank's hex digest (e.g. ``Schedule.digest()``).
         text: this rank's description, called only on disagreement.
         group: the process group (default: the default group).
@@ -56,8 +58,7 @@ def check_agreement(
     values = [int(t.item()) for t in gathered]
     if len(set(values)) == 1:
         return
-    digests = [v.to_bytes(8, "little", signed=True).hex() for v in values]
     texts: list[Any] = [None] * world
     dist.all_gather_object(texts, text(), group=group)
-    message = disagreement(what, digests, [str(t) for t in texts])
-    raise ValueError(f"rank {dist.get_rank(group)}: {message}")
+    prints = [Fingerprint.of(what, line=str(t).splitlines()) for t in texts]
+    raise disagreement_error(prints, where=where, rank=dist.get_rank(group))

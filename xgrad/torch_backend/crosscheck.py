@@ -14,12 +14,12 @@ from xgrad.buckets import (
     ddp_initial_plan,
     rebuild_plan,
 )
+from xgrad.hooks import HOOK_NAMES
 from xgrad.torch_backend.spawn import spawn
 
 __all__ = ["HOOK_NAMES", "IMPLEMENTATIONS", "run_ddp"]
 
 IMPLEMENTATIONS = ("xgrad", "torch")
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd")
 
 
 def run_ddp(

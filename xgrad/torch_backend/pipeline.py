@@ -259,6 +259,7 @@ class PipelineRuntime(StagePasses):
                 "pipeline schedule",
                 sched.digest(),
                 sched.text,
+                where="PipelineRuntime",
                 group=self.group,
                 timeout=self.timeout,
                 channel=self._channel,

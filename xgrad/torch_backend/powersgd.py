@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from xgrad.buckets import BucketPlan
-from xgrad.crosscheck.truth import POWERSGD_RANK, bucket_matrices
+from xgrad.crosscheck.truth import POWERSGD_MIN_RATE, POWERSGD_RANK, bucket_matrices
 from xgrad.torch_backend.models import torch_dtype
 
-__all__ = ["initial_qs"]
+__all__ = ["POWERSGD_MIN_RATE", "POWERSGD_RANK", "initial_qs"]
 
 
 def initial_qs(

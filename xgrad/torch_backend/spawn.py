@@ -6,6 +6,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -17,6 +18,9 @@ __all__ = ["SpawnError", "spawn"]
 
 #: seconds a terminated process gets to exit before it is killed.
 _GRACE = 3.0
+
+#: seconds to wait, after the first failure, for the rank that caused it to show up.
+_SETTLE = 1.5
 
 
 class SpawnError(RuntimeError):
@@ -58,11 +62,14 @@ def _worker(
         # Pickled here, so an unpicklable result is reported as this rank's failure.
         value = pickle.dumps(fn(rank, world_size, *args))
     except BaseException as exc:  # the parent re-raises it, naming this rank
-        results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        origin = getattr(exc, "rank", None)  # an error that names the rank it came from
+        if not isinstance(origin, int) or not 0 <= origin < world_size or origin == rank:
+            origin = None
+        results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc(), origin))
         if dist.is_initialized():
             dist.destroy_process_group()
         return
-    results.put((rank, True, value, ""))
+    results.put((rank, True, value, "", None))
     # Drain before leaving: a hook's future completes while gloo's thread is still
     # unwinding its callbacks (PowerSGD's hold the group); destroying the group in that
     # window drops its last reference on that thread, which then joins itself and aborts.
@@ -114,9 +121,12 @@ def spawn(
         The return values of ``fn``, indexed by rank.
 
     Raises:
-        SpawnError: the first rank to fail (its message and remote traceback in the
-            message), a rank that died without a result, or ranks still running at
-            ``timeout``; every other process is stopped first.
+        SpawnError: naming the rank that caused the failure, with its message and remote
+            traceback and one line per other rank. A rank that died without a result
+            (``SIGKILL``, a crash) is blamed before survivors that failed because of it;
+            otherwise a rank that the errors themselves name (an exception with a
+            ``rank`` attribute, as the failure channel raises), otherwise the first to
+            fail. On a timeout, the ranks still running. Every process is stopped first.
 
     Example:
         >>> def f(rank, world_size):  # doctest: +SKIP
@@ -152,25 +162,36 @@ def spawn(
         )
         for r in range(world_size)
     ]
-    values: dict[int, Any] = {}
+    outcomes = _Outcomes(world_size)
     try:
         for p in processes:
             p.start()
         deadline = time.monotonic() + timeout
-        while len(values) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                running = [r for r in range(world_size) if r not in values]
+        settle_until: float | None = None
+        while not outcomes.complete():
+            now = time.monotonic()
+            if settle_until is not None and now >= settle_until:
+                break
+            if now >= deadline:
+                if outcomes.failed():
+                    break
+                running = [r for r in range(world_size) if r not in outcomes.values]
                 raise SpawnError(
                     f"spawn timed out after {timeout:g} s; ranks still running: {running}",
                     rank=-1,
                 )
             try:
-                rank, ok, payload, tb = results.get(timeout=min(0.05, remaining))
+                rank, ok, payload, tb, origin = results.get(timeout=0.05)
+                outcomes.record(rank, ok, payload, tb, origin)
             except queue_module.Empty:
-                _check_exits(processes, values, results)
-                continue
-            _record(values, rank, ok, payload, tb)
+                outcomes.note_exits(processes, results)
+            if settle_until is None and outcomes.failed():
+                # The first report is often a consequence (a peer's closed connection);
+                # the rank that caused it may be a moment behind: let it show up.
+                settle_until = min(deadline, time.monotonic() + _SETTLE)
+        if outcomes.failed():
+            outcomes.note_exits(processes, results, wait=False)
+            raise outcomes.error()
         # Let every rank leave the group cleanly (bounded by the same deadline).
         for p in processes:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -178,32 +199,103 @@ def spawn(
         _stop(processes)
         results.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
-    return [values[r] for r in range(world_size)]
+    return [outcomes.values[r] for r in range(world_size)]
 
 
-def _check_exits(processes: Sequence[Any], values: dict[int, Any], results: Any) -> None:
-    """Raise for a process that exited without sending a result (crash, ``os._exit``)."""
-    for rank, p in enumerate(processes):
-        if rank in values or p.exitcode is None:
-            continue
-        # Its message may still be in the queue's pipe: give it a moment to arrive.
+def _exit_reason(code: int) -> str:
+    if code < 0:
         try:
-            r, ok, payload, tb = results.get(timeout=1.0)
-        except queue_module.Empty:
-            raise SpawnError(
-                f"rank {rank} exited with code {p.exitcode} without returning a result",
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Outcomes:
+    """What each rank has said or done so far, and which failure to blame."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.values: dict[int, Any] = {}
+        #: rank -> (message, traceback, the rank its error names as the origin or None)
+        self.failures: dict[int, tuple[str, str, int | None]] = {}
+        #: rank -> how it died without sending anything
+        self.deaths: dict[int, str] = {}
+        self.order: list[int] = []
+
+    def complete(self) -> bool:
+        return len(self.values) + len(self.failures) + len(self.deaths) >= self.world_size
+
+    def failed(self) -> bool:
+        return bool(self.failures or self.deaths)
+
+    def record(self, rank: int, ok: bool, payload: Any, tb: str, origin: int | None) -> None:
+        self.deaths.pop(rank, None)  # its message was still in the pipe when it exited
+        if ok:
+            self.values[rank] = pickle.loads(payload)
+            return
+        self.failures[rank] = (payload, tb, origin)
+        self.order.append(rank)
+
+    def note_exits(self, processes: Sequence[Any], results: Any, wait: bool = True) -> None:
+        """Note ranks that exited without sending a result (crash, SIGKILL, ``os._exit``)."""
+        for rank, p in enumerate(processes):
+            if p.exitcode is None:
+                continue
+            while not self._known(rank):
+                # Its message may still be in the queue's pipe: give it a moment to arrive.
+                try:
+                    self.record(*results.get(timeout=1.0 if wait else 0.2))
+                except queue_module.Empty:
+                    self.deaths[rank] = _exit_reason(p.exitcode)
+                    self.order.append(rank)
+
+    def _known(self, rank: int) -> bool:
+        return rank in self.values or rank in self.failures or rank in self.deaths
+
+    def error(self) -> SpawnError:
+        """The failure to blame: a rank that died, else the origin the errors name, else the first.
+
+        A killed rank sends nothing while its peers report what they saw of it (gloo's
+        "Connection closed by peer"), so arrival order would blame a survivor.
+        """
+        others = self._others
+        if self.deaths:
+            rank = min(self.deaths)
+            return SpawnError(
+                f"rank {rank} {self.deaths[rank]} without returning a result" + others(rank),
                 rank=rank,
-            ) from None
-        _record(values, r, ok, payload, tb)
-        return
-
-
-def _record(values: dict[int, Any], rank: int, ok: bool, payload: Any, tb: str) -> None:
-    """Keep rank's result, or raise its failure with the remote traceback."""
-    if not ok:
-        raise SpawnError(
-            f"rank {rank} failed: {payload}\n--- traceback of rank {rank} ---\n{tb}",
+            )
+        reports = [(r, *self.failures[r]) for r in self.order if r in self.failures]
+        named = [(reporter, origin) for reporter, _, _, origin in reports if origin is not None]
+        if named and named[0][1] not in self.failures:
+            # The origin stays alive without reporting (or is frozen): its peers name it.
+            reporter, rank = named[0]
+            message, tb, _ = self.failures[reporter]
+            return SpawnError(
+                f"rank {rank} failed (reported by rank {reporter}): {message}{others(rank)}\n"
+                f"--- traceback of rank {reporter} ---\n{tb}",
+                rank=rank,
+                remote_traceback=tb,
+            )
+        rank = named[0][1] if named else reports[0][0]
+        message, tb, _ = self.failures[rank]
+        return SpawnError(
+            f"rank {rank} failed: {message}{others(rank)}\n--- traceback of rank {rank} ---\n{tb}",
             rank=rank,
             remote_traceback=tb,
         )
-    values[rank] = pickle.loads(payload)
+
+    def _others(self, blamed: int) -> str:
+        lines = []
+        for rank in range(self.world_size):
+            if rank == blamed:
+                continue
+            if rank in self.failures:
+                first = self.failures[rank][0].strip().splitlines()[0][:200]
+                lines.append(f"rank {rank} then failed: {first}")
+            elif rank in self.deaths:
+                lines.append(f"rank {rank} {self.deaths[rank]}")
+            elif rank not in self.values:
+                lines.append(f"rank {rank} was still running (stopped)")
+        return "".join(f"\n  {line}" for line in lines)

@@ -1,0 +1,108 @@
+"""The backend-neutral failure channel: first failure wins, heartbeats, bounded waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from xgrad.failure import (
+    Failure,
+    FailureChannel,
+    Heartbeat,
+    Liveness,
+    MemoryStore,
+    RankError,
+    RankUnresponsiveError,
+    check_seconds,
+    default_seconds,
+    error_for,
+    wait_until,
+)
+
+
+def test_message_names_rank_and_where_first() -> None:
+    assert Failure(1, "MulBackward0", "ValueError: boom").text() == (
+        "rank 1 in MulBackward0: ValueError: boom"
+    )
+    assert Failure(1, "comm hook, bucket 0", "x").text() == "rank 1 in comm hook, bucket 0: x"
+    assert Failure(1, "", "1F3 failed: x").text() == "rank 1: 1F3 failed: x"
+    err = error_for(Failure(2, "", "gone", "unresponsive"), raised_on=0, prefix="Error on ")
+    assert isinstance(err, RankUnresponsiveError) and isinstance(err, TimeoutError)
+    assert str(err) == "Error on rank 2: gone" and err.rank == 2 and err.raised_on == 0
+    f = Failure(3, "w", "m", "timeout")
+    assert Failure.from_bytes(f.to_bytes()) == f
+
+
+def test_first_post_wins_on_every_rank() -> None:
+    store = MemoryStore()
+    channels = [FailureChannel(store, "step", r) for r in range(4)]
+    assert all(c.poll() is None for c in channels)
+    first = channels[2].post("AddBackward0", "ValueError: first")
+    channels[3].post("MulBackward0", "ValueError: second")
+    for c in channels:
+        assert c.poll() == first
+        with pytest.raises(RankError, match=r"^rank 2 in AddBackward0: ValueError: first$"):
+            c.check()
+    # Another step's namespace is untouched.
+    assert FailureChannel(store, "next", 0).poll() is None
+
+
+def test_wait_until_raises_a_posted_failure_quickly() -> None:
+    store = MemoryStore()
+    waiter = FailureChannel(store, "s", 0)
+    failer = FailureChannel(store, "s", 1)
+    threading.Timer(0.1, lambda: failer.post("node", "boom")).start()
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 in node: boom"):
+        wait_until(lambda: False, waiter, timeout=30.0, what="recv", poll_interval=0.01)
+    assert time.monotonic() - start < 2.0
+
+
+def test_wait_until_returns_when_done_and_times_out_bounded() -> None:
+    flag = threading.Event()
+    threading.Timer(0.05, flag.set).start()
+    wait_until(flag.is_set, None, timeout=10.0, what="x")
+    with pytest.raises(TimeoutError, match=r"recv from rank 3: timed out after 0.2 s"):
+        wait_until(lambda: False, None, timeout=0.2, what="recv from rank 3")
+    channel = FailureChannel(MemoryStore(), "s", 0)
+    with pytest.raises(RankUnresponsiveError, match=r"rank 0 in recv: timed out after 0.2 s"):
+        wait_until(lambda: False, channel, timeout=0.2, what="recv")
+    assert channel.poll() is not None  # posted, so the peers stop too
+
+
+def test_a_stopped_heartbeat_is_named() -> None:
+    store = MemoryStore()
+    beats = [Heartbeat(store, "hb", r, interval=0.02) for r in (1, 2)]
+    live = Liveness(store, "hb", [1, 2], interval=0.01, timeout=0.3)
+    channel = FailureChannel(store, "s", 0, live)
+    beats[1].stop()
+    start = time.monotonic()
+    with pytest.raises(RankUnresponsiveError, match=r"^rank 2: stopped answering") as info:
+        wait_until(lambda: False, channel, timeout=20.0, what="recv", poll_interval=0.01)
+    assert info.value.rank == 2
+    assert time.monotonic() - start < 5.0
+    beats[0].stop()
+
+
+def test_a_rank_that_never_beat_is_named_at_the_timeout() -> None:
+    store = MemoryStore()
+    live = Liveness(store, "hb", [1], interval=0.01, timeout=100.0)
+    channel = FailureChannel(store, "s", 0, live)
+    with pytest.raises(RankUnresponsiveError, match=r"^rank 1: stopped answering"):
+        wait_until(lambda: False, channel, timeout=0.3, what="recv", poll_interval=0.01)
+
+
+def test_seconds_are_checked_and_env_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"timeout=.* must be a positive, finite"):
+            check_seconds("timeout", bad)
+    with pytest.raises(TypeError, match="timeout='soon' must be a number"):
+        check_seconds("timeout", "soon")  # type: ignore[arg-type]
+    assert default_seconds("timeout") == 60.0
+    monkeypatch.setenv("XGRAD_TIMEOUT", "7.5")
+    assert default_seconds("timeout") == 7.5
+    monkeypatch.setenv("XGRAD_TIMEOUT", "never")
+    with pytest.raises(ValueError, match="XGRAD_TIMEOUT='never'"):
+        default_seconds("timeout")

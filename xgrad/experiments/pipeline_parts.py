@@ -1,0 +1,96 @@
+"""The worker the pipeline experiments share: one rank of a torch pipeline, timed and metered.
+
+Each rank holds one stage (a few Linear + Tanh layers) and runs xgrad's pipeline runtime
+(the torch backend's ``PipelineRuntime``, found through the registry) over loopback gloo.
+Per configuration it reports the median step time, the busy time of its compute actions,
+their median cost per kind, and the peak bytes of activations saved for the backward pass
+(counted with autograd's saved-tensor hooks, so recomputation is seen too).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from xgrad.experiments.torch_parts import mlp, torch_backend
+
+__all__ = ["pipeline_worker"]
+
+
+class _SavedBytes:
+    """Live and peak bytes of the tensors autograd saves for the backward pass."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def hooks(self) -> Any:
+        import torch
+
+        meter = self
+
+        class Held:
+            __slots__ = ("nbytes", "tensor")
+
+            def __init__(self, tensor: Any) -> None:
+                self.tensor = tensor
+                self.nbytes = tensor.numel() * tensor.element_size()
+                meter.live += self.nbytes
+                meter.peak = max(meter.peak, meter.live)
+
+            def __del__(self) -> None:
+                meter.live -= self.nbytes
+
+        return torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.tensor)
+
+
+def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run every ``(schedule, m, checkpoint)`` of ``cfg["runs"]``; one dict per run."""
+    import torch
+    import torch.distributed as dist
+
+    import xgrad.pipeline as xp
+
+    runtime_cls = torch_backend().PipelineRuntime
+    stage = mlp(cfg["width"], cfg["layers"], cfg["seed"] + rank)
+    g = torch.Generator().manual_seed(cfg["seed"])
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    first, last = rank == 0, rank == world - 1
+    out = []
+    for name, m, mode in cfg["runs"]:
+        rt = runtime_cls(
+            xp.make(name, world, m), [stage], torch.nn.functional.mse_loss, checkpoint=mode
+        )
+        meter = _SavedBytes()
+
+        def step(rt: Any = rt) -> None:
+            rt.step(x if first else None, y if last else None)
+            stage.zero_grad(set_to_none=True)
+
+        for _ in range(cfg["warmup"]):
+            step()
+        times, busy = [], []
+        costs: dict[str, list[float]] = {}
+        for _ in range(cfg["steps"]):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+            recs = [r for r in rt.records if r.action.kind.is_compute]
+            busy.append(sum(r.end - r.start for r in recs))
+            for r in recs:
+                costs.setdefault(r.action.kind.value, []).append(r.end - r.start)
+        with meter.hooks():
+            dist.barrier()
+            step()
+        out.append(
+            {
+                "time": statistics.median(times),
+                "busy": statistics.median(busy),
+                "costs": {k: statistics.median(v) for k, v in costs.items()},
+                "saved_bytes": meter.peak,
+            }
+        )
+    return out

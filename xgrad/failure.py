@@ -1,0 +1,443 @@
+"""One failure channel for every distributed step: an error anywhere is raised everywhere.
+
+A distributed step (a backward pass across processes, a DDP iteration, a pipeline step)
+must not leave peers waiting for a rank that failed. Each step gets a
+:class:`FailureChannel`: a namespace in a small key-value store that every rank can
+reach out of band (the c10d store in the torch backend, :class:`MemoryStore` in one
+process). The first rank to fail posts a :class:`Failure` there; every other rank polls
+the channel while it waits and raises the same failure, naming the rank and where it
+started::
+
+    rank 1 in MulBackward0: ValueError: boom
+    rank 1 in comm hook, bucket 0: RuntimeError: ...
+    rank 1: 1F3 failed: ...
+
+A rank that dies or freezes cannot post anything, so every rank also bumps a heartbeat
+counter (:class:`Heartbeat`); a waiter whose peers' counters stop moving (:class:`Liveness`)
+posts an "unresponsive" failure naming them. Every wait is bounded (:func:`wait_until`).
+
+All timeouts are seconds, configurable per call, with defaults that environment variables
+override (``XGRAD_TIMEOUT``, ``XGRAD_HEARTBEAT_INTERVAL``, ``XGRAD_HEARTBEAT_TIMEOUT``,
+``XGRAD_POLL_INTERVAL``). This module is backend-neutral: it imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "Failure",
+    "FailureChannel",
+    "Heartbeat",
+    "KeyValueStore",
+    "Liveness",
+    "MemoryStore",
+    "RankError",
+    "RankUnresponsiveError",
+    "check_seconds",
+    "default_seconds",
+    "error_for",
+    "wait_until",
+]
+
+#: defaults (seconds) and the environment variables that override them.
+DEFAULTS: dict[str, tuple[str, float]] = {
+    # A whole wait (a receive, a collective, a pass): past it the step fails.
+    "timeout": ("XGRAD_TIMEOUT", 60.0),
+    # How often each process bumps its heartbeat.
+    "heartbeat_interval": ("XGRAD_HEARTBEAT_INTERVAL", 0.5),
+    # A rank whose heartbeat has not moved for this long is declared unresponsive
+    # (died or froze) even before a wait's timeout.
+    "heartbeat_timeout": ("XGRAD_HEARTBEAT_TIMEOUT", 10.0),
+    # How often a waiter reads the channel (one store round trip each time).
+    "poll_interval": ("XGRAD_POLL_INTERVAL", 0.02),
+}
+
+
+def check_seconds(name: str, value: float) -> float:
+    """``value`` as a positive, finite float; a ``ValueError`` naming ``name`` otherwise."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} must be a number of seconds") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive, finite number of seconds")
+    return seconds
+
+
+def default_seconds(name: str) -> float:
+    """The default for ``name`` (a key of :data:`DEFAULTS`), or its environment override."""
+    var, default = DEFAULTS[name]
+    text = os.environ.get(var)
+    if text is None or text == "":
+        return default
+    try:
+        return check_seconds(var, float(text))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"environment variable {var}={text!r} must be a positive number of seconds"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where a distributed step failed first.
+
+    Attributes:
+        rank: the rank it started on (for "unresponsive": the rank that stopped answering).
+        where: what that rank was doing, worded by the user of the channel (a node name,
+            "comm hook, bucket 0"); empty when the message says it all.
+        message: the original error's text (``"ValueError: boom"``).
+        kind: ``"error"`` (an exception), ``"unresponsive"`` (a rank died or froze) or
+            ``"timeout"`` (a wait ran out while every rank still answered).
+    """
+
+    rank: int
+    where: str
+    message: str
+    kind: str = "error"
+
+    def text(self) -> str:
+        """``"rank R in WHERE: MESSAGE"`` (``"rank R: MESSAGE"`` without a ``where``)."""
+        at = f" in {self.where}" if self.where else ""
+        return f"rank {self.rank}{at}: {self.message}"
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {"rank": self.rank, "where": self.where, "message": self.message, "kind": self.kind}
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Failure:
+        d = json.loads(data.decode())
+        return cls(int(d["rank"]), str(d["where"]), str(d["message"]), str(d["kind"]))
+
+
+class RankError(RuntimeError):
+    """A distributed step failed on some rank; every rank of the step raises one.
+
+    The message starts with the origin (``"rank 1 in MulBackward0: ..."``), after an optional
+    ``prefix`` a user of the channel adds (``"Error on "``).
+
+    Attributes:
+        failure: the :class:`Failure` (``rank``, ``where``, ``message``, ``kind``).
+        rank: the rank the failure started on.
+        raised_on: the rank raising this copy (None when unknown).
+    """
+
+    def __init__(self, failure: Failure, raised_on: int | None = None, prefix: str = "") -> None:
+        self.failure = failure
+        self.rank = failure.rank
+        self.raised_on = raised_on
+        self.prefix = prefix
+        super().__init__(prefix + failure.text())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable (a launcher sends it to the parent): rebuilt from its parts.
+        return type(self), (self.failure, self.raised_on, self.prefix)
+
+
+class RankUnresponsiveError(RankError, TimeoutError):
+    """A rank stopped answering (died, froze) or a wait ran past its timeout."""
+
+
+def error_for(failure: Failure, raised_on: int | None = None, prefix: str = "") -> RankError:
+    """The exception for ``failure``: unresponsive ranks and timeouts are also TimeoutErrors."""
+    cls = RankError if failure.kind == "error" else RankUnresponsiveError
+    return cls(failure, raised_on, prefix)
+
+
+class KeyValueStore(Protocol):
+    """The store protocol the channel needs (a subset of ``torch.distributed.Store``).
+
+    ``get`` is only called for keys that :meth:`check` found, so it need not block.
+    """
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+
+class MemoryStore:
+    """A :class:`KeyValueStore` in one process's memory (threads as ranks; tests, reference)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._data[key] = bytes(value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + int(amount)
+            self._data[key] = str(value).encode()
+            return value
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+
+class Heartbeat:
+    """A daemon thread bumping ``prefix/<rank>`` every ``interval`` seconds, so peers see it live.
+
+    A frozen process (SIGSTOP) or a dead one stops bumping; a process busy in a long
+    computation still does (the thread runs whenever the computation releases the GIL,
+    which torch's kernels and c10d waits do).
+    """
+
+    def __init__(
+        self, store: KeyValueStore, prefix: str, rank: int, interval: float | None = None
+    ) -> None:
+        self.key = f"{prefix}/{rank}"
+        self.interval = check_seconds(
+            "heartbeat_interval",
+            default_seconds("heartbeat_interval") if interval is None else interval,
+        )
+        self._store = store
+        self._stop = threading.Event()
+        self._store.add(self.key, 1)  # visible before the first peer looks
+        self._thread = threading.Thread(target=self._run, name=f"xgrad-heartbeat-{rank}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._store.add(self.key, 1)
+            except Exception:  # the store is gone (shutdown): nothing left to tell
+                return
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop beating; wait up to ``wait`` seconds for the thread to end.
+
+        Waiting matters at interpreter exit: a daemon thread still inside a store call
+        when the interpreter finalizes can abort the process.
+        """
+        self._stop.set()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class Liveness:
+    """Tracks the heartbeats of ``ranks`` and names those whose counter stopped moving.
+
+    Args:
+        store, prefix: where the :class:`Heartbeat` threads write (``prefix/<rank>``).
+        ranks: the ranks to watch (those of the step, usually without oneself).
+        interval: read the counters at most this often.
+        timeout: a rank is stale when its counter did not move for this long.
+    """
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        ranks: Iterable[int],
+        *,
+        interval: float | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.prefix = prefix
+        self.ranks = tuple(ranks)
+        self.interval = check_seconds(
+            "heartbeat_interval",
+            default_seconds("heartbeat_interval") if interval is None else interval,
+        )
+        self.timeout = check_seconds(
+            "heartbeat_timeout",
+            default_seconds("heartbeat_timeout") if timeout is None else timeout,
+        )
+        self._store = store
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._last_read = -math.inf
+
+    def read(self, *, force: bool = False) -> None:
+        """Read the counters (one store round trip per rank), unless read very recently."""
+        now = time.monotonic()
+        if not force and now - self._last_read < self.interval:
+            return
+        self._last_read = now
+        for r in self.ranks:
+            key = f"{self.prefix}/{r}"
+            value = int(self._store.get(key)) if self._store.check([key]) else 0
+            old = self._seen.get(r)
+            if old is None or old[0] != value:
+                self._seen[r] = (value, now)
+
+    def stale(self, older_than: float | None = None, *, include_silent: bool = False) -> list[int]:
+        """Ranks whose counter has not moved for ``older_than`` seconds (default: timeout).
+
+        A rank that never beat (it has not joined a step yet) counts only with
+        ``include_silent``: late is not dead until a wait's own timeout says so.
+        """
+        now = time.monotonic()
+        limit = self.timeout if older_than is None else older_than
+        return [
+            r
+            for r, (value, t) in sorted(self._seen.items())
+            if now - t >= limit and (value > 0 or include_silent)
+        ]
+
+
+class FailureChannel:
+    """The failures of one distributed step, in namespace ``prefix`` of a shared store.
+
+    The first :meth:`post` wins: every rank that polls afterwards sees that failure (the
+    same origin on every rank, even when several ranks fail at once).
+
+    Args:
+        store: the shared store.
+        prefix: this step's namespace (e.g. one per distributed autograd context).
+        rank: this process's rank (the origin of what it posts).
+        liveness: heartbeats of the peers, for :meth:`check` to name a rank that stopped.
+    """
+
+    def __init__(
+        self, store: KeyValueStore, prefix: str, rank: int, liveness: Liveness | None = None
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.liveness = liveness
+        self._failure: Failure | None = None
+
+    def post(
+        self, where: str, message: str, *, kind: str = "error", rank: int | None = None
+    ) -> Failure:
+        """Report a failure (origin ``rank``, default this rank); returns the step's first one."""
+        if self._failure is not None:
+            return self._failure
+        failure = Failure(self.rank if rank is None else rank, where, message, kind)
+        ticket = self.store.add(f"{self.prefix}/failures", 1)
+        self.store.set(f"{self.prefix}/failure/{ticket}", failure.to_bytes())
+        if ticket == 1:
+            self._failure = failure
+            return failure
+        return self._first() or failure
+
+    def poll(self) -> Failure | None:
+        """The step's first failure, if any rank posted one (one store round trip)."""
+        # A lookup, not a write: stores such as c10d's FileStore append every write.
+        if self._failure is None and self.store.check([f"{self.prefix}/failure/1"]):
+            self._failure = Failure.from_bytes(self.store.get(f"{self.prefix}/failure/1"))
+        return self._failure
+
+    def _first(self) -> Failure | None:
+        # The poster of ticket 1 writes its record right after taking the ticket.
+        key = f"{self.prefix}/failure/1"
+        deadline = time.monotonic() + 1.0
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
+        self._failure = Failure.from_bytes(self.store.get(key))
+        return self._failure
+
+    def check(self, *, prefix: str = "") -> None:
+        """Raise the step's failure if there is one; post one for a peer that stopped beating."""
+        failure = self.poll()
+        if failure is None and self.liveness is not None:
+            self.liveness.read()
+            stale = self.liveness.stale()
+            if stale:
+                failure = self._post_unresponsive(stale, self.liveness.timeout)
+        if failure is not None:
+            raise error_for(failure, self.rank, prefix)
+
+    def timed_out(self, what: str, waited: float, *, prefix: str = "") -> RankError:
+        """The error for a wait on ``what`` that ran ``waited`` seconds: posted, then returned.
+
+        Names the peers whose heartbeat stopped during the wait when there are any, this
+        rank (as the one that gave up) otherwise.
+        """
+        stale: list[int] = []
+        if self.liveness is not None:
+            self.liveness.read(force=True)
+            stale = self.liveness.stale(
+                older_than=min(self.liveness.timeout, waited / 2), include_silent=True
+            )
+        if stale:
+            failure = self._post_unresponsive(stale, waited, what)
+        else:
+            failure = self.post(
+                what, f"timed out after {waited:g} s (every rank still answers)", kind="timeout"
+            )
+        return error_for(failure, self.rank, prefix)
+
+    def _post_unresponsive(self, stale: Sequence[int], seconds: float, what: str = "") -> Failure:
+        others = f" (also ranks {list(stale[1:])})" if len(stale) > 1 else ""
+        waiting = f" while rank {self.rank} waited in {what}" if what else ""
+        message = f"stopped answering: no heartbeat for {seconds:g} s{others}{waiting}"
+        return self.post("", message, kind="unresponsive", rank=stale[0])
+
+
+def wait_until(
+    done: Callable[[], bool] | threading.Event,
+    channel: FailureChannel | None,
+    *,
+    timeout: float,
+    what: str,
+    poll_interval: float | None = None,
+    prefix: str = "",
+) -> None:
+    """Wait until ``done`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
+
+    ``done`` is an event (woken at once when set) or a cheap predicate (a store lookup,
+    ``Work.is_completed``), called with sleeps backing off from 50 µs to 1 ms so a
+    result is seen quickly without spinning a core. The channel is read every
+    ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02).
+
+    Raises:
+        RankError: a failure posted by any rank of the channel, or a peer that stopped
+            beating.
+        RankUnresponsiveError: ``timeout`` ran out (posted to the channel first, so the
+            others stop too); without a channel, a plain ``TimeoutError``.
+    """
+    event = done if isinstance(done, threading.Event) else None
+    ready: Callable[[], bool] = event.is_set if event is not None else done  # type: ignore[assignment,union-attr]
+    if ready():
+        return
+    interval = default_seconds("poll_interval") if poll_interval is None else poll_interval
+    start = time.monotonic()
+    deadline = start + timeout
+    next_check = start
+    nap = 5e-5
+    while True:
+        if ready():
+            return
+        now = time.monotonic()
+        if now >= next_check:
+            if channel is not None:
+                channel.check(prefix=prefix)
+            next_check = now + interval
+        if now >= deadline:
+            if channel is None:
+                raise TimeoutError(f"{what}: timed out after {timeout:g} s")
+            raise channel.timed_out(what, timeout, prefix=prefix)
+        if event is not None:
+            event.wait(max(0.0, min(next_check, deadline) - now))
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)

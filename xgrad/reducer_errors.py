@@ -1,0 +1,62 @@
+"""The reducer's errors, worded as PyTorch's DDP words them, naming parameters and the rank.
+
+Kept apart from the state machine so that every message a user can see from the reducer
+is in one place, with what it names: the parameter (index and name) and the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def describe_missing(missing: Sequence[int], names: Sequence[str], rank: int) -> str:
+    """DDP's two lines listing the parameters that received no gradient on ``rank``."""
+    return (
+        f"Parameter indices which did not receive grad for rank {rank}: "
+        f"{' '.join(map(str, missing))}\n"
+        f"Parameters which did not receive grad for rank {rank}: "
+        f"{', '.join(names[i] for i in missing)}"
+    )
+
+
+def prior_reduction_unfinished(
+    missing: Sequence[int], names: Sequence[str], rank: int
+) -> RuntimeError:
+    """A new iteration started while the previous one still waited for gradients."""
+    return RuntimeError(
+        "Expected to have finished reduction in the prior iteration before starting a "
+        "new one. This error indicates that your module has parameters that were not "
+        "used in producing loss. You can enable unused parameter detection by passing "
+        "the keyword argument `find_unused_parameters=True`, and by making sure all "
+        "outputs of `forward` take part in calculating the loss. "
+        + describe_missing(missing, names, rank)
+    )
+
+
+def marked_ready_twice(index: int, names: Sequence[str], rank: int) -> RuntimeError:
+    """A gradient hook fired twice for one parameter in one backward pass."""
+    return RuntimeError(
+        "Expected to mark a variable ready only once. This error is caused by one of "
+        "the following reasons: 1) Use of a module parameter outside the `forward` "
+        "function, 2) Reused parameters in multiple reentrant backward passes, "
+        "3) Incorrect unused parameter detection. "
+        f"Parameter at index {index} with name {names[index]} has been marked "
+        f"as ready twice on rank {rank}."
+    )
+
+
+def buckets_never_reduced(missing: Sequence[int], names: Sequence[str], rank: int) -> RuntimeError:
+    """The backward pass ended with buckets still waiting for gradients."""
+    return RuntimeError(
+        "Some parameters received no gradient in this backward pass, so their "
+        "buckets were never reduced. Pass find_unused_parameters=True if parts of the "
+        "model are legitimately unused. " + describe_missing(missing, names, rank)
+    )
+
+
+def sparse_gradient_missing(index: int, names: Sequence[str], rank: int) -> RuntimeError:
+    """A parameter with a sparse gradient was marked ready without one (it went unused)."""
+    return RuntimeError(
+        f"Expected sparse gradient to be defined: parameter at index {index} with name "
+        f"{names[index]} got no gradient on rank {rank}"
+    )

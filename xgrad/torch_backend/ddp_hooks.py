@@ -1,0 +1,184 @@
+"""The adapter between autograd and the reducer: gradient hooks in, gradients written back.
+
+Each reduced parameter gets a post-accumulate-grad hook that hands its gradient to
+:meth:`Reducer.mark_ready`; the first hook of a synchronised backward pass queues
+:meth:`Reducer.finalize` on the autograd engine, so the reduction ends with the pass.
+Reduced gradients come back through :meth:`GradientHooks.set_grad` (a copy, fused into
+one ``_foreach_copy_``, or the bucket view itself). PyTorch communication hooks, which
+return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.backend.Work`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from xgrad.backend import Work
+from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.torch_backend.comm import FutureWork
+from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+
+
+class GradientHooks:
+    """Per-parameter autograd hooks feeding a reducer, and the end-of-backward callback.
+
+    Args:
+        params: the reduced parameters, in the reducer's order.
+        gradient_as_bucket_view: make each ``.grad`` its bucket view instead of copying.
+
+    Call :meth:`attach` once the reducer (which needs :meth:`set_grad`) exists.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], gradient_as_bucket_view: bool) -> None:
+        self.params = list(params)
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.reducer: Reducer | None = None
+        #: set by forward: the next gradient hook starts a synchronised backward pass.
+        self.sync_pending = False
+        #: the end-of-backward callback is queued and has not run yet.
+        self.finalize_queued = False
+        self.forward_seconds = 0.0
+        self.backward_started = 0.0
+        self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
+        self.handles: list[Any] = []
+        #: run at the end of every synchronised backward pass (mixed precision's casts).
+        self.after_backward: Callable[[], None] | None = None
+        self._copy_dst: list[torch.Tensor] = []
+        self._copy_src: list[torch.Tensor] = []
+
+    def attach(self, reducer: Reducer) -> None:
+        """Register the autograd hooks that feed ``reducer``."""
+        self.reducer = reducer
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        reducer = self.reducer
+        assert reducer is not None
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+        def hook(param: torch.Tensor) -> None:
+            if self.sync_pending:
+                # First gradient of a synchronised backward pass: end it with finalize.
+                self.sync_pending = False
+                self.backward_started = time.perf_counter()
+                engine.queue_callback(self._finalize)
+                self.finalize_queued = True
+            try:
+                reducer.mark_ready(index, param.grad)
+            except BaseException as exc:
+                reducer.fail(
+                    f"rank {reducer.comm.rank} in the gradient hook of "
+                    f"{reducer.names[index]}: {type(exc).__name__}: {exc}"
+                )
+                raise
+
+        return hook
+
+    def _finalize(self) -> None:
+        reducer = self.reducer
+        assert reducer is not None
+        self.finalize_queued = False
+        try:
+            reducer.finalize()
+            if self._copy_dst:
+                # One fused copy for every gradient instead of one call per parameter.
+                torch._foreach_copy_(self._copy_dst, self._copy_src)
+        except BaseException as exc:
+            if reducer.all_ready():  # else gradients never came: DDP's unused-parameter error
+                reducer.fail(
+                    f"rank {reducer.comm.rank} in the reduction: {type(exc).__name__}: {exc}"
+                )
+            raise
+        finally:
+            self._copy_dst.clear()
+            self._copy_src.clear()
+            if self.after_backward is not None:
+                self.after_backward()
+        end = time.perf_counter()
+        self.timeline.append(
+            IterationTimes.of(
+                reducer.records[-1], self.forward_seconds, end - self.backward_started
+            )
+        )
+
+    def recover(self, rank: int) -> None:
+        """At a forward pass: drop a backward pass that failed part-way, with a warning.
+
+        A pass whose final callback never ran was cut short by an exception (in a hook,
+        a comm hook, autograd); one whose reduction raised was marked failed by it.
+        Either way the reducer starts the new pass clean instead of blaming unused
+        parameters for the gradients that never came.
+        """
+        reducer = self.reducer
+        assert reducer is not None
+        if self.finalize_queued:
+            self.finalize_queued = False
+            reducer.fail(f"rank {rank}: the backward pass raised an exception")
+        dropped = reducer.recover()
+        if dropped is not None:
+            warnings.warn(
+                f"DistributedDataParallel (rank {rank}): {dropped}; .grad holds this rank's "
+                "unreduced gradients of that pass: zero them before the next step",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def set_grad(self, index: int, view: torch.Tensor) -> None:
+        """The reducer's write-back of parameter ``index``'s reduced gradient."""
+        p = self.params[index]
+        grad = p.grad
+        if view.layout is not torch.strided:
+            # A sparse bucket: the reduced tensor replaces the gradient (PyTorch copies
+            # the result into the gradient tensor, which comes to the same values).
+            p.grad = view
+            return
+        if self.gradient_as_bucket_view:
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        elif grad is None:
+            p.grad = view.clone()
+        else:
+            self._copy_dst.append(grad)
+            self._copy_src.append(view)
+
+    def alias_grads_to_buckets(self) -> None:
+        """Make existing gradients views into the (new) buckets, keeping their values."""
+        assert self.reducer is not None
+        with torch.no_grad():
+            for p, view in zip(self.params, self.reducer.bucket_views(), strict=True):
+                if view is None:
+                    continue  # a sparse gradient has no bucket view
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+
+
+def future_hook(state: object, hook: Callable[..., Any], timeout: float) -> Hook:
+    """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
+
+    The returned future is waited on with ``timeout``; a hook that returns anything else
+    raises a ``TypeError`` naming it.
+    """
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable, got {hook!r}")
+    name = getattr(hook, "__name__", type(hook).__name__)
+
+    def run(bucket: GradBucket) -> Work:
+        future = hook(state, bucket)
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(
+                f"communication hook {name} returned {type(future).__name__}, "
+                "expected torch.futures.Future[torch.Tensor]"
+            )
+        return FutureWork(future, timeout, name=f"comm hook {name} on bucket {bucket.index()}")
+
+    return run

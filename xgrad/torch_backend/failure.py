@@ -1,0 +1,271 @@
+"""The failure channel on a c10d process group: its store, heartbeats, bounded waits, abort.
+
+Every user of the torch backend that waits on peers (the distributed backward, the DDP,
+the pipeline runtime) does it through this module::
+
+    channel = failure_channel(group, f"dist_autograd/{context_id}")
+    try:
+        work = group.recv([buf], src, tag)
+        wait_work(work, channel, timeout=60.0, what=f"recv from rank {src}")
+    except Exception as exc:
+        channel.post("recv", f"{type(exc).__name__}: {exc}")   # the others stop too
+        raise
+
+The channel lives in the group's own c10d store (out of band: it works on gloo and NCCL
+alike, and while a collective is stuck). Each process bumps a heartbeat for each group it
+takes part in, so a waiter names a rank that was killed or frozen. Waits never call an
+unbounded ``work.wait()`` on the caller's thread: on gloo a ``wait(timeout)`` that runs
+out closes the group's connections, and ``is_completed`` of a send or receive stays false
+until ``wait()`` is called, so a :class:`Waiter` thread waits while the caller watches.
+After a fatal failure :func:`abort_group` drops the group without waiting on its peers,
+so ``destroy_process_group`` and process exit return.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from xgrad.failure import (
+    FailureChannel,
+    Heartbeat,
+    KeyValueStore,
+    Liveness,
+    check_seconds,
+    default_seconds,
+    error_for,
+    wait_until,
+)
+
+__all__ = [
+    "Waiter",
+    "abort_group",
+    "failure_channel",
+    "group_ranks",
+    "group_store",
+    "start_heartbeat",
+    "stop_heartbeat",
+    "wait_work",
+]
+
+#: store namespace of the heartbeats (inside the group's own store namespace).
+HEARTBEAT_PREFIX = "xgrad/heartbeat"
+
+_heartbeats: dict[str, Heartbeat] = {}
+_waiters: set[threading.Thread] = set()
+_lock = threading.Lock()
+
+
+def _resolve(group: Any) -> Any:
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized; call init_process_group first "
+                "(or pass group=)"
+            )
+        return dist.group.WORLD
+    return group
+
+
+def group_store(group: Any = None) -> KeyValueStore:
+    """The c10d store of ``group`` (default: the default group), namespaced to that group."""
+    pg = _resolve(group)
+    return cast(KeyValueStore, dist.distributed_c10d._get_process_group_store(pg))
+
+
+def group_ranks(group: Any = None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return list(dist.get_process_group_ranks(_resolve(group)))
+
+
+def _key(group: Any) -> str:
+    return str(dist.distributed_c10d._get_process_group_name(_resolve(group)))
+
+
+def start_heartbeat(group: Any = None, *, interval: float | None = None) -> Heartbeat:
+    """Start (once per group and process) the thread that tells peers this process lives."""
+    pg = _resolve(group)
+    key = _key(pg)
+    with _lock:
+        beat = _heartbeats.get(key)
+        if beat is None or not beat.alive:
+            beat = Heartbeat(group_store(pg), HEARTBEAT_PREFIX, dist.get_rank(), interval)
+            _heartbeats[key] = beat
+        return beat
+
+
+def stop_heartbeat(group: Any = None) -> None:
+    """Stop this process's heartbeat for ``group`` (peers will then see it as gone)."""
+    with _lock:
+        beat = _heartbeats.pop(_key(group), None)
+    if beat is not None:
+        beat.stop(wait=1.0)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every heartbeat and let the waiter threads end, before the interpreter finalizes."""
+    with _lock:
+        beats = list(_heartbeats.values())
+        _heartbeats.clear()
+        waiters = list(_waiters)
+    for beat in beats:
+        beat.stop(wait=2.0)
+    for thread in waiters:
+        thread.join(0.5)  # one stuck on a dead peer stays; the others are done
+
+
+def failure_channel(
+    group: Any,
+    namespace: str,
+    *,
+    heartbeat_interval: float | None = None,
+    heartbeat_timeout: float | None = None,
+) -> FailureChannel:
+    """The failure channel of one step (``namespace``, e.g. a context id) on ``group``.
+
+    Every rank of the step must use the same ``namespace``, and a fresh one per step, so
+    that a failure of one step is not seen by the next. Ranks in errors are global ranks.
+
+    Args:
+        group: the process group (None: the default group).
+        namespace: the step's name within the group's store.
+        heartbeat_interval: seconds between heartbeats (default ``XGRAD_HEARTBEAT_INTERVAL``
+            or 0.5).
+        heartbeat_timeout: a peer whose heartbeat did not move for this long is declared
+            unresponsive (default ``XGRAD_HEARTBEAT_TIMEOUT`` or 10).
+    """
+    pg = _resolve(group)
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError(f"namespace={namespace!r} must be a non-empty string")
+    start_heartbeat(pg, interval=heartbeat_interval)
+    me = dist.get_rank()
+    store = group_store(pg)
+    liveness = Liveness(
+        store,
+        HEARTBEAT_PREFIX,
+        [r for r in group_ranks(pg) if r != me],
+        interval=heartbeat_interval,
+        timeout=heartbeat_timeout,
+    )
+    return FailureChannel(store, f"xgrad/failure/{namespace}", me, liveness)
+
+
+class Waiter:
+    """A daemon thread that calls ``work.wait()`` on the works given to it, in order.
+
+    Gloo's point-to-point works only complete inside ``wait()`` (``is_completed`` stays
+    false until then), and a ``wait(timeout)`` that runs out closes gloo's connections,
+    so a bounded wait runs the unbounded ``wait()`` on this thread while the caller waits
+    on an event, watching the failure channel. Only wait here for a transfer whose other
+    side was posted: a receive whose send is known, a send the peer confirmed receiving.
+    A thread stuck on a peer that died mid-transfer stays parked; make a new ``Waiter``.
+    """
+
+    def __init__(self, name: str = "xgrad-waiter") -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
+        """Start waiting for ``work``: ``(event set when done, [its error, if any])``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+            with _lock:
+                _waiters.add(self._thread)
+        item: tuple[Any, threading.Event, list[BaseException]] = (work, threading.Event(), [])
+        self._queue.put(item)
+        return item[1], item[2]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                with _lock:
+                    _waiters.discard(threading.current_thread())
+                return
+            work, event, error = item
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller
+                error.append(exc)
+            event.set()
+
+    def close(self) -> None:
+        """Let the thread end once the works given so far are done."""
+        if self._thread is not None:
+            self._queue.put(None)
+
+
+def wait_work(
+    work: Any,
+    channel: FailureChannel | None,
+    *,
+    timeout: float | None = None,
+    what: str,
+    waiter: Waiter | None = None,
+    peer: int | None = None,
+    prefix: str = "",
+) -> None:
+    """Wait for a c10d ``Work`` (send, recv, collective), bounded and watching the channel.
+
+    Args:
+        work: the ``Work`` an async c10d call returned.
+        channel: the step's failure channel (None: only the timeout bounds the wait).
+        timeout: seconds (default ``XGRAD_TIMEOUT`` or 60).
+        what: what is awaited, for the timeout's message (``"recv from rank 2"``).
+        waiter: the :class:`Waiter` thread to use (default: a new one for this wait).
+        peer: the other side of a send or receive: if the work fails (gloo reports a
+            connection the peer's death closed), the peer is named as the rank that
+            stopped answering.
+        prefix: put before the failure's text in the raised message.
+
+    Raises:
+        xgrad.failure.RankError: a failure any rank posted, a peer whose heartbeat
+            stopped, or the work's own error (posted first, so the other ranks stop too);
+            ``RankUnresponsiveError`` when ``timeout`` ran out or ``peer`` was lost.
+        RuntimeError: the work's own error, without a channel.
+    """
+    seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
+    own = waiter is None
+    waiter = Waiter() if waiter is None else waiter
+    event, error = waiter.submit(work)
+    if own:
+        waiter.close()
+    wait_until(event, channel, timeout=seconds, what=what, prefix=prefix)
+    if error:
+        if channel is None:
+            raise error[0]
+        channel.check(prefix=prefix)  # a failure posted meanwhile is the origin
+        text = f"{type(error[0]).__name__}: {error[0]}"
+        if peer is None:
+            failure = channel.post(what, text)
+        else:
+            message = f"stopped answering: {what} failed: {text}"
+            failure = channel.post("", message, kind="unresponsive", rank=peer)
+        raise error_for(failure, channel.rank, prefix) from error[0]
+
+
+def abort_group(group: Any = None) -> None:
+    """Drop ``group`` after a fatal failure without waiting for its peers.
+
+    Stops this process's heartbeat for it and aborts its backend (pending sends and
+    receives are abandoned; NCCL communicators are aborted), then removes it like
+    ``destroy_process_group`` does, which must not be called for it afterwards. With the
+    default group, every group is dropped. Calling it for a group already gone does nothing.
+    """
+    pg = _resolve(group) if group is not None or dist.is_initialized() else None
+    if pg is None:
+        return
+    if group is None or group == dist.group.WORLD:
+        _stop_all()
+    else:
+        stop_heartbeat(pg)
+    with contextlib.suppress(ValueError):  # already destroyed or aborted
+        dist.distributed_c10d._abort_process_group(group)
