@@ -209,8 +209,15 @@ class Schedule:
         return hashlib.sha256(self.text().encode()).hexdigest()
 
     def grid(self, *, mark: int | None = None, note: str = "") -> str:
-        """The rank × step grid (a column per rank), optionally pointing at step ``mark``."""
-        return format_grid([[str(a) for a in acts] for acts in self.actions], mark=mark, note=note)
+        """The rank × step grid (a column per rank), optionally pointing at step ``mark``.
+
+        A row is a position in each rank's own list (rank r's k-th action), not a moment in
+        time: ranks wait for each other between rows. :func:`~xgrad.pipeline.simulate`'s
+        grid is the timeline.
+        """
+        columns = [[str(a) for a in acts] for acts in self.actions]
+        body = format_grid(columns, mark=mark, note=note)
+        return "(step = position in each rank's own order, not time)\n" + body
 
     def __str__(self) -> str:
         return self.grid()
