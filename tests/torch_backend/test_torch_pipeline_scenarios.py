@@ -142,7 +142,50 @@ def _dag(rank: int) -> dict[str, float]:
     return errors
 
 
-def _scenario(rank: int, world: int) -> dict[str, Any]:
+def _torch_csv(rank: int, world: int, path: str) -> dict[str, float]:
+    """torch's own lowering of its schedules (``_dump_csv`` with comms: UNSHARD, RESHARD,
+    REDUCE_GRAD, OVERLAP_F_B), read back and run by xgrad's runtime: gradients as whole."""
+    import logging
+    import types
+
+    from torch.distributed.pipelining import schedules
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    errors = {}
+    for cls in ("ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        m = 2 * world
+        stand_in = [
+            types.SimpleNamespace(
+                group_size=world, group_rank=0, num_stages=2 * world, stage_index=k, submod=None
+            )
+            for k in range(2)
+        ]
+        logging.disable(logging.WARNING)
+        try:
+            getattr(schedules, cls)(stand_in, m)._dump_csv(f"{path}.{cls}.{rank}")
+        finally:
+            logging.disable(logging.NOTSET)
+        schedule = xp.load_csv(f"{path}.{cls}.{rank}")
+        torch.manual_seed(5)
+        parts = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double() for _ in range(6)]
+        x, y = _batch(2 * m, 10)
+        out = x
+        for part in parts:
+            out = part(out)
+        nn.functional.mse_loss(out, y).backward()
+        want = [[p.grad.clone() for p in part.parameters()] for part in parts]
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+        mine = schedule.stages_of(rank)
+        rt = PipelineRuntime(schedule, [parts[k] for k in mine], nn.functional.mse_loss)
+        first, last = schedule.placement[0] == rank, schedule.placement[-1] == rank
+        rt.step(x if first else None, y if last else None)
+        errors[cls] = max(_err(parts[k], want[k]) for k in mine)
+    return errors
+
+
+def _scenario(rank: int, world: int, path: str) -> dict[str, Any]:
     from xgrad.failure import RankError
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
@@ -189,6 +232,7 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     step(8, 7)
     out["last"] = _err(part, _want(8, 7)[rank])
     out["dag"] = _dag(rank)
+    out["torch_csv"] = _torch_csv(rank, world, path)
     # Sent outputs are freed once sent even without checkpointing (a phony node keeps their
     # graph): what a stage holds is then what checkpointing holds, its inputs.
     for checkpoint in ("never", "always"):
@@ -202,8 +246,8 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_pytrees_failure_agreement_and_dag() -> None:
-    results = spawn(_scenario, 3, timeout=120)
+def test_pytrees_failure_agreement_dag_and_torch_csv(tmp_path: Any) -> None:
+    results = spawn(_scenario, 3, args=(str(tmp_path / "torch"),), timeout=150)
     for rank, res in enumerate(results):
         for key in ("ok8", "ok12", "after8", "after4", "last"):
             assert res[key] <= 1e-12, (rank, key, res[key])
@@ -218,6 +262,13 @@ def test_pytrees_failure_agreement_and_dag() -> None:
         assert "ranks 0, 1 have" in res["disagree"] and "rank 2 has" in res["disagree"]
         if rank < 2:  # stages that send: their sent outputs are not held
             assert 0 < res["held_never"] <= res["held_always"], res
+        assert sorted(res["torch_csv"]) == [
+            "ScheduleDualPipeV",
+            "ScheduleInterleaved1F1B",
+            "ScheduleZBVZeroBubble",
+        ]
+        for key, err in res["torch_csv"].items():
+            assert err <= 1e-12, (rank, key, err)
         assert len(res["dag"]) == 6
         for key, err in res["dag"].items():
             assert err <= 1e-12, (rank, key, err)
