@@ -45,7 +45,6 @@ from xgrad.buckets import (
 )
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
@@ -53,6 +52,7 @@ from xgrad.torch_backend.ddp_checks import (
     resolve_caps,
     resolve_timeout,
 )
+from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
 from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
@@ -61,7 +61,6 @@ from xgrad.torch_backend.join import (
     Joinable,
     JoinableDDP,
     announce_backward_sync,
-    find_common_rank,
     notify_join_context,
 )
 from xgrad.torch_backend.ops import TorchArrayOps
@@ -135,7 +134,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
         self.module = module
         self.process_group = process_group
-        self.comm = TorchComm(process_group, timeout=timeout)
+        self._watch = StepWatch(process_group, timeout)
+        self.comm = WatchedComm(self._watch)
         self.dim = dim
         self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
         self.find_unused_parameters = find_unused_parameters
@@ -208,6 +208,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
         self._grad_hooks.reducer = self.reducer
+        self._grad_hooks.watch = self._watch
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         if gradient_as_bucket_view:
@@ -220,7 +221,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         start = time.perf_counter()
         grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self.require_backward_grad_sync
-        self._grad_hooks.recover(self.comm.rank)
+        self._watch.start_forward(self._grad_hooks, sync)
         still_training = notify_join_context(self)
         if grad_enabled and self.reducer.rebuild_buckets():
             self._agreement_pending = True
@@ -237,7 +238,7 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             inputs, kwargs = tree_map(
                 lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
             )
-        output = self.module(*inputs, **kwargs)
+        output = self._watch.call("forward", self.module, *inputs, **kwargs)
         if sync:
             self.require_forward_param_sync = True
             unused: Sequence[int] = ()
@@ -249,18 +250,6 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         else:
             self.require_forward_param_sync = False
         return output
-
-    def _will_sync_buffers(self) -> bool:
-        return (
-            self.require_forward_param_sync and self.broadcast_buffers and bool(self._buffers_list)
-        )
-
-    def _sync_buffers(self) -> None:
-        if self.comm.size > 1:
-            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
-            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
-            with torch.no_grad():
-                self.comm.broadcast_tensors(self._buffers_list, src=src)
 
     def _check_agreement(self) -> None:
         """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
@@ -292,7 +281,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         bucket they get has ``GradBucket``'s methods. The returned future is waited on
         with this module's timeout. Call once, before the first forward pass.
         """
-        self.register_hook(future_hook(state, hook, self.timeout))
+        watch = self._watch
+        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
+        self.register_hook(
+            future_hook(lambda: watch.group if state is None else state, hook, watch)
+        )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
         # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
         # order that differs between ranks; PowerSGD issues collectives from such callbacks,
@@ -314,7 +307,10 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
                 "register_comm_hook must be called before the first forward/backward pass "
                 f"(rank {self.comm.rank})"
             )
-        self.reducer.hook = hook
+        watch = self._watch
+        self.reducer.hook = lambda bucket: watch.call(
+            f"comm hook, bucket {bucket.index()}", hook, bucket
+        )
         self._hook_registered = True
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
