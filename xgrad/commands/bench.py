@@ -18,6 +18,7 @@ TARGETS: dict[str, str] = {
     "jax": "xgrad.jax_backend.bench",
     "pipeline": "xgrad.torch_backend.pipeline_bench",
     "graph": "xgrad.graph_bench",
+    "faults": "xgrad.torch_backend.faults_bench",
 }
 
 

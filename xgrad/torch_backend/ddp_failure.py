@@ -154,7 +154,7 @@ class StepWatch:
             try:
                 work.wait()
             except RuntimeError as exc:
-                raise self._explain(exc, what) from exc
+                raise self.explain(exc, what) from exc
         except RankError as error:
             self._drop_group_if_peer_gone(error)
             raise
@@ -188,7 +188,7 @@ class StepWatch:
         with contextlib.suppress(Exception):
             dist.distributed_c10d._abort_process_group(group)
 
-    def _explain(self, exc: RuntimeError, what: str) -> RankError:
+    def explain(self, exc: Exception, what: str) -> RankError:
         """A collective that failed locally (gloo's "Connection closed by peer"): say who.
 
         A peer that posted a failure is named at once; one that died is named once its
@@ -249,8 +249,10 @@ class WatchedFuture:
         self._watch.wait_event(self._done, self._what)
         try:
             value = self._future.value()
-        except Exception as exc:  # the hook's own chain failed (a then-callback raised)
-            raise self._watch.post(self._what, exc) from exc
+        except Exception as exc:  # the collective or the hook's own chain failed
+            error = self._watch.explain(exc, self._what)
+            self._watch._drop_group_if_peer_gone(error)
+            raise error from exc
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:
             return value[0]
