@@ -136,7 +136,12 @@ class RankError(RuntimeError):
         self.failure = failure
         self.rank = failure.rank
         self.raised_on = raised_on
+        self.prefix = prefix
         super().__init__(prefix + failure.text())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable (a launcher sends it to the parent): rebuilt from its parts.
+        return type(self), (self.failure, self.raised_on, self.prefix)
 
 
 class RankUnresponsiveError(RankError, TimeoutError):
@@ -220,8 +225,15 @@ class Heartbeat:
             except Exception:  # the store is gone (shutdown): nothing left to tell
                 return
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop beating; wait up to ``wait`` seconds for the thread to end.
+
+        Waiting matters at interpreter exit: a daemon thread still inside a store call
+        when the interpreter finalizes can abort the process.
+        """
         self._stop.set()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
     @property
     def alive(self) -> bool:
@@ -268,7 +280,8 @@ class Liveness:
             return
         self._last_read = now
         for r in self.ranks:
-            value = self._store.add(f"{self.prefix}/{r}", 0)
+            key = f"{self.prefix}/{r}"
+            value = int(self._store.get(key)) if self._store.check([key]) else 0
             old = self._seen.get(r)
             if old is None or old[0] != value:
                 self._seen[r] = (value, now)
@@ -326,8 +339,9 @@ class FailureChannel:
 
     def poll(self) -> Failure | None:
         """The step's first failure, if any rank posted one (one store round trip)."""
-        if self._failure is None and self.store.add(f"{self.prefix}/failures", 0) > 0:
-            self._failure = self._first()
+        # A lookup, not a write: stores such as c10d's FileStore append every write.
+        if self._failure is None and self.store.check([f"{self.prefix}/failure/1"]):
+            self._failure = Failure.from_bytes(self.store.get(f"{self.prefix}/failure/1"))
         return self._failure
 
     def _first(self) -> Failure | None:
@@ -380,7 +394,7 @@ class FailureChannel:
 
 
 def wait_until(
-    done: Callable[[], bool],
+    done: Callable[[], bool] | threading.Event,
     channel: FailureChannel | None,
     *,
     timeout: float,
@@ -388,11 +402,12 @@ def wait_until(
     poll_interval: float | None = None,
     prefix: str = "",
 ) -> None:
-    """Wait until ``done()`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
+    """Wait until ``done`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
 
-    ``done`` is called often (it should cost microseconds, as ``Work.is_completed``); the
-    channel every ``poll_interval`` seconds. Sleeps back off from 50 µs to 1 ms, so a
-    result is seen quickly without spinning a core.
+    ``done`` is an event (woken at once when set) or a cheap predicate (a store lookup,
+    ``Work.is_completed``), called with sleeps backing off from 50 µs to 1 ms so a
+    result is seen quickly without spinning a core. The channel is read every
+    ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02).
 
     Raises:
         RankError: a failure posted by any rank of the channel, or a peer that stopped
@@ -400,7 +415,9 @@ def wait_until(
         RankUnresponsiveError: ``timeout`` ran out (posted to the channel first, so the
             others stop too); without a channel, a plain ``TimeoutError``.
     """
-    if done():
+    event = done if isinstance(done, threading.Event) else None
+    ready: Callable[[], bool] = event.is_set if event is not None else done  # type: ignore[assignment,union-attr]
+    if ready():
         return
     interval = default_seconds("poll_interval") if poll_interval is None else poll_interval
     start = time.monotonic()
@@ -408,15 +425,19 @@ def wait_until(
     next_check = start
     nap = 5e-5
     while True:
-        if done():
+        if ready():
             return
         now = time.monotonic()
-        if now >= next_check and channel is not None:
-            channel.check(prefix=prefix)
+        if now >= next_check:
+            if channel is not None:
+                channel.check(prefix=prefix)
             next_check = now + interval
         if now >= deadline:
             if channel is None:
                 raise TimeoutError(f"{what}: timed out after {timeout:g} s")
             raise channel.timed_out(what, timeout, prefix=prefix)
-        time.sleep(nap)
-        nap = min(nap * 2, 1e-3)
+        if event is not None:
+            event.wait(max(0.0, min(next_check, deadline) - now))
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)

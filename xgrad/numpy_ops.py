@@ -35,12 +35,20 @@ class NumpyOps:
         else:
             np.multiply(src, out.dtype.type(scale), out=out)
 
+    def copy_all(self, outs: Sequence[np.ndarray], xs: Sequence[Any], scale: float | None) -> None:
+        for out, x in zip(outs, xs, strict=True):
+            self.copy_to(out, x, scale)
+
     def view(self, flat: np.ndarray, offset: int, like: Any) -> np.ndarray:
         shape = np.shape(like)
         return flat[offset : offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
 
     def div_(self, x: np.ndarray, divisor: int) -> None:
         np.divide(x, x.dtype.type(divisor), out=x)
+
+    def div_all(self, xs: Sequence[np.ndarray], divisor: int) -> None:
+        for x in xs:
+            self.div_(x, divisor)
 
     def zero_(self, x: np.ndarray) -> None:
         x[...] = 0

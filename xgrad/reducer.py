@@ -14,32 +14,35 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
-    rebuild_plan,
+    assign_buckets,
 )
-from xgrad.reducer_buckets import BucketState, build_buckets, used_nowhere
+from xgrad.reducer_buckets import BucketState, build_buckets, fill_bucket, reduced_views
 from xgrad.reducer_errors import (
     buckets_never_reduced,
     marked_ready_twice,
     prior_reduction_unfinished,
+    sparse_gradient_missing,
 )
 from xgrad.reducer_recovery import JoinAndRecovery
+from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
+from xgrad.reducer_unused import UnusedParams
 
 #: per-iteration records kept (the newest).
 RECORDS_KEPT = 64
 
 
-class Reducer(JoinAndRecovery):
+class Reducer(JoinAndRecovery, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -59,30 +62,44 @@ class Reducer(JoinAndRecovery):
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
-        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s. Needed
-            where a hook issues collectives from its futures' callbacks (PowerSGD) and
-            those callbacks run on the comm's threads in completion order (gloo): the
-            ranks would otherwise issue collectives in different orders and hang.
-        rebuild_limits: (first bucket cap, bucket cap) in bytes for the rebuild.
+        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s (for
+            hooks that issue collectives from their futures' callbacks, such as PowerSGD,
+            where those callbacks run in completion order, as on gloo).
+        rebuild: rebuild the buckets once, from the first observed ready order (DDP's
+            default); off for a plan that must be used as given.
+        rebuild_limits: bucket caps in bytes for the rebuild, the last one repeating:
+            DDP's (first bucket cap, bucket cap), or ``bucket_cap_mb_list``'s caps.
+        sparse: per parameter, whether its gradient is sparse (a bucket of its own,
+            reduced as the sparse tensor it is).
+        skip_all_reduce_unused_params: launch no reduction for a bucket whose parameters
+            are all unused on this rank (PyTorch's option of that name: it assumes the
+            same parameters are unused on every rank).
+        batched_grad_copy: PyTorch's ``batched_grad_copy``: divide a bucket by the world
+            size once, after its gradients are copied in, instead of multiplying each
+            gradient by ``1/world_size`` while copying (PyTorch's default arithmetic).
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the time source of the records (the reference backend passes a virtual one).
     """
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         hook: Hook | None = None,
         serial_hooks: bool = False,
-        rebuild_limits: tuple[int, int] = (DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+        rebuild: bool = True,
+        rebuild_limits: Sequence[int] = (DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_BYTES),
+        sparse: Sequence[bool] | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        batched_grad_copy: bool = False,
         nbytes: Sequence[int] | None = None,
         keys: Sequence[Hashable] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -100,9 +117,14 @@ class Reducer(JoinAndRecovery):
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.hook = hook  # through the property: also sets the pre-division scale
-        self.serial_hooks = serial_hooks
-        self.rebuild_limits = rebuild_limits
+        self._set_hook(hook, serial_hooks)
+        self.rebuild = rebuild
+        self.rebuild_limits = tuple(rebuild_limits)
+        self.sparse = list(sparse) if sparse is not None else [False] * n
+        if len(self.sparse) != n:
+            raise ValueError(f"got {len(self.sparse)} sparse flags for {n} parameters")
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
         self.nbytes = list(nbytes) if nbytes is not None else [ops.nbytes(p) for p in self.params]
         self.keys = list(keys) if keys is not None else [ops.key(p) for p in self.params]
         self.clock = clock
@@ -113,26 +135,29 @@ class Reducer(JoinAndRecovery):
         self._expect_hooks = False
         self._require_finalize = False
         self._ready = bytearray(n)
-        self._unused: list[int] = []
+        self._unused = UnusedParams(n)
         self._marked_unused = False
         self._ready_order: list[int] = []
         self._ready_times: list[float] = []
         self._backward_start = 0.0
         self._next_bucket = 0
-        self._static_unused: list[int] | None = None
-        self._static_global_unused: set[int] | None = None
         # The first complete ready order, kept for the one rebuild.
         self._rebuild_order: list[int] | None = None
         self._set_plan(plan)
+        #: the plan the reducer started with (``plan`` changes at the rebuild).
+        self.initial_plan = plan
 
     # ----------------------------------------------------------------- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
-        self._buckets, self._locate = build_buckets(plan, self.params, self.ops, self.keys)
+        self._buckets, self._locate = build_buckets(
+            plan, self.params, self.ops, self.keys, self.sparse
+        )
         self.plan = plan
+        self._plan_digest = plan.digest()
 
     def bucket_views(self) -> list[Any]:
-        """Per parameter, its view into the bucket buffers (for ``gradient_as_bucket_view``)."""
+        """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""
         return [bucket.in_views[k] for bucket, k in self._locate]
 
     def bucket_sizes(self) -> list[int]:
@@ -160,17 +185,16 @@ class Reducer(JoinAndRecovery):
             True when rebuilt (gradient views must then be re-taken).
         """
         self._ensure_prior_reduction_finished()
-        if self.has_rebuilt_buckets or self._rebuild_order is None:
+        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
             return False
         if self.find_unused_parameters and not self.static_graph:
             return False
-        first, cap = self.rebuild_limits
-        local = rebuild_plan(
+        local = assign_buckets(
             self.nbytes,
-            self._rebuild_order,
+            self.rebuild_limits,
             keys=self.keys,
-            bucket_cap_bytes=cap,
-            first_bucket_cap_bytes=first,
+            sparse=self.sparse,
+            order=self._rebuild_order,
         )
         plan = BucketPlan.from_json(self.comm.broadcast_object(local.to_json(), src=0))
         self._set_plan(plan)
@@ -202,9 +226,7 @@ class Reducer(JoinAndRecovery):
                 "prepare_for_backward got unused parameters "
                 f"{[self.names[i] for i in unused]} but find_unused_parameters is off"
             )
-        if self.static_graph and self._static_unused is not None:
-            unused = self._static_unused
-        self._unused = unused
+        self._unused.prepare(unused, self.static_graph)
         self._expect_hooks = True
         self._marked_unused = False
         self._ready = bytearray(len(self.params))
@@ -212,26 +234,59 @@ class Reducer(JoinAndRecovery):
         self._ready_times = []
         self._next_bucket = 0
         for bucket in self._buckets:
-            bucket.pending = len(bucket.indices)
-            bucket.work = None
-            bucket.result = None
-            bucket.waited = False
+            bucket.reset()
 
     @property
     def hook(self) -> Hook | None:
         """The communication hook (``None``: DDP's default pre-divided allreduce)."""
         return self._hook
 
-    @hook.setter
-    def hook(self, hook: Hook | None) -> None:
+    @property
+    def serial_hooks(self) -> bool:
+        """Whether bucket ``b``'s hook finishes before bucket ``b + 1``'s starts."""
+        return self._serial_hooks
+
+    def _set_hook(self, hook: Hook | None, serial: bool) -> None:
         self._hook = hook
+        self._serial_hooks = serial
         # Without a hook the reducer pre-divides while copying; a hook divides itself.
-        self._scale = 1.0 / self.comm.size if hook is None else None
+        self._divisor = self.comm.size
+        self._scale = 1.0 / self._divisor if hook is None else None
+
+    def register_hook(self, hook: Hook, *, serial: bool = False) -> None:
+        """Install a communication hook after construction (DDP's ``register_comm_hook``).
+
+        Args:
+            hook: the hook with its state bound.
+            serial: see ``serial_hooks`` in the class docstring.
+
+        Raises:
+            RuntimeError: a hook is already installed, or an iteration has started.
+        """
+        if self._hook is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self._set_hook(hook, serial)
+
+    def set_static_graph(self) -> None:
+        """Switch to ``static_graph`` before the first iteration (DDP's ``_set_static_graph``)."""
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "_set_static_graph must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self.static_graph = True
 
     @property
     def _delay_launch(self) -> bool:
         """The first static-graph iteration reduces everything at its end (DDP's delay)."""
-        return self.static_graph and self._static_unused is None
+        return self.static_graph and self._unused.static is None
 
     def mark_ready(self, index: int, grad: Any) -> None:
         """A parameter's gradient is complete (call from its post-accumulate hook).
@@ -245,7 +300,7 @@ class Reducer(JoinAndRecovery):
         if not self._marked_unused:
             self._marked_unused = True
             self._backward_start = now
-            for i in self._unused:
+            for i in self._unused.local:
                 self._mark(i, None, now)
         self._mark(index, grad, now)
 
@@ -257,26 +312,38 @@ class Reducer(JoinAndRecovery):
         self._ready_times.append(now)
         self._require_finalize = True
         bucket, k = self._locate[index]
-        view = bucket.in_views[k]
-        ops = self.ops
-        if grad is None:
-            ops.zero_(view)
-        elif self.gradient_as_bucket_view and ops.is_view_of(grad, view):
-            # Autograd accumulated straight into the bucket: only the division is left.
-            if self._scale is not None:
-                ops.div_(view, self._divisor)
-        else:
-            ops.copy_to(view, grad, self._scale)
+        bucket.grads[k] = grad
         bucket.pending -= 1
-        if bucket.pending == 0 and not self._delay_launch:
-            self._launch_ready_buckets()
+        if bucket.pending == 0:
+            self._fill(bucket)
+            if not self._delay_launch:
+                self._launch_ready_buckets()
+
+    def _fill(self, bucket: BucketState) -> None:
+        if bucket.sparse and bucket.grads[0] is None:
+            raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
+        fill_bucket(
+            bucket,
+            self.ops,
+            self._scale,
+            self._divisor,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            batched_grad_copy=self.batched_grad_copy,
+        )
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in bucket order: a ready bucket waits for all before it."""
         buckets = self._buckets
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
-            self._launch(buckets[self._next_bucket])
+            bucket = buckets[self._next_bucket]
+            if self.skip_all_reduce_unused_params and self._all_unused(bucket):
+                bucket.skipped = True
+            else:
+                self._launch(bucket)
             self._next_bucket += 1
+
+    def _all_unused(self, bucket: BucketState) -> bool:
+        return set(bucket.indices) <= set(self._unused.current)
 
     def _launch(self, bucket: BucketState) -> None:
         if self.serial_hooks and self.hook is not None and bucket.index > 0:
@@ -312,52 +379,47 @@ class Reducer(JoinAndRecovery):
         if self._delay_launch:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
-            self._static_unused = self._missing()
-            for i in self._static_unused:
+            for i in self._unused.learn(self._missing()):
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
             raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
-        globally_unused = self._globally_unused()
+        globally_unused = self._unused.on_every_rank(
+            self.comm,
+            self.ops,
+            self.params[0],
+            find_unused=self.find_unused_parameters,
+            static_graph=self.static_graph,
+        )
         for bucket in self._buckets:
-            result = bucket.wait(self.clock)
-            if result is not None and not self.ops.is_view_of(result, bucket.flat):
-                self.ops.copy_to(bucket.flat, result)
+            if bucket.skipped:
+                continue  # its parameters are unused: their gradients stay untouched
+            views = reduced_views(
+                bucket,
+                bucket.wait(self.clock),
+                self.params,
+                self.ops,
+                gradient_as_bucket_view=self.gradient_as_bucket_view,
+            )
             for k, i in enumerate(bucket.indices):
                 if i not in globally_unused:
-                    self.set_grad(i, bucket.in_views[k])
+                    self.set_grad(i, views[k])
         end = self.clock()
         if self._rebuild_order is None and not self.has_rebuilt_buckets:
             self._rebuild_order = list(self._ready_order)
         self.records.append(
             IterationRecord(
                 iteration=self.num_iterations,
-                plan_digest=self.plan.digest(),
+                plan_digest=self._plan_digest,
                 ready_order=tuple(self._ready_order),
                 ready_times=tuple(self._ready_times),
                 launch_times=tuple(b.launched_at for b in self._buckets),
                 finish_times=tuple(b.finished_at for b in self._buckets),
                 backward_start=self._backward_start,
                 backward_end=end,
-                unused=tuple(self._unused if self._static_unused is None else self._static_unused),
+                unused=tuple(self._unused.current),
             )
         )
         self.num_iterations += 1
         self._expect_hooks = False
         self._require_finalize = False
-
-    def _globally_unused(self) -> set[int]:
-        """Parameters that no rank used this iteration (their grads stay untouched).
-
-        Only searched when parameters may be unused; then the per-rank used maps are
-        summed with one extra allreduce, as DDP does.
-        """
-        if self.static_graph and self._static_global_unused is not None:
-            return self._static_global_unused
-        if not (self.find_unused_parameters or self.static_graph):
-            return set()
-        locally_unused = self._unused if self._static_unused is None else self._static_unused
-        found = used_nowhere(self.comm, self.ops, len(self.params), locally_unused, self._buckets)
-        if self.static_graph:
-            self._static_global_unused = found
-        return found

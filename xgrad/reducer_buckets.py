@@ -2,7 +2,9 @@
 
 A plan says which parameters share a bucket; this module lays the bucket out (one zeroed
 flat buffer, a view per member, in plan order) and keeps the per-bucket state of one
-backward pass. The state machine in :mod:`xgrad.reducer` drives it.
+backward pass. A parameter whose gradient is sparse has a bucket of its own and no flat
+buffer: its gradient tensor is reduced as it is, as PyTorch's reducer does. The state
+machine in :mod:`xgrad.reducer` drives it.
 """
 
 from __future__ import annotations
@@ -10,42 +12,71 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import numpy as np
-
 from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
 from xgrad.reducer_types import ArrayOps
 
+#: a bucket whose gradients average fewer elements than this is copied in one batched
+#: call and scaled in one pass; larger ones are scaled while copied (one pass each).
+_ONE_PASS_NUMEL = 1 << 14
+
 
 class BucketState:
-    """The mutable per-bucket state (plain attributes: this is the per-hook hot path)."""
+    """The mutable per-bucket state (plain attributes: this is the per-hook hot path).
+
+    ``grads`` holds, per member, the gradient handed in by its hook this iteration: the
+    copy into the flat buffer is deferred until the bucket's last gradient arrives, so a
+    bucket costs one batched copy instead of one copy call per parameter.
+    """
 
     __slots__ = (
         "finished_at",
         "flat",
+        "grads",
         "in_views",
         "index",
         "indices",
         "launched_at",
         "pending",
         "result",
+        "skipped",
+        "sparse",
         "waited",
         "work",
     )
 
     def __init__(
-        self, index: int, indices: tuple[int, ...], flat: Any, in_views: list[Any]
+        self,
+        index: int,
+        indices: tuple[int, ...],
+        flat: Any,
+        in_views: list[Any],
+        sparse: bool = False,
     ) -> None:
         self.index = index
         self.indices = indices
         self.flat = flat
         self.in_views = in_views
+        self.sparse = sparse
+        self.grads: list[Any] = [None] * len(indices)
         self.pending = len(indices)
         self.work: Work | None = None
         self.result: Any = None
         self.waited = False
+        self.skipped = False
         self.launched_at = 0.0
         self.finished_at = 0.0
+
+    def reset(self) -> None:
+        """Forget the last iteration (called when a synchronised backward pass is expected)."""
+        self.pending = len(self.indices)
+        self.grads = [None] * len(self.indices)
+        self.work = None
+        self.result = None
+        self.waited = False
+        self.skipped = False
+        if self.sparse:
+            self.flat = None
 
     def wait(self, clock: Callable[[], float]) -> Any:
         """The reduction's result, waiting for it once."""
@@ -58,41 +89,131 @@ class BucketState:
 
 
 def build_buckets(
-    plan: BucketPlan, params: Sequence[Any], ops: ArrayOps, keys: Sequence[Hashable]
+    plan: BucketPlan,
+    params: Sequence[Any],
+    ops: ArrayOps,
+    keys: Sequence[Hashable],
+    sparse: Sequence[bool] | None = None,
 ) -> tuple[list[BucketState], list[tuple[BucketState, int]]]:
     """The buckets of ``plan`` over ``params``, and per parameter its (bucket, slot).
 
     Raises:
-        ValueError: a bucket of the plan mixes keys (dtypes or devices).
+        ValueError: a bucket of the plan mixes keys (dtypes or devices), or puts a
+            parameter with a sparse gradient together with others.
     """
     for b, members_of_b in enumerate(plan.buckets):
         mixed = {keys[i] for i in members_of_b}
         if len(mixed) > 1:
             raise ValueError(f"bucket {b} of the plan mixes {sorted(map(str, mixed))}")
+        if sparse is not None and len(members_of_b) > 1 and any(sparse[i] for i in members_of_b):
+            raise ValueError(
+                f"bucket {b} of the plan holds {list(members_of_b)}: a parameter with a "
+                "sparse gradient needs a bucket of its own"
+            )
     buckets: list[BucketState] = []
     locate: list[tuple[BucketState, int]] = [None] * len(params)  # type: ignore[list-item]
     for b, indices in enumerate(plan.buckets):
-        members = [params[i] for i in indices]
-        offsets: list[int] = []
-        total = 0
-        for p in members:
-            offsets.append(total)
-            total += ops.numel(p)
-        flat = ops.new_flat(members, total)
-        views = [ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
-        bucket = BucketState(b, indices, flat, views)
+        if sparse is not None and sparse[indices[0]]:
+            bucket = BucketState(b, indices, None, [None], sparse=True)
+        else:
+            members = [params[i] for i in indices]
+            offsets: list[int] = []
+            total = 0
+            for p in members:
+                offsets.append(total)
+                total += ops.numel(p)
+            flat = ops.new_flat(members, total)
+            views = [ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
+            bucket = BucketState(b, indices, flat, views)
         buckets.append(bucket)
         for k, i in enumerate(indices):
             locate[i] = (bucket, k)
     return buckets, locate
 
 
-def used_nowhere(
-    comm: Any, ops: ArrayOps, n: int, locally_unused: Sequence[int], buckets: list[BucketState]
-) -> set[int]:
-    """Parameters no rank used: the per-rank used maps summed with one allreduce, as DDP does."""
-    used = np.ones(n, dtype=np.int32)
-    used[list(locally_unused)] = 0
-    like = buckets[0].flat
-    total = ops.to_numpy(comm.allreduce(ops.from_numpy(used, like)).wait())
-    return {int(i) for i in np.flatnonzero(total == 0)}
+def fill_bucket(
+    bucket: BucketState,
+    ops: ArrayOps,
+    scale: float | None,
+    world_size: int,
+    *,
+    gradient_as_bucket_view: bool,
+    batched_grad_copy: bool,
+) -> None:
+    """Copy a complete bucket's gradients in, pre-divided, with batched array calls.
+
+    The arithmetic is PyTorch's: by default each gradient is multiplied by
+    ``scale = 1/world_size`` as it is copied (a gradient that already is its bucket view
+    is divided in place); with ``batched_grad_copy`` the whole bucket is divided once
+    after the copies. A sparse gradient is divided in place and becomes the bucket's
+    buffer. ``scale`` is ``None`` when a communication hook divides.
+    """
+    grads = bucket.grads
+    if bucket.sparse:
+        if scale is not None:
+            ops.div_(grads[0], world_size)  # in place, as PyTorch's reducer does
+        bucket.flat = grads[0]
+        return
+    views = bucket.in_views
+    dst: list[Any] = []
+    src: list[Any] = []
+    aliased: list[Any] = []
+    for k, grad in enumerate(grads):
+        if grad is None:
+            ops.zero_(views[k])
+        elif gradient_as_bucket_view and ops.is_view_of(grad, views[k]):
+            aliased.append(views[k])  # autograd accumulated straight into the bucket
+        else:
+            dst.append(views[k])
+            src.append(grad)
+    if batched_grad_copy:
+        if dst:
+            ops.copy_all(dst, src, None)
+        if scale is not None:
+            ops.div_(bucket.flat, world_size)
+        return
+    if scale is not None and not aliased and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat):
+        # Many small gradients: copy them all in one batched call, then scale the whole
+        # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
+        ops.copy_all(dst, src, None)
+        ops.copy_to(bucket.flat, bucket.flat, scale)
+        return
+    if dst:
+        ops.copy_all(dst, src, scale)
+    if aliased and scale is not None:
+        ops.div_all(aliased, world_size)
+
+
+def reduced_views(
+    bucket: BucketState,
+    result: Any,
+    params: Sequence[Any],
+    ops: ArrayOps,
+    *,
+    gradient_as_bucket_view: bool,
+) -> list[Any]:
+    """Per member of a finished bucket, where its averaged gradient is.
+
+    Normally the bucket's own views (the reduction ran in place). A hook that returned
+    a new tensor (perhaps in another dtype, as mixed precision's does) is read from
+    directly, as PyTorch does, unless the gradients are the bucket's views: then the
+    result is copied into the bucket.
+    """
+    if bucket.sparse:
+        return [bucket.flat if result is None else result]
+    if result is None or ops.is_view_of(result, bucket.flat):
+        return bucket.in_views
+    if gradient_as_bucket_view:
+        ops.copy_to(bucket.flat, result)
+        return bucket.in_views
+    return views_of(result, bucket, params, ops)
+
+
+def views_of(flat: Any, bucket: BucketState, params: Sequence[Any], ops: ArrayOps) -> list[Any]:
+    """Views of ``flat`` laid out as ``bucket`` (for a hook's result in a new tensor)."""
+    views = []
+    offset = 0
+    for i in bucket.indices:
+        views.append(ops.view(flat, offset, params[i]))
+        offset += ops.numel(params[i])
+    return views

@@ -52,3 +52,11 @@ def buckets_never_reduced(missing: Sequence[int], names: Sequence[str], rank: in
         "buckets were never reduced. Pass find_unused_parameters=True if parts of the "
         "model are legitimately unused. " + describe_missing(missing, names, rank)
     )
+
+
+def sparse_gradient_missing(index: int, names: Sequence[str], rank: int) -> RuntimeError:
+    """A parameter with a sparse gradient was marked ready without one (it went unused)."""
+    return RuntimeError(
+        f"Expected sparse gradient to be defined: parameter at index {index} with name "
+        f"{names[index]} got no gradient on rank {rank}"
+    )

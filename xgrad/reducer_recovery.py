@@ -30,6 +30,7 @@ class JoinAndRecovery:
     comm: Comm
     ops: ArrayOps
     keys: list[Any]
+    sparse: list[bool]
     clock: Callable[[], float]
     find_unused_parameters: bool
     static_graph: bool
@@ -85,8 +86,7 @@ class JoinAndRecovery:
         self._ready = bytearray(n)
         self._next_bucket = 0
         for bucket in self._buckets:
-            bucket.pending, bucket.work, bucket.result = len(bucket.indices), None, None
-            bucket.waited = False
+            bucket.reset()
         return dropped
 
     # ----------------------------------------------------------------- join
@@ -99,7 +99,7 @@ class JoinAndRecovery:
         (its own gradients stay as they are), then the used-parameter map if one is
         summed, with nothing used here.
         """
-        shadows, _ = build_buckets(self.plan, self.params, self.ops, self.keys)
+        shadows, _ = build_buckets(self.plan, self.params, self.ops, self.keys, self.sparse)
         real, self._buckets = self._buckets, shadows
         try:
             for shadow in shadows:
@@ -110,7 +110,7 @@ class JoinAndRecovery:
             self._buckets = real
         if self.find_unused_parameters or self.static_graph:
             unused = np.zeros(len(self.params), dtype=np.int32)
-            self.comm.allreduce(self.ops.from_numpy(unused, real[0].flat)).wait()
+            self.comm.allreduce(self.ops.from_numpy(unused, self.params[0])).wait()
 
     def needs_rebuild_order(self) -> bool:
         """Whether a rebuild is still to come and this rank has no ready order for it."""

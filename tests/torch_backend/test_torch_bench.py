@@ -20,9 +20,11 @@ def test_bench_prints_one_row_per_case(
 ) -> None:
     out = tmp_path / "rows.json"
     args = ["bench", "ddp", "--scale", "tiny", "--models", "mlp,many"]
-    args += ["--rounds", "2", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    args += ["--wide-world-size", "0", "--json", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
+    # --scale tiny takes 2 rounds of 3 steps per side, and says so.
+    assert "median of 6 timed steps per side" in printed
     assert printed.count("| mlp |") == 2 and printed.count("| many |") == 2
     rows = json.loads(out.read_text())
     assert [(r["model"], r["find_unused"]) for r in rows] == [
@@ -31,14 +33,25 @@ def test_bench_prints_one_row_per_case(
         ("many", False),
         ("many", True),
     ]
-    assert all(r["xgrad_step"] > 0 and r["torch_step"] > 0 for r in rows)
+    assert all(r["xgrad_step"] > 0 and r["torch_step"] > 0 and r["local_step"] > 0 for r in rows)
+    assert all(r["steps"] == 6 and r["world"] == 2 for r in rows)
+    # Memory is what DDP holds: never negative, whatever the heap did meanwhile.
+    assert all(r["xgrad_memory"] >= 0 and r["torch_memory"] >= 0 for r in rows)
     assert rows[2]["tensors"] > 200  # the many-small-tensors model
 
 
 def test_table_shows_ratios() -> None:
-    row = CaseResult("mlp", True, 6, 100, 0.0021, 0.002, 3 * 2**20, 2 * 2**20, 5e-6)
+    row = CaseResult("mlp", True, 6, 100, 0.0021, 0.002, 3 * 2**20, 2 * 2**20, 5e-6, 4, 48, 0.0015)
     text = table([row])
-    assert "| mlp | yes | 6 | 2.10 | 2.00 | 1.050 | 3.00 | 2.00 | 1.500 | 5.0 |" in text
+    assert (
+        "| mlp | 4 | yes | 6 | 2.10 | 2.00 | 1.050 | 3.00 | 2.00 | 1.500 | 5.0 | 100.0 | 83.3 |"
+        in text
+    )
+
+
+def test_table_shows_no_memory_ratio_without_torch_memory() -> None:
+    row = CaseResult("many", False, 6, 100, 0.002, 0.002, 0, 0, 5e-6, 2, 6, 0.001)
+    assert "| 0.00 | 0.00 | - |" in table([row])
 
 
 def test_unknown_model_is_refused() -> None:

@@ -22,7 +22,7 @@ def _recv_from(src: int, channel: Any, timeout: float, tag: int) -> tuple[str, s
     work = dist.group.WORLD.recv([torch.zeros(2)], src, tag)
     start = time.monotonic()
     try:
-        wait_work(work, channel, timeout=timeout, what=f"recv from rank {src}")
+        wait_work(work, channel, timeout=timeout, what=f"recv from rank {src}", peer=src)
     except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "none", "", time.monotonic() - start

@@ -15,32 +15,15 @@ from typing import Any
 import numpy as np
 
 from xgrad.backend import Comm
-from xgrad.buckets import (
-    BucketPlan,
-    ddp_bucket_caps,
-    ddp_initial_plan,
-)
+from xgrad.buckets import BucketPlan
+from xgrad.ddp_setup import DDPLimits, ddp_reducer
+from xgrad.dependencies import unused_parameters
 from xgrad.engine import Engine, PassResult
-from xgrad.graph import unused_parameters
-from xgrad.hooks import HOOKS
+from xgrad.hooks import HookSpec, resolve_hook
 from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
-from xgrad.reducer import Hook, Reducer
 from xgrad.reference.comm import ReferenceComm, spawn
 from xgrad.reference.models import MLP, ForwardPass, build_model
-
-#: a communication hook: a name in ``xgrad.hooks.HOOKS`` or a factory ``comm -> Hook``.
-HookSpec = str | Callable[[Comm], Hook] | None
-
-
-def _resolve_hook(hook: HookSpec, comm: Comm) -> Hook | None:
-    if hook is None:
-        return None
-    if isinstance(hook, str):
-        if hook not in HOOKS:
-            raise ValueError(f"hook={hook!r} is not one of {sorted(HOOKS)}")
-        return HOOKS[hook](comm)
-    return hook(comm)
 
 
 class DataParallel:
@@ -74,37 +57,26 @@ class DataParallel:
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        ops = NumpyOps()
-        nbytes = [int(p.nbytes) for p in model.params]
-        keys = [ops.key(p) for p in model.params]
-        first, cap = ddp_bucket_caps(bucket_cap_bytes, first_bucket_cap_bytes)
-        self._rebuild = plan is None
-        if plan is None:
-            plan = ddp_initial_plan(
-                nbytes,
-                keys=keys,
-                bucket_cap_bytes=cap,
-                first_bucket_cap_bytes=first,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-            )
         clock: Callable[[], float] = time.perf_counter
         if isinstance(comm, ReferenceComm) and comm.world.clock is not None:
             clock = comm.now
-        self.reducer = Reducer(
+        self.reducer = ddp_reducer(
             model.params,
-            plan,
             comm,
-            ops,
-            names=model.names,
+            NumpyOps(),
             set_grad=self._set_grad,
+            limits=DDPLimits.of(
+                bucket_cap_bytes=bucket_cap_bytes,
+                first_bucket_cap_bytes=first_bucket_cap_bytes,
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+            ),
+            plan=plan,
+            names=model.names,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            hook=_resolve_hook(hook, comm),
-            rebuild_limits=(first, cap),
-            nbytes=nbytes,
-            keys=keys,
+            hook=resolve_hook(hook, comm),
             clock=clock,
         )
         for i in range(len(model.params)):
@@ -116,8 +88,7 @@ class DataParallel:
 
     def forward(self, x: np.ndarray, y: np.ndarray) -> ForwardPass:
         """The replica's forward pass, then DDP's end-of-forward bookkeeping."""
-        if self._rebuild:
-            self.reducer.rebuild_buckets()
+        self.reducer.rebuild_buckets()
         fp = self.model.forward(x, y)
         if self._sync:
             unused: tuple[int, ...] = ()
@@ -204,7 +175,7 @@ def run_data_parallel(
             dp.backward(dp.forward(xs, ys))
         return dp.grads()
 
-    per_rank = spawn(world_size, rank_main, timeout=timeout)
+    per_rank = spawn(rank_main, world_size, timeout=timeout)
     for r, grads in enumerate(per_rank[1:], start=1):
         for name, g in grads.items():
             if not np.array_equal(g, per_rank[0][name]):

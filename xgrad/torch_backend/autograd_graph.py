@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -38,9 +39,11 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
     Args:
         outputs: a forward output (any nesting :func:`find_tensors` understands).
         param_index: ``id(parameter) -> index`` for the parameters being reduced. Their
-            ``AccumulateGrad`` nodes become accumulators with that index; accumulators of
-            other leaves (inputs that require grad, ignored parameters) are left out, as
-            nothing is reduced for them.
+            ``AccumulateGrad`` nodes become accumulators with that index. Other leaves
+            that require grad (an input of a gradient penalty, an ignored parameter) are
+            still leaves: their accumulators get the indices after the reduced ones
+            (``max(param_index) + 1``, ... in discovery order), so a backward that also
+            differentiates an input is a valid graph.
 
     Returns:
         The graph (node ids in discovery order, names the ``grad_fn`` class names) and the
@@ -58,9 +61,10 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
     # could be reused by other nodes.
     keep: list[Any] = []
     by_param: dict[int, int] = {}
+    others = itertools.count(max(param_index.values(), default=-1) + 1)
 
     def node_of(fn: Any) -> int:
-        """The node id of ``fn`` (-1 for a non-reduced leaf), adding it when new."""
+        """The node id of ``fn``, adding it when new."""
         key = id(fn)
         found = ids.get(key)
         if found is not None:
@@ -69,8 +73,7 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
         if type(fn) is _ACCUMULATE_GRAD:
             index = param_index.get(id(fn.variable))
             if index is None:
-                ids[key] = -1
-                return -1
+                index = next(others)
             if index in by_param:  # the parameter is also an output itself
                 ids[key] = by_param[index]
                 return ids[key]
@@ -89,9 +92,7 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
     for t in find_tensors(outputs):
         fn = t.grad_fn
         if fn is not None:
-            root = node_of(fn)
-            if root >= 0:
-                roots.append(root)
+            roots.append(node_of(fn))
         elif t.requires_grad and id(t) in param_index:
             # The output is a parameter itself: its accumulator is a root.
             index = param_index[id(t)]
@@ -107,11 +108,9 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
         for child, nr in fn.next_functions:
             if child is None:
                 continue
-            v = node_of(child)
-            if v >= 0:
-                src.append(u)
-                dst.append(v)
-                input_nr.append(nr)
+            src.append(u)
+            dst.append(node_of(child))
+            input_nr.append(nr)
     graph = BackwardGraph.from_arrays(
         kinds, src, dst, input_nr=input_nr, params=params, names=names
     )

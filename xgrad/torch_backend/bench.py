@@ -31,7 +31,7 @@ from xgrad.torch_backend.spawn import spawn
 
 HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
 
-MODELS = ("mlp", "transformer", "many")
+MODELS = ("mlp", "transformer", "many", "many1000")
 
 #: model -> (description for the table, sizes at "full" and "tiny" scale).
 _SCALES: dict[str, dict[str, dict[str, int]]] = {
@@ -47,7 +47,15 @@ _SCALES: dict[str, dict[str, dict[str, int]]] = {
         "full": {"blocks": 110, "width": 32, "batch": 32},
         "tiny": {"blocks": 101, "width": 4, "batch": 2},
     },
+    # 1,000 parameter tensors: where the per-gradient hook cost decides the step time.
+    "many1000": {
+        "full": {"blocks": 500, "width": 16, "batch": 16},
+        "tiny": {"blocks": 500, "width": 2, "batch": 2},
+    },
 }
+
+#: timed (rounds, iterations per round) and warm-up steps when not given, per scale.
+_STEPS = {"full": (6, 8, 4), "tiny": (2, 3, 1)}
 
 
 @dataclass
@@ -63,6 +71,18 @@ class CaseResult:
     xgrad_memory: int
     torch_memory: int
     hook_seconds: float
+    world: int = 2
+    steps: int = 0
+    local_step: float = 0.0
+
+    @property
+    def xgrad_per_grad(self) -> float:
+        """What DDP adds to a step, per gradient tensor (hooks, copies, reduction)."""
+        return max(self.xgrad_step - self.local_step, 0.0) / self.tensors
+
+    @property
+    def torch_per_grad(self) -> float:
+        return max(self.torch_step - self.local_step, 0.0) / self.tensors
 
     @property
     def time_ratio(self) -> float:
@@ -70,17 +90,23 @@ class CaseResult:
 
     @property
     def memory_ratio(self) -> float:
-        return self.xgrad_memory / max(self.torch_memory, 1)
+        return self.xgrad_memory / self.torch_memory if self.torch_memory > 0 else float("nan")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     parser.add_argument(
+        "--wide-world-size",
+        type=int,
+        default=4,
+        help="also run the first model at this world size (0: no such row; default 4)",
+    )
+    parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
     )
-    parser.add_argument("--rounds", type=int, default=6, help="alternations per case")
-    parser.add_argument("--iters", type=int, default=8, help="timed steps per round and side")
-    parser.add_argument("--warmup", type=int, default=4, help="untimed steps per side")
+    parser.add_argument("--rounds", type=int, help="alternations per case (full 6, tiny 2)")
+    parser.add_argument("--iters", type=int, help="timed steps per round and side (full 8, tiny 3)")
+    parser.add_argument("--warmup", type=int, help="untimed steps per side (full 4, tiny 1)")
     parser.add_argument(
         "--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke run"
     )
@@ -96,27 +122,46 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--models: unknown model(s) {unknown}; expected some of {MODELS}")
     if args.world_size < 2:
         raise ValueError(f"--world-size must be at least 2, got {args.world_size}")
+    rounds, iters, warmup = _STEPS[args.scale]
     settings = {
         "models": models,
-        "rounds": args.rounds,
-        "iters": args.iters,
-        "warmup": args.warmup,
+        "rounds": rounds if args.rounds is None else args.rounds,
+        "iters": iters if args.iters is None else args.iters,
+        "warmup": warmup if args.warmup is None else args.warmup,
         "scale": args.scale,
+        "find_unused": (False, True),
     }
     rows = spawn(
         _bench, args.world_size, args=(settings,), timeout=args.timeout, num_threads=args.threads
     )[0]
+    if args.wide_world_size:
+        wide = settings | {"models": models[:1], "find_unused": (False,)}
+        rows += spawn(
+            _bench,
+            args.wide_world_size,
+            args=(wide,),
+            timeout=args.timeout,
+            num_threads=args.threads,
+        )[0]
     results = [CaseResult(**r) for r in rows]
+    steps = sorted({r.steps for r in results})
     print(
-        f"xgrad DDP vs torch DDP: world size {args.world_size}, gloo on CPU, "
-        f"{args.threads} thread(s) per rank, median of {args.rounds * args.iters} steps each"
+        f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
+        f"{'/'.join(map(str, steps))} timed steps per side (each alternated with the other "
+        "side and with the bare model); µs/grad = (DDP step - bare step) / tensors"
     )
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 [
-                    asdict(r) | {"time_ratio": r.time_ratio, "memory_ratio": r.memory_ratio}
+                    asdict(r)
+                    | {
+                        "time_ratio": r.time_ratio,
+                        "memory_ratio": r.memory_ratio,
+                        "xgrad_per_grad": r.xgrad_per_grad,
+                        "torch_per_grad": r.torch_per_grad,
+                    }
                     for r in results
                 ],
                 f,
@@ -128,16 +173,19 @@ def run(args: argparse.Namespace) -> int:
 def table(results: list[CaseResult]) -> str:
     """The benchmark's table, as the README shows it (Markdown)."""
     lines = [
-        "| model | find_unused | tensors | xgrad ms | torch ms | time ratio "
-        "| xgrad MiB | torch MiB | memory ratio | xgrad µs/hook |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | world | find_unused | tensors | xgrad ms | torch ms | time ratio "
+        "| xgrad MiB | torch MiB | memory ratio | xgrad µs/hook "
+        "| xgrad µs/grad | torch µs/grad |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        ratio = "-" if r.torch_memory <= 0 else f"{r.memory_ratio:.3f}"
         lines.append(
-            f"| {r.model} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
+            f"| {r.model} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
             f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f} "
             f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
-            f"| {r.memory_ratio:.3f} | {r.hook_seconds * 1e6:.1f} |"
+            f"| {ratio} | {r.hook_seconds * 1e6:.1f} "
+            f"| {r.xgrad_per_grad * 1e6:.1f} | {r.torch_per_grad * 1e6:.1f} |"
         )
     return "\n".join(lines)
 
@@ -160,7 +208,7 @@ def _build(name: str, sizes: dict[str, int]) -> tuple[nn.Module, torch.Tensor, t
         model = _TinyTransformer(sizes)
         x = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]))
         return model, x, torch.randn(sizes["batch"], sizes["seq"], sizes["dim"])
-    model = _ManySmall(sizes["blocks"], sizes["width"])
+    model = _ManySmall(sizes["blocks"], sizes["width"])  # many, many1000
     x = torch.randn(sizes["batch"], sizes["width"])
     return model, x, torch.randn(sizes["batch"], sizes["width"])
 
@@ -200,7 +248,9 @@ class _Side:
         self.model = copy.deepcopy(base)
         before = meter.live()
         self.ddp = wrap(self.model)
-        self.construction = meter.live() - before
+        # Construction can free more than it takes (a collection, the allocator trimming):
+        # what DDP holds is never negative.
+        self.construction = max(meter.live() - before, 0)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.peak = 0
@@ -220,6 +270,7 @@ def _factories(find_unused: bool) -> dict[str, Callable[[Any], Any]]:
     return {
         "xgrad": functools.partial(DistributedDataParallel, find_unused_parameters=find_unused),
         "torch": functools.partial(TorchDDP, find_unused_parameters=find_unused),
+        "local": lambda model: model,  # the bare model: what a step costs without DDP
     }
 
 
@@ -228,16 +279,18 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
     # Both implementations allocate once per process on first use (gloo's pair buffers,
     # PyTorch's logger, pickling tables): pay that here, outside every measurement.
     base, x, y = _build("mlp", _SCALES["mlp"]["tiny"])
-    for make in _factories(True).values():
+    for key, make in _factories(True).items():
+        if key == "local":
+            continue
         _Side(make, base, meter).step(x, y)
     rows = []
     case = 0
     for name in settings["models"]:
-        for find_unused in (False, True):
+        for find_unused in settings["find_unused"]:
             base, x, y = _build(name, _SCALES[name][settings["scale"]])
             factories = _factories(find_unused)
             # Constructed in alternating order, so neither is always first on a fresh heap.
-            order = ["xgrad", "torch"] if case % 2 == 0 else ["torch", "xgrad"]
+            order = ["xgrad", "torch", "local"] if case % 2 == 0 else ["torch", "xgrad", "local"]
             case += 1
             sides = {key: _Side(factories[key], base, meter) for key in order}
             for side in sides.values():
@@ -252,8 +305,8 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                     start = time.perf_counter()
                     side.step(x, y)
                     side.times.append(time.perf_counter() - start)
-            for side in sides.values():
-                _measure_peak(side, x, y, meter)
+            for key in ("xgrad", "torch"):
+                _measure_peak(sides[key], x, y, meter)
             hook = _hook_seconds(sides["xgrad"], x, y)
             params = list(base.parameters())
             rows.append(
@@ -268,6 +321,9 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                         xgrad_memory=sides["xgrad"].construction + sides["xgrad"].peak,
                         torch_memory=sides["torch"].construction + sides["torch"].peak,
                         hook_seconds=hook,
+                        world=world,
+                        steps=len(sides["xgrad"].times),
+                        local_step=statistics.median(sides["local"].times),
                     )
                 )
             )

@@ -1,10 +1,11 @@
 """``DistributedDataParallel``: PyTorch's DDP, driven by xgrad's plan and reducer.
 
-A drop-in for ``torch.nn.parallel.DistributedDataParallel``: the same constructor
-arguments and defaults, ``no_sync()``, ``register_comm_hook`` with PyTorch's own hooks.
-The bucketing and reduction are xgrad's backend-neutral :class:`~xgrad.reducer.Reducer`
-fed by per-parameter autograd hooks, so what PyTorch keeps inside C++ can be looked at:
-the plan, the order in which gradients became ready, the per-iteration timeline.
+A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (it *is* one, for
+``isinstance``): the same constructor arguments and defaults, ``no_sync()``,
+``register_comm_hook`` with PyTorch's own hooks, ``torch.compile``. The bucketing and
+reduction are xgrad's backend-neutral :class:`~xgrad.reducer.Reducer` fed by
+per-parameter autograd hooks, so what PyTorch keeps inside C++ can be looked at: the
+plan, the order in which gradients became ready, the per-iteration timeline.
 
 One training step, as PyTorch's DDP does it::
 
@@ -14,13 +15,16 @@ One training step, as PyTorch's DDP does it::
                reducer.prepare_for_backward(unused)
     backward   post-accumulate hook of parameter i -> reducer.mark_ready(i, grad)
                (the first one also queues finalize on the autograd engine and marks the
-               unused parameters ready); a full bucket is launched in bucket order
+               unused parameters ready); a full bucket is copied in and launched in
+               bucket order
     end        engine's final callback: reducer.finalize() waits for every bucket and
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
 The pieces: parameter discovery and device checks in ``ddp_params``, the autograd hook
-adapter in ``ddp_hooks``, the timeline and statistics in ``ddp_stats``; this module is the
-``nn.Module`` wrapper that ties them to the reducer.
+adapter in ``ddp_hooks``, the timeline and statistics in ``ddp_stats``, the options
+``mixed_precision`` and ``delay_all_reduce_named_params`` in ``ddp_mixed`` and
+``ddp_delay``, and how ``torch.compile`` sees the wrapper in ``ddp_compile``; this module
+is the ``nn.Module`` that ties them to the reducer.
 """
 
 from __future__ import annotations
@@ -34,17 +38,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
 from xgrad.agreement import check_agreement
 from xgrad.backend import Comm
-from xgrad.buckets import (
-    BucketPlan,
-    ddp_bucket_caps,
-    ddp_initial_plan,
-)
+from xgrad.buckets import BucketPlan, cap_mb_to_bytes
+from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
+from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
@@ -52,15 +55,18 @@ from xgrad.torch_backend.ddp_checks import (
     resolve_caps,
     resolve_timeout,
 )
+from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
+from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
 from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
+from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
-from xgrad.torch_backend.ddp_stats import statistics
+from xgrad.torch_backend.ddp_stats import logging_data, statistics
 from xgrad.torch_backend.join import (
-    Joinable,
     JoinableDDP,
     announce_backward_sync,
+    find_common_rank,
     notify_join_context,
 )
 from xgrad.torch_backend.ops import TorchArrayOps
@@ -68,27 +74,33 @@ from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
+_TorchDDP = torch.nn.parallel.DistributedDataParallel
 
-class DistributedDataParallel(nn.Module, JoinableDDP):
+
+class DistributedDataParallel(JoinableDDP, _TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
+    It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
+    class's ``__init__`` (which would build PyTorch's C++ reducer and hooks too), so
+    ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` holds for the code
+    in Lightning, accelerate and transformers that unwraps or special-cases DDP, and
+    dynamo's DDP handling (``DDPOptimizer`` graph splitting, guards) applies. Why not
+    the alternatives: torch's class cannot be given an ``__instancecheck__`` without
+    patching torch, and registering as a virtual subclass (``ABC.register``) would not
+    give dynamo's ``issubclass`` checks or the class attributes it reads. Every method of
+    torch's class that would reach its C++ reducer is overridden here; the rest
+    (``_inside_ddp_forward``, ``_register_fused_optim``, ``scatter``/``gather``) work
+    unchanged on this object.
+
     Args:
-        module: the module to replicate (its parameters on one device type).
-        device_ids: ``None`` for CPU modules; ``[i]`` for a module on CUDA device ``i``
-            (inputs are moved there).
-        output_device: kept for compatibility; outputs stay where the module puts them.
-        dim: kept for compatibility (single-device modules are not scattered).
-        broadcast_buffers: broadcast rank 0's buffers at construction and before every
-            synchronised forward pass (``None`` means ``True``, as in PyTorch).
-        init_sync: check the models agree across ranks and copy rank 0's state.
-        process_group: the group to reduce over (default: the default group).
-        bucket_cap_mb: bucket cap in MiB (default 25, with a 1 MiB first bucket).
-        find_unused_parameters: walk the graph from the outputs after every forward
-            pass and mark the parameters it does not reach ready.
-        check_reduction: deprecated in PyTorch and ignored there; ignored here.
-        gradient_as_bucket_view: make each ``.grad`` a view into its bucket (no copy back).
-        static_graph: the set of used parameters never changes: found in the first
-            iteration, whose reduction is delayed to its end; then reused.
+        module, device_ids, output_device, dim, broadcast_buffers, init_sync,
+        process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
+        gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
+        param_to_hook_all_reduce, mixed_precision, device_mesh,
+        skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
+        forward_sync_buffers: as in PyTorch 2.13's DDP, with its defaults and
+            semantics (``mixed_precision`` also on the CPU, where PyTorch's needs
+            streams).
         first_bucket_cap_mb: cap of the first bucket (xgrad extra).
         plan: an explicit :class:`~xgrad.buckets.BucketPlan` over the parameter order of
             ``named_parameters`` (those that require grad), used as given: no rebuild.
@@ -99,8 +111,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             rebuild broadcast and the agreement check alike.
 
     Before the first reduction and after a rebuild the ranks compare plan, parameters
-    and hook (:mod:`xgrad.agreement`); ``join()`` is PyTorch's; a failed backward pass
-    is dropped at the next forward pass, with a warning.
+    and hook (:mod:`xgrad.agreement`); ``join()`` is PyTorch's (:mod:`.join`); a failed
+    backward pass is dropped at the next forward pass, with a warning.
 
     Example:
         >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
@@ -108,13 +120,16 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         >>> print(ddp.plan.table())
     """
 
+    #: xgrad's reducer (where PyTorch's class keeps its C++ one).
+    reducer: Reducer  # type: ignore[assignment]
+
     def __init__(
         self,
         module: nn.Module,
         device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool | None = True,
+        broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: Any = None,
         bucket_cap_mb: float | None = None,
@@ -122,112 +137,154 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         first_bucket_cap_mb: float | None = None,
         plan: BucketPlan | None = None,
         comm_hook: Callable[[Comm], Hook] | None = None,
         timeout: float | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         Joinable.__init__(self)
         timeout = resolve_timeout(timeout)
         cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
+        cap_list = (
+            None
+            if bucket_cap_mb_list is None
+            else [
+                cap_mb_to_bytes(c, f"bucket_cap_mb_list[{i}]")
+                for i, c in enumerate(bucket_cap_mb_list)
+            ]
+        )
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError(
+                "delay_all_reduce_named_params and param_to_hook_all_reduce "
+                "need to be set at the same time."
+            )
         self.module = module
-        self.process_group = process_group
-        self._watch = StepWatch(process_group, timeout)
+        self.process_group, self.device_mesh = resolve_group(process_group, device_mesh)
+        self._watch = StepWatch(self.process_group, timeout)
         self.comm = WatchedComm(self._watch)
         self.dim = dim
-        self.broadcast_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+        self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(
+            broadcast_buffers, forward_sync_buffers
+        )
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = mixed_precision
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.timeout = timeout
 
         ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        self._ignored = ignore
+        delayed = list(delay_all_reduce_named_params or ())
+        ignore |= {name for name, _ in delayed}
+        self.parameters_to_ignore = ignore
         self.parameter_names, self._params, sparse = reduced_parameters(module, ignore)
         if not self._params:
             raise RuntimeError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
-                "parameter that requires a gradient."
-            )
-        if any(sparse):
-            names = [n for n, s in zip(self.parameter_names, sparse, strict=True) if s]
-            raise ValueError(
-                f"sparse gradients are not supported by xgrad's DDP (parameters {names} come "
-                "from an Embedding with sparse=True); use sparse=False"
+                "parameter that requires a gradient"
+                + (" (every one is in delay_all_reduce_named_params)." if delayed else ".")
             )
         check_params(self.parameter_names, self._params)
         plan = check_plan(plan, len(self._params))
         self.device_type, self.device_ids, self.output_device = resolve_devices(
             self._params, device_ids, output_device
         )
-        self._buffers_list = [b for name, b in module.named_buffers() if name not in ignore]
+        self.device = self._params[0].device
+        self.modules_buffers = [b for name, b in module.named_buffers() if name not in ignore]
 
         if init_sync:
             verify_params_across_ranks(self.comm, self.parameter_names, self._params)
-            broadcast_state(self.comm, module, buffers=self.broadcast_buffers, ignore=ignore)
-
-        ops = TorchArrayOps()
-        nbytes = [ops.nbytes(p) for p in self._params]
-        keys = [ops.key(p) for p in self._params]
-        first, cap = ddp_bucket_caps(cap_bytes, first_cap_bytes)
-        self.plan_is_explicit = plan is not None
-        if plan is None:
-            plan = ddp_initial_plan(
-                nbytes,
-                keys=keys,
-                bucket_cap_bytes=cap,
-                first_bucket_cap_bytes=first,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
+            broadcast_state(self.comm, module, buffers=init_sync_buffers, ignore=ignore)
+        self._delayed = (
+            None
+            if param_to_hook_all_reduce is None
+            else DelayedAllReduce(
+                [p for _, p in delayed], param_to_hook_all_reduce, self.comm, self.device
             )
-        self.initial_plan = plan
-        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        )
+        self._casts = (
+            None
+            if mixed_precision is None
+            else MixedPrecisionCasts(mixed_precision, module, ignore)
+        )
+        flat_dtype = None if self._casts is None else self._casts.param_dtype
         self._grad_hooks = GradientHooks(self._params, gradient_as_bucket_view)
-        self.reducer = Reducer(
+        limits = DDPLimits.of(
+            bucket_cap_bytes=cap_bytes,
+            first_bucket_cap_bytes=first_cap_bytes,
+            bucket_cap_bytes_list=cap_list,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+        )
+        #: PyTorch's attribute (dynamo's DDPOptimizer splits graphs at this size).
+        self.bucket_bytes_cap = limits.bucket_bytes_cap
+        self.reducer = ddp_reducer(
             self._params,
-            plan,
             self.comm,
-            ops,
+            TorchArrayOps(flat_dtype=flat_dtype),
             set_grad=self._grad_hooks.set_grad,
+            limits=limits,
+            plan=plan,
             names=self.parameter_names,
+            sparse=sparse,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            rebuild_limits=(first, cap),
-            nbytes=nbytes,
-            keys=keys,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy,
+            hook=None if self._casts is None else self._casts.hook(self.comm),
         )
-        if self.plan_is_explicit:
-            self.reducer.has_rebuilt_buckets = True  # a plan given is used as given
-        self._hook_registered = False
-        self._hook_name = "allreduce (default)"
+        self.initial_plan = self.reducer.initial_plan
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._hook_name = "allreduce (default)" if self._casts is None else "mixed precision"
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
-        self._grad_hooks.reducer = self.reducer
+        self._still_training: int | None = None
         self._grad_hooks.watch = self._watch
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
+        self._grad_hooks.attach(self.reducer)
         if gradient_as_bucket_view:
             self._grad_hooks.alias_grads_to_buckets()
-        self._grad_hooks.attach(self.reducer)
+        if self._casts is not None:
+            self._grad_hooks.after_backward = self._casts.frozen_to_full
 
     # ------------------------------------------------------------------ forward
 
+    @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        grad_enabled = torch.is_grad_enabled()
-        sync = grad_enabled and self.require_backward_grad_sync
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        try:
+            output = traced_module_call(self, *inputs, **kwargs)
+        except Exception as exc:  # every rank raises it, named (ddp_failure)
+            raise self._watch.post("forward", exc) from exc
+        return self._post_forward(output)
+
+    @outside_dynamo
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
+        self._forward_started = time.perf_counter()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._watch.start_forward(self._grad_hooks, sync)
-        still_training = notify_join_context(self)
-        if grad_enabled and self.reducer.rebuild_buckets():
+        self._still_training = notify_join_context(self)
+        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
             self._agreement_pending = True
             if self.gradient_as_bucket_view:
                 self._grad_hooks.alias_grads_to_buckets()
-        if self._will_sync_buffers():
+        if self.will_sync_module_buffers():
             self._sync_buffers()
         if self._join_config.enable:
             announce_backward_sync(self, sync)
@@ -238,18 +295,42 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
             inputs, kwargs = tree_map(
                 lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
             )
-        output = self._watch.call("forward", self.module, *inputs, **kwargs)
-        if sync:
+        if self._casts is not None:
+            self._casts.to_low()
+            if self._casts.param_dtype is not None:
+                from torch.distributed.utils import _cast_forward_inputs
+
+                inputs, kwargs = _cast_forward_inputs(self._casts.param_dtype, *inputs, **kwargs)
+        return inputs, kwargs
+
+    @outside_dynamo
+    def _post_forward(self, output: Any) -> Any:
+        """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.require_forward_param_sync = True
             unused: Sequence[int] = ()
             if self.find_unused_parameters and not self.static_graph:
                 unused = find_unused_parameters(output, self._param_index, len(self._params))
-            self.reducer.prepare_for_backward(unused, divisor=still_training)
+            self.reducer.prepare_for_backward(unused, divisor=self._still_training)
             self._grad_hooks.sync_pending = True
-            self._grad_hooks.forward_seconds = time.perf_counter() - start
+            self._grad_hooks.forward_seconds = time.perf_counter() - self._forward_started
         else:
             self.require_forward_param_sync = False
+        if self._delayed is not None:
+            self._delayed.point_grads_at_buffer()
         return output
+
+    def will_sync_module_buffers(self) -> bool:
+        return bool(
+            self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers
+        )
+
+    def _sync_buffers(self) -> None:
+        if self.comm.size > 1:
+            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
+            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
+            with torch.no_grad():
+                self.comm.broadcast_tensors(self.modules_buffers, src=src)
 
     def _check_agreement(self) -> None:
         """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
@@ -277,42 +358,60 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         """Register a PyTorch communication hook, ``hook(state, bucket) -> Future``.
 
         PyTorch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
-        ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``) run unchanged: the
-        bucket they get has ``GradBucket``'s methods. The returned future is waited on
-        with this module's timeout. Call once, before the first forward pass.
+        ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``, the fused optimizer of
+        ``_register_fused_optim``) run unchanged: the bucket they get has
+        ``GradBucket``'s methods. The returned future is waited on with this module's
+        timeout. Call once, before the first forward pass.
         """
-        watch = self._watch
-        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
-        self.register_hook(
-            future_hook(lambda: watch.group if state is None else state, hook, watch)
-        )
-        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
         # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
         # order that differs between ranks; PowerSGD issues collectives from such callbacks,
         # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
         # hangs there). NCCL runs callbacks in stream order, so it keeps the overlap.
-        self.reducer.serial_hooks = dist.get_backend(self.comm.group) != "nccl"
+        serial = dist.get_backend(self.comm.group) != "nccl"
+        watch = self._watch
+        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
+        run = future_hook(lambda: watch.group if state is None else state, hook, watch)
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", run, bucket),
+            serial=serial,
+        )
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def register_hook(self, hook: Hook) -> None:
         """Register a backend-neutral hook with its state bound (``bucket -> Work``).
 
         Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
         """
-        if self._hook_registered:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once."
-            )
-        if self.reducer.num_iterations or self._grad_hooks.sync_pending:
-            raise RuntimeError(
-                "register_comm_hook must be called before the first forward/backward pass "
-                f"(rank {self.comm.rank})"
-            )
         watch = self._watch
-        self.reducer.hook = lambda bucket: watch.call(
-            f"comm hook, bucket {bucket.index()}", hook, bucket
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
         )
-        self._hook_registered = True
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """PyTorch's built-in C++ hooks, as their Python equivalents."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {
+            "ALLREDUCE": default_hooks.allreduce_hook,
+            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+        }
+        name = getattr(comm_hook_type, "name", str(comm_hook_type))
+        if name not in hooks:
+            raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
+        self.register_comm_hook(self.process_group, hooks[name])
+
+    def _set_static_graph(self) -> None:
+        """PyTorch's late ``static_graph=True``: call before the first iteration."""
+        if self.static_graph:
+            import warnings
+
+            warnings.warn(
+                "You've set static_graph to be True, no need to set it again.", stacklevel=2
+            )
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
 
     # ------------------------------------------------------------------ introspection
 
@@ -320,6 +419,11 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
     def plan(self) -> BucketPlan:
         """The bucket plan in use now (changes once, when the buckets are rebuilt)."""
         return self.reducer.plan
+
+    @property
+    def timeline(self) -> deque[IterationTimes]:
+        """The kept iterations' timelines, oldest first."""
+        return self._grad_hooks.timeline
 
     def statistics(self) -> dict[str, Any]:
         """What PyTorch's DDP logging data says, in seconds and names.
@@ -333,15 +437,8 @@ class DistributedDataParallel(nn.Module, JoinableDDP):
         ``avg_backward_compute_time``, ``avg_backward_comm_time``,
         ``avg_backward_compute_comm_overlap_time``.
         """
-        return statistics(
-            reducer=self.reducer,
-            names=self.parameter_names,
-            initial_plan=self.initial_plan,
-            plan_is_explicit=self.plan_is_explicit,
-            timeline=self.timeline,
-        )
+        return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
 
-    @property
-    def timeline(self) -> deque[IterationTimes]:
-        """The kept iterations' timelines, oldest first."""
-        return self._grad_hooks.timeline
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """PyTorch's logging dictionary: the same keys, from xgrad's records (nanoseconds)."""
+        return logging_data(self)

@@ -48,6 +48,8 @@ class GradientHooks:
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []
         self.watch: StepWatch  # set by the DDP before the first pass
+        #: run at the end of every synchronised backward pass (mixed precision's casts).
+        self.after_backward: Callable[[], None] | None = None
         self._copy_dst: list[torch.Tensor] = []
         self._copy_src: list[torch.Tensor] = []
 
@@ -98,6 +100,8 @@ class GradientHooks:
         finally:
             self._copy_dst.clear()
             self._copy_src.clear()
+            if self.after_backward is not None:
+                self.after_backward()
         end = time.perf_counter()
         self.timeline.append(
             IterationTimes.of(
@@ -136,6 +140,11 @@ class GradientHooks:
         """The reducer's write-back of parameter ``index``'s reduced gradient."""
         p = self.params[index]
         grad = p.grad
+        if view.layout is not torch.strided:
+            # A sparse bucket: the reduced tensor replaces the gradient (PyTorch copies
+            # the result into the gradient tensor, which comes to the same values).
+            p.grad = view
+            return
         if self.gradient_as_bucket_view:
             if grad is None or grad.data_ptr() != view.data_ptr():
                 p.grad = view
@@ -150,6 +159,8 @@ class GradientHooks:
         assert self.reducer is not None
         with torch.no_grad():
             for p, view in zip(self.params, self.reducer.bucket_views(), strict=True):
+                if view is None:
+                    continue  # a sparse gradient has no bucket view
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view

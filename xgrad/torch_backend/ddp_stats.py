@@ -11,7 +11,9 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from xgrad.buckets import BucketPlan
+import torch.distributed as dist
+from torch import nn
+
 from xgrad.reducer import IterationRecord, Reducer
 
 #: per-iteration timings kept for statistics (the newest).
@@ -52,12 +54,7 @@ class IterationTimes:
 
 
 def statistics(
-    *,
-    reducer: Reducer,
-    names: Sequence[str],
-    initial_plan: BucketPlan,
-    plan_is_explicit: bool,
-    timeline: Iterable[IterationTimes],
+    *, reducer: Reducer, names: Sequence[str], timeline: Iterable[IterationTimes]
 ) -> dict[str, Any]:
     """The statistics dictionary of :meth:`DistributedDataParallel.statistics`."""
     records = list(reducer.records)
@@ -67,9 +64,9 @@ def statistics(
         "world_size": reducer.comm.size,
         "rank": reducer.comm.rank,
         "num_parameters": len(reducer.params),
-        "initial_plan": initial_plan.to_json(),
+        "initial_plan": reducer.initial_plan.to_json(),
         "plan": reducer.plan.to_json(),
-        "has_rebuilt_buckets": reducer.has_rebuilt_buckets and not plan_is_explicit,
+        "has_rebuilt_buckets": reducer.has_rebuilt_buckets,
         "bucket_sizes": reducer.bucket_sizes(),
         "ready_order": [names[i] for i in last.ready_order] if last else [],
         "ready_order_indices": list(last.ready_order) if last else [],
@@ -81,6 +78,62 @@ def statistics(
         "avg_backward_comm_time": _mean([t.communication for t in kept]),
         "avg_backward_compute_comm_overlap_time": _mean([t.overlap for t in kept]),
     }
+
+
+def logging_data(ddp: Any) -> dict[str, Any]:
+    """PyTorch's ``_get_ddp_logging_data()`` keys for xgrad's DDP (times in nanoseconds).
+
+    The construction-time keys (module name, flags, bucket cap, dtypes, sizes) and the
+    runtime ones PyTorch fills from its reducer (iteration, rebuilt buckets, ready
+    order, average times) come from the wrapper and the reducer's records; environment
+    keys (``master_addr``, ``gloo_*``) are left out.
+    """
+    reducer: Reducer = ddp.reducer
+    kept = list(ddp.timeline)
+    records = list(reducer.records)
+    last = records[-1] if records else None
+    rebuilt = reducer.has_rebuilt_buckets
+    sizes = reducer.bucket_sizes()
+
+    def ns(values: Sequence[float]) -> int:
+        return int(_mean(values) * 1e9)
+
+    data: dict[str, Any] = {
+        "world_size": reducer.comm.size,
+        "rank": reducer.comm.rank,
+        "module_name": type(ddp.module).__name__,
+        "device_ids": "" if ddp.device_ids is None else ", ".join(map(str, ddp.device_ids)),
+        "output_device": -1 if ddp.output_device is None else ddp.output_device,
+        "broadcast_buffers": int(ddp.forward_sync_buffers),
+        "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in ddp.module.modules())),
+        "bucket_cap_bytes": ddp.bucket_bytes_cap,
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+        "static_graph": int(ddp.static_graph),
+        "backend_name": dist.get_backend(ddp.process_group),
+        "is_multi_device_module": 0,
+        "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in reducer.params})),
+        "total_parameter_size_bytes": sum(reducer.nbytes),
+        "num_parameter_tensors": len(reducer.params),
+        "bucket_sizes": ", ".join(map(str, sizes)),
+        "iteration": max(reducer.num_iterations - 1, 0),
+        "has_rebuilt_buckets": int(rebuilt),
+        "unused_parameter_size": sum(reducer.nbytes[i] for i in last.unused) if last else 0,
+        "num_buckets_reduced": len(sizes),
+        "prev_iteration_grad_ready_order_indices": (
+            ", ".join(map(str, last.ready_order)) if last else ""
+        ),
+        "avg_forward_compute_time": ns([t.forward for t in kept]),
+        "avg_backward_compute_time": ns([t.backward_compute for t in kept]),
+        "avg_backward_comm_time": ns([t.communication for t in kept]),
+        "avg_backward_compute_comm_overlap_time": ns([t.overlap for t in kept]),
+    }
+    if rebuilt:
+        data["rebuilt_bucket_sizes"] = ", ".join(map(str, sizes))
+        data["rebuilt_per_bucket_param_indices"] = " | ".join(
+            ", ".join(map(str, b)) for b in reducer.plan.buckets
+        )
+    return data
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -14,8 +14,9 @@ the pipeline runtime) does it through this module::
 The channel lives in the group's own c10d store (out of band: it works on gloo and NCCL
 alike, and while a collective is stuck). Each process bumps a heartbeat for each group it
 takes part in, so a waiter names a rank that was killed or frozen. Waits never call an
-unbounded ``work.wait()``: on gloo a ``wait(timeout)`` that runs out also closes the
-connection to the peer (the group is then useless), so completion is polled instead.
+unbounded ``work.wait()`` on the caller's thread: on gloo a ``wait(timeout)`` that runs
+out closes the group's connections, and ``is_completed`` of a send or receive stays false
+until ``wait()`` is called, so a :class:`Waiter` thread waits while the caller watches.
 After a fatal failure :func:`abort_group` drops the group without waiting on its peers,
 so ``destroy_process_group`` and process exit return.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import queue
 import threading
 from typing import Any, cast
 
@@ -36,10 +38,12 @@ from xgrad.failure import (
     Liveness,
     check_seconds,
     default_seconds,
+    error_for,
     wait_until,
 )
 
 __all__ = [
+    "Waiter",
     "abort_group",
     "failure_channel",
     "group_ranks",
@@ -53,6 +57,7 @@ __all__ = [
 HEARTBEAT_PREFIX = "xgrad/heartbeat"
 
 _heartbeats: dict[str, Heartbeat] = {}
+_waiters: set[threading.Thread] = set()
 _lock = threading.Lock()
 
 
@@ -99,16 +104,20 @@ def stop_heartbeat(group: Any = None) -> None:
     with _lock:
         beat = _heartbeats.pop(_key(group), None)
     if beat is not None:
-        beat.stop()
+        beat.stop(wait=1.0)
 
 
 @atexit.register
 def _stop_all() -> None:
+    """Stop every heartbeat and let the waiter threads end, before the interpreter finalizes."""
     with _lock:
         beats = list(_heartbeats.values())
         _heartbeats.clear()
+        waiters = list(_waiters)
     for beat in beats:
-        beat.stop()
+        beat.stop(wait=2.0)
+    for thread in waiters:
+        thread.join(0.5)  # one stuck on a dead peer stays; the others are done
 
 
 def failure_channel(
@@ -147,12 +156,61 @@ def failure_channel(
     return FailureChannel(store, f"xgrad/failure/{namespace}", me, liveness)
 
 
+class Waiter:
+    """A daemon thread that calls ``work.wait()`` on the works given to it, in order.
+
+    Gloo's point-to-point works only complete inside ``wait()`` (``is_completed`` stays
+    false until then), and a ``wait(timeout)`` that runs out closes gloo's connections,
+    so a bounded wait runs the unbounded ``wait()`` on this thread while the caller waits
+    on an event, watching the failure channel. Only wait here for a transfer whose other
+    side was posted: a receive whose send is known, a send the peer confirmed receiving.
+    A thread stuck on a peer that died mid-transfer stays parked; make a new ``Waiter``.
+    """
+
+    def __init__(self, name: str = "xgrad-waiter") -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> tuple[threading.Event, list[BaseException]]:
+        """Start waiting for ``work``: ``(event set when done, [its error, if any])``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+            with _lock:
+                _waiters.add(self._thread)
+        item: tuple[Any, threading.Event, list[BaseException]] = (work, threading.Event(), [])
+        self._queue.put(item)
+        return item[1], item[2]
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                with _lock:
+                    _waiters.discard(threading.current_thread())
+                return
+            work, event, error = item
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller
+                error.append(exc)
+            event.set()
+
+    def close(self) -> None:
+        """Let the thread end once the works given so far are done."""
+        if self._thread is not None:
+            self._queue.put(None)
+
+
 def wait_work(
     work: Any,
     channel: FailureChannel | None,
     *,
     timeout: float | None = None,
     what: str,
+    waiter: Waiter | None = None,
+    peer: int | None = None,
     prefix: str = "",
 ) -> None:
     """Wait for a c10d ``Work`` (send, recv, collective), bounded and watching the channel.
@@ -162,16 +220,36 @@ def wait_work(
         channel: the step's failure channel (None: only the timeout bounds the wait).
         timeout: seconds (default ``XGRAD_TIMEOUT`` or 60).
         what: what is awaited, for the timeout's message (``"recv from rank 2"``).
+        waiter: the :class:`Waiter` thread to use (default: a new one for this wait).
+        peer: the other side of a send or receive: if the work fails (gloo reports a
+            connection the peer's death closed), the peer is named as the rank that
+            stopped answering.
         prefix: put before the failure's text in the raised message.
 
     Raises:
-        xgrad.failure.RankError: a failure any rank posted, or a peer whose heartbeat
-            stopped; ``RankUnresponsiveError`` when ``timeout`` ran out.
-        RuntimeError: the work's own error, once it completed unsuccessfully.
+        xgrad.failure.RankError: a failure any rank posted, a peer whose heartbeat
+            stopped, or the work's own error (posted first, so the other ranks stop too);
+            ``RankUnresponsiveError`` when ``timeout`` ran out or ``peer`` was lost.
+        RuntimeError: the work's own error, without a channel.
     """
     seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
-    wait_until(work.is_completed, channel, timeout=seconds, what=what, prefix=prefix)
-    work.wait()  # completed: returns at once, or raises the work's own error
+    own = waiter is None
+    waiter = Waiter() if waiter is None else waiter
+    event, error = waiter.submit(work)
+    if own:
+        waiter.close()
+    wait_until(event, channel, timeout=seconds, what=what, prefix=prefix)
+    if error:
+        if channel is None:
+            raise error[0]
+        channel.check(prefix=prefix)  # a failure posted meanwhile is the origin
+        text = f"{type(error[0]).__name__}: {error[0]}"
+        if peer is None:
+            failure = channel.post(what, text)
+        else:
+            message = f"stopped answering: {what} failed: {text}"
+            failure = channel.post("", message, kind="unresponsive", rank=peer)
+        raise error_for(failure, channel.rank, prefix) from error[0]
 
 
 def abort_group(group: Any = None) -> None:

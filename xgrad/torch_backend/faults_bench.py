@@ -156,10 +156,10 @@ def reference_cell(world: int) -> dict:
         return rank_main
 
     start = time.monotonic()
-    results = spawn(world, body(True), timeout=30)
+    results = spawn(body(True), world, timeout=30)
     seconds = time.monotonic() - start
     errors = [r for r in results if isinstance(r, Exception)]
-    clean = spawn(world, body(False), timeout=30)
+    clean = spawn(body(False), world, timeout=30)
     total = sum(range(1, world + 1)) / world
     return {
         "system": "reference",

@@ -137,20 +137,6 @@ class JoinableDDP(Joinable):
             raise TypeError(f"join_hook() got unexpected keyword arguments {sorted(unknown)}")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))  # type: ignore[arg-type]
 
-    def _will_sync_buffers(self) -> bool:
-        """Whether this forward pass broadcasts buffers (PyTorch's ``will_sync_module_buffers``)."""
-        ddp: Any = self
-        return bool(ddp.require_forward_param_sync and ddp.broadcast_buffers and ddp._buffers_list)
-
-    def _sync_buffers(self) -> None:
-        """Broadcast the buffers: rank 0's, or under join the last rank still training's."""
-        ddp: Any = self
-        if ddp.comm.size > 1:
-            # Under join rank 0 may have left with stale buffers.
-            src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
-            with torch.no_grad():
-                ddp.comm.broadcast_tensors(ddp._buffers_list, src=src)
-
     @property
     def join_device(self) -> torch.device:
         """Where the join context's one-element collectives live (the parameters' device)."""
@@ -187,9 +173,9 @@ class DDPJoinHook(JoinHook):
             ddp._agreement_pending = True
             if ddp.gradient_as_bucket_view:
                 ddp._grad_hooks.alias_grads_to_buckets()
-        if ddp._will_sync_buffers():
+        if ddp.will_sync_module_buffers():
             common = find_common_rank(ddp, ddp.comm.rank, False)
-            ddp.comm.broadcast_tensors(ddp._buffers_list, src=common)
+            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=common)
         should_sync = _allreduce(ddp, 0.0).item() != 0
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
@@ -222,7 +208,11 @@ def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None
 
     src = find_common_rank(ddp, ddp.comm.rank, is_last_joiner)
     broadcast_state(
-        ddp.comm, ddp.module, buffers=ddp.broadcast_buffers, ignore=ddp._ignored, src=src
+        ddp.comm,
+        ddp.module,
+        buffers=ddp.forward_sync_buffers,
+        ignore=ddp.parameters_to_ignore,
+        src=src,
     )
 
 

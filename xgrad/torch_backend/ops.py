@@ -9,6 +9,10 @@ import torch
 
 __all__ = ["TorchArrayOps"]
 
+#: from this many elements a gradient is scaled while copied (one pass) rather than
+#: batched with others (a copy and a multiply: two passes, but one call for all).
+_ONE_PASS_NUMEL = 1 << 14
+
 
 class TorchArrayOps:
     """``xgrad.reducer.ArrayOps`` for torch tensors, on any device.
@@ -22,7 +26,9 @@ class TorchArrayOps:
     value (other dtypes keep the Python float, to round exactly as PyTorch does).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flat_dtype: torch.dtype | None = None) -> None:
+        #: the buckets' dtype when it differs from the parameters' (mixed precision).
+        self.flat_dtype = flat_dtype
         self._scales: dict[tuple[float, torch.dtype], torch.Tensor | float] = {}
 
     def numel(self, x: torch.Tensor) -> int:
@@ -35,7 +41,8 @@ class TorchArrayOps:
         return (x.dtype, x.device)
 
     def new_flat(self, like: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=like[0].dtype, device=like[0].device)
+        dtype = like[0].dtype if self.flat_dtype is None else self.flat_dtype
+        return torch.zeros(numel, dtype=dtype, device=like[0].device)
 
     def copy_to(self, out: torch.Tensor, x: torch.Tensor, scale: float | None = None) -> None:
         if scale is None:
@@ -50,11 +57,36 @@ class TorchArrayOps:
         found = self._scales[scale, dtype] = torch.tensor(scale, dtype=dtype)
         return found
 
+    def copy_all(
+        self, outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], scale: float | None
+    ) -> None:
+        if scale is None:
+            torch._foreach_copy_(list(outs), list(xs))
+            return
+        # Small gradients: two fused calls for all of them (copying, then multiplying in
+        # place by the same scalar, rounds exactly as multiplying while copying does).
+        # Large ones: one multiply-while-copying pass each, as PyTorch's reducer does,
+        # since a second pass over memory would cost more than the call saved.
+        small_out: list[torch.Tensor] = []
+        small_x: list[torch.Tensor] = []
+        for out, x in zip(outs, xs, strict=True):
+            if out.numel() >= _ONE_PASS_NUMEL:
+                self.copy_to(out, x, scale)
+            else:
+                small_out.append(out)
+                small_x.append(x)
+        if small_out:
+            torch._foreach_copy_(small_out, small_x)
+            torch._foreach_mul_(small_out, scale)
+
     def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, offset, like.numel()).view(like.shape)
 
     def div_(self, x: torch.Tensor, divisor: int) -> None:
         x.div_(divisor)
+
+    def div_all(self, xs: Sequence[torch.Tensor], divisor: int) -> None:
+        torch._foreach_div_(list(xs), divisor)
 
     def zero_(self, x: torch.Tensor) -> None:
         x.zero_()

@@ -1,0 +1,67 @@
+"""Which parameters got no gradient: in this iteration on this rank, and on every rank.
+
+DDP marks a locally unused parameter ready with a zero gradient (so the buckets still
+line up across ranks) but leaves the gradient of a parameter that *no* rank used
+untouched; finding those costs one extra allreduce of a per-rank used map. With a
+static graph the unused set is learned once, in the first iteration, and reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from xgrad.backend import Comm
+from xgrad.reducer_types import ArrayOps
+
+
+class UnusedParams:
+    """The reducer's unused-parameter bookkeeping.
+
+    Args:
+        num_params: how many parameters the reducer reduces.
+    """
+
+    def __init__(self, num_params: int) -> None:
+        self.num_params = num_params
+        #: unused on this rank in the current iteration (found by the caller's graph walk).
+        self.local: list[int] = []
+        #: a static graph's unused set, learned in its first iteration.
+        self.static: list[int] | None = None
+        self._static_global: set[int] | None = None
+
+    def prepare(self, unused: list[int], static_graph: bool) -> None:
+        """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
+        self.local = self.static if static_graph and self.static is not None else unused
+
+    @property
+    def current(self) -> list[int]:
+        """The parameters treated as unused on this rank in this iteration."""
+        return self.local if self.static is None else self.static
+
+    def learn(self, missing: Sequence[int]) -> list[int]:
+        """Keep a static graph's unused set: the parameters its first iteration left out."""
+        self.static = list(missing)
+        return self.static
+
+    def on_every_rank(
+        self, comm: Comm, ops: ArrayOps, like: Any, *, find_unused: bool, static_graph: bool
+    ) -> set[int]:
+        """Parameters that no rank used this iteration (their gradients stay untouched).
+
+        Only searched when parameters may be unused; then the per-rank used maps are
+        summed with one extra allreduce, as DDP does (once, for a static graph).
+        """
+        if static_graph and self._static_global is not None:
+            return self._static_global
+        if not (find_unused or static_graph):
+            return set()
+        used = np.ones(self.num_params, dtype=np.int32)
+        used[list(self.current)] = 0
+        total = ops.to_numpy(comm.allreduce(ops.from_numpy(used, like)).wait())
+        found = {int(i) for i in np.flatnonzero(total == 0)}
+        if static_graph:
+            self._static_global = found
+        return found

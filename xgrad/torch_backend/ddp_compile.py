@@ -1,0 +1,51 @@
+"""How ``torch.compile`` sees xgrad's DDP: the module is traced, the reducer never is.
+
+PyTorch's DDP lives in a file dynamo skips, so dynamo compiles only the wrapped module
+and runs DDP's Python around it eagerly. xgrad's wrapper is ordinary user code, so
+dynamo would trace into the bucket rebuild (``broadcast_object_list``) and the reducer
+and fail. Here:
+
+* ``forward`` is skipped by dynamo as a frame (``disable(recursive=False)``), so the
+  frames it calls are still compiled: the wrapped module is;
+* the reducer-side steps (``_pre_forward``: rebuild broadcast, buffer sync, casts;
+  ``_post_forward``: unused-parameter search, ``prepare_for_backward``) are
+  ``torch._dynamo.disable``-d entirely, so no collective is ever traced;
+* the module runs inside ``_inside_ddp_forward()`` (inherited from PyTorch's class), which
+  tells dynamo a DDP module is active. With ``torch._dynamo.config.optimize_ddp`` on
+  (its default, ``"ddp_optimizer"``), dynamo's ``DDPOptimizer`` then splits the
+  compiled graph into pieces of about ``bucket_bytes_cap`` parameter bytes, so the
+  backward runs as several compiled pieces with the parameters' ``AccumulateGrad``
+  between them. xgrad's post-accumulate hooks fire there, eagerly, exactly as without
+  compile: the reducer fills and launches buckets while later pieces still compute
+  (overlap). With ``optimize_ddp=False`` there is one graph, and every hook fires after
+  the whole compiled backward: the same gradients, no overlap.
+
+Compiled autograd (``optimize_ddp="python_reducer"``) would trace the hooks themselves;
+it is not supported (PyTorch's C++ reducer refuses it too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def frame_skipped(fn: F) -> F:
+    """Dynamo skips ``fn``'s own frame but still compiles the frames it calls."""
+    return torch._dynamo.disable(fn, recursive=False)  # type: ignore[no-any-return]
+
+
+def outside_dynamo(fn: F) -> F:
+    """Run ``fn`` and everything it calls eagerly, never traced (a dynamo graph break)."""
+    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+
+
+@frame_skipped
+def traced_module_call(ddp: Any, *inputs: Any, **kwargs: Any) -> Any:
+    """The wrapped module's forward, inside DDP's "active module" context for dynamo."""
+    with ddp._inside_ddp_forward():
+        return ddp.module(*inputs, **kwargs)

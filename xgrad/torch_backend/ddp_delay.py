@@ -1,0 +1,74 @@
+"""DDP's ``delay_all_reduce_named_params``: some parameters reduced late, in one buffer.
+
+PyTorch's DDP leaves these parameters out of its reducer, gives them gradients that are
+views of one flat buffer, and when the gradient of ``param_to_hook_all_reduce`` is
+computed divides the buffer by the world size and all-reduces it. PyTorch never waits
+for that reduction (CUDA stream order does); here the end of the backward pass waits
+for it, bounded by the DDP timeout, so the gradients are complete on gloo too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xgrad.torch_backend.comm import CollectiveWork, TorchComm
+
+
+class DelayedAllReduce:
+    """One flat gradient buffer for the delayed parameters, reduced at the hooked gradient.
+
+    Args:
+        params: the delayed parameters.
+        hooked: the parameter whose gradient triggers the reduction.
+        comm: the process group.
+        device: where the buffer lives (PyTorch: ``device_ids[0]`` or the CPU).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        hooked: torch.nn.Parameter,
+        comm: TorchComm,
+        device: torch.device,
+    ) -> None:
+        self.params = list(params)
+        self.comm = comm
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), device=device)
+        comm.broadcast_tensors([p.detach() for p in self.params], src=0)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self._work: CollectiveWork | None = None
+        self._handle = hooked.register_hook(self._reduce)
+
+    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        self.buffer.div_(self.comm.size)
+        self._work = self.comm.allreduce(self.buffer)
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        engine.queue_callback(self.wait)
+        return grad
+
+    def wait(self) -> None:
+        """Wait for the reduction launched in this backward pass (bounded)."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+
+    def point_grads_at_buffer(self) -> None:
+        """End of forward: gradients that are ``None`` become views of the buffer.
+
+        When every gradient was ``None`` (``zero_grad(set_to_none=True)``) the buffer is
+        zeroed once; otherwise the newly attached views are zeroed one by one.
+        """
+        all_none = all(p.grad is None for p in self.params)
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is None:
+                p.grad = view
+                if not all_none:
+                    view.zero_()
+        if all_none:
+            self.buffer.zero_()

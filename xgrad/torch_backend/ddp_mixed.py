@@ -1,0 +1,93 @@
+"""DDP's ``mixed_precision``: compute in ``param_dtype``, reduce in ``reduce_dtype``.
+
+PyTorch's DDP (``_MixedPrecision``) keeps each parameter's full-precision tensor and,
+before every forward pass, points the parameter at a low-precision copy; the gradients
+arrive in ``param_dtype``, the buckets hold them in that dtype, a communication hook
+casts a bucket to ``reduce_dtype``, sums it, divides by the world size and points the
+parameters (and their gradients) back at full precision. PyTorch does the copies on a
+side stream, which needs an accelerator; here they run in line, so the CPU path works and
+the arithmetic (casts, sum, then division) is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from xgrad.backend import Work
+from xgrad.reducer import GradBucket, Hook
+from xgrad.torch_backend.comm import TorchComm
+
+
+class _Done:
+    """A reduction that already finished (the hook waits in line)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self._value = value
+
+    def wait(self) -> torch.Tensor:
+        return self._value
+
+
+class MixedPrecisionCasts:
+    """The parameter and buffer casts of DDP mixed precision, for one module.
+
+    Args:
+        config: a ``torch.nn.parallel.distributed._MixedPrecision`` (``param_dtype``,
+            ``reduce_dtype``, ``buffer_dtype``).
+        module: the wrapped module.
+        ignore: names of parameters and buffers DDP ignores (never cast).
+    """
+
+    def __init__(self, config: Any, module: nn.Module, ignore: set[str]) -> None:
+        self.param_dtype: torch.dtype | None = config.param_dtype
+        self.reduce_dtype: torch.dtype | None = config.reduce_dtype
+        self.params = [p for n, p in module.named_parameters() if n not in ignore]
+        self._full = {id(p): p.data for p in self.params}
+        if config.buffer_dtype is not None:
+            for name, buf in module.named_buffers():
+                if name not in ignore and buf.is_floating_point():
+                    buf.data = buf.to(dtype=config.buffer_dtype)
+
+    def to_low(self) -> None:
+        """Before the forward pass: parameters (and accumulated gradients) in ``param_dtype``."""
+        if self.param_dtype is None:
+            return
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.data = p.grad.to(self.param_dtype)
+                p.data = self._full[id(p)].to(self.param_dtype)
+
+    def to_full(self, params: Sequence[torch.Tensor]) -> None:
+        """Point ``params`` back at their full-precision tensors and upcast their gradients."""
+        for p in params:
+            full = self._full[id(p)]
+            if p.data is not full:
+                p.data = full
+            if p.grad is not None and p.grad.dtype != full.dtype:
+                p.grad.data = p.grad.to(full.dtype)
+
+    def frozen_to_full(self) -> None:
+        """End of backward: parameters without a gradient hook go back too (as PyTorch)."""
+        self.to_full([p for p in self.params if not p.requires_grad])
+
+    def hook(self, comm: TorchComm) -> Hook:
+        """The reduction: cast to ``reduce_dtype``, sum, divide, then upcast the parameters."""
+
+        def reduce_and_upcast(bucket: GradBucket) -> Work:
+            buffer = bucket.buffer()
+            if self.reduce_dtype is not None and self.reduce_dtype != buffer.dtype:
+                buffer = buffer.to(self.reduce_dtype)
+                bucket.set_buffer(buffer)
+            comm.allreduce(buffer).wait()
+            buffer.div_(comm.size)
+            self.to_full(bucket.parameters())
+            return _Done(buffer)
+
+        return reduce_and_upcast
