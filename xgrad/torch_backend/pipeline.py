@@ -123,10 +123,14 @@ class PipelineRuntime(StagePasses):
         no_sync: for data parallelism, a context factory ``no_sync(partition_index)`` under
             which forwards that must not reduce gradients run (DDP's ``no_sync``); only the
             last microbatch's forward with gradients runs outside it.
-        reduce_grad: called as ``reduce_grad(partition_index)`` for each REDUCE_GRAD action
-            (torch's lowering places one after a stage's last backward): reduce that
-            partition's gradients across data-parallel replicas. Without it REDUCE_GRAD, like
-            UNSHARD and RESHARD (FSDP's), does nothing.
+        reduce_grad: called as ``reduce_grad(partition_index)`` at a partition's last
+            REDUCE_GRAD action (torch's lowering and :func:`~xgrad.pipeline.add_stage_ops`
+            place one after a stage's last backward) to reduce its gradients across
+            data-parallel replicas. ``dp_group`` gives the default: the gradients averaged
+            over that group in one flat all-reduce (bounded, on the failure channel), which
+            works with split (I/W) backward too. Without either REDUCE_GRAD, like UNSHARD and
+            RESHARD (FSDP's), does nothing.
+        dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
 
     Example:
@@ -146,6 +150,7 @@ class PipelineRuntime(StagePasses):
         timeout: float = 60.0,
         no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
         reduce_grad: Callable[[int], None] | None = None,
+        dp_group: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
@@ -186,7 +191,18 @@ class PipelineRuntime(StagePasses):
         self.checkpoint = checkpoint
         self.timeout = float(timeout)
         self._no_sync = no_sync
+        if dp_group is not None and (reduce_grad is not None or no_sync is not None):
+            raise ValueError(
+                f"rank {self.rank}: dp_group reduces at REDUCE_GRAD; give it without "
+                "reduce_grad and without no_sync (DDP reduces on its own)"
+            )
         self._reduce_grad = reduce_grad
+        self._dp_group = dp_group
+        # A partition invoked at several stages is reduced once, at its last REDUCE_GRAD.
+        self._reduce_at: dict[int, int] = {}
+        for a in self.schedule.actions[self.rank]:
+            if a.kind is Kind.REDUCE_GRAD:
+                self._reduce_at[self._slot_of[a.stage]] = a.stage
         self.device = None if device is None else torch.device(device)
         if no_sync is not None:
             self._check_data_parallel()
@@ -316,8 +332,12 @@ class PipelineRuntime(StagePasses):
     ) -> torch.Tensor | None:
         kind = action.kind
         if kind.is_stage_op:
-            if kind is Kind.REDUCE_GRAD and self._reduce_grad is not None:
-                self._reduce_grad(self._slot_of[action.stage])
+            slot_index = self._slot_of[action.stage]
+            if kind is Kind.REDUCE_GRAD and self._reduce_at.get(slot_index) == action.stage:
+                if self._reduce_grad is not None:
+                    self._reduce_grad(slot_index)
+                elif self._dp_group is not None:
+                    self._average_grads(action)
             return loss  # UNSHARD / RESHARD: nothing is sharded here
         key = (action.stage, action.microbatch)
         slot = slots.setdefault(key, Slot())
