@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +34,7 @@ from xgrad.torch_backend.failure import Waiter, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
 )
-from xgrad.torch_backend.pipeline_slot import Slot, held_bytes
+from xgrad.torch_backend.pipeline_slot import ActionRecord, Send, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import (
     EdgeCache,
@@ -58,25 +56,6 @@ def _next_step(group: Any) -> int:
     pg: Any = dist.group.WORLD if group is None else group
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     return next(_steps.setdefault(name, itertools.count(1)))
-
-
-@dataclass
-class ActionRecord:
-    """One executed action's wall-clock interval (seconds, ``time.perf_counter``)."""
-
-    action: Action
-    start: float
-    end: float
-
-
-@dataclass
-class _Send:
-    """A posted send: its tensor stays referenced until the send completes."""
-
-    action: Action
-    tensor: torch.Tensor
-    done: threading.Event
-    error: list[BaseException]
 
 
 class PipelineRuntime(StagePasses):
@@ -285,7 +264,7 @@ class PipelineRuntime(StagePasses):
         action: Action | None = None
         try:
             slots: dict[tuple[int, int], Slot] = {}
-            sends: list[_Send] = []
+            sends: list[Send] = []
             loss = None
             self.records = []
             for action in expand(sched.actions[self.rank]):
@@ -325,7 +304,7 @@ class PipelineRuntime(StagePasses):
         self,
         action: Action,
         slots: dict[tuple[int, int], Slot],
-        sends: list[_Send],
+        sends: list[Send],
         xs: list[Any] | None,
         ys: list[Any] | None,
         loss: torch.Tensor | None,
@@ -353,7 +332,7 @@ class PipelineRuntime(StagePasses):
             sends[:] = [s for s in sends if not s.done.is_set() or s.error]
             for work, tensor in self._send(action, slot):
                 done, error = self._waiters[1].submit(work)
-                sends.append(_Send(action, tensor, done, error))
+                sends.append(Send(action, tensor, done, error))
         else:
             self._recv(action, slot)
         if slot.empty():
