@@ -284,6 +284,12 @@ class Reducer(JoinAndRecovery, LateSetup):
             else:
                 self._launch(bucket)
             self._next_bucket += 1
+        if self._next_bucket == len(buckets):
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+
+    @property
+    def _search(self) -> dict[str, bool]:
+        return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
 
     def _all_unused(self, bucket: BucketState) -> bool:
         return set(bucket.indices) <= set(self._unused.current)
@@ -328,11 +334,7 @@ class Reducer(JoinAndRecovery, LateSetup):
         if self._next_bucket < len(self._buckets):
             raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
         globally_unused = self._unused.on_every_rank(
-            self.comm,
-            self.ops,
-            self.params[0],
-            find_unused=self.find_unused_parameters,
-            static_graph=self.static_graph,
+            self.comm, self.ops, self.params[0], **self._search
         )
         for bucket in self._buckets:
             if bucket.skipped:
