@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
@@ -29,6 +29,7 @@ from xgrad.reducer_errors import (
 )
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
+from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
@@ -39,7 +40,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(JoinAndRecovery, LateSetup):
+class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -73,12 +74,12 @@ class Reducer(JoinAndRecovery, LateSetup):
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,

@@ -16,7 +16,7 @@ import torch
 
 from xgrad.agreement import Fingerprint, data_parallel_fingerprint
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
-from xgrad.torch_backend.comm import DEFAULT_TIMEOUT
+from xgrad.torch_backend.comm import DEFAULT_TIMEOUT_S
 from xgrad.torch_backend.sync import describe_params
 
 __all__ = [
@@ -50,7 +50,7 @@ def resolve_timeout(timeout: object) -> float:
         return _check_seconds(timeout, "timeout")
     env = os.environ.get(TIMEOUT_ENV)
     if env is None:
-        return DEFAULT_TIMEOUT
+        return DEFAULT_TIMEOUT_S
     try:
         value = float(env)
     except ValueError:

@@ -6,13 +6,14 @@ without it); each run does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from xgrad.backend import Comm, Runner, Step, StepResult, unsupported_by_declaration
+from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.hooks import HOOK_NAMES
 
 T = TypeVar("T")
@@ -68,6 +69,7 @@ class DDPRunner:
             hook=step.hook,
             steps=step.steps,
             timeout=step.timeout,
+            powersgd=dataclasses.asdict(step.powersgd),
         )
         return StepResult(
             grads={k: np.asarray(v) for k, v in answer["grads"].items()},
@@ -104,3 +106,21 @@ def array_ops() -> tuple[Any, Callable[[np.ndarray], Any]]:
     from xgrad.torch_backend.ops import TorchArrayOps
 
     return TorchArrayOps(), lambda a: torch.from_numpy(np.array(a, copy=True))
+
+
+def _float64_grads(
+    model: str, weights: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    from xgrad.torch_backend.models import single_process_grads
+
+    return single_process_grads(model, dict(weights), x, y)
+
+
+def truth() -> Truth:
+    """torch's autograd in float64, for every zoo model and model pair."""
+    return Truth(
+        grads=_float64_grads,
+        covers=lambda model: True,
+        description="torch float64, one process, full batch",
+        independent=True,
+    )

@@ -1,0 +1,328 @@
+"""The passes of one pipeline stage on one microbatch, and the slots that hold their state.
+
+:class:`StagePasses` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
+that runs one action (a forward, a backward, a weight pass, a send, a receive); the runtime's
+event loop, its failure handling and its checks are in :mod:`~xgrad.torch_backend.pipeline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xgrad.failure import FailureChannel
+from xgrad.pipeline import Action, Kind, Schedule
+from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
+from xgrad.torch_backend.pipeline_slot import Phony, Slot
+from xgrad.torch_backend.pipeline_wire import (
+    EdgeCache,
+    carried,
+    detach_tree,
+    differentiable,
+    empty_leaves,
+    mark_gradients,
+    p2p,
+    rebuild,
+    send_header_recv,
+    tensor_leaves,
+)
+
+__all__ = ["StagePasses"]
+
+
+class StagePasses:
+    """One action at a time on this rank's stages (the runtime sets the attributes)."""
+
+    schedule: Schedule
+    partitions: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    group: Any
+    rank: int
+    checkpoint: str
+    timeout: float
+    device: torch.device | None
+    _slot_of: dict[int, int]
+    _no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None
+    _edges: EdgeCache
+    _channel: FailureChannel | None
+    _tag: int
+    _waiters: tuple[Waiter, Waiter]
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.partitions[self._slot_of[stage]]
+
+    def _device(self, stage: int) -> torch.device:
+        if self.device is not None:
+            return self.device
+        param = next(self._module(stage).parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def _peer(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _post(
+        self, op: Callable[..., Any], peer_rank: int, edge: tuple[int, int], *, forward: bool
+    ) -> Callable[[torch.Tensor], Any]:
+        """Send or receive on one edge (source stage, consumer stage) in one direction: each
+        has its own tag, so its messages pair up in order whatever else the peers exchange."""
+        n = self.schedule.num_stages
+        tag = ((self._tag * n + edge[0]) * n + edge[1]) * 2 + (0 if forward else 1)
+        return p2p(op, self._peer(peer_rank), self.group, tag)
+
+    def _wait(self, work: Any, what: str) -> None:
+        wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
+
+    def _checkpointed(self, microbatch: int) -> bool:
+        return checkpointed(
+            self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
+        )
+
+    @contextlib.contextmanager
+    def _sync_context(self, stage: int, microbatch: int) -> Iterator[None]:
+        last = microbatch == self.schedule.num_microbatches - 1
+        if self._no_sync is None or (last and torch.is_grad_enabled()):
+            yield
+        else:
+            with self._no_sync(self._slot_of[stage]):
+                yield
+
+    def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
+        with self._sync_context(stage, mb):
+            y = self._module(stage)(x)
+        if stage == self.schedule.num_stages - 1:
+            return self.loss_fn(y, target) / self.schedule.num_microbatches
+        return y
+
+    def _forward(
+        self,
+        action: Action,
+        slot: Slot,
+        slots: dict[tuple[int, int], Slot],
+        xs: list[Any] | None,
+        ys: list[Any] | None,
+    ) -> Any:
+        s, mb = action.stage, action.microbatch
+        sched = self.schedule
+        if s == 0:
+            assert xs is not None
+            x = xs[mb]
+        else:
+            parts = []
+            for src in sched.sources(s):
+                if sched.placement[src] == self.rank:
+                    prev = slots.get((src, mb))
+                    if prev is None or prev.output is None or prev.carry is None:
+                        raise RuntimeError(f"{action} runs before {Action(src, Kind.FORWARD, mb)}")
+                    parts.append(detach_tree(prev.output, prev.carry))
+                    self._read(prev)
+                else:
+                    parts.append(self._receive_forward(action, slot, src))
+            x = parts[0] if len(parts) == 1 else tuple(parts)
+        target = ys[mb] if ys is not None and s == sched.num_stages - 1 else None
+        graph = not self._checkpointed(mb)
+        if not graph:
+            slot.rng = RngState.capture(self._device(s))
+            with torch.no_grad():
+                y = self._run_forward(s, mb, x, target)
+        else:
+            y = self._run_forward(s, mb, x, target)
+        slot.carry = carried(y, graph)
+        carried_leaves = [t for t, c in zip(tensor_leaves(y), slot.carry, strict=True) if c]
+        slot.grad_shapes = [(t.shape, t.dtype) for t in carried_leaves]
+        slot.input = x
+        slot.output = y
+        users = sched.consumers(s)
+        local = sum(sched.placement[t] == self.rank for t in users)
+        slot.readers = local + (1 if local < len(users) else 0)
+        if graph and users:
+            slot.kept = [i for i, t in enumerate(carried_leaves) if t.requires_grad]
+            if slot.kept:
+                slot.phony = Phony.apply(*(carried_leaves[i] for i in slot.kept))
+        return y
+
+    def _read(self, slot: Slot) -> None:
+        """One reader (a local consumer, or the send) took the output; after the last the
+        output is dropped: recomputed if checkpointed, else its graph lives on in the phony."""
+        slot.readers -= 1
+        if slot.readers <= 0:
+            slot.output = None
+
+    def _receive_forward(self, action: Action, slot: Slot, source: int) -> Any:
+        recv = Action(action.stage, Kind.RECV_F, action.microbatch)
+        if source not in slot.header:
+            raise RuntimeError(f"{action} runs before {recv}")
+        description, tensors, works = slot.header.pop(source)
+        for w in works:
+            self._wait(w, str(recv))
+        mark_gradients(description, tensors)
+        return rebuild(description, tensors)
+
+    def _recompute(self, action: Action, slot: Slot, ys: list[Any] | None) -> None:
+        """Redo the forward with the random state it first ran with (same dropout masks)."""
+        s, mb = action.stage, action.microbatch
+        assert slot.rng is not None
+        target = ys[mb] if ys is not None and s == self.schedule.num_stages - 1 else None
+        with replayed_rng(slot.rng), torch.enable_grad():
+            slot.output = self._run_forward(s, mb, slot.input, target)
+
+    def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor] | None:
+        """The gradient of the output: the sum over every consumer's contribution."""
+        s, mb = action.stage, action.microbatch
+        if s == self.schedule.num_stages - 1:
+            return None
+        for work in slot.pending:
+            self._wait(work, str(Action(s, Kind.RECV_B, mb)))
+        slot.pending = []
+        if len(slot.grad_parts) < len(self.schedule.consumers(s)):
+            raise RuntimeError(f"{action} has no gradient for its output from every consumer")
+        total = [
+            torch.stack(gs).sum(0) if len(gs) > 1 else gs[0]
+            for gs in zip(*slot.grad_parts, strict=True)
+        ]
+        slot.grad_parts = []
+        return total
+
+    def _targets(
+        self, action: Action, slot: Slot, grads: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What to differentiate and with which incoming gradients: the loss; the phony
+        (its node handed the gradients); or the (recomputed) output leaves that carry a
+        gradient and depend on something that requires one."""
+        if action.stage == self.schedule.num_stages - 1:
+            return [slot.output], None
+        assert grads is not None
+        if slot.output is None:  # not checkpointed: the phony stands for the output
+            if slot.phony is None:
+                return [], None
+            assert slot.phony.grad_fn is not None and slot.kept is not None
+            slot.phony.grad_fn.incoming = [grads[i] for i in slot.kept]  # type: ignore[attr-defined]
+            return [slot.phony], None
+        assert slot.carry is not None
+        outs = [t for t, c in zip(tensor_leaves(slot.output), slot.carry, strict=True) if c]
+        kept = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+        return [o for o, _ in kept], [g for _, g in kept]
+
+    def _backward(
+        self,
+        action: Action,
+        slot: Slot,
+        slots: dict[tuple[int, int], Slot],
+        ys: list[Any] | None,
+        *,
+        weights: bool,
+    ) -> None:
+        s, mb = action.stage, action.microbatch
+        if self._checkpointed(mb):
+            self._recompute(action, slot, ys)
+        elif slot.output is not None and slot.phony is not None:
+            slot.output = None  # the phony is the graph
+        grads = self._grad_output(action, slot)
+        outs, out_grads = self._targets(action, slot, grads)
+        sources = self.schedule.sources(s)
+        trees = [] if not sources else [slot.input] if len(sources) == 1 else list(slot.input)
+        ins = [differentiable(t) for t in trees]
+        flat = [x for group in ins for x in group]
+        if weights:
+            # The inputs are leaves: the whole backward leaves their gradients in ``.grad``.
+            if outs:
+                torch.autograd.backward(outs, out_grads)
+            found: list[torch.Tensor | None] = [x.grad for x in flat]
+            slot.output = slot.input = slot.phony = slot.grad_output = None
+        else:
+            found = [None] * len(flat)
+            if flat and outs:
+                found = list(
+                    torch.autograd.grad(outs, flat, out_grads, retain_graph=True, allow_unused=True)
+                )
+            slot.grad_output = grads  # kept for W
+        grad_in = [
+            (g if g is not None else torch.zeros_like(x)).detach()
+            for g, x in zip(found, flat, strict=True)
+        ]
+        start = 0
+        for src, group in zip(sources, ins, strict=True):
+            mine, start = grad_in[start : start + len(group)], start + len(group)
+            if self.schedule.placement[src] == self.rank:
+                slots.setdefault((src, mb), Slot()).grad_parts.append(mine)
+            else:
+                slot.grad_input = slot.grad_input or {}
+                slot.grad_input[src] = mine
+
+    def _backward_weight(self, action: Action, slot: Slot) -> None:
+        params = [p for p in self._module(action.stage).parameters() if p.requires_grad]
+        if slot.output is None and slot.phony is None:
+            raise RuntimeError(f"{action} runs without its I pass's graph")
+        if action.stage == self.schedule.num_stages - 1:
+            outs, grads = [slot.output], None
+        else:
+            outs, grads = self._targets(action, slot, slot.grad_output)
+        if outs and params:
+            torch.autograd.backward(outs, grads, inputs=params)
+        slot.output = slot.input = slot.phony = slot.grad_output = None
+
+    def _send(self, action: Action, slot: Slot) -> list[tuple[Any, torch.Tensor]]:
+        s = action.stage
+        sched = self.schedule
+        if action.kind is Kind.SEND_F:
+            if slot.output is None or slot.carry is None:
+                raise RuntimeError(f"{action} has nothing to send")
+            works = []
+            for t in sched.consumers(s):
+                if sched.placement[t] == self.rank:
+                    continue
+                post = self._post(dist.isend, sched.placement[t], (s, t), forward=True)
+                works += self._edges.send(
+                    ("out", s, t), slot.output, slot.carry, post, str(action), self._device(s)
+                )
+            self._read(slot)  # the sent copies are all the consumers see
+            return works
+        if slot.grad_input is None:
+            raise RuntimeError(f"{action} has nothing to send")
+        works = []
+        for src, grads in slot.grad_input.items():
+            post = self._post(dist.isend, sched.placement[src], (src, s), forward=False)
+            works += [(post(g.contiguous()), g) for g in grads]
+        slot.grad_input = None  # freed once sent
+        return works
+
+    def _recv(self, action: Action, slot: Slot) -> None:
+        s = action.stage
+        sched = self.schedule
+        dev = self._device(s)
+        if action.kind is Kind.RECV_F:
+            # The header (and a changed description) is awaited here, where the schedule
+            # receives; the leaves' receives are posted and awaited by the forward.
+            for src in sched.sources(s):
+                if sched.placement[src] == self.rank:
+                    continue
+                post = self._post(dist.irecv, sched.placement[src], (src, s), forward=True)
+                header = send_header_recv(dev)
+                self._wait(post(header), f"{action} (header)")
+                description = self._edges.receive_description(
+                    ("in", src, s),
+                    header,
+                    post,
+                    lambda w, what: self._wait(w, f"{action} ({what})"),
+                )
+                tensors = empty_leaves(description, dev)
+                slot.header[src] = (description, tensors, [post(t) for t in tensors])
+            return
+        if slot.grad_shapes is None:
+            raise RuntimeError(f"{action} before the forward of its stage")
+        for t in sched.consumers(s):
+            if sched.placement[t] == self.rank:
+                continue
+            post = self._post(dist.irecv, sched.placement[t], (s, t), forward=False)
+            bufs = [
+                torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in slot.grad_shapes
+            ]
+            slot.grad_parts.append(bufs)
+            slot.pending.extend(post(b) for b in bufs)
