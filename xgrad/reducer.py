@@ -138,7 +138,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         #: the plan the reducer started with (``plan`` changes at the rebuild).
         self.initial_plan = plan
 
-    # ----------------------------------------------------------------- plan and buffers
+    # --- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
         self._buckets, self._locate = build_buckets(
@@ -155,7 +155,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         """Bytes per bucket, in launch order."""
         return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
 
-    # ----------------------------------------------------------------- iteration control
+    # --- iteration control
 
     def _missing(self) -> list[int]:
         return [i for i in range(len(self.params)) if not self._ready[i]]
@@ -323,7 +323,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         if not self._expect_hooks:
             return
         if not self._marked_unused:
-            # No hook fired: nothing to reduce (e.g. the loss did not depend on the params).
+            # No hook fired: nothing to reduce.
             self._expect_hooks = False
             return
         if self._delay_launch:
