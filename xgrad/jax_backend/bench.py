@@ -22,6 +22,7 @@ from typing import Any
 
 from xgrad import models as zoo
 from xgrad.backend import runner_entries
+from xgrad.progress import progress
 from xgrad.step import Step, make_step
 
 HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
@@ -101,19 +102,23 @@ def jax_times(case: BenchCase, steps: int) -> dict[str, float]:
     params = jm.to_params(inputs.weights)
     loss = jm.make_loss(jm.get_apply(case.model))
     out = {}
-    for mode in ("shard_map", "pmap"):
-        for label, plan in (("bucketed", inputs.plan), ("leaf-by-leaf", None)):
-            step = data_parallel_value_and_grad(
-                loss,
-                world_size=case.world_size,
-                plan=plan,
-                names=list(inputs.weights),
-                mode=mode,
-                devices=devices,
-            )
-            out[f"{mode} {label}"] = time_steps(
-                functools.partial(step, params, inputs.x, inputs.y), steps
-            )
+    variants = [
+        (mode, label, plan)
+        for mode in ("shard_map", "pmap")
+        for label, plan in (("bucketed", inputs.plan), ("leaf-by-leaf", None))
+    ]
+    for mode, label, plan in progress(variants, "bench jax"):
+        step = data_parallel_value_and_grad(
+            loss,
+            world_size=case.world_size,
+            plan=plan,
+            names=list(inputs.weights),
+            mode=mode,
+            devices=devices,
+        )
+        out[f"{mode} {label}"] = time_steps(
+            functools.partial(step, params, inputs.x, inputs.y), steps
+        )
     return out
 
 
