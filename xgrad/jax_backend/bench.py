@@ -24,6 +24,7 @@ from xgrad import models as zoo
 from xgrad.backend import runner_entries
 from xgrad.progress import progress
 from xgrad.step import Step, make_step
+from xgrad.tables import Table, write_tables
 
 HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
 
@@ -75,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--no-torch", action="store_true", help="JAX variants only")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--csv", type=Path, default=None, help="also write the times as CSV (variant, ms/step)"
+    )
 
 
 def time_steps(step: Callable[[], Any], steps: int) -> float:
@@ -190,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
             print("torch comparison skipped: no torch DDP runner can run here", file=sys.stderr)
             torch_s = {}
     print(format_table(case, jax_s, torch_s))
+    if args.csv is not None:
+        times = tuple((k, v * 1e3) for k, v in {**jax_s, **torch_s}.items())
+        write_tables([Table(("variant", "ms_per_step"), times, "bench jax")], None, args.csv)
     if args.json is not None:
         rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}
         args.json.write_text(json.dumps(rows, indent=2))
