@@ -219,3 +219,16 @@ def test_runner_says_why_not(entry: Any) -> None:
         reason = runner.unsupported(bad)
         assert reason and dtype in reason, (runner.name, dtype, reason)
     assert unsupported_by_declaration(runner, step) is None
+
+
+def test_jax_says_why_not_for_more_ranks_than_devices() -> None:
+    """A world size is a "why not" too: JAX needs one device per rank."""
+    jax_runners = [e.runner for e in ENTRIES if e.backend == "jax"]
+    if not jax_runners:
+        pytest.skip("no JAX backend registered")
+    _usable("jax")
+    step = _scrambled_step()
+    big = Step(step.model, step.weights, step.x, step.y, 4096, step.plan)
+    for runner in jax_runners:
+        reason = runner.unsupported(big)
+        assert reason is not None and "world size 4096 needs 4096 JAX CPU devices" in reason
