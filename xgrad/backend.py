@@ -167,6 +167,21 @@ def find_truth(model: str) -> Truth:
     return sorted(found, key=lambda t: not t.independent)[0]
 
 
+def find_sampler() -> Any:
+    """The PowerSGD random draws a backend offers (``powersgd_sampler()``), or ``None``.
+
+    PowerSGD starts from random matrices; a backend whose framework draws them its own way
+    (torch's ``powerSGD_hook``) offers that sampler, so the float64 model and the other
+    backends can replay the very same numbers. ``None``: NumPy's draws.
+    """
+    for name in list_backends():
+        ok, _ = backend_available(name)
+        offer = getattr(get_backend(name), "powersgd_sampler", None) if ok else None
+        if offer is not None:
+            return offer()
+    return None
+
+
 def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
     """The reasons a runner's declared ``hooks`` and ``dtypes`` give against ``step``."""
     if step.hook is not None and step.hook not in runner.hooks:

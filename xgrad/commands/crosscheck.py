@@ -76,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=output_folder, default="xgrad-out", help="folder for the JSON and CSV"
     )
+    parser.add_argument(
+        "--jax-processes",
+        type=positive_int,
+        default=1,
+        help="run the JAX rows in this many processes (jax.distributed over gloo on "
+        "127.0.0.1, each passing its own rows of the batch; default 1)",
+    )
+    parser.add_argument(
+        "--stateful",
+        action="store_true",
+        help="with --hook powersgd: PyTorch's default PowerSGD state (error feedback, warm "
+        "start, from the third step) carried over every step; compare the last",
+    )
     parser.add_argument("--no-buckets", action="store_true", help="omit the per-bucket rows")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar or lines on stderr"
@@ -97,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             steps=args.steps,
             timeout=args.timeout,
+            stateful=args.stateful,
+            jax_processes=args.jax_processes,
         )
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         if not backends:

@@ -33,14 +33,14 @@ import torch.distributed as dist
 
 from xgrad.failure import (
     FailureChannel,
-    Heartbeat,
     KeyValueStore,
-    Liveness,
+    RankError,
     check_seconds,
     default_seconds,
     error_for,
     wait_until,
 )
+from xgrad.heartbeat import Heartbeat, Liveness
 
 __all__ = [
     "Waiter",
@@ -50,6 +50,7 @@ __all__ = [
     "group_store",
     "start_heartbeat",
     "stop_heartbeat",
+    "transfer_failed",
     "wait_work",
 ]
 
@@ -242,14 +243,26 @@ def wait_work(
     if error:
         if channel is None:
             raise error[0]
-        channel.check(prefix=prefix)  # a failure posted meanwhile is the origin
-        text = f"{type(error[0]).__name__}: {error[0]}"
-        if peer is None:
-            failure = channel.post(what, text)
-        else:
-            message = f"stopped answering: {what} failed: {text}"
-            failure = channel.post("", message, kind="unresponsive", rank=peer)
-        raise error_for(failure, channel.rank, prefix) from error[0]
+        raise transfer_failed(channel, what, error[0], peer, prefix=prefix) from error[0]
+
+
+def transfer_failed(
+    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, prefix: str = ""
+) -> RankError:
+    """Post a failed send, receive or collective (``exc``) and return the error to raise.
+
+    A failure another rank posted first is the origin. Otherwise, with a ``peer`` (gloo
+    fails a transfer when the peer's death closed the connection), the peer is named as
+    the rank that stopped answering; without one, this rank in ``what``.
+    """
+    channel.check(prefix=prefix)
+    text = f"{type(exc).__name__}: {exc}"
+    if peer is None:
+        failure = channel.post(what, text)
+    else:
+        message = f"stopped answering: {what} failed: {text}"
+        failure = channel.post("", message, kind="unresponsive", rank=peer)
+    return error_for(failure, channel.rank, prefix)
 
 
 def abort_group(group: Any = None) -> None:

@@ -36,7 +36,8 @@ from xgrad.torch_backend.failure import Waiter, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
 )
-from xgrad.torch_backend.pipeline_stage import Slot, StagePasses, held_bytes
+from xgrad.torch_backend.pipeline_slot import Slot, held_bytes
+from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import (
     EdgeCache,
     split_batch,
@@ -44,9 +45,9 @@ from xgrad.torch_backend.pipeline_wire import (
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
-#: gloo tags cycle through this many values: one per step, so that the messages of a failed
-#: step (never received) cannot be taken for those of a later one.
-_TAGS = 1 << 20
+#: gloo tags (one per step, edge and direction, so that the messages of a failed step,
+#: never received, cannot be taken for those of a later one) stay below this.
+_TAG_LIMIT = 1 << 30
 
 #: steps started per process group, in this process (every rank counts alike: the channel
 #: namespace and the tag of a step).
@@ -163,7 +164,8 @@ class PipelineRuntime(StagePasses):
             # buffered model, as torch's own lowering assumes.
             self.schedule = validate(schedule, rendezvous=False)
         else:
-            self.schedule = validate(insert_comms(schedule), rendezvous=True)
+            # A chain's comms pair up even if sends blocked; a DAG's need the buffered model.
+            self.schedule = validate(insert_comms(schedule), rendezvous=schedule.is_chain)
         self.partitions = list(partitions)
         if invocations is not None:
             if placement_of(invocations) != schedule.placement:
@@ -247,7 +249,8 @@ class PipelineRuntime(StagePasses):
             else None
         )
         index = _next_step(self.group)
-        self._tag = index % _TAGS
+        n = sched.num_stages
+        self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError

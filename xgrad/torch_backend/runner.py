@@ -6,6 +6,7 @@ without it); each run does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -69,6 +70,7 @@ class DDPRunner:
             hook=step.hook,
             steps=step.steps,
             timeout=step.timeout,
+            powersgd=dataclasses.asdict(step.powersgd),
         )
         return StepResult(
             grads={k: np.asarray(v) for k, v in answer["grads"].items()},
