@@ -67,13 +67,13 @@ def _check(prints: list[Fingerprint]):  # type: ignore[no-untyped-def]
 def test_every_rank_raises_the_same_error_naming_ranks() -> None:
     ref = _ddp(BucketPlan(((0,), (1,)), (24, 24)))
     swapped = _ddp(BucketPlan(((1,), (0,)), (24, 24)))
-    errors = spawn(3, _check([ref, swapped, ref]), timeout=10)
+    errors = spawn(_check([ref, swapped, ref]), 3, timeout=10)
     assert all(isinstance(e, DisagreementError) for e in errors)
     for rank, err in enumerate(errors):
         assert f"seen on rank {rank}" in str(err)
         assert "rank 1 differ from rank 0" in str(err)
         assert err.section == "bucket" and err.index == 0 and err.ranks == [1]
-    assert spawn(3, _check([ref, ref, ref]), timeout=10) == [None, None, None]
+    assert spawn(_check([ref, ref, ref]), 3, timeout=10) == [None, None, None]
 
 
 def test_agreement_costs_one_gather_when_ranks_agree() -> None:
@@ -89,7 +89,7 @@ def test_agreement_costs_one_gather_when_ranks_agree() -> None:
         comm.allgather_object = counted  # type: ignore[method-assign]
         check_agreement(comm, _ddp(BucketPlan(((0, 1),), (100,))), where="DDP")
 
-    spawn(2, body, timeout=10)
+    spawn(body, 2, timeout=10)
     assert sorted(calls) == [0, 1]
 
 

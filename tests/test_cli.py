@@ -33,10 +33,15 @@ def test_plan_from_sizes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     )
     assert code == 0
     text = capsys.readouterr().out
-    assert "3 parameters, 6000100 bytes, 2 buckets" in text
-    # Ready order is the reverse definition order: the small first bucket gets 2, then 1.
+    assert "3 parameters, 6000100 bytes, 1 buckets" in text
+    # An explicit cap applies to the first bucket too, as in DDP: 100 + 2e6 < 4 MiB, then 0.
     plan = BucketPlan.from_json(out.read_text())
-    assert plan.buckets == ((2, 1), (0,))
+    assert plan.buckets == ((2, 1, 0),)
+    first = tmp_path / "first.json"
+    argv = ["plan", "--sizes", "[4000000, 2000000, 100]", "--bucket-cap", "4MB"]
+    assert main([*argv, "--first-bucket-cap", "1MB", "--out", str(first)]) == 0
+    # Ready order is the reverse definition order: the small first bucket gets 2, then 1.
+    assert BucketPlan.from_json(first.read_text()).buckets == ((2, 1), (0,))
 
 
 def test_plan_json_for_a_zoo_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,3 +62,107 @@ def test_backends_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].split() == ["jax", "available"]
     assert main(["backends", "nope"]) == 2
     assert "unknown xgrad backend 'nope'; known backends:" in capsys.readouterr().out
+
+
+def test_plan_units_and_ddp_first_bucket(capsys: pytest.CaptureFixture[str]) -> None:
+    """2048B and 0.001953125 (MB) are one cap; it fills the first bucket too (two buckets)."""
+    assert main(["plan", "--bucket-cap", "2048B", "--json"]) == 0
+    by_suffix = BucketPlan.from_json(capsys.readouterr().out)
+    assert main(["plan", "--bucket-cap-mb", "0.001953125", "--json"]) == 0
+    assert BucketPlan.from_json(capsys.readouterr().out) == by_suffix
+    assert by_suffix.buckets == ((5, 4, 3, 2), (1, 0)) and by_suffix.limits == (2048, 2048)
+
+
+def test_plan_table_shows_an_unbounded_cap_as_infinity(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    csv_path = tmp_path / "plan.csv"
+    assert main(["plan", "--mode", "initial", "--csv", str(csv_path)]) == 0
+    text = capsys.readouterr().out
+    assert "∞" in text and "9223372036854775807" not in text
+    rows = csv_path.read_text().splitlines()
+    assert rows[0] == "bucket,params,bytes,limit,members"
+    assert rows[1].startswith("0,6,7456,inf,layers.0.weight")
+    assert main(["plan", "--csv"]) == 0  # no FILE: the CSV instead of the text
+    assert capsys.readouterr().out.startswith("bucket,params,bytes,limit,members\n0,")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--sizes", "[[1]]"], "xgrad plan: error: --sizes: size of '0' is [1]"),
+        (["plan", "--bucket-cap", "25XB"], "argument --bucket-cap/--bucket-cap-mb: '25XB' is not"),
+        (["plan", "--out", "/no/such/folder/p.json"], "argument --out: folder '/no/such/folder'"),
+        (["crosscheck", "--backends", ","], "xgrad crosscheck: error: --backends ',' names no"),
+        (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
+        (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
+        (["bench", "graph", "--nodes", "x"], "argument --nodes"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_option(argv: list[str], message: str) -> None:
+    """As a user runs it: no traceback, the last line names the option, exit status 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "xgrad.cli", *argv], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert message in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_value_errors_of_a_command_are_one_line_from_the_entry_point(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.argv", ["xgrad", "bench", "graph", "--nodes", "-5"])
+    monkeypatch.delenv("XGRAD_TRACEBACK", raising=False)
+    assert main() == 2
+    assert capsys.readouterr().err.startswith("xgrad bench graph: error: ")
+
+
+def test_every_option_has_a_help_line_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("crosscheck", "plan", "backends", "schedule", "bench"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        assert "options:" in text, name
+    with pytest.raises(SystemExit):
+        main(["crosscheck", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED seeds the weights and the batch (default: 0)" in text
+    assert "(default: 2048B)" in text and "--world-size WORLD_SIZE ranks (default: 2)" in text
+
+
+def test_backends_lists_runners_and_writes_json_and_csv(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import csv
+    import json
+
+    assert main(["backends", "reference", "--json", str(tmp_path / "b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "runners" in text and "allreduce,fp16,bf16" in text
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["backends"] == [{"backend": "reference", "status": "available"}]
+    assert [r["runner"] for r in data["runners"]] == ["reference"]
+    assert main(["backends", "reference", "--csv"]) == 0
+    rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
+    assert [r["table"] for r in rows] == ["backends", "runners"]
+
+
+def test_schedule_writes_its_figures_as_json(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import json
+
+    out = tmp_path / "s.json"
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    figures = {row["figure"]: row["value"] for row in data["figures"]}
+    assert figures["bubble_fraction"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    assert [row["rank"] for row in data["ranks"]] == [0, 1]
+    assert len(data["timeline"]) == 2 * 4 * 2  # a forward and a backward per microbatch and rank

@@ -76,7 +76,7 @@ def test_averaged_gradients_bit_for_bit(world: int) -> None:
         return got
 
     want = expected_mean(world)
-    for got in spawn(world, body):
+    for got in spawn(body, world):
         for i in range(len(SHAPES)):
             np.testing.assert_array_equal(got[i], want[i])
 
@@ -92,7 +92,7 @@ def test_buckets_launch_in_bucket_order() -> None:
         reducer.finalize()
         return reducer.records[-1]
 
-    for record in spawn(2, body):
+    for record in spawn(body, 2):
         assert record.ready_order == (0, 1, 2, 3)
         launch0, launch1 = record.launch_times
         last_ready = record.ready_times[-1]  # param 3 completes bucket 0
@@ -114,7 +114,7 @@ def test_unused_parameters_marked_at_first_hook_and_globally_unused_left_alone()
         reducer.finalize()
         return got
 
-    results = spawn(2, body)
+    results = spawn(body, 2)
     half = np.float32(0.5)
     for got in results:
         assert 3 not in got  # globally unused: the gradient is left untouched, as DDP does
@@ -145,7 +145,7 @@ def test_discarded_forward_leaves_nothing_behind(with_unused: bool) -> None:
         return steps
 
     want = expected_mean(2)
-    for steps in spawn(2, body):
+    for steps in spawn(body, 2):
         for got in steps:
             for i in got:
                 np.testing.assert_array_equal(got[i], want[i])
@@ -160,7 +160,7 @@ def test_marked_twice_names_parameter_and_rank() -> None:
         reducer.mark_ready(1, grads_for(comm.rank)[1])
 
     with pytest.raises(RankError) as err:
-        spawn(2, body)
+        spawn(body, 2)
     text = str(err.value.__cause__)
     assert "Parameter at index 1 with name a.bias has been marked as ready twice" in text
     assert "rank 0" in text
@@ -178,7 +178,7 @@ def test_missing_gradient_raises_at_finalize_and_at_the_next_iteration() -> None
             reducer.prepare_for_backward()
         return str(at_end.value), str(at_next.value)
 
-    for rank, (at_end, at_next) in enumerate(spawn(2, body)):
+    for rank, (at_end, at_next) in enumerate(spawn(body, 2)):
         for text in (at_end, at_next):
             assert f"Parameters which did not receive grad for rank {rank}: b.bias" in text
         assert "Expected to have finished reduction in the prior iteration" in at_next
@@ -199,7 +199,7 @@ def test_no_sync_hooks_do_nothing_and_accumulated_grads_are_reduced_later() -> N
         reducer.finalize()
         return got, synced_before
 
-    results = spawn(2, body)
+    results = spawn(body, 2)
     half = np.float32(0.5)
     for got, synced_before in results:
         assert synced_before == 0
@@ -224,7 +224,7 @@ def test_rebuild_once_from_rank_zeros_ready_order() -> None:
         return first, second, reducer.plan
 
     want = assign_buckets([12, 16, 20, 4], [12, 24], order=[3, 2, 1, 0])
-    for first, second, plan in spawn(2, body):
+    for first, second, plan in spawn(body, 2):
         assert (first, second) == (True, False)
         assert plan == want
 
@@ -242,7 +242,7 @@ def test_gradient_as_bucket_view_divides_in_place() -> None:
         return views, got
 
     want = [grads_for(0)[i] / np.float32(2) + grads_for(1)[i] / np.float32(2) for i in range(4)]
-    for views, got in spawn(2, body):
+    for views, got in spawn(body, 2):
         for i in range(4):
             np.testing.assert_array_equal(views[i], want[i])
             assert np.shares_memory(got[i], got[i])  # written back as the bucket view
@@ -265,7 +265,7 @@ def test_static_graph_learns_unused_in_first_iteration() -> None:
         return steps
 
     want = expected_mean(2)
-    for steps in spawn(2, body):
+    for steps in spawn(body, 2):
         for got in steps:
             assert sorted(got) == [0, 1, 2]
             for i in got:
@@ -296,7 +296,7 @@ def test_backend_neutral_hooks(name: str, world: int) -> None:
         reducer.finalize()
         return got
 
-    for got in spawn(world, body):
+    for got in spawn(body, world):
         for i in range(4):
             np.testing.assert_array_equal(got[i], _hook_arithmetic(name, world, i))
     if name != "allreduce":  # compression loses precision, and the loss is visible
@@ -322,7 +322,7 @@ def test_backend_neutral_hooks(name: str, world: int) -> None:
 )
 def test_bad_construction(build: Callable[[ReferenceComm], Any], needle: str) -> None:
     with pytest.raises(RankError) as err:
-        spawn(1, build)
+        spawn(build, 1)
     assert isinstance(err.value.__cause__, ValueError)
     assert needle in str(err.value.__cause__)
 
@@ -332,5 +332,5 @@ def test_unused_without_find_unused_is_refused() -> None:
         make_reducer(comm, TWO_BUCKETS, {}).prepare_for_backward([2])
 
     with pytest.raises(RankError) as err:
-        spawn(1, body)
+        spawn(body, 1)
     assert "['b.weight'] but find_unused_parameters is off" in str(err.value.__cause__)

@@ -36,6 +36,7 @@ __all__ = [
     "Fingerprint",
     "check_agreement",
     "data_parallel_fingerprint",
+    "disagreement_error",
     "first_difference",
 ]
 
@@ -168,11 +169,22 @@ def check_agreement(comm: _Gather, fingerprint: Fingerprint, *, where: str) -> N
     digests = comm.allgather_object(fingerprint.digest)
     if all(d == digests[0] for d in digests):
         return
-    error = _difference(comm.allgather_object(fingerprint))
+    raise disagreement_error(comm.allgather_object(fingerprint), where=where, rank=comm.rank)
+
+
+def disagreement_error(
+    prints: Sequence[Fingerprint], *, where: str, rank: int
+) -> DisagreementError:
+    """The error every rank raises when the gathered ``prints`` (rank order) differ.
+
+    For a backend that gathers digests its own way (a bounded tensor all-gather, say)
+    and calls this only once they differed.
+    """
+    error = _difference(prints)
     if error is None:  # the digests differed, so the descriptions do too
         raise AssertionError("fingerprints with different digests compared equal")
-    raise DisagreementError(
-        f"{where}: the ranks disagree on the {error.what} (seen on rank {comm.rank}; "
+    return DisagreementError(
+        f"{where}: the ranks disagree on the {error.what} (seen on rank {rank}; "
         f"{_ranks(error.ranks)} differ from rank 0): {error}",
         what=error.what,
         section=error.section,

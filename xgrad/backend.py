@@ -104,6 +104,69 @@ class Runner(Protocol):
         ...
 
 
+def backend_benches() -> dict[str, str]:
+    """Every registered backend's ``xgrad bench`` targets (target -> module path).
+
+    Raises:
+        ValueError: two backends claim one target.
+    """
+    targets: dict[str, str] = {}
+    for name in list_backends():
+        try:
+            benches = getattr(get_backend(name), "BENCHES", {})
+        except ImportError:
+            continue  # reported by `xgrad backends`; its benches cannot run anyway
+        for target, module in benches.items():
+            if target in targets:
+                raise ValueError(f"bench target {target!r} is claimed twice (backend {name})")
+            targets[target] = module
+    return targets
+
+
+@dataclass(frozen=True)
+class Truth:
+    """A backend's single-process, full-batch float64 gradients: what runners are judged by.
+
+    Attributes:
+        grads: ``grads(model, weights, x, y) -> {name: float64 gradient}``; the weights
+            and batch are converted exactly to float64 first.
+        covers: whether it can differentiate a model (by name).
+        description: one line for reports (``"torch float64, one process, full batch"``).
+        independent: computed by a framework's own autograd rather than xgrad's engine,
+            so it checks xgrad's engine too; preferred over one that is not.
+    """
+
+    grads: Callable[[str, Mapping[str, np.ndarray], np.ndarray, np.ndarray], dict[str, np.ndarray]]
+    covers: Callable[[str], bool]
+    description: str
+    independent: bool
+
+
+def find_truth(model: str) -> Truth:
+    """The float64 truth for ``model``: an independent one if an available backend has it.
+
+    Raises:
+        RuntimeError: no available backend can differentiate ``model`` (saying which
+            backends were asked).
+    """
+    found: list[Truth] = []
+    asked = []
+    for name in list_backends():
+        ok, _ = backend_available(name)
+        offer = getattr(get_backend(name), "truth", None) if ok else None
+        truth = offer() if offer is not None else None
+        if truth is not None:
+            asked.append(name)
+            if truth.covers(model):
+                found.append(truth)
+    if not found:
+        raise RuntimeError(
+            f"no float64 truth for model {model!r}: none of the available backends that offer "
+            f"one ({', '.join(asked) or 'none'}) differentiates it"
+        )
+    return sorted(found, key=lambda t: not t.independent)[0]
+
+
 def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
     """The reasons a runner's declared ``hooks`` and ``dtypes`` give against ``step``."""
     if step.hook is not None and step.hook not in runner.hooks:
@@ -132,6 +195,9 @@ class Backend(Protocol):
 
     name: str
     run_ranks: Callable[..., list[Any]] | None
+    #: optional: ``xgrad bench`` targets it adds, target -> module (``HELP``,
+    #: ``add_arguments``, ``run``), imported only when that target runs.
+    BENCHES: Mapping[str, str]
 
     def available(self) -> bool:
         """Whether it can run here (its framework imports); cheap, imports nothing heavy."""
@@ -143,6 +209,10 @@ class Backend(Protocol):
 
     def array_ops(self) -> tuple[ArrayOps, Callable[[np.ndarray], Any]] | None:
         """The reducer's array operations and ``numpy -> native array``, or None."""
+        ...
+
+    def truth(self) -> Truth | None:
+        """Its float64 single-process gradients (:class:`Truth`), or None."""
         ...
 
 

@@ -127,7 +127,11 @@ class BucketPlan:
         return BucketPlan(tuple(reversed(self.buckets)), tuple(reversed(self.limits)))
 
     def table(self, nbytes: Sequence[int] | None = None, names: Sequence[str] | None = None) -> str:
-        """A plain-text table of the plan, one row per bucket."""
+        """A plain-text table of the plan, one row per bucket.
+
+        The limit of a bucket without a cap (DDP's first iteration, :data:`NO_LIMIT`) shows
+        as ``∞``; that of a sparse gradient's own bucket as ``none``.
+        """
         rows = [("bucket", "params", "bytes", "limit", "members")]
         for b, (bucket, limit) in enumerate(zip(self.buckets, self.limits, strict=True)):
             size = "-" if nbytes is None else str(sum(nbytes[i] for i in bucket))
@@ -135,7 +139,8 @@ class BucketPlan:
             shown = ", ".join(members[:6]) + (
                 f", ... (+{len(members) - 6})" if len(members) > 6 else ""
             )
-            rows.append((str(b), str(len(bucket)), size, str(limit) if limit else "none", shown))
+            cap = "∞" if limit >= NO_LIMIT else str(limit) if limit else "none"
+            rows.append((str(b), str(len(bucket)), size, cap, shown))
         widths = [max(len(r[c]) for r in rows) for c in range(4)]
         return "\n".join(
             "  ".join(r[c].rjust(widths[c]) for c in range(4)) + "  " + r[4] for r in rows

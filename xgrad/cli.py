@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,19 +45,67 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option gets a help line, and the line shows its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = (
+            "%(default)" not in text
+            and default is not argparse.SUPPRESS
+            and action.option_strings
+            and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            and not isinstance(action, argparse._HelpAction)
+        )
+        if shown:
+            text = f"{text} (default: {'none' if default is None else '%(default)s'})".strip()
+        return text
+
+
+def build_module_parser(module: object, prog: str) -> argparse.ArgumentParser:
+    """The parser of a command module: its options, each with a help line and default."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=getattr(module, "HELP", None), formatter_class=HelpFormatter
+    )
+    module.add_arguments(parser)  # type: ignore[attr-defined]
+    for action in parser._actions:
+        if not action.help and action.help is not argparse.SUPPRESS:
+            action.help = action.dest.replace("_", " ")  # argparse skips an option without help
+    return parser
+
+
 def run_module(path: str, prog: str, argv: Sequence[str]) -> int:
     """Import the command module at ``path``, parse ``argv`` with its options, run it.
 
     Subcommands, bench targets and experiments are all such modules.
     """
     module = importlib.import_module(path)
-    parser = argparse.ArgumentParser(prog=prog, description=module.HELP)
-    module.add_arguments(parser)
+    parser = build_module_parser(module, prog)
     return int(module.run(parser.parse_args(list(argv))) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The ``xgrad`` command.
+
+    Run as the command (no ``argv``), a ``ValueError`` or ``TypeError`` that escapes a
+    subcommand is bad input and printed as one line naming the subcommand, exit status 2
+    (``XGRAD_TRACEBACK=1`` shows the traceback); called from Python with ``argv`` it
+    propagates, so callers and tests see the exception itself.
+    """
+    if argv is not None:
+        return _dispatch(list(argv))
+    try:
+        return _dispatch(sys.argv[1:])
+    except (ValueError, TypeError) as err:
+        if os.environ.get("XGRAD_TRACEBACK"):
+            raise
+        words = [w for w in sys.argv[1:3] if not w.startswith("-")]
+        print(f"xgrad {' '.join(words)}: error: {err}".replace("  ", " "), file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if not argv or argv[0] not in COMMANDS:
         # Let argparse print usage / the unknown-command error with the known names.

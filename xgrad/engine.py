@@ -1,4 +1,4 @@
-"""Runs a backward graph: a ready queue driven by dependency counts, hooks, errors, contexts.
+"""Runs a backward graph: a ready queue driven by dependency counts, hooks, errors.
 
 The engine is array-agnostic: node functions receive and return arrays of any library
 (numpy in the reference backend) and the engine only adds them where edges meet.
@@ -9,7 +9,8 @@ A local pass::
     engine.register_post_accumulate_hook(0, reducer.mark_ready)
     result = engine.backward(graph, functions, {loss_node: ones})
 
-A distributed pass (:class:`DistContext`) runs one engine per worker; ``recv`` nodes send
+A distributed pass (:class:`~xgrad.dist_context.DistContext`, re-exported here with the
+errors of :mod:`xgrad.engine_errors`) runs one engine per worker; ``recv`` nodes send
 their gradient back to the matching ``send`` node of another worker. The first error on
 any worker stops the pass on every worker, each raising :class:`DistBackwardError` naming
 the worker it came from, and the context is released everywhere so the next pass works.
@@ -20,15 +21,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from xgrad.graph import BackwardGraph, NodeKind, compute_dependencies
+from xgrad.dependencies import compute_dependencies
+from xgrad.dist_context import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from xgrad.dist_context import DistContext as DistContext
+from xgrad.engine_errors import BackwardError as BackwardError
+from xgrad.engine_errors import DistBackwardError as DistBackwardError
+from xgrad.graph import BackwardGraph, NodeKind
 
 #: A node's backward: one gradient per input (None where none arrived) -> one per next edge
 #: (None: no gradient along that edge).
@@ -36,43 +40,6 @@ NodeFunction = Callable[[list[Any]], Sequence[Any]]
 #: Called after a parameter's gradient was accumulated: ``hook(param_index, accumulated)``;
 #: the reducer's ``mark_ready`` has exactly this signature.
 PostAccumulateHook = Callable[[int, Any], None]
-
-DEFAULT_TIMEOUT_S = 60.0
-
-
-class BackwardError(RuntimeError):
-    """A node failed during a backward pass; the pass was stopped and its state dropped.
-
-    Attributes:
-        node: the failing node's id, or -1 when the failure was not inside a node (a timeout).
-        node_name: its label.
-        worker: the worker it happened on (None in a local pass).
-        message: the original error's text.
-    """
-
-    def __init__(self, node: int, node_name: str, message: str, worker: int | None = None):
-        self.node = node
-        self.node_name = node_name
-        self.message = message
-        self.worker = worker
-        where = "" if worker is None else f" on worker {worker}"
-        at = "" if node < 0 else f" at node {node} ({node_name})"
-        super().__init__(f"backward pass failed{where}{at}: {message}")
-
-
-class DistBackwardError(BackwardError):
-    """Raised on every worker of a distributed pass when any of them failed.
-
-    ``worker`` is the worker the error came from; ``context_id`` the pass; ``raised_on``
-    the worker that raises this copy.
-    """
-
-    def __init__(
-        self, context_id: int, raised_on: int, node: int, node_name: str, message: str, worker: int
-    ):
-        self.context_id = context_id
-        self.raised_on = raised_on
-        super().__init__(node, node_name, f"(context {context_id}) {message}", worker)
 
 
 @dataclass(frozen=True)
@@ -90,136 +57,6 @@ def _default_accumulate(old: Any, new: Any) -> Any:
         return new.copy() if hasattr(new, "copy") else new
     old += new
     return old
-
-
-class DistContext:
-    """One distributed backward pass shared by in-process workers (threads).
-
-    The forward pass records, for every tensor sent from worker A to worker B, a ``send``
-    node in A's graph and a ``recv`` node in B's graph, and links them with :meth:`link`.
-    In the backward pass B's ``recv`` node delivers its gradient to A's ``send`` node.
-
-    A worker whose ``recv`` node was not reached still tells the other side (with no
-    gradient) when it finishes, so no worker waits for a gradient that cannot come. Every
-    wait is bounded by ``timeout`` seconds; running past it fails the pass, naming the
-    worker that waited.
-    """
-
-    _ids = itertools.count(1)
-
-    def __init__(self, workers: Iterable[int], *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self.context_id = next(DistContext._ids)
-        self.workers = tuple(sorted(set(workers)))
-        if not self.workers:
-            raise ValueError("workers is empty; a distributed pass needs at least one worker")
-        if timeout <= 0:
-            raise ValueError(f"timeout={timeout} must be > 0 seconds")
-        self.timeout = timeout
-        self._routes: dict[tuple[int, int], tuple[int, int]] = {}
-        self._sends: dict[int, list[int]] = {w: [] for w in self.workers}
-        self._cond = threading.Condition()
-        self._mail: dict[int, deque[tuple[int, Any]]] = {w: deque() for w in self.workers}
-        self._done: set[int] = set()
-        self._released: set[int] = set()
-        #: ``(worker, node, node name, message)`` of the first failure, if any.
-        self.error: tuple[int, int, str, str] | None = None
-
-    def link(self, send_worker: int, send_node: int, recv_worker: int, recv_node: int) -> None:
-        """Record that ``recv_node`` on ``recv_worker`` returns its gradient to ``send_node``."""
-        for w in (send_worker, recv_worker):
-            if w not in self._mail:
-                raise ValueError(f"worker {w} is not in this context's workers {self.workers}")
-        key = (recv_worker, recv_node)
-        if key in self._routes:
-            raise ValueError(f"recv node {recv_node} of worker {recv_worker} is linked twice")
-        self._routes[key] = (send_worker, send_node)
-        self._sends[send_worker].append(send_node)
-
-    def sends_of(self, worker: int) -> tuple[int, ...]:
-        return tuple(self._sends[worker])
-
-    def recvs_of(self, worker: int) -> dict[int, tuple[int, int]]:
-        """``{recv node: (send worker, send node)}`` for ``worker``'s recv nodes."""
-        return {r: dst for (w, r), dst in self._routes.items() if w == worker}
-
-    def deliver(self, recv_worker: int, recv_node: int, grad: Any) -> None:
-        """Send ``grad`` (None: no gradient) from a recv node to its send node's worker."""
-        try:
-            peer, send_node = self._routes[(recv_worker, recv_node)]
-        except KeyError:
-            raise ValueError(
-                f"recv node {recv_node} of worker {recv_worker} is not linked to a send node"
-            ) from None
-        with self._cond:
-            self._mail[peer].append((send_node, grad))
-            self._cond.notify_all()
-
-    def receive(self, worker: int) -> tuple[int, Any]:
-        """Wait for the next ``(send node, gradient)`` for ``worker`` (bounded; raises on failure)."""
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while True:
-                if self.error is not None:
-                    raise self._copy_error(worker)
-                if self._mail[worker]:
-                    return self._mail[worker].popleft()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-        raise self.fail(
-            worker, -1, "", f"timed out after {self.timeout}s waiting for gradients from peers"
-        )
-
-    def fail(self, worker: int, node: int, node_name: str, message: str) -> DistBackwardError:
-        """Record the pass's first error and wake every worker; returns this worker's copy."""
-        with self._cond:
-            if self.error is None:
-                self.error = (worker, node, node_name, message)
-            self._cond.notify_all()
-            return self._copy_error(worker)
-
-    def finish(self, worker: int) -> None:
-        """Wait until every worker finished its part; raises if any failed (bounded)."""
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            self._done.add(worker)
-            self._cond.notify_all()
-            while True:
-                if self.error is not None:
-                    raise self._copy_error(worker)
-                if len(self._done) == len(self.workers):
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(self.workers) - self._done)
-                    break
-                self._cond.wait(left)
-        raise self.fail(
-            worker, -1, "", f"timed out after {self.timeout}s; workers {missing} did not finish"
-        )
-
-    def release(self, worker: int) -> None:
-        with self._cond:
-            self._released.add(worker)
-            self._mail[worker].clear()
-
-    @property
-    def released(self) -> bool:
-        """True once every worker let go of the context."""
-        with self._cond:
-            return len(self._released) == len(self.workers)
-
-    def raise_if_failed(self, worker: int) -> None:
-        """Stop early: raise this worker's copy of the pass's error, if another worker failed."""
-        with self._cond:
-            if self.error is not None:
-                raise self._copy_error(worker)
-
-    def _copy_error(self, worker: int) -> DistBackwardError:
-        assert self.error is not None
-        origin, node, node_name, message = self.error
-        return DistBackwardError(self.context_id, worker, node, node_name, message, origin)
 
 
 class Engine:

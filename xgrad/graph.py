@@ -1,4 +1,4 @@
-"""A backward graph as frozen data, and the dependency computation of distributed autograd.
+"""A backward graph as frozen data (the dependency computation is :mod:`xgrad.dependencies`).
 
 A backward graph has one node per backward function and one edge per gradient that flows
 from a node to the next one, exactly like the ``next_edges`` of PyTorch's autograd nodes:
@@ -8,8 +8,10 @@ functions, gradient accumulators of parameters (leaves, with the parameter's ind
 the ``send`` / ``recv`` nodes that RPC leaves in a distributed autograd context.
 
 Edges are stored in compressed sparse rows (numpy arrays), so a million-node graph costs a
-few arrays and is walked in linear time. Two ways to make one:
+few arrays and is walked in linear time. Two ways to make one: node by node with
+:class:`~xgrad.graph_builder.GraphBuilder`,
 
+>>> from xgrad.graph_builder import GraphBuilder
 >>> b = GraphBuilder()
 >>> loss = b.add_node("function", "MseBackward")
 >>> mm = b.add_node("function", "MmBackward")
@@ -17,8 +19,8 @@ few arrays and is walked in linear time. Two ways to make one:
 >>> b.add_edge(loss, mm)
 >>> b.add_edge(mm, w)
 >>> g = b.build()
->>> deps = compute_dependencies(g, roots=[loss])
->>> deps.table()
+>>> from xgrad.dependencies import compute_dependencies
+>>> compute_dependencies(g, roots=[loss]).table()
 {0: 0, 1: 1, 2: 1}
 
 or, for big graphs made by a program (a jaxpr walk, a benchmark), directly from arrays with
@@ -28,14 +30,21 @@ or, for big graphs made by a program (a jaxpr walk, a benchmark), directly from 
 from __future__ import annotations
 
 import enum
+import importlib
 import json
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from xgrad.dependencies import Dependencies as Dependencies
+    from xgrad.dependencies import compute_dependencies as compute_dependencies
+    from xgrad.dependencies import reachable_from as reachable_from
+    from xgrad.dependencies import unused_parameters as unused_parameters
+    from xgrad.graph_builder import GraphBuilder as GraphBuilder
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -303,267 +312,17 @@ class BackwardGraph:
     __hash__ = None  # type: ignore[assignment]
 
 
-class GraphBuilder:
-    """Builds a :class:`BackwardGraph` one node and edge at a time.
-
-    Node ids are handed out in order 0, 1, 2, ... The engine runs ready nodes with higher
-    ids first (like autograd's sequence numbers), so add nodes in forward order: a later
-    operation gets a higher id and its backward runs earlier.
-
-    Edges leaving a node are numbered in the order they are added: the ``k``-th
-    ``add_edge(u, ...)`` carries ``u``'s ``k``-th output gradient.
-    """
-
-    def __init__(self) -> None:
-        self._kinds: list[int] = []
-        self._params: list[int] = []
-        self._names: list[str] = []
-        self._src: list[int] = []
-        self._dst: list[int] = []
-        self._nr: list[int] = []
-
-    def add_node(self, kind: NodeKind | str, name: str = "", param: int | None = None) -> int:
-        """Add a node and return its id.
-
-        Args:
-            kind: ``"function"``, ``"accumulate"``, ``"send"``, ``"recv"`` or a NodeKind.
-            name: a label for messages (e.g. ``"AddmmBackward0"`` or ``"layers.0.weight"``).
-            param: the parameter index; required for accumulators, refused for the others.
-        """
-        k = NodeKind.parse(kind)
-        if (k is NodeKind.ACCUMULATE) != (param is not None):
-            raise ValueError(
-                f"add_node(kind={k.name.lower()!r}, name={name!r}, param={param!r}): "
-                "accumulators need param=<index>, other kinds take none"
-            )
-        if param is not None and (not isinstance(param, int) or param < 0):
-            raise ValueError(f"param={param!r} must be an int >= 0 (node {name!r})")
-        self._kinds.append(int(k))
-        self._params.append(-1 if param is None else param)
-        self._names.append(name)
-        return len(self._kinds) - 1
-
-    def add_edge(self, src: int, dst: int, input_nr: int = 0) -> None:
-        """Gradient flows from ``src``'s next output into input ``input_nr`` of ``dst``."""
-        n = len(self._kinds)
-        for label, u in (("src", src), ("dst", dst)):
-            if not 0 <= u < n:
-                raise ValueError(f"add_edge: {label}={u} is not a node id (0..{n - 1})")
-        if input_nr < 0:
-            raise ValueError(f"add_edge({src}, {dst}): input_nr={input_nr} must be >= 0")
-        self._src.append(src)
-        self._dst.append(dst)
-        self._nr.append(input_nr)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self._kinds)
-
-    def build(self) -> BackwardGraph:
-        """Freeze into a :class:`BackwardGraph` (the builder stays usable)."""
-        return BackwardGraph.from_arrays(
-            self._kinds,
-            self._src,
-            self._dst,
-            input_nr=self._nr,
-            params=self._params,
-            names=self._names,
-        )
+#: names defined in the modules next to this one, still importable from here.
+_MOVED = {
+    "GraphBuilder": "xgrad.graph_builder",
+    "Dependencies": "xgrad.dependencies",
+    "compute_dependencies": "xgrad.dependencies",
+    "reachable_from": "xgrad.dependencies",
+    "unused_parameters": "xgrad.dependencies",
+}
 
 
-@dataclass(frozen=True, eq=False)
-class Dependencies:
-    """The result of :func:`compute_dependencies` (all arrays read-only, indexed by node).
-
-    Attributes:
-        roots, sends: the node ids the walk started from.
-        reachable: ``(n,)`` bool, nodes reached from the roots and sends (these included).
-        counts: ``(n,)`` int64, edges into each node from reachable nodes (0 if unreachable).
-        leaves: sorted node ids of the reachable accumulators and ``recv`` nodes.
-        needed: ``(n,)`` bool, reachable nodes on a path to a wanted output or to a ``recv``
-            node (outputs and recvs included): the nodes a backward pass executes.
-    """
-
-    roots: tuple[int, ...]
-    sends: tuple[int, ...]
-    reachable: Any
-    counts: Any
-    leaves: Any
-    needed: Any
-
-    def table(self) -> dict[int, int]:
-        """``{node: dependency count}`` for every reachable node."""
-        nodes = np.flatnonzero(self.reachable)
-        return dict(zip(nodes.tolist(), self.counts[nodes].tolist(), strict=True))
-
-    def needed_nodes(self) -> list[int]:
-        return np.flatnonzero(self.needed).tolist()  # type: ignore[no-any-return]
-
-
-def _check_nodes(graph: BackwardGraph, nodes: Iterable[int], what: str) -> tuple[int, ...]:
-    out = tuple(int(u) for u in nodes)
-    n = graph.num_nodes
-    for u in out:
-        if not 0 <= u < n:
-            raise ValueError(f"{what} contains {u}, which is not a node id (0..{n - 1})")
-    return out
-
-
-def _reach_scipy(indptr: IntArray, dst: IntArray, n: int, seeds: IntArray) -> BoolArray:
-    """Nodes reachable from ``seeds``: one C-speed BFS from a virtual node pointing at them."""
-    from scipy.sparse import csr_matrix
-    from scipy.sparse.csgraph import breadth_first_order
-
-    indices = np.concatenate([dst, seeds]).astype(np.int32, copy=False)
-    ptr = np.concatenate([indptr, [indptr[-1] + seeds.size]]).astype(np.int32, copy=False)
-    data = np.ones(indices.size, dtype=np.int8)
-    mat = csr_matrix((data, indices, ptr), shape=(n + 1, n + 1))
-    order = breadth_first_order(mat, n, directed=True, return_predecessors=False)
-    mask = np.zeros(n + 1, dtype=bool)
-    mask[order] = True
-    return mask[:n]
-
-
-def _reach_python(indptr: IntArray, dst: IntArray, n: int, seeds: IntArray) -> BoolArray:
-    """The same walk in plain Python (linear time; used when scipy is not installed)."""
-    ptr = indptr.tolist()
-    nxt = dst.tolist()
-    seen = bytearray(n)
-    queue: deque[int] = deque()
-    for s in seeds.tolist():
-        if not seen[s]:
-            seen[s] = 1
-            queue.append(s)
-    while queue:
-        u = queue.popleft()
-        for v in nxt[ptr[u] : ptr[u + 1]]:
-            if not seen[v]:
-                seen[v] = 1
-                queue.append(v)
-    return np.frombuffer(bytes(seen), dtype=np.uint8).astype(bool)
-
-
-def _reach(indptr: IntArray, dst: IntArray, n: int, seeds: IntArray) -> BoolArray:
-    if seeds.size == 0:
-        return np.zeros(n, dtype=bool)
-    # int32 indices keep scipy's walk cheap; beyond that fall back to the Python walk.
-    if n + 1 + dst.size + seeds.size < 2**31 - 1:
-        try:
-            return _reach_scipy(indptr, dst, n, seeds)
-        except ImportError:
-            pass
-    return _reach_python(indptr, dst, n, seeds)
-
-
-def _reverse_csr(graph: BackwardGraph) -> tuple[IntArray, IntArray]:
-    """Edges by destination: ``(indptr, src)`` of the transposed graph (cached)."""
-    if "reverse" not in graph._cache:
-        order = np.argsort(graph.dst, kind="stable")
-        rptr = np.zeros(graph.num_nodes + 1, dtype=np.int64)
-        np.cumsum(np.bincount(graph.dst, minlength=graph.num_nodes), out=rptr[1:])
-        graph._cache["reverse"] = (rptr, graph.src[order])
-    return graph._cache["reverse"]  # type: ignore[no-any-return]
-
-
-def reachable_from(graph: BackwardGraph, seeds: Iterable[int]) -> BoolArray:
-    """``(n,)`` bool: nodes reachable from ``seeds`` (seeds included), in linear time."""
-    s = np.asarray(_check_nodes(graph, seeds, "seeds"), dtype=np.int64)
-    return _reach(graph.indptr, graph.dst, graph.num_nodes, np.unique(s))
-
-
-def compute_dependencies(
-    graph: BackwardGraph,
-    roots: Iterable[int],
-    sends: Iterable[int] = (),
-    *,
-    outputs: Iterable[int] | None = None,
-) -> Dependencies:
-    """Dependency counts, leaves and needed nodes, as PyTorch's distributed autograd engine.
-
-    This follows ``DistEngine::computeDependencies``: the graph is walked breadth-first from
-    the roots *and* from every ``send`` node of the distributed context (a gradient can
-    arrive there from another worker even when no local root leads to it). A node's
-    dependency count is the number of edges into it from reached nodes, so the engine runs
-    it once all of them have delivered. The walk's leaves must be accumulators or ``recv``
-    nodes. PyTorch's artificial ``GraphRoot`` is not a node here: its edges to the roots are
-    not counted; an engine seeds the roots' gradients itself.
-
-    ``needed`` says what a pass executes: every reached node on a path to a wanted output
-    (default: all leaves). ``recv`` nodes are always needed, with their ancestors, because
-    the worker on the other side waits for the gradient they send back.
-
-    Args:
-        graph: the backward graph.
-        roots: node ids whose gradient the caller provides (the outputs' ``grad_fn``).
-        sends: ``send`` node ids of the distributed context (each must be of kind SEND).
-        outputs: the wanted outputs (node ids); default all leaves found.
-
-    Raises:
-        ValueError: on a node id out of range, a ``sends`` entry that is not a send node, or
-            a reached node without outgoing edges that is neither an accumulator nor a recv.
-
-    Runs in O(nodes + edges): one breadth-first walk forward and one backward.
-    """
-    root_t = _check_nodes(graph, roots, "roots")
-    send_t = _check_nodes(graph, sends, "sends")
-    for u in send_t:
-        if graph.kinds[u] != NodeKind.SEND:
-            raise ValueError(f"sends contains node {u} ({graph.name(u)!r}), not a send node")
-    n = graph.num_nodes
-    seeds = np.unique(np.asarray(root_t + send_t, dtype=np.int64))
-    reachable = _reach(graph.indptr, graph.dst, n, seeds)
-    src = graph.src
-    counts = np.bincount(graph.dst[reachable[src]], minlength=n).astype(np.int64)
-    outdeg = np.diff(graph.indptr)
-    kinds = graph.kinds
-    ends = np.flatnonzero(reachable & (outdeg == 0) & (kinds != NodeKind.SEND))
-    bad = ends[(kinds[ends] != NodeKind.ACCUMULATE) & (kinds[ends] != NodeKind.RECV)]
-    if bad.size:
-        u = int(bad[0])
-        raise ValueError(
-            f"node {u} ({graph.name(u)!r}, kind {graph.kind(u).name.lower()}) is reached but "
-            "has no outgoing edges; only accumulators and recv nodes may be leaves"
-        )
-    leaves = ends.astype(np.int64)
-    if outputs is None:
-        wanted = leaves
-    else:
-        wanted = np.asarray(_check_nodes(graph, outputs, "outputs"), dtype=np.int64)
-    recvs = np.flatnonzero(reachable & (kinds == NodeKind.RECV))
-    targets = np.unique(np.concatenate([wanted, recvs]).astype(np.int64))
-    rptr, rsrc = _reverse_csr(graph)
-    needed = reachable & _reach(rptr, rsrc, n, targets)
-    for a in (reachable, counts, leaves, needed):
-        a.setflags(write=False)
-    return Dependencies(
-        roots=root_t, sends=send_t, reachable=reachable, counts=counts, leaves=leaves, needed=needed
-    )
-
-
-def unused_parameters(
-    graph: BackwardGraph,
-    roots: Iterable[int],
-    sends: Iterable[int] = (),
-    *,
-    num_params: int | None = None,
-) -> tuple[int, ...]:
-    """Parameter indices whose accumulator is not reachable from the outputs (sorted).
-
-    This is DDP's search for unused parameters (``find_unused_parameters=True``): walk the
-    graph from the outputs' backward nodes; a parameter whose accumulator is never reached
-    gets no gradient this iteration and must be marked ready by hand. With ``num_params``,
-    parameters that have no accumulator in the graph at all are unused too.
-    """
-    reach = reachable_from(graph, tuple(roots) + tuple(sends))
-    acc = graph.params >= 0
-    missing = graph.params[acc & ~reach]
-    if num_params is not None:
-        present = np.zeros(num_params, dtype=bool)
-        in_range = graph.params[acc]
-        if in_range.size and int(in_range.max()) >= num_params:
-            raise ValueError(
-                f"num_params={num_params} but the graph has parameter {int(in_range.max())}"
-            )
-        present[in_range] = True
-        missing = np.concatenate([missing, np.flatnonzero(~present)])
-    return tuple(sorted(int(p) for p in np.unique(missing)))
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'xgrad.graph' has no attribute {name!r}")

@@ -13,7 +13,8 @@ from collections import deque
 
 import numpy as np
 
-from xgrad.graph import BackwardGraph, NodeKind, compute_dependencies, unused_parameters
+from xgrad.dependencies import compute_dependencies, unused_parameters
+from xgrad.graph import BackwardGraph, NodeKind
 
 HELP = "dependency computation on a large random backward graph (vectorised vs a plain walk)"
 

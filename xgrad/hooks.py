@@ -19,10 +19,12 @@ from xgrad.reducer import GradBucket, Hook
 __all__ = [
     "HOOKS",
     "HOOK_NAMES",
+    "HookSpec",
     "Then",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
+    "resolve_hook",
 ]
 
 
@@ -103,9 +105,32 @@ def bf16_compress_hook(comm: Comm) -> Hook:
 HOOK_NAMES: tuple[str, ...] = ("allreduce", "fp16", "bf16", "powersgd")
 
 #: hook name -> factory of the array-API hooks written here, for command lines and plans
-#: saved as text.
+#: saved as text (a subset of :data:`HOOK_NAMES`).
 HOOKS: dict[str, Callable[[Comm], Hook]] = {
     "allreduce": allreduce_hook,
     "fp16": fp16_compress_hook,
     "bf16": bf16_compress_hook,
 }
+
+
+#: what a data-parallel wrapper accepts as its hook: a name of :data:`HOOKS`, a factory
+#: ``comm -> Hook``, or None (sum, then divide by the world size).
+HookSpec = str | Callable[[Comm], Hook] | None
+
+
+def resolve_hook(hook: HookSpec, comm: Comm) -> Hook | None:
+    """The hook ``hook`` names or makes, for ``comm``.
+
+    Raises:
+        ValueError: a name that is not one of :data:`HOOKS` (listing them).
+        TypeError: neither a name, a factory nor None.
+    """
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        if hook not in HOOKS:
+            raise ValueError(f"hook={hook!r} is not one of {sorted(HOOKS)}")
+        return HOOKS[hook](comm)
+    if not callable(hook):
+        raise TypeError(f"hook={hook!r}: expected a hook name, a factory comm -> hook, or None")
+    return hook(comm)

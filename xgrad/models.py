@@ -22,15 +22,19 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import DTypeLike
+
+if TYPE_CHECKING:
+    from xgrad.model_pairs import ModelPair as ModelPair
+    from xgrad.model_pairs import check_name_map as check_name_map
+    from xgrad.model_pairs import resolve_pair as resolve_pair
 
 #: a parameter name with its shape, in ``named_parameters()`` order.
 ParamShapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -184,110 +188,6 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-@dataclass(frozen=True)
-class ModelPair:
-    """Bring your own model: a torch module and a JAX function that compute the same thing.
-
-    A pair is named by where it can be imported from, ``"package.module:attribute"``, and
-    that string is used wherever a zoo name is (``xgrad crosscheck --model pkg.mod:PAIR``),
-    because every torch rank is a fresh process that must build the model by itself.
-    Parameters keep torch's names and ``named_parameters()`` order everywhere (plans index
-    them so); ``name_map`` says under which key the JAX function finds each of them.
-    Weights are drawn like the zoo's (uniform, ``1/sqrt(fan_in)``) from the seed.
-
-    Attributes:
-        torch_module: makes the ``torch.nn.Module`` (its initial values are overwritten).
-        jax_apply: ``apply(params, x) -> output`` with ``params`` a flat dict keyed by the
-            JAX names.
-        input_shape: one sample's input shape.
-        output_shape: one sample's output (and target) shape; the loss is the zoo's MSE.
-        name_map: torch parameter name -> JAX key; None when the names are the same.
-        description: one line for the report.
-
-    Example (in ``mypkg/pairs.py``)::
-
-        PAIR = ModelPair(
-            torch_module=lambda: torch.nn.Sequential(torch.nn.Linear(4, 2)),
-            jax_apply=lambda p, x: x @ p["w"].T + p["b"],
-            input_shape=(4,), output_shape=(2,), name_map={"0.weight": "w", "0.bias": "b"},
-        )
-    """
-
-    torch_module: Callable[[], Any]
-    jax_apply: Callable[[Mapping[str, Any], Any], Any]
-    input_shape: tuple[int, ...]
-    output_shape: tuple[int, ...]
-    name_map: Mapping[str, str] | None = None
-    description: str = "user model pair"
-
-
-def is_pair_name(name: str) -> bool:
-    """Whether ``name`` names a :class:`ModelPair` (``"module:attribute"``) rather than the zoo."""
-    return ":" in name
-
-
-def resolve_pair(name: str) -> ModelPair:
-    """Import the :class:`ModelPair` named ``"package.module:attribute"``.
-
-    The attribute may be the pair itself or a function of no arguments returning one.
-
-    Raises:
-        ValueError: the name is malformed, cannot be imported, or is not a pair.
-    """
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"model {name!r}: expected 'package.module:attribute'")
-    try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"model {name!r} cannot be imported: {err}") from None
-    pair = target() if callable(target) and not isinstance(target, ModelPair) else target
-    if not isinstance(pair, ModelPair):
-        raise ValueError(f"model {name!r} is a {type(pair).__name__}, not an xgrad ModelPair")
-    return pair
-
-
-def check_name_map(pair: ModelPair, torch_names: Sequence[str]) -> dict[str, str]:
-    """The checked torch -> JAX name map of ``pair`` for its torch parameters ``torch_names``.
-
-    Raises:
-        ValueError: a torch parameter without a JAX name, a name for no parameter, or two
-            parameters mapped to one JAX key (all named).
-    """
-    mapping = {n: n for n in torch_names} if pair.name_map is None else dict(pair.name_map)
-    missing = [n for n in torch_names if n not in mapping]
-    extra = [n for n in mapping if n not in torch_names]
-    seen: dict[str, str] = {}
-    twice = []
-    for torch_name, jax_name in mapping.items():
-        if jax_name in seen:
-            twice.append(f"{seen[jax_name]!r} and {torch_name!r} -> {jax_name!r}")
-        seen[jax_name] = torch_name
-    if missing or extra or twice:
-        raise ValueError(
-            f"name map of {pair.description!r} does not match the torch module: parameters "
-            f"without a JAX name {missing}, names of no parameter {extra}, shared JAX names {twice}"
-        )
-    return {n: mapping[n] for n in torch_names}
-
-
-@functools.lru_cache(maxsize=32)
-def _pair_spec(name: str) -> ModelSpec:
-    pair = resolve_pair(name)
-    # Shapes come from the torch module itself; torch is imported only for pairs.
-    module = pair.torch_module()
-    params = tuple((n, tuple(int(d) for d in p.shape)) for n, p in module.named_parameters())
-    check_name_map(pair, [n for n, _ in params])
-    return ModelSpec(
-        name=name,
-        description=pair.description,
-        params=params,
-        input_shape=tuple(pair.input_shape),
-        output_shape=tuple(pair.output_shape),
-        init=_fan_in_uniform,
-    )
-
-
 def list_models() -> list[str]:
     """Names of the zoo models, sorted (pairs are named by import path, not listed)."""
     return sorted(MODELS)
@@ -300,7 +200,9 @@ def get_spec(name: str) -> ModelSpec:
         ValueError: ``name`` is neither a zoo model (the message lists those) nor a pair.
     """
     if is_pair_name(name):
-        return _pair_spec(name)
+        from xgrad.model_pairs import pair_spec
+
+        return pair_spec(name)
     try:
         return MODELS[name]
     except KeyError:
@@ -413,3 +315,18 @@ def shard(array: np.ndarray, world_size: int, rank: int) -> np.ndarray:
         )
     per = n // world_size
     return array[rank * per : (rank + 1) * per]
+
+
+def is_pair_name(name: str) -> bool:
+    """Whether ``name`` names a :class:`ModelPair` (``"module:attribute"``) rather than the zoo."""
+    return ":" in name
+
+
+#: names defined in :mod:`xgrad.model_pairs`, still importable from here.
+_PAIR_NAMES = ("ModelPair", "resolve_pair", "check_name_map")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PAIR_NAMES:
+        return getattr(importlib.import_module("xgrad.model_pairs"), name)
+    raise AttributeError(f"module 'xgrad.models' has no attribute {name!r}")

@@ -27,7 +27,7 @@ from xgrad.powersgd import (
     numpy_sampler,
 )
 
-__all__ = ["PowerSGDState", "fresh_draws", "powersgd_hook"]
+__all__ = ["PowerSGDState", "fresh_draws", "powersgd_hook", "registered_sampler"]
 
 
 class PowerSGDState:
@@ -170,3 +170,20 @@ def fresh_draws(
             b: state.sampler(int(state.rng.randint(1_000_000_000)), lay.q_shapes, dtype)
             for b, lay in enumerate(layouts)
         }
+
+
+def registered_sampler() -> Sampler | None:
+    """The draws of the first available registered backend that offers ``powersgd_sampler``.
+
+    PyTorch's hook is the reference implementation of PowerSGD, so the torch backend
+    offers its ``torch.randn`` replay; with it every backend and the float64 model start
+    from PyTorch's very numbers. None when no available backend offers one.
+    """
+    from xgrad.backend import backend_available, get_backend, list_backends
+
+    for name in list_backends():
+        if backend_available(name)[0]:
+            sampler = getattr(get_backend(name), "powersgd_sampler", None)
+            if sampler is not None:
+                return sampler  # type: ignore[no-any-return]
+    return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
@@ -30,17 +30,19 @@ from xgrad.reducer_errors import (
     prior_reduction_unfinished,
     sparse_gradient_missing,
 )
+from xgrad.reducer_recovery import JoinAndRecovery
+from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
 from xgrad.reducer_unused import UnusedParams
 
-#: how many per-iteration records a reducer keeps (the newest).
+#: per-iteration records kept (the newest).
 RECORDS_KEPT = 64
 
 
-class Reducer:
+class Reducer(JoinAndRecovery, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -81,12 +83,12 @@ class Reducer:
 
     def __init__(
         self,
-        params: Sequence[Any],
+        params: Sequence[A],
         plan: BucketPlan,
         comm: Comm,
-        ops: ArrayOps,
+        ops: ArrayOps[A],
         *,
-        set_grad: Callable[[int, Any], None],
+        set_grad: Callable[[int, A], None],
         names: Sequence[str] | None = None,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -177,10 +179,10 @@ class Reducer:
 
         As in DDP, this happens only when the plan can be trusted to repeat: without
         ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
-        from its own order and then adopts rank 0's, so all ranks launch the same buckets.
+        from its own order and adopts rank 0's, so all ranks launch the same buckets.
 
         Returns:
-            True when the buckets were rebuilt (gradient views must then be re-taken).
+            True when rebuilt (gradient views must then be re-taken).
         """
         self._ensure_prior_reduction_finished()
         if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
@@ -200,7 +202,9 @@ class Reducer:
         self._rebuild_order = None
         return True
 
-    def prepare_for_backward(self, unused: Iterable[int] = ()) -> None:
+    def prepare_for_backward(
+        self, unused: Iterable[int] = (), *, divisor: int | None = None
+    ) -> None:
         """Expect gradient hooks: call at the end of a forward pass that will be synced.
 
         Args:
@@ -208,8 +212,11 @@ class Reducer:
                 walking the graph from them). They are marked ready at the first gradient
                 hook, not now, so a forward pass whose output is dropped leaves nothing
                 half-reduced behind.
+            divisor: instead of the world size (ranks still training, join).
         """
         self._ensure_prior_reduction_finished()
+        self._divisor = divisor or self.comm.size
+        self._scale = None if self._hook else 1.0 / self._divisor
         unused = sorted(set(unused))
         for i in unused:
             if not 0 <= i < len(self.params):
@@ -243,7 +250,8 @@ class Reducer:
         self._hook = hook
         self._serial_hooks = serial
         # Without a hook the reducer pre-divides while copying; a hook divides itself.
-        self._scale = 1.0 / self.comm.size if hook is None else None
+        self._divisor = self.comm.size
+        self._scale = 1.0 / self._divisor if hook is None else None
 
     def register_hook(self, hook: Hook, *, serial: bool = False) -> None:
         """Install a communication hook after construction (DDP's ``register_comm_hook``).
@@ -318,7 +326,7 @@ class Reducer:
             bucket,
             self.ops,
             self._scale,
-            self.comm.size,
+            self._divisor,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             batched_grad_copy=self.batched_grad_copy,
         )

@@ -16,6 +16,10 @@ from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
 from xgrad.reducer_types import ArrayOps
 
+#: a bucket whose gradients average fewer elements than this is copied in one batched
+#: call and scaled in one pass; larger ones are scaled while copied (one pass each).
+_ONE_PASS_NUMEL = 1 << 14
+
 
 class BucketState:
     """The mutable per-bucket state (plain attributes: this is the per-hook hot path).
@@ -167,6 +171,12 @@ def fill_bucket(
             ops.copy_all(dst, src, None)
         if scale is not None:
             ops.div_(bucket.flat, world_size)
+        return
+    if scale is not None and not aliased and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat):
+        # Many small gradients: copy them all in one batched call, then scale the whole
+        # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
+        ops.copy_all(dst, src, None)
+        ops.copy_to(bucket.flat, bucket.flat, scale)
         return
     if dst:
         ops.copy_all(dst, src, scale)

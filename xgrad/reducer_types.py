@@ -9,29 +9,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from xgrad.backend import Work
 
+#: the array type of one array library (``numpy.ndarray``, ``torch.Tensor``...): what the
+#: parameters, gradients and bucket buffers of one reducer are.
+A = TypeVar("A")
 
-class ArrayOps(Protocol):
-    """The few array operations the reducer needs, for one array library."""
 
-    def numel(self, x: Any) -> int: ...
+class ArrayOps(Protocol[A]):
+    """The few array operations the reducer needs, for one array library's arrays ``A``."""
 
-    def nbytes(self, x: Any) -> int: ...
+    def numel(self, x: A) -> int: ...
 
-    def key(self, x: Any) -> Hashable:
+    def nbytes(self, x: A) -> int: ...
+
+    def key(self, x: A) -> Hashable:
         """What must not be mixed in a bucket (dtype and device)."""
         ...
 
-    def new_flat(self, like: Sequence[Any], numel: int) -> Any:
+    def new_flat(self, like: Sequence[A], numel: int) -> A:
         """A zeroed 1-D buffer of ``numel`` elements with ``like[0]``'s dtype and device."""
         ...
 
-    def copy_to(self, out: Any, x: Any, scale: float | None = None) -> None:
+    def copy_to(self, out: A, x: A, scale: float | None = None) -> None:
         """``out[...] = x * scale`` (no multiply when ``None``); ``out`` is a bucket view.
 
         The scaled copy is PyTorch's pre-division (``mul_out`` by ``1/world_size``): it
@@ -39,36 +43,36 @@ class ArrayOps(Protocol):
         """
         ...
 
-    def copy_all(self, outs: Sequence[Any], xs: Sequence[Any], scale: float | None) -> None:
+    def copy_all(self, outs: Sequence[A], xs: Sequence[A], scale: float | None) -> None:
         """:meth:`copy_to` for many pairs at once (a bucket's gradients, one batched call)."""
         ...
 
-    def view(self, flat: Any, offset: int, like: Any) -> Any:
+    def view(self, flat: A, offset: int, like: A) -> A:
         """A view of ``flat`` from ``offset`` shaped like ``like`` (writes go to ``flat``)."""
         ...
 
-    def div_(self, x: Any, divisor: int) -> None:
+    def div_(self, x: A, divisor: int) -> None:
         """Divide in place."""
         ...
 
-    def div_all(self, xs: Sequence[Any], divisor: int) -> None:
+    def div_all(self, xs: Sequence[A], divisor: int) -> None:
         """:meth:`div_` for many arrays at once."""
         ...
 
-    def zero_(self, x: Any) -> None: ...
+    def zero_(self, x: A) -> None: ...
 
-    def is_view_of(self, x: Any, view: Any) -> bool:
+    def is_view_of(self, x: A, view: A) -> bool:
         """Whether ``x`` already is (aliases the memory of) ``view``."""
         ...
 
-    def from_numpy(self, a: np.ndarray, like: Any) -> Any:
+    def from_numpy(self, a: np.ndarray, like: A) -> A:
         """``a`` as this library's array, on ``like``'s device."""
         ...
 
-    def to_numpy(self, x: Any) -> np.ndarray: ...
+    def to_numpy(self, x: A) -> np.ndarray: ...
 
 
-class GradBucket:
+class GradBucket(Generic[A]):
     """A bucket as a communication hook sees it: PyTorch ``GradBucket``'s methods.
 
     PyTorch's own hooks (``allreduce_hook``, ``fp16_compress_hook``, ``powerSGD_hook``)
@@ -78,8 +82,8 @@ class GradBucket:
     def __init__(
         self,
         index: int,
-        buffer: Any,
-        gradients: list[Any],
+        buffer: A,
+        gradients: list[A],
         parameters: list[Any],
         is_last: bool,
     ) -> None:
@@ -92,10 +96,10 @@ class GradBucket:
     def index(self) -> int:
         return self._index
 
-    def buffer(self) -> Any:
+    def buffer(self) -> A:
         return self._buffer
 
-    def gradients(self) -> list[Any]:
+    def gradients(self) -> list[A]:
         return self._gradients
 
     def parameters(self) -> list[Any]:
@@ -104,12 +108,12 @@ class GradBucket:
     def is_last(self) -> bool:
         return self._is_last
 
-    def set_buffer(self, buffer: Any) -> None:
+    def set_buffer(self, buffer: A) -> None:
         self._buffer = buffer
 
 
 #: A communication hook with its state already bound: bucket in, in-flight reduction out.
-Hook = Callable[[GradBucket], Work]
+Hook = Callable[[GradBucket[Any]], Work]
 
 
 @dataclass(frozen=True)

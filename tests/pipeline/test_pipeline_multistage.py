@@ -100,3 +100,26 @@ def test_dualpipev_has_overlapped_pairs_and_mixes_b_with_i_w() -> None:
     xp.validate(s)
     assert s.backward_kind(0, 3) is xp.Kind.BACKWARD_INPUT
     assert s.backward_kind(3, 1) is xp.Kind.BACKWARD
+
+
+def test_1f1b_follows_what_torch_runs_not_its_listed_order() -> None:
+    """torch's ``Schedule1F1B._get_pipeline_order`` lists the last rank as F1 B0 F2 B1 ...
+    F(m) B(m-1): it skips F0 and names a microbatch m that does not exist. Its runtime
+    (``_step_microbatches``: p - r warm-up forwards, then B and F alternate) runs F0 B0 F1
+    B1 ...; xgrad follows the runtime. The other ranks agree with the listed order."""
+    p, m = 3, 4
+    stage = types.SimpleNamespace(
+        group_size=p, group_rank=0, num_stages=p, stage_index=0, submod=None
+    )
+    logging.disable(logging.WARNING)
+    try:
+        listed = schedules.Schedule1F1B(stage, m)._get_pipeline_order()
+    finally:
+        logging.disable(logging.NOTSET)
+    theirs = [
+        [str(a) for a in listed[r] if a is not None and "REDUCE" not in str(a)] for r in range(p)
+    ]
+    ours = [[str(a) for a in acts] for acts in xp.one_f_one_b(p, m).actions]
+    assert ours[:-1] == theirs[:-1]
+    assert theirs[-1] == ["2F1", "2B0", "2F2", "2B1", "2F3", "2B2", "2F4", "2B3"]  # listed
+    assert ours[-1] == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]  # executed

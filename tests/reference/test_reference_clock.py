@@ -40,7 +40,7 @@ def test_allreduces_queue_on_one_link(world_size: int) -> None:
         a.wait()
         return after_b, comm.now()
 
-    results = spawn(world_size, body, world=world)
+    results = spawn(body, world_size, world=world)
     start = (world_size - 1) * 1e-6  # the last rank to launch
     first = start + ring(8192, world_size)
     second = first + ring(81920, world_size)  # waits for the link, not only for the ranks
@@ -61,5 +61,5 @@ def test_compute_overlaps_communication() -> None:
         return comm.now()
 
     cost = ring(8 << 20, 4)
-    for t in spawn(4, body, world=world):
+    for t in spawn(body, 4, world=world):
         assert t == pytest.approx(max(cost, 1e-3))

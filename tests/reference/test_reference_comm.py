@@ -36,7 +36,7 @@ def test_allreduce_sums_in_rank_order(world_size: int) -> None:
         assert out is buf
         return buf
 
-    for result in spawn(world_size, body):
+    for result in spawn(body, world_size):
         assert result.tobytes() == expected.tobytes()
 
 
@@ -47,7 +47,7 @@ def test_object_collectives() -> None:
         comm.barrier()
         return got, everyone
 
-    for got, everyone in spawn(3, body):
+    for got, everyone in spawn(body, 3):
         assert got == {"from": 2}
         assert everyone == [0, 10, 20]
 
@@ -60,7 +60,7 @@ def test_mismatched_collectives_name_the_ranks() -> None:
             comm.allgather_object("x")
 
     with pytest.raises(RankError, match="called allgather but rank 0 called allreduce"):
-        spawn(2, body, timeout=5.0)
+        spawn(body, 2, timeout=5.0)
 
 
 def test_mismatched_shapes_name_the_ranks() -> None:
@@ -68,7 +68,7 @@ def test_mismatched_shapes_name_the_ranks() -> None:
         comm.allreduce(np.zeros(3 + comm.rank)).wait()
 
     with pytest.raises(RankError, match=r"rank 1 gave shape \(4,\) dtype float64, rank 0 gave"):
-        spawn(2, body, timeout=5.0)
+        spawn(body, 2, timeout=5.0)
 
 
 def test_a_rank_that_never_joins_times_out_naming_ranks() -> None:
@@ -78,7 +78,7 @@ def test_a_rank_that_never_joins_times_out_naming_ranks() -> None:
 
     # Ranks 0 and 1 both wait; whichever times out first aborts the world and is named.
     with pytest.raises(RankError, match=r"rank [01]: allreduce .* within 0.2s; ranks \[2\] never"):
-        spawn(3, body, timeout=0.2)
+        spawn(body, 3, timeout=0.2)
 
 
 def test_a_failing_rank_aborts_the_others_quickly() -> None:
@@ -88,7 +88,7 @@ def test_a_failing_rank_aborts_the_others_quickly() -> None:
         comm.allreduce(np.ones(2)).wait()
 
     with pytest.raises(RankError, match="rank 1 failed: KeyError") as info:
-        spawn(4, body, timeout=30.0)
+        spawn(body, 4, timeout=30.0)
     assert info.value.rank == 1
 
 
@@ -101,3 +101,8 @@ def test_bad_arguments() -> None:
         World(1).comm(0).allreduce([1.0])
     with pytest.raises(ValueError, match="src=5"):
         World(1).comm(0).broadcast_object(1, src=5)
+
+
+def test_the_old_argument_order_still_works_with_a_warning() -> None:
+    with pytest.warns(DeprecationWarning, match=r"call spawn\(fn, world_size\)"):
+        assert spawn(2, lambda comm: comm.rank) == [0, 1]  # type: ignore[arg-type]

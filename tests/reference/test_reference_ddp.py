@@ -81,7 +81,7 @@ def test_ignored_output(world_size: int, model: str) -> None:
     x, y = mlp_batch(SIZES, 2 * world_size, seed=1)
     ref = single_process_grads(w, x, y, model=model)
     assert "extra.weight" not in ref
-    per_rank = spawn(world_size, lambda comm: ignored_output_run(comm, w, x, y, model))
+    per_rank = spawn(lambda comm: ignored_output_run(comm, w, x, y, model), world_size)
     for grads in per_rank:
         for k, g in enumerate(grads, start=1):
             assert_grads_equal(g, {n: k * v for n, v in ref.items()})
@@ -105,7 +105,7 @@ def test_no_sync_accumulates_locally_then_reduces_everything(world_size: int) ->
         dp.backward(dp.forward(shard(xb, n, r), shard(yb, n, r)))
         return local, dp.grads(), launched
 
-    for r, (local, synced, launched) in enumerate(spawn(world_size, body)):
+    for r, (local, synced, launched) in enumerate(spawn(body, world_size)):
         assert launched == 0  # nothing was communicated under no_sync
         local_ref = single_process_grads(w, shard(xa, world_size, r), shard(ya, world_size, r))
         assert_grads_equal(local, local_ref)
@@ -128,7 +128,7 @@ def test_static_graph(model: str) -> None:
         assert dp.reducer.has_rebuilt_buckets
         return out
 
-    for per_iteration in spawn(4, body):
+    for per_iteration in spawn(body, 4):
         for grads in per_iteration:
             assert_grads_equal(grads, ref)
 
@@ -149,7 +149,7 @@ def test_gradient_as_bucket_view() -> None:
         views = dp.reducer.bucket_views()
         assert all(np.shares_memory(dp.engine.grads[i], views[i]) for i in range(len(views)))
 
-    spawn(3, body)
+    spawn(body, 3)
 
 
 def test_explicit_plan_is_kept_and_hooks_reduce() -> None:
@@ -168,7 +168,7 @@ def test_explicit_plan_is_kept_and_hooks_reduce() -> None:
             dp.backward(dp.forward(shard(x, 2, comm.rank), shard(y, 2, comm.rank)))
         return dp.reducer.plan
 
-    assert spawn(2, body) == [plan, plan]
+    assert spawn(body, 2) == [plan, plan]
 
 
 def test_unused_parameter_without_detection_names_parameter_and_rank() -> None:

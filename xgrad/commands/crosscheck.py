@@ -1,55 +1,73 @@
-"""``xgrad crosscheck``: one model on every backend, gradients compared with a float64 reference."""
+"""``xgrad crosscheck``: one model on every backend, gradients compared with the float64 truth."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
+
+from xgrad.commands.options import output_folder, positive_float, positive_int, size
 
 HELP = (
-    "Run the same model on the same data with the same bucket plan through every backend "
-    "(xgrad's reference, xgrad's torch DDP and PyTorch's DDP on gloo processes, xgrad JAX "
-    "under pmap and shard_map) and compare each one's reduced gradients with single-process "
-    "float64 gradients: max abs, rel (max|g-ref|/max|ref| per parameter) and ULP distance, "
-    "per parameter and per bucket, and time per step. Writes JSON and CSV; exits 1 when a "
-    "backend is beyond the dtype's tolerance (float64 1e-12, float32 1e-6, float16 1e-2, "
-    "bfloat16 5e-2; hooks fp16 2e-3, bf16 1.6e-2; powersgd is measured against a float64 "
-    "PowerSGD model at 10x the dtype's tolerance) or fails, 0 otherwise."
+    "Run the same model on the same data with the same bucket plan through every runner of "
+    "every registered backend (xgrad backends) and compare each one's reduced gradients "
+    "with the float64 truth (single-process, full-batch gradients from a framework's own "
+    "autograd where one is available): max abs, rel (max|g-truth|/max|truth| per "
+    "parameter) and ULP distance, per parameter and per bucket, and time per step. Writes "
+    "JSON and CSV; exits 1 when a backend is beyond the dtype's tolerance (float64 1e-12, "
+    "float32 1e-6, float16 1e-2, bfloat16 5e-2; hooks fp16 2e-3, bf16 1.6e-2; powersgd is "
+    "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails, 0 "
+    "otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a bare --bucket-cap is in MB)."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from xgrad import crosscheck, models
+    from xgrad.hooks import HOOK_NAMES
 
     parser.add_argument(
         "--model",
         default="mlp",
         help=f"zoo model ({', '.join(models.list_models())}) or a ModelPair as package.module:NAME",
     )
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--dtype", default="float32", choices=models.DTYPES)
-    parser.add_argument(
+    parser.add_argument("--world-size", type=positive_int, default=2, help="ranks")
+    parser.add_argument("--dtype", default="float32", choices=models.DTYPES, help="model dtype")
+    cap = parser.add_mutually_exclusive_group()
+    cap.add_argument(
+        "--bucket-cap",
+        type=size("MB"),
+        default=None,
+        metavar="SIZE",
+        help=f"cap of every bucket of the shared plan, e.g. 2048B or 1MB "
+        f"(default: {crosscheck.DEFAULT_CAP_BYTES}B)",
+    )
+    cap.add_argument(
         "--bucket-cap-bytes",
-        type=int,
-        default=crosscheck.DEFAULT_CAP_BYTES,
-        help=f"byte cap of every bucket of the shared plan (default {crosscheck.DEFAULT_CAP_BYTES})",
+        dest="bucket_cap",
+        type=size("B"),
+        metavar="SIZE",
+        help="the same, a bare number in bytes (default: --bucket-cap's)",
     )
     parser.add_argument(
-        "--hook", default="none", choices=["none", *crosscheck.CASE_HOOKS], help="comm hook"
+        "--hook",
+        default="none",
+        choices=["none", *HOOK_NAMES],
+        help="comm hook (none: sum, then divide by the world size)",
     )
-    parser.add_argument("--batch-per-rank", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per backend")
+    parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
     names = crosscheck.runner_names()
     backends = list(dict.fromkeys(e.backend for e in crosscheck.runner_entries(check=False)))
     parser.add_argument(
         "--backends",
         default=",".join(names),
         help=f"comma-separated registered backends ({', '.join(backends)}: all their runners) "
-        f"or runners ({', '.join(names)}); default all",
+        f"or runners ({', '.join(names)})",
     )
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per torch run")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=120.0, help="seconds a backend may take"
+    )
     parser.add_argument(
         "--jax-processes",
         type=int,
@@ -64,9 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "start, from the third step) carried over every step; compare the last",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("xgrad-out"), help="folder for the JSON and CSV"
+        "--out", type=output_folder, default="xgrad-out", help="folder for the JSON and CSV"
     )
     parser.add_argument("--no-buckets", action="store_true", help="omit the per-bucket rows")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar or lines on stderr"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             world_size=args.world_size,
             dtype=args.dtype,
-            bucket_cap_bytes=args.bucket_cap_bytes,
+            bucket_cap_bytes=args.bucket_cap or crosscheck.DEFAULT_CAP_BYTES,
             hook=None if args.hook == "none" else args.hook,
             batch_per_rank=args.batch_per_rank,
             seed=args.seed,
@@ -87,12 +108,17 @@ def run(args: argparse.Namespace) -> int:
             stateful=args.stateful,
             jax_processes=args.jax_processes,
         )
-        backends = [b for b in args.backends.split(",") if b]
-        report = crosscheck.run_crosscheck(case, backends=backends, progress=sys.stderr)
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        if not backends:
+            raise ValueError(f"--backends {args.backends!r} names no backend")
+        report = crosscheck.run_crosscheck(
+            case, backends=backends, progress=None if args.no_progress else sys.stderr
+        )
     except ValueError as err:
-        print(f"xgrad crosscheck: {err}", file=sys.stderr)
+        print(f"xgrad crosscheck: error: {err}", file=sys.stderr)
         return 2
     print(crosscheck.format_report(report, per_bucket=not args.no_buckets))
+    args.out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = crosscheck.write_outputs(report, args.out)
     print(f"wrote {json_path} and {csv_path} ({time.perf_counter() - start:.1f} s in all)")
     return 0 if report.ok else 1

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any
+
+from xgrad.commands.options import output_file, positive_int
+from xgrad.tables import Table, write_tables
 
 HELP = (
     "print a pipeline schedule as a rank × step grid with its simulated step time, bubble "
@@ -20,9 +25,14 @@ def _costs(text: str) -> dict[str, float]:
         if not sep:
             raise argparse.ArgumentTypeError(f"--costs item {item!r} is not KIND=NUMBER")
         try:
-            out[key.strip().upper()] = float(value)
+            cost = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"--costs value {value!r} is not a number") from None
+        if not math.isfinite(cost) or cost < 0:
+            raise argparse.ArgumentTypeError(
+                f"--costs value {value!r} for {key.strip()!r}: expected a finite number >= 0"
+            )
+        out[key.strip().upper()] = cost
     return out
 
 
@@ -30,10 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from xgrad.pipeline import SCHEDULES
 
     parser.add_argument("name", choices=sorted(SCHEDULES), help="which schedule")
-    parser.add_argument("--stages", "-p", type=int, required=True, help="p: pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, help="m: microbatches")
     parser.add_argument(
-        "--chunks", "-v", type=int, default=2, help="v: chunks per rank (interleaved_1f1b)"
+        "--stages", "-p", type=positive_int, required=True, help="p: pipeline ranks"
+    )
+    parser.add_argument(
+        "--microbatches", "-m", type=positive_int, required=True, help="m: microbatches"
+    )
+    parser.add_argument(
+        "--chunks", "-v", type=positive_int, default=2, help="v: chunks per rank (interleaved_1f1b)"
     )
     parser.add_argument(
         "--costs",
@@ -44,7 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comms", action="store_true", help="show the sends and receives")
     parser.add_argument("--timeline", action="store_true", help="also print the time grid")
     parser.add_argument("--png", metavar="FILE", help="save the timeline as a PNG")
-    parser.add_argument("--csv", metavar="FILE", help="save the schedule as a CSV file")
+    parser.add_argument(
+        "--csv",
+        type=output_file,
+        metavar="FILE",
+        help="save the schedule as a CSV file (PyTorch pipelining's format)",
+    )
+    parser.add_argument(
+        "--json",
+        type=output_file,
+        metavar="FILE",
+        help="save the simulated figures, per-rank figures and timeline as JSON",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     if args.csv:
         xp.dump_csv(shown, args.csv)
         print(f"CSV written to {args.csv}")
+    if args.json:
+        write_tables(simulation_tables(sim), args.json, None)
+        print(f"JSON written to {args.json}")
     if args.png:
         try:
             save_timeline_png(
@@ -88,3 +116,27 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"PNG written to {args.png}")
     return 0
+
+
+def simulation_tables(sim: Any) -> list[Table]:
+    """A simulation's figures, per-rank figures and timeline as tables (for JSON)."""
+    figures = Table(
+        ("figure", "value"),
+        (
+            ("step_time", sim.step_time),
+            ("makespan", sim.makespan),
+            ("bubble_fraction", sim.bubble_fraction),
+        ),
+        "figures",
+    )
+    ranks = Table(
+        ("rank", "busy", "peak_held"),
+        tuple((r, b, h) for r, (b, h) in enumerate(zip(sim.busy, sim.peak_held, strict=True))),
+        "ranks",
+    )
+    spans = Table(
+        ("rank", "action", "start", "end"),
+        tuple((s.rank, str(s.action), s.start, s.end) for row in sim.spans for s in row),
+        "timeline",
+    )
+    return [figures, ranks, spans]

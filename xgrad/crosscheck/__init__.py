@@ -43,7 +43,6 @@ Modules: :mod:`~xgrad.crosscheck.case` (configuration, tolerances, inputs),
 :mod:`~xgrad.crosscheck.report`. Their public names are re-exported here.
 """
 
-from xgrad.crosscheck.case import CASE_HOOKS as CASE_HOOKS
 from xgrad.crosscheck.case import DEFAULT_CAP_BYTES as DEFAULT_CAP_BYTES
 from xgrad.crosscheck.case import DTYPE_TOLERANCES as DTYPE_TOLERANCES
 from xgrad.crosscheck.case import HOOK_TOLERANCES as HOOK_TOLERANCES

@@ -33,9 +33,6 @@ POWERSGD_FACTOR = 10.0
 #: wire dtypes of the compression hooks.
 WIRE_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16"}
 
-#: the hooks a case may name (None: the reducer's default, sum then divide): all of them.
-CASE_HOOKS: tuple[str, ...] = HOOK_NAMES
-
 #: default byte cap of a bucket: small enough that the default MLP gets several buckets.
 DEFAULT_CAP_BYTES = 2048
 
@@ -90,8 +87,8 @@ class Case:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label}={value!r} must be a positive integer")
-        if self.hook is not None and self.hook not in CASE_HOOKS:
-            raise ValueError(f"hook={self.hook!r}: expected None or one of {CASE_HOOKS}")
+        if self.hook is not None and self.hook not in HOOK_NAMES:
+            raise ValueError(f"hook={self.hook!r}: expected None or one of {HOOK_NAMES}")
         if self.world_size % self.jax_processes:
             raise ValueError(
                 f"jax_processes={self.jax_processes} does not divide world_size={self.world_size}"

@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,13 @@ from typing import Any
 from xgrad import models as zoo
 from xgrad.crosscheck.metrics import format_ulp
 from xgrad.crosscheck.run import Report
+
+#: an element-by-element ULP count from which on it is marked as a near-zero effect.
+NEAR_ZERO_ULPS = 2**16
+
+
+def _ulp_cell(ulp: int) -> str:
+    return format_ulp(ulp) + ("*" if NEAR_ZERO_ULPS <= ulp < sys.maxsize else "")
 
 
 def format_report(report: Report, *, per_bucket: bool = True) -> str:
@@ -24,7 +32,7 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         f"world size {case.world_size}, {case.dtype}, bucket cap {case.bucket_cap_bytes} B, "
         f"hook {case.hook or 'none'}, batch {case.world_size}x{case.batch_per_rank}, "
         f"seed {case.seed}",
-        f"reference: {report.reference}; rel = max|g-ref| / max|ref| per parameter; "
+        f"truth: {report.truth}; rel = max|g-truth| / max|truth| per parameter; "
         f"tolerance rel <= {report.tolerance:.3g}",
         "plan (launch order): "
         + "; ".join(
@@ -33,9 +41,8 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         ),
         "",
     ]
-    labels = [m.name for b in report.backends for m in (*b.params, *b.buckets)]
-    width = max(len(n) for n in (*names, *labels))
     for b in report.backends:
+        width = max(len(n) for n in (*names, *(m.name for m in (*b.params, *b.buckets))))
         if b.status == "skipped":
             lines.append(f"{b.name}: skipped ({b.reason})")
             lines.append("")
@@ -50,7 +57,11 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         elif b.plan == report.plan:
             plan = "shared plan"
         else:
-            plan = f"its own plan, {len(b.plan.buckets)} buckets; rows below use the shared one"
+            own = "; ".join(
+                f"{k}: " + ",".join(names[i] for i in bucket)
+                for k, bucket in enumerate(b.plan.buckets)
+            )
+            plan = f"its own plan ({own}); bucket rows are its own"
         lines.append(f"{b.name}: {b.status.upper()}  {step}  {plan}  ({b.description})")
         lines.append(f"  {'':<{width}}  {'max abs':>10}  {'rel':>10}  {'ulp':>10}  {'ulp@max':>8}")
         rows = list(b.params) + (list(b.buckets) if per_bucket else [])
@@ -58,7 +69,7 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
             flag = "" if m.passed else "  <-- beyond tolerance"
             lines.append(
                 f"  {m.name:<{width}}  {m.max_abs:>10.3g}  {m.rel:>10.3g}  "
-                f"{format_ulp(m.ulp):>10}  {m.ulp_at_max:>8.3g}{flag}"
+                f"{_ulp_cell(m.ulp):>10}  {m.ulp_at_max:>8.3g}{flag}"
             )
         lines.append("")
     lines.append("summary")
@@ -77,7 +88,14 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         ms = f"{b.seconds_per_step * 1e3:.2f}" if b.seconds_per_step is not None else "-"
         lines.append(
             f"  {b.name:<14} {b.status:<8} {max_abs:>10.3g} {worst.rel:>10.3g} "
-            f"{format_ulp(ulp):>10} {at_max:>8.3g} {ms:>9}"
+            f"{_ulp_cell(ulp):>10} {at_max:>8.3g} {ms:>9}"
+        )
+    if any(m.ulp >= NEAR_ZERO_ULPS for b in report.backends for m in (*b.params, *b.buckets)):
+        lines.append(
+            f"  * ulp counts the dtype's steps element by element: an element whose exact "
+            f"gradient (nearly) cancels to 0, where the dtype's numbers are dense, is "
+            f">= {NEAR_ZERO_ULPS} steps off while harmless; ulp@max, the error in ULPs at the "
+            "parameter's largest magnitude, is what the tolerance means"
         )
     if report.agreement:
         lines.append("")
@@ -97,7 +115,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
     return {
         "case": asdict(report.case),
         "tolerance": report.tolerance,
-        "reference": report.reference,
+        "truth": report.truth,
         "plan": report.plan.to_dict(),
         "plan_digest": report.plan.digest(),
         "param_names": list(zoo.param_names(report.case.model)),

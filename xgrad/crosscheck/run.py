@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +31,7 @@ from xgrad.crosscheck.truth import (
     reference_grads,
     torch_sampler,
 )
+from xgrad.progress import Progress
 
 
 @dataclass
@@ -59,12 +58,16 @@ class BackendReport:
 
 @dataclass
 class Report:
-    """Everything a crosscheck found; ``ok`` is the exit status's source."""
+    """Everything a crosscheck found; ``ok`` is the exit status's source.
+
+    ``truth`` says what the backends were measured against (the float64 gradient, or the
+    PowerSGD model); the word "reference" is kept for the reference backend.
+    """
 
     case: Case
     tolerance: float
     plan: BucketPlan
-    reference: str
+    truth: str
     backends: list[BackendReport]
     attribution: list[str]
     agreement: list[str] = field(default_factory=list)
@@ -109,7 +112,9 @@ def _run_one(
     report.grads = {n: result.grads[n] for n in names}
     ref = measure(result.plan)
     report.params = [compare(n, report.grads[n], ref[n], tol) for n in names]
-    report.buckets = compare_buckets(names, report.grads, ref, inputs.plan, tol)
+    # Per bucket of the plan it really ran (PyTorch's DDP makes its own from the same cap).
+    ran = inputs.plan if result.plan is None else result.plan
+    report.buckets = compare_buckets(names, report.grads, ref, ran, tol)
     report.status = "ok" if all(m.passed for m in report.params) else "fail"
     if report.status == "fail":
         worst = report.worst
@@ -144,8 +149,6 @@ def _attribution(
         f"{tolerance(case.dtype, hook):.3g} (wire) instead of {tolerance(case.dtype):.3g} "
         f"({case.dtype} alone)."
     ]
-    if importlib.util.find_spec("torch") is None:
-        return [*lines, "compression model skipped: it needs torch for per-rank float64 gradients"]
     model = compression_model(per_rank_grads(inputs), hook, case.dtype)
     wire_dtype = zoo.as_dtype(wire)
     exact = max(compare(n, model[n], ref[n], math.inf).rel for n in names)
@@ -158,7 +161,9 @@ def _attribution(
         ulps = max(wire_ulps(b.grads[n], model[n], wire_dtype) for n in names)
         rel = max(compare(n, b.grads[n], model[n], math.inf).rel for n in names)
         lines.append(
-            f"{b.name}: within {ulps:.3g} {wire} ULPs (rel {rel:.3g}) of the compression model"
+            f"{b.name}: equal to the compression model, bit for bit"
+            if ulps == 0
+            else f"{b.name}: within {ulps:.3g} {wire} ULPs (rel {rel:.3g}) of the compression model"
         )
     # Between backends (the first runner of each that ran; runners of one backend share
     # its arithmetic): how much of their difference the compression explains.
@@ -201,8 +206,17 @@ def _wire_pair(
     )
 
 
-def agreement(backends: Sequence[BackendReport], names: Sequence[str]) -> list[str]:
-    """Which backends agree bit for bit, and how far apart the groups that do not are."""
+def _brief(plan: BucketPlan, width: int = 48) -> str:
+    """A plan's buckets in launch order, shortened: ``[5,4,3] [2,1,0]``."""
+    text = " ".join("[" + ",".join(map(str, b)) + "]" for b in plan.buckets)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def agreement(
+    backends: Sequence[BackendReport], names: Sequence[str], hook: str | None = None
+) -> list[str]:
+    """Which backends agree bit for bit, how far apart the groups that do not are, and
+    whether they ran different plans (which, with PowerSGD, explains the difference)."""
     groups: list[list[BackendReport]] = []
     for b in (b for b in backends if b.grads):
         for group in groups:
@@ -219,10 +233,22 @@ def agreement(backends: Sequence[BackendReport], names: Sequence[str]) -> list[s
             a, b = first[0], second[0]
             metrics = [compare(n, a.grads[n], b.grads[n], math.inf) for n in names]
             worst = max(metrics, key=lambda m: m.rel)
-            lines.append(
+            line = (
                 f"{a.name} vs {b.name}: max rel {worst.rel:.3g} ({worst.name}), "
                 f"max ulp@max {max(m.ulp_at_max for m in metrics):.3g}"
             )
+            if a.plan is not None and b.plan is not None and a.plan != b.plan:
+                line += (
+                    f"; they ran different bucket plans ({_brief(a.plan)} and {_brief(b.plan)})"
+                    + (
+                        ", and PowerSGD's result depends on the buckets (its random draws and "
+                        "which gradients share a matrix): each is measured against the "
+                        "PowerSGD model of its own plan"
+                        if hook == "powersgd"
+                        else ""
+                    )
+                )
+            lines.append(line)
     return lines
 
 
@@ -271,7 +297,8 @@ def run_crosscheck(
         case: the configuration.
         backends: names of registered backends (all their runners) or of runners;
             default every runner of every registered backend.
-        progress: where to write one line per backend as it starts and ends (e.g. stderr).
+        progress: where to write one line per backend as it starts and ends (e.g. stderr),
+            under a progress bar when it is a terminal.
 
     Raises:
         ValueError: an unknown backend name (the message lists the known ones).
@@ -280,36 +307,35 @@ def run_crosscheck(
     inputs = make_inputs(case)
     tol = tolerance(case.dtype, case.hook)
 
-    def say(text: str) -> None:
-        if progress is not None:
-            print(text, file=progress, flush=True)
-
     total = len(chosen) + 1
-    say(f"[1/{total}] single-process float64 reference ...")
-    start = time.perf_counter()
-    exact, how = reference_grads(inputs)
-    measure = _measure(inputs, exact)
-    ref = measure(inputs.plan)
-    if case.hook == "powersgd":
-        how = (
-            "PowerSGD model: torch's powerSGD_hook (rank 1) in float64 on exact per-rank "
-            "gradients, from torch's own random draws, for the plan each backend ran"
-            + (
-                f", {case.steps + 1} steps with error feedback and warm start"
-                if case.stateful
-                else ""
+    with Progress(total, "crosscheck", progress) as bar:
+        bar.say(f"[1/{total}] float64 truth (one process, full batch) ...")
+        start = time.perf_counter()
+        exact, how = reference_grads(inputs)
+        measure = _measure(inputs, exact)
+        ref = measure(inputs.plan)
+        if case.hook == "powersgd":
+            how = (
+                "PowerSGD model: torch's powerSGD_hook (rank 1) in float64 on exact per-rank "
+                "gradients, from torch's own random draws, for the plan each backend ran"
+                + (
+                    f", {case.steps + 1} steps with error feedback and warm start"
+                    if case.stateful
+                    else ""
+                )
             )
-        )
-    say(f"[1/{total}] reference done ({time.perf_counter() - start:.1f} s): {how}")
-    reports = []
-    for k, entry in enumerate(chosen, start=2):
-        name = entry.name
-        about = f"backend {entry.backend}" if entry.runner is None else entry.runner.description
-        say(f"[{k}/{total}] {name}: {about} ...")
-        report = _run_one(entry, inputs, measure, tol)
-        extra = f": {report.reason}" if report.reason else ""
-        say(f"[{k}/{total}] {name} {report.status} ({report.wall_seconds:.1f} s){extra}")
-        reports.append(report)
+        bar.say(f"[1/{total}] truth done ({time.perf_counter() - start:.1f} s): {how}")
+        reports = []
+        for k, entry in enumerate(chosen, start=2):
+            name = entry.name
+            bar.advance(name)
+            runner = entry.runner
+            about = f"backend {entry.backend}" if runner is None else runner.description
+            bar.say(f"[{k}/{total}] {name}: {about} ...")
+            report = _run_one(entry, inputs, measure, tol)
+            extra = f": {report.reason}" if report.reason else ""
+            bar.say(f"[{k}/{total}] {name} {report.status} ({report.wall_seconds:.1f} s){extra}")
+            reports.append(report)
     names = list(inputs.weights)
     return Report(
         case,
@@ -318,5 +344,5 @@ def run_crosscheck(
         how,
         reports,
         _attribution(inputs, reports, exact, ref),
-        agreement(reports, names),
+        agreement(reports, names, case.hook),
     )

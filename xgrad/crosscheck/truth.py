@@ -2,46 +2,36 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from xgrad import models as zoo
+from xgrad.backend import find_truth
 from xgrad.buckets import BucketPlan
 from xgrad.crosscheck.case import WIRE_DTYPES, Inputs
 from xgrad.powersgd import STATEFUL, STATELESS, PowerSGD, Sampler, compress, layout
-from xgrad.powersgd_hook import PowerSGDState
+from xgrad.powersgd_hook import PowerSGDState, fresh_draws, registered_sampler
 
 
 def reference_grads(inputs: Inputs) -> tuple[dict[str, np.ndarray], str]:
-    """Full-batch float64 gradients and a line saying how they were computed."""
-    case = inputs.case
-    if importlib.util.find_spec("torch") is not None:
-        from xgrad.torch_backend.models import single_process_grads
+    """Full-batch float64 gradients and a line saying how they were computed.
 
-        grads = single_process_grads(case.model, inputs.weights, inputs.x, inputs.y)
-        return grads, "torch float64, one process, full batch"
-    if case.model == "mlp" and importlib.util.find_spec("xgrad.reference") is not None:
-        from xgrad.reference import single_process_grads as numpy_grads
-
-        wide = {k: v.astype(np.float64) for k, v in inputs.weights.items()}
-        grads = numpy_grads(wide, inputs.x.astype(np.float64), inputs.y.astype(np.float64))
-        return grads, "numpy float64 (xgrad.reference), one process, full batch"
-    raise RuntimeError(
-        f"no float64 reference for model {case.model!r}: install torch (any model) "
-        "or use model 'mlp' (numpy reference)"
-    )
+    They come from a registered backend's :class:`~xgrad.backend.Truth`: one computed by a
+    framework's own autograd where an available backend offers one for the model.
+    """
+    truth = find_truth(inputs.case.model)
+    return truth.grads(inputs.case.model, inputs.weights, inputs.x, inputs.y), truth.description
 
 
 def per_rank_grads(inputs: Inputs) -> list[dict[str, np.ndarray]]:
-    """Each rank's float64 gradient of its own shard (torch), for the compression model."""
-    from xgrad.torch_backend.models import single_process_grads
-
+    """Each rank's float64 gradient of its own shard, for the compression model."""
     case = inputs.case
+    truth = find_truth(case.model)
     return [
-        single_process_grads(
+        truth.grads(
             case.model,
             inputs.weights,
             zoo.shard(inputs.x, case.world_size, r),
@@ -106,24 +96,27 @@ def powersgd_layout(
 def torch_powersgd_qs(
     weights: Mapping[str, np.ndarray], plan: BucketPlan, steps: int, seed: int = 0
 ) -> dict[int, list[np.ndarray]]:
-    """The initial ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
+    """The fresh ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
 
     Replaying torch's draws lets JAX and the numpy model start from the very same random
-    matrices. Needs torch: the draws are made in
-    :func:`xgrad.torch_backend.powersgd.initial_qs`.
-    """
-    from xgrad.torch_backend.powersgd import initial_qs
+    matrices; the draws come from the registered sampler (:func:`torch_sampler`).
 
-    return initial_qs(weights, plan, steps, seed)
+    Raises:
+        RuntimeError: no available backend replays torch's draws.
+    """
+    sampler = torch_sampler()
+    if sampler is None:
+        raise RuntimeError("no available backend offers powersgd_sampler (install torch)")
+    names = list(weights)
+    shapes = [[weights[names[i]].shape for i in bucket] for bucket in plan.buckets]
+    config = dataclasses.replace(STATELESS, random_seed=seed)
+    dtype = zoo.as_dtype(next(iter(weights.values())).dtype).name
+    return next(itertools.islice(fresh_draws(shapes, config, dtype, sampler), steps - 1, None))
 
 
 def torch_sampler() -> Sampler | None:
-    """PyTorch's normal draws (:func:`xgrad.torch_backend.powersgd.torch_sampler`), if torch is here."""
-    if importlib.util.find_spec("torch") is None:
-        return None
-    from xgrad.torch_backend.powersgd import torch_sampler as sampler
-
-    return sampler
+    """PyTorch's normal draws, from a registered backend (the torch backend offers them)."""
+    return registered_sampler()
 
 
 def _stacked(

@@ -110,7 +110,7 @@ def run_point(config: SweepConfig, world_size: int, cap: int) -> SweepRow:
             dp.backward(dp.forward(xs, ys))
         return comm.now() - start, flops[0] - flops_before, first_event
 
-    results = spawn(world_size, rank_main, world=world)
+    results = spawn(rank_main, world_size, world=world)
     iteration = max(r[0] for r in results)
     compute = results[0][1] / config.flops_per_second
     events = clock.log[results[0][2] :]

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 name = "jax"
 
+#: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
+BENCHES: dict[str, str] = {"jax": "xgrad.jax_backend.bench"}
+
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "MODES": "xgrad.jax_backend.data_parallel",
@@ -58,7 +61,16 @@ _EXPORTS: dict[str, str] = {
     "PowerSGDCarry": "xgrad.jax_backend.powersgd",
 }
 
-__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
+__all__ = [
+    "BENCHES",
+    "array_ops",
+    "available",
+    "name",
+    "run_ranks",
+    "runners",
+    "truth",
+    *sorted(_EXPORTS),
+]
 
 #: JAX reduces inside a compiled function (``psum`` over a mesh axis), not through a
 #: process group object, so it offers no :class:`xgrad.backend.Comm`.
@@ -67,6 +79,11 @@ run_ranks = None
 
 def array_ops() -> None:
     """None: JAX arrays are immutable, and the reducer's operations write in place."""
+    return None
+
+
+def truth() -> None:
+    """None: the float64 truth comes from another backend."""
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -138,6 +139,19 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The virtual stages placed on ``rank``, in stage order."""
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def text(self) -> str:
+        """Canonical text: placement, microbatches, then each rank's actions (what
+        :meth:`digest` hashes; two ranks with the same text run the same schedule)."""
+        rows = [" ".join(str(a) for a in acts) for acts in self.actions]
+        head = (
+            f"placement {','.join(map(str, self.placement))} microbatches {self.num_microbatches}"
+        )
+        return "\n".join([head, *(f"rank {r}: {row}" for r, row in enumerate(rows))]) + "\n"
+
+    def digest(self) -> str:
+        """SHA-256 of :meth:`text`: equal on every rank before a runtime's first step."""
+        return hashlib.sha256(self.text().encode()).hexdigest()
 
     def grid(self, *, mark: int | None = None, note: str = "") -> str:
         """The rank × step grid (a column per rank), optionally pointing at step ``mark``."""

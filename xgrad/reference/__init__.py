@@ -37,6 +37,7 @@ from xgrad.reference.runner import ReferenceRunner as ReferenceRunner
 from xgrad.reference.runner import array_ops as array_ops
 from xgrad.reference.runner import run_ranks as run_ranks
 from xgrad.reference.runner import runners as runners
+from xgrad.reference.runner import truth as truth
 
 name = "reference"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -268,8 +269,8 @@ class RankError(RuntimeError):
 
 
 def spawn(
-    world_size: int,
     fn: Callable[[ReferenceComm], T],
+    world_size: int,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
     link: LinkModel | None = None,
@@ -278,10 +279,21 @@ def spawn(
 ) -> list[T]:
     """Run ``fn(comm)`` on ``world_size`` simulated ranks (threads); results by rank.
 
+    The argument order is the torch backend's ``spawn(fn, world_size)`` (and
+    ``torch.multiprocessing.spawn``'s); the older ``spawn(world_size, fn)`` still works,
+    with a ``DeprecationWarning``.
+
     Raises:
         RankError: for the first rank (lowest number) that failed with its own error
             rather than because another rank aborted the world; chained to that error.
     """
+    if isinstance(fn, int) and callable(world_size):
+        warnings.warn(
+            "spawn(world_size, fn) is deprecated: call spawn(fn, world_size)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        fn, world_size = world_size, fn
     w = (
         world
         if world is not None

@@ -17,27 +17,13 @@ import numpy as np
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
+from xgrad.dependencies import unused_parameters
 from xgrad.engine import Engine, PassResult
-from xgrad.graph import unused_parameters
-from xgrad.hooks import HOOKS
+from xgrad.hooks import HookSpec, resolve_hook
 from xgrad.models import shard
 from xgrad.numpy_ops import NumpyOps
-from xgrad.reducer import Hook
 from xgrad.reference.comm import ReferenceComm, spawn
 from xgrad.reference.models import MLP, ForwardPass, build_model
-
-#: a communication hook: a name in ``xgrad.hooks.HOOKS`` or a factory ``comm -> Hook``.
-HookSpec = str | Callable[[Comm], Hook] | None
-
-
-def _resolve_hook(hook: HookSpec, comm: Comm) -> Hook | None:
-    if hook is None:
-        return None
-    if isinstance(hook, str):
-        if hook not in HOOKS:
-            raise ValueError(f"hook={hook!r} is not one of {sorted(HOOKS)}")
-        return HOOKS[hook](comm)
-    return hook(comm)
 
 
 class DataParallel:
@@ -90,7 +76,7 @@ class DataParallel:
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            hook=_resolve_hook(hook, comm),
+            hook=resolve_hook(hook, comm),
             clock=clock,
         )
         for i in range(len(model.params)):
@@ -189,7 +175,7 @@ def run_data_parallel(
             dp.backward(dp.forward(xs, ys))
         return dp.grads()
 
-    per_rank = spawn(world_size, rank_main, timeout=timeout)
+    per_rank = spawn(rank_main, world_size, timeout=timeout)
     for r, grads in enumerate(per_rank[1:], start=1):
         for name, g in grads.items():
             if not np.array_equal(g, per_rank[0][name]):

@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from xgrad.engine import NodeFunction
-from xgrad.graph import BackwardGraph, GraphBuilder
+from xgrad.graph import BackwardGraph
+from xgrad.graph_builder import GraphBuilder
 
 #: the reference model family: name -> one line.
 MODELS: dict[str, str] = {

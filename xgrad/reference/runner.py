@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 
-from xgrad.backend import Comm, Runner, Step, StepResult, unsupported_by_declaration
+from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.numpy_ops import NumpyOps
+from xgrad.reducer_types import ArrayOps
 from xgrad.reference.comm import DEFAULT_TIMEOUT_S, spawn
-from xgrad.reference.ddp import run_data_parallel
+from xgrad.reference.ddp import run_data_parallel, single_process_grads
 from xgrad.reference.models import MODELS
 
 T = TypeVar("T")
@@ -59,9 +60,28 @@ def run_ranks(
     fn: Callable[[Comm], T], world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S
 ) -> list[T]:
     """``fn(comm)`` on ``world_size`` simulated ranks; results by rank."""
-    return spawn(world_size, fn, timeout=timeout)
+    return spawn(fn, world_size, timeout=timeout)
 
 
-def array_ops() -> tuple[NumpyOps, Callable[[np.ndarray], Any]]:
+def array_ops() -> tuple[ArrayOps[np.ndarray], Callable[[np.ndarray], Any]]:
     """NumPy's reducer operations; the native array is the numpy array itself."""
     return NumpyOps(), np.asarray
+
+
+def _float64_grads(
+    model: str, weights: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    wide = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+    return single_process_grads(
+        wide, np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), model
+    )
+
+
+def truth() -> Truth:
+    """xgrad's own engine on the numpy models in float64 (not independent of xgrad)."""
+    return Truth(
+        grads=_float64_grads,
+        covers=lambda model: model in MODELS,
+        description="numpy float64 (xgrad.reference), one process, full batch",
+        independent=False,
+    )

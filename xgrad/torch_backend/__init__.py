@@ -13,6 +13,7 @@ from xgrad.backend import lazy_attributes
 from xgrad.torch_backend.runner import array_ops as array_ops
 from xgrad.torch_backend.runner import run_ranks as run_ranks
 from xgrad.torch_backend.runner import runners as runners
+from xgrad.torch_backend.runner import truth as truth
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.comm import TorchComm as TorchComm
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 
 name = "torch"
 
+#: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
+BENCHES: dict[str, str] = {
+    "ddp": "xgrad.torch_backend.bench",
+    "pipeline": "xgrad.torch_backend.pipeline_bench",
+}
+
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "DistributedDataParallel": "xgrad.torch_backend.ddp",
@@ -34,9 +41,21 @@ _EXPORTS: dict[str, str] = {
     "PipelineRuntime": "xgrad.torch_backend.pipeline",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
+    # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
+    # the registry (xgrad.powersgd_hook.registered_sampler) so others replay torch's draws.
+    "powersgd_sampler": "xgrad.torch_backend.powersgd",
 }
 
-__all__ = ["array_ops", "available", "name", "run_ranks", "runners", *sorted(_EXPORTS)]
+__all__ = [
+    "BENCHES",
+    "array_ops",
+    "available",
+    "name",
+    "run_ranks",
+    "runners",
+    "truth",
+    *sorted(_EXPORTS),
+]
 
 
 def available() -> bool:

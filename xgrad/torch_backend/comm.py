@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "CollectiveWork", "FutureWork", "TorchComm"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CollectiveWork", "FutureWork", "TorchComm"]
 
 #: seconds any single wait on a collective may block before it raises.
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class CollectiveWork:
@@ -76,7 +76,7 @@ class TorchComm:
         timeout: seconds a wait on an asynchronous collective may block.
     """
 
-    def __init__(self, group: Any = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, group: Any = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialized: call init_process_group (torchrun sets "

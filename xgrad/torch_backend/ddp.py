@@ -41,13 +41,21 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_map
 
+from xgrad.agreement import check_agreement
 from xgrad.backend import Comm
-from xgrad.buckets import BucketPlan
+from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import DEFAULT_TIMEOUT, TorchComm
+from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
+from xgrad.torch_backend.ddp_checks import (
+    check_params,
+    check_plan,
+    fingerprint,
+    resolve_caps,
+    resolve_timeout,
+)
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
@@ -55,16 +63,21 @@ from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import logging_data, statistics
+from xgrad.torch_backend.join import (
+    JoinableDDP,
+    announce_backward_sync,
+    find_common_rank,
+    notify_join_context,
+)
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
-_MIB = 1024 * 1024
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
-class DistributedDataParallel(_TorchDDP):
+class DistributedDataParallel(JoinableDDP, _TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
@@ -93,7 +106,13 @@ class DistributedDataParallel(_TorchDDP):
             ``named_parameters`` (those that require grad), used as given: no rebuild.
         comm_hook: a backend-neutral hook factory such as ``xgrad.hooks.fp16_compress_hook``,
             called with this module's :class:`~xgrad.torch_backend.comm.TorchComm`.
-        timeout: seconds any wait on a reduction may block before it raises.
+        timeout: seconds any wait on a peer may block before it raises (default
+            ``$XGRAD_DDP_TIMEOUT``, else 300): reductions, the buffer broadcast, the
+            rebuild broadcast and the agreement check alike.
+
+    Before the first reduction and after a rebuild the ranks compare plan, parameters
+    and hook (:mod:`xgrad.agreement`); ``join()`` is PyTorch's (:mod:`.join`); a failed
+    backward pass is dropped at the next forward pass, with a warning.
 
     Example:
         >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
@@ -130,10 +149,20 @@ class DistributedDataParallel(_TorchDDP):
         first_bucket_cap_mb: float | None = None,
         plan: BucketPlan | None = None,
         comm_hook: Callable[[Comm], Hook] | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
+        timeout = resolve_timeout(timeout)
+        cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
+        cap_list = (
+            None
+            if bucket_cap_mb_list is None
+            else [
+                cap_mb_to_bytes(c, f"bucket_cap_mb_list[{i}]")
+                for i, c in enumerate(bucket_cap_mb_list)
+            ]
+        )
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError(
                 "delay_all_reduce_named_params and param_to_hook_all_reduce "
@@ -167,6 +196,8 @@ class DistributedDataParallel(_TorchDDP):
                 "parameter that requires a gradient"
                 + (" (every one is in delay_all_reduce_named_params)." if delayed else ".")
             )
+        check_params(self.parameter_names, self._params)
+        plan = check_plan(plan, len(self._params))
         self.device_type, self.device_ids, self.output_device = resolve_devices(
             self._params, device_ids, output_device
         )
@@ -191,13 +222,9 @@ class DistributedDataParallel(_TorchDDP):
         flat_dtype = None if self._casts is None else self._casts.param_dtype
         self._grad_hooks = GradientHooks(self._params, gradient_as_bucket_view)
         limits = DDPLimits.of(
-            bucket_cap_bytes=None if bucket_cap_mb is None else int(bucket_cap_mb * _MIB),
-            first_bucket_cap_bytes=(
-                None if first_bucket_cap_mb is None else int(first_bucket_cap_mb * _MIB)
-            ),
-            bucket_cap_bytes_list=(
-                None if bucket_cap_mb_list is None else [int(c * _MIB) for c in bucket_cap_mb_list]
-            ),
+            bucket_cap_bytes=cap_bytes,
+            first_bucket_cap_bytes=first_cap_bytes,
+            bucket_cap_bytes_list=cap_list,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
         )
@@ -221,6 +248,10 @@ class DistributedDataParallel(_TorchDDP):
         )
         self.initial_plan = self.reducer.initial_plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._hook_name = "allreduce (default)" if self._casts is None else "mixed precision"
+        self._agreement_pending = True  # before the first reduction and after a rebuild
+        self._divide_by_initial_world_size = True
+        self._still_training: int | None = None
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         self._grad_hooks.attach(self.reducer)
@@ -241,11 +272,19 @@ class DistributedDataParallel(_TorchDDP):
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
         self._forward_started = time.perf_counter()
-        rebuilt = torch.is_grad_enabled() and self.reducer.rebuild_buckets()
-        if rebuilt and self.gradient_as_bucket_view:
-            self._grad_hooks.alias_grads_to_buckets()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._grad_hooks.recover(self.comm.rank)
+        self._still_training = notify_join_context(self)
+        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
+            self._agreement_pending = True
+            if self.gradient_as_bucket_view:
+                self._grad_hooks.alias_grads_to_buckets()
         if self.will_sync_module_buffers():
             self._sync_buffers()
+        if self._join_config.enable:
+            announce_backward_sync(self, sync)
+        if sync:
+            self._check_agreement()
         if self.device_ids:
             device = torch.device(self.device_type, self.device_ids[0])
             inputs, kwargs = tree_map(
@@ -267,7 +306,7 @@ class DistributedDataParallel(_TorchDDP):
             unused: Sequence[int] = ()
             if self.find_unused_parameters and not self.static_graph:
                 unused = find_unused_parameters(output, self._param_index, len(self._params))
-            self.reducer.prepare_for_backward(unused)
+            self.reducer.prepare_for_backward(unused, divisor=self._still_training)
             self._grad_hooks.sync_pending = True
             self._grad_hooks.forward_seconds = time.perf_counter() - self._forward_started
         else:
@@ -283,8 +322,17 @@ class DistributedDataParallel(_TorchDDP):
 
     def _sync_buffers(self) -> None:
         if self.comm.size > 1:
+            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
+            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
             with torch.no_grad():
-                self.comm.broadcast_tensors(self.modules_buffers, src=0)
+                self.comm.broadcast_tensors(self.modules_buffers, src=src)
+
+    def _check_agreement(self) -> None:
+        """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
+        if self._agreement_pending:
+            mine = fingerprint(self.plan, self.parameter_names, self._params, self._hook_name)
+            check_agreement(self.comm, mine, where="DistributedDataParallel")
+            self._agreement_pending = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -316,6 +364,7 @@ class DistributedDataParallel(_TorchDDP):
         # hangs there). NCCL runs callbacks in stream order, so it keeps the overlap.
         serial = dist.get_backend(self.comm.group) != "nccl"
         self.reducer.register_hook(future_hook(state, hook, self.timeout), serial=serial)
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def register_hook(self, hook: Hook) -> None:
         """Register a backend-neutral hook with its state bound (``bucket -> Work``).
@@ -323,6 +372,7 @@ class DistributedDataParallel(_TorchDDP):
         Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
         """
         self.reducer.register_hook(hook)
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """PyTorch's built-in C++ hooks, as their Python equivalents."""
@@ -360,14 +410,6 @@ class DistributedDataParallel(_TorchDDP):
     def timeline(self) -> deque[IterationTimes]:
         """The kept iterations' timelines, oldest first."""
         return self._grad_hooks.timeline
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self.process_group
 
     def statistics(self) -> dict[str, Any]:
         """What PyTorch's DDP logging data says, in seconds and names.

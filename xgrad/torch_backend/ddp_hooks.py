@@ -11,6 +11,7 @@ return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.bac
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +41,8 @@ class GradientHooks:
         self.reducer: Reducer | None = None
         #: set by forward: the next gradient hook starts a synchronised backward pass.
         self.sync_pending = False
+        #: the end-of-backward callback is queued and has not run yet.
+        self.finalize_queued = False
         self.forward_seconds = 0.0
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
@@ -68,18 +71,33 @@ class GradientHooks:
                 self.sync_pending = False
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
-            reducer.mark_ready(index, param.grad)
+                self.finalize_queued = True
+            try:
+                reducer.mark_ready(index, param.grad)
+            except BaseException as exc:
+                reducer.fail(
+                    f"rank {reducer.comm.rank} in the gradient hook of "
+                    f"{reducer.names[index]}: {type(exc).__name__}: {exc}"
+                )
+                raise
 
         return hook
 
     def _finalize(self) -> None:
         reducer = self.reducer
         assert reducer is not None
+        self.finalize_queued = False
         try:
             reducer.finalize()
             if self._copy_dst:
                 # One fused copy for every gradient instead of one call per parameter.
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
+        except BaseException as exc:
+            if reducer.all_ready():  # else gradients never came: DDP's unused-parameter error
+                reducer.fail(
+                    f"rank {reducer.comm.rank} in the reduction: {type(exc).__name__}: {exc}"
+                )
+            raise
         finally:
             self._copy_dst.clear()
             self._copy_src.clear()
@@ -91,6 +109,28 @@ class GradientHooks:
                 reducer.records[-1], self.forward_seconds, end - self.backward_started
             )
         )
+
+    def recover(self, rank: int) -> None:
+        """At a forward pass: drop a backward pass that failed part-way, with a warning.
+
+        A pass whose final callback never ran was cut short by an exception (in a hook,
+        a comm hook, autograd); one whose reduction raised was marked failed by it.
+        Either way the reducer starts the new pass clean instead of blaming unused
+        parameters for the gradients that never came.
+        """
+        reducer = self.reducer
+        assert reducer is not None
+        if self.finalize_queued:
+            self.finalize_queued = False
+            reducer.fail(f"rank {rank}: the backward pass raised an exception")
+        dropped = reducer.recover()
+        if dropped is not None:
+            warnings.warn(
+                f"DistributedDataParallel (rank {rank}): {dropped}; .grad holds this rank's "
+                "unreduced gradients of that pass: zero them before the next step",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def set_grad(self, index: int, view: torch.Tensor) -> None:
         """The reducer's write-back of parameter ``index``'s reduced gradient."""

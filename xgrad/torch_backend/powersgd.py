@@ -22,7 +22,7 @@ from xgrad.powersgd import STATELESS, PowerSGD
 from xgrad.powersgd_hook import fresh_draws
 from xgrad.torch_backend.models import torch_dtype
 
-__all__ = ["initial_qs", "torch_sampler"]
+__all__ = ["initial_qs", "powersgd_sampler", "torch_sampler"]
 
 
 def torch_sampler(seed: int, shapes: Sequence[tuple[int, int]], dtype: str) -> list[np.ndarray]:
@@ -33,6 +33,10 @@ def torch_sampler(seed: int, shapes: Sequence[tuple[int, int]], dtype: str) -> l
         torch.randn(1, m, r, generator=generator, dtype=wanted)[0].double().numpy()
         for m, r in shapes
     ]
+
+
+#: the name the registry looks for (see ``xgrad.powersgd_hook.registered_sampler``).
+powersgd_sampler = torch_sampler
 
 
 def initial_qs(

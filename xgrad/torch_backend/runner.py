@@ -7,13 +7,13 @@ without it); each run does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from xgrad.backend import Comm, Runner, Step, StepResult, unsupported_by_declaration
+from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.hooks import HOOK_NAMES
 
 T = TypeVar("T")
@@ -106,3 +106,21 @@ def array_ops() -> tuple[Any, Callable[[np.ndarray], Any]]:
     from xgrad.torch_backend.ops import TorchArrayOps
 
     return TorchArrayOps(), lambda a: torch.from_numpy(np.array(a, copy=True))
+
+
+def _float64_grads(
+    model: str, weights: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> dict[str, np.ndarray]:
+    from xgrad.torch_backend.models import single_process_grads
+
+    return single_process_grads(model, dict(weights), x, y)
+
+
+def truth() -> Truth:
+    """torch's autograd in float64, for every zoo model and model pair."""
+    return Truth(
+        grads=_float64_grads,
+        covers=lambda model: True,
+        description="torch float64, one process, full batch",
+        independent=True,
+    )

@@ -1,0 +1,45 @@
+"""``xgrad experiment``: list, run, the older form, and errors that name the value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xgrad.cli import main
+from xgrad.experiments import EXPERIMENTS
+
+
+def test_no_words_and_list_print_every_experiment(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["experiment"], ["experiment", "list"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert all(name in out for name in EXPERIMENTS)
+
+
+def test_unknown_names_and_backends_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="unknown experiment 'bubble'"):
+        main(["experiment", "run", "bubble"])
+    with pytest.raises(SystemExit):
+        main(["experiment", "run", "schedules", "--backend", "jax"])
+    assert "invalid choice: 'jax'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--stages must be >= 1, got 0"):
+        main(["experiment", "run", "schedules", "--stages", "0", "--out", "/nonexistent"])
+
+
+def test_run_prints_the_table_and_verdicts_and_writes_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["experiment", "run", "schedules", "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[schedules]" in out and "AGREES" in out and "DISAGREES" in out
+    assert "link: none" in out
+    assert (tmp_path / "schedules.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bucket_sweep_keeps_its_own_options(tmp_path: Path) -> None:
+    args = ["--world-sizes", "2", "--caps", "300", "--width", "8", "--layers", "2",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert main(["experiment", "run", "bucket-sweep", *args]) == 0
+    assert main(["experiment", "bucket-sweep", *args]) == 0
+    assert (tmp_path / "bucket_sweep.json").exists()

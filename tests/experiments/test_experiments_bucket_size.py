@@ -1,0 +1,35 @@
+"""bucket-size: the cap grid, the U test, and a quick run on the virtual clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xgrad.experiments.bucket_size import caps_for, u_shape
+from xgrad.experiments.runner import run_experiment
+
+
+def test_caps_run_from_one_parameter_to_one_bucket() -> None:
+    assert caps_for(100, 1000) == (1, 100, 200, 400, 1000)
+    assert caps_for(100, 100) == (1, 100)
+
+
+def test_u_shape_needs_a_minimum_inside_and_both_ends_higher() -> None:
+    assert u_shape([2.0, 1.0, 2.0])[0]
+    assert not u_shape([1.0, 1.5, 2.0])[0]  # minimum at an end
+    assert not u_shape([2.0, 1.0, 1.01])[0]  # one end barely higher
+
+
+def test_quick_run_is_deterministic_and_shows_the_u(tmp_path: Path) -> None:
+    code, report = run_experiment("bucket-size", ["--quick", "--out", str(tmp_path)])
+    assert code == 0 and report is not None
+    assert report.verdicts[0].agrees  # two ranks: a clear U on the virtual clock
+    docs = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "bucket-size.json"
+    assert report.signature() == json.loads(docs.read_text())["signature"]
+    doc = json.loads((tmp_path / "bucket-size.json").read_text())
+    assert doc["deterministic_digest"] == report.deterministic_digest()
+    _, again = run_experiment("bucket-size", ["--quick", "--out", str(tmp_path / "again")])
+    assert again is not None and again.deterministic_digest() == report.deterministic_digest()
+    assert {p.name for p in tmp_path.iterdir() if p.is_file()} == {
+        "bucket-size.json", "bucket-size.csv", "bucket-size.png",
+    }  # fmt: skip

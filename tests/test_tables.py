@@ -1,0 +1,70 @@
+"""Tables as data: aligned text, JSON records, CSV (one or several tables), statistics."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from xgrad.tables import Table, statistics_table, to_csv, to_json, write_tables
+
+
+def test_text_aligns_numbers_right_and_shows_infinity() -> None:
+    t = Table(("bucket", "limit", "members"), ((0, 2048, "a b"), (1, float("inf"), "c")), "plan")
+    assert t.text().splitlines() == [
+        "plan",
+        "  bucket  limit  members",
+        "       0   2048  a b",
+        "       1      ∞  c",
+    ]
+
+
+def test_json_and_csv_keep_every_row() -> None:
+    a = Table(("x", "y"), ((1, 0.5), (2, None)), "a")
+    b = Table(("x", "z"), ((3, True),), "b")
+    assert json.loads(to_json([a, b])) == {
+        "a": [{"x": 1, "y": 0.5}, {"x": 2, "y": None}],
+        "b": [{"x": 3, "z": True}],
+    }
+    rows = list(csv.reader(io.StringIO(to_csv([a, b]))))
+    assert rows == [
+        ["table", "x", "y", "z"],
+        ["a", "1", "0.5", ""],
+        ["a", "2", "", ""],
+        ["b", "3", "", "True"],
+    ]
+    assert to_csv([a]).splitlines() == ["x,y", "1,0.5", "2,"]
+
+
+def test_rows_must_match_the_columns() -> None:
+    with pytest.raises(ValueError, match=r"table 't' row 1 has 1 values for 2 columns"):
+        Table(("x", "y"), ((1, 2), (3,)), "t")
+
+
+def test_write_tables_to_files_or_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = Table(("x",), ((1,),), "t")
+    assert not write_tables([t], tmp_path / "t.json", tmp_path / "t.csv")
+    assert json.loads((tmp_path / "t.json").read_text()) == {"t": [{"x": 1}]}
+    assert (tmp_path / "t.csv").read_text() == "x\n1\n"
+    assert write_tables([t], None, Path("-"))
+    assert capsys.readouterr().out == "x\n1\n"
+
+
+def test_statistics_print_as_a_table_of_their_own() -> None:
+    stats = {
+        "world_size": 2,
+        "ready_order": [f"layer{i}.weight" for i in range(20)],
+        "timeline": [{"forward": 0.1}, {"forward": 0.2}],
+        "avg_backward_time": 0.25,
+        "plan": '{"buckets":[[1,0]],"limits":[9223372036854775807]}',
+    }
+    text = statistics_table(stats).text()
+    assert "world_size" in text and "2 records" in text and "0.25" in text
+    assert "layer0.weight, layer1.weight" in text and "..." in text
+    assert max(len(line) for line in text.splitlines()) < 100
+    assert "[1,0] (caps ∞)" in text and "9223372036854775807" not in text

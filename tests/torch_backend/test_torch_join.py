@@ -1,0 +1,145 @@
+"""``join()`` with uneven inputs: gradients and final models equal to PyTorch's DDP under join.
+
+One spawned group per world size (2 and 3) runs every scenario; rank ``r`` has ``3 + r``
+batches, so ranks run out at different iterations. Each scenario trains xgrad's DDP and
+PyTorch's DDP on the same model, seeds and data, inside their join contexts, and returns
+every step's gradients and the final parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from xgrad.torch_backend.spawn import spawn
+
+
+class Net(nn.Module):
+    """``c`` unused when ``use_c`` is off; a BatchNorm buffer that join must keep in step."""
+
+    def __init__(self, use_c: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.norm = nn.BatchNorm1d(7)
+        self.b = nn.Linear(7, 2)
+        self.c = nn.Linear(7, 2)
+        self.use_c = use_c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.a(x)))
+        return self.b(h) + self.c(h) if self.use_c else self.b(h)
+
+
+def _batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(4, 5, generator=g) for _ in range(3 + rank)]
+
+
+def _train(ddp: nn.Module, module: nn.Module, ctx: Any, rank: int) -> dict[str, Any]:
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    grads = []
+    with ctx:
+        for x in _batches(rank):
+            opt.zero_grad()
+            ddp(x).square().sum().backward()
+            grads.append(
+                {
+                    n: p.grad.clone().numpy()
+                    for n, p in module.named_parameters()
+                    if p.grad is not None
+                }
+            )
+            opt.step()
+    final = {n: p.detach().clone().numpy() for n, p in module.state_dict().items()}
+    return {"grads": grads, "final": final}
+
+
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.algorithms.join import Join as TorchJoin
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    out: dict[str, Any] = {}
+    cases = {
+        "plain": ({}, {}, True),
+        "unused": ({"find_unused_parameters": True}, {}, False),
+        "effective_world": ({}, {"divide_by_initial_world_size": False}, True),
+    }
+    for case, (kw, join_kw, use_c) in cases.items():
+        torch.manual_seed(0)
+        base = Net(use_c)
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        ours = DistributedDataParallel(m1, **kw)
+        theirs = TorchDDP(m2, **kw)
+        out[case] = {
+            "xgrad": _train(ours, m1, ours.join(**join_kw), rank),
+            "torch": _train(theirs, m2, theirs.join(**join_kw), rank),
+        }
+    # PyTorch's own context manager over xgrad's DDP (a Joinable like PyTorch's).
+    torch.manual_seed(0)
+    m = Net()
+    ddp = DistributedDataParallel(m)
+    out["torch_join"] = _train(ddp, m, TorchJoin([ddp]), rank)
+    # throw_on_early_termination: every rank raises once the first runs out.
+    m = Net()
+    ddp = DistributedDataParallel(m)
+    try:
+        _train(ddp, m, ddp.join(throw_on_early_termination=True), rank)
+        out["throw"] = "no error"
+    except RuntimeError as err:
+        out["throw"] = str(err)
+    # After join, an ordinary collective on every rank still matches up (no hang).
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    out["after"] = float(t.item())
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, spawn(_scenarios, request.param, timeout=240)
+
+
+def _close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-7, err_msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("case", ["plain", "unused", "effective_world"])
+def test_gradients_and_final_model_equal_pytorchs_under_join(
+    world: tuple[int, list[dict[str, Any]]], case: str
+) -> None:
+    size, results = world
+    for rank, result in enumerate(results):
+        ours, theirs = result[case]["xgrad"], result[case]["torch"]
+        assert len(ours["grads"]) == 3 + rank
+        for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"], strict=True)):
+            _close(a, b, f"world {size} rank {rank} step {step}")
+        _close(ours["final"], theirs["final"], f"world {size} rank {rank} final")
+        # Every rank ends with the model of the last rank to join.
+        _close(ours["final"], results[-1][case]["xgrad"]["final"], f"rank {rank} vs last")
+    if case == "unused":
+        assert "c.weight" not in results[0][case]["xgrad"]["grads"][0]
+
+
+def test_pytorchs_join_context_drives_xgrads_ddp(world: tuple[int, list[dict[str, Any]]]) -> None:
+    _, results = world
+    for result in results:
+        _close(result["torch_join"]["final"], result["plain"]["torch"]["final"], "Join([ddp])")
+
+
+def test_throw_on_early_termination_raises_on_every_rank(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    size, results = world
+    assert results[0]["throw"] == "Rank 0 exhausted all inputs."
+    for result in results[1:]:
+        assert "Detected at least one rank that exhausted inputs" in result["throw"]
+    assert all(r["after"] == float(size) for r in results)

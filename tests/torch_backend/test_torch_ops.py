@@ -1,0 +1,39 @@
+"""The reducer's array operations on torch tensors: copies, scaling as PyTorch's reducer rounds, views."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xgrad.torch_backend.ops import TorchArrayOps
+
+
+def test_ops_copy_scale_and_views() -> None:
+    ops = TorchArrayOps()
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(4.0)
+    flat = ops.new_flat([a, b], 10)
+    assert flat.shape == (10,) and flat.dtype == torch.float32 and not flat.any()
+    ops.copy_to(ops.view(flat, 0, a), a, 0.5)
+    ops.copy_to(ops.view(flat, 6, b), b)
+    assert flat.tolist() == [0, 0.5, 1, 1.5, 2, 2.5, 0, 1, 2, 3]
+    view = ops.view(flat, 6, b)
+    assert ops.is_view_of(view, ops.view(flat, 6, b))
+    assert not ops.is_view_of(b, view)
+    ops.div_(view, 2)
+    assert flat[6:].tolist() == [0, 0.5, 1, 1.5]
+    ops.copy_to(flat, torch.ones(10))
+    assert flat.tolist() == [1.0] * 10
+    assert ops.nbytes(a) == 24 and ops.key(a) == (torch.float32, torch.device("cpu"))
+    np.testing.assert_array_equal(ops.to_numpy(ops.from_numpy(np.arange(3), flat)), [0, 1, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_ops_scaled_copy_rounds_like_pytorchs_reducer(dtype: torch.dtype) -> None:
+    """PyTorch's reducer multiplies by a wrapped double ``1 / world_size`` while copying."""
+    torch.manual_seed(0)
+    ops = TorchArrayOps()
+    g = torch.randn(50).to(dtype)
+    flat = torch.zeros(50, dtype=dtype)
+    ops.copy_to(flat, g, 1 / 3)
+    assert torch.equal(flat, g * (1 / 3))

@@ -1,0 +1,125 @@
+"""Option types shared by the subcommands: byte sizes with units, counts, output files.
+
+Each is an argparse ``type=``: bad input becomes argparse's one-line error naming the
+option (``xgrad plan: error: argument --bucket-cap: ...``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+#: unit suffix -> bytes. K, M and G are binary, as DDP's ``bucket_cap_mb`` is (MiB).
+UNITS: dict[str, int] = {
+    "B": 1,
+    "K": 2**10,
+    "KB": 2**10,
+    "KIB": 2**10,
+    "M": 2**20,
+    "MB": 2**20,
+    "MIB": 2**20,
+    "G": 2**30,
+    "GB": 2**30,
+    "GIB": 2**30,
+}
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str, *, bare: str = "MB") -> int:
+    """``"25MB"``, ``"2048B"``, ``"0.5"`` (in the ``bare`` unit) as a number of bytes > 0.
+
+    Raises:
+        ValueError: not a number with a known unit, or not > 0.
+    """
+    match = _SIZE.match(text)
+    unit = (match.group(2) if match else "").upper() or bare.upper()
+    if match is None or unit not in UNITS:
+        raise ValueError(
+            f"{text!r} is not a size: a number and a unit ({', '.join(sorted(UNITS))}), "
+            f"e.g. 25MB or 2048B; a bare number is in {bare}"
+        )
+    value = float(match.group(1)) * UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r}: a size must be > 0 bytes")
+    return max(1, int(value))  # a tiny size means one parameter per bucket, not zero bytes
+
+
+def size(bare: str = "MB") -> Callable[[str], int]:
+    """argparse type: :func:`parse_size` with bare numbers in ``bare``."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, bare=bare)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parse.__name__ = "size"
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, costs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a file to write, whose folder exists."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+    return path
+
+
+def output_folder(text: str) -> Path:
+    """argparse type: a folder to write into; it is created if its parent exists."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    if not path.exists() and not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+    return path
+
+
+#: what ``--json``/``--csv`` without a file mean: standard output.
+STDOUT = Path("-")
+
+
+def _output_or_stdout(text: str) -> Path:
+    return STDOUT if text == "-" else output_file(text)
+
+
+def add_table_outputs(parser: argparse.ArgumentParser, what: str = "the table(s)") -> None:
+    """``--json [FILE]`` and ``--csv [FILE]``: ``what`` as JSON and CSV (no FILE: stdout)."""
+    for fmt in ("json", "csv"):
+        parser.add_argument(
+            f"--{fmt}",
+            type=_output_or_stdout,
+            nargs="?",
+            const=STDOUT,
+            metavar="FILE",
+            help=f"write {what} as {fmt.upper()} to FILE (to standard output, instead of "
+            "the text, when FILE is left out)",
+        )

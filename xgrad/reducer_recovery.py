@@ -1,0 +1,121 @@
+"""The reducer off the happy path: a pass that failed part-way, and a rank with no input left.
+
+Kept apart from the state machine in :mod:`xgrad.reducer` (whose class mixes this in) because
+neither runs per gradient: a failed pass is dropped once, at the next forward, with a
+message that says what was dropped; a joined rank (``join()``) enters each backward pass
+of the others with zeros, so their collectives find a partner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from xgrad.reducer_buckets import BucketState, build_buckets
+
+if TYPE_CHECKING:
+    from xgrad.backend import Comm
+    from xgrad.buckets import BucketPlan
+    from xgrad.reducer_types import ArrayOps
+
+
+class JoinAndRecovery:
+    """Mixed into :class:`~xgrad.reducer.Reducer`; uses its state (declared below)."""
+
+    # The reducer's attributes these methods use.
+    params: list[Any]
+    plan: BucketPlan
+    comm: Comm
+    ops: ArrayOps
+    keys: list[Any]
+    sparse: list[bool]
+    clock: Callable[[], float]
+    find_unused_parameters: bool
+    static_graph: bool
+    has_rebuilt_buckets: bool
+    num_iterations: int
+    _buckets: list[BucketState]
+    _rebuild_order: list[int] | None
+    _ready: bytearray
+    _next_bucket: int
+    _expect_hooks: bool
+    _require_finalize: bool
+    _marked_unused: bool
+    _failure: str | None = None
+
+    def _launch(self, bucket: BucketState) -> None: ...  # defined by the reducer
+
+    # ----------------------------------------------------------------- recovery
+
+    def fail(self, reason: str) -> None:
+        """Record that the backward pass under way failed (``reason`` names rank and where).
+
+        The next :meth:`recover` then drops it instead of reporting the parameters that
+        never got a gradient as unused, which is not what happened.
+        """
+        if (self._expect_hooks or self._require_finalize) and self._failure is None:
+            self._failure = reason
+
+    def all_ready(self) -> bool:
+        """Whether every gradient of the pass under way has been marked ready."""
+        return all(self._ready)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the pass under way failed, if it did."""
+        return self._failure
+
+    def recover(self) -> str | None:
+        """Drop a pass that failed part-way; say what was dropped (``None``: nothing to do).
+
+        Buckets already launched have finished or failed with their collective; nothing
+        of the pass reaches ``.grad`` beyond what autograd itself accumulated there.
+        """
+        if self._failure is None:
+            return None
+        ready, n = sum(self._ready), len(self.params)
+        dropped = (
+            f"iteration {self.num_iterations} failed ({self._failure}); dropped: {ready} of {n} "
+            f"gradients ready, {self._next_bucket} of {len(self._buckets)} buckets launched, "
+            "none written back"
+        )
+        self._failure = None
+        self._expect_hooks = self._require_finalize = self._marked_unused = False
+        self._ready = bytearray(n)
+        self._next_bucket = 0
+        for bucket in self._buckets:
+            bucket.reset()
+        return dropped
+
+    # ----------------------------------------------------------------- join
+
+    def shadow_backward(self) -> None:
+        """Enter one backward pass's reductions with zeros, on a rank with no input left.
+
+        What a joined rank does for each iteration of the others (``join()``): every
+        bucket reduced in bucket order through the same hook, from fresh zero buffers
+        (its own gradients stay as they are), then the used-parameter map if one is
+        summed, with nothing used here.
+        """
+        shadows, _ = build_buckets(self.plan, self.params, self.ops, self.keys, self.sparse)
+        real, self._buckets = self._buckets, shadows
+        try:
+            for shadow in shadows:
+                self._launch(shadow)
+            for shadow in shadows:
+                shadow.wait(self.clock)
+        finally:
+            self._buckets = real
+        if self.find_unused_parameters or self.static_graph:
+            unused = np.zeros(len(self.params), dtype=np.int32)
+            self.comm.allreduce(self.ops.from_numpy(unused, self.params[0])).wait()
+
+    def needs_rebuild_order(self) -> bool:
+        """Whether a rebuild is still to come and this rank has no ready order for it."""
+        return not self.has_rebuilt_buckets and self._rebuild_order is None
+
+    def offer_rebuild_order(self, order: Iterable[int] | Sequence[int]) -> None:
+        """Use ``order`` for the one rebuild (a joined rank that never finished a pass)."""
+        self._rebuild_order = list(order)

@@ -1,0 +1,152 @@
+"""Tables as data: printed aligned, written as JSON and CSV, by every command that prints one.
+
+A :class:`Table` is a title, column names and rows of plain values. The text form aligns
+numbers to the right; JSON keeps the values' types (a list of records per table); CSV has
+a ``table`` column when several tables share one file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xgrad.buckets import NO_LIMIT
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "∞" if value > 0 else "-∞"
+        return f"{value:.4g}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A titled table of plain values (numbers, strings, bools, None)."""
+
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+    title: str = ""
+
+    def __post_init__(self) -> None:
+        for k, row in enumerate(self.rows):
+            if len(row) != len(self.columns):
+                raise ValueError(
+                    f"table {self.title!r} row {k} has {len(row)} values for "
+                    f"{len(self.columns)} columns {self.columns}"
+                )
+
+    def text(self) -> str:
+        """Aligned plain text: numbers right, text left; the title above."""
+        cells = [list(self.columns)] + [[_cell(v) for v in row] for row in self.rows]
+        numeric = [
+            all(isinstance(r[c], (int, float)) and not isinstance(r[c], bool) for r in self.rows)
+            for c in range(len(self.columns))
+        ]
+        widths = [max(len(r[c]) for r in cells) for c in range(len(self.columns))]
+        lines = [self.title] if self.title else []
+        for row in cells:
+            parts = [
+                v.rjust(w) if right else v.ljust(w)
+                for v, w, right in zip(row, widths, numeric, strict=True)
+            ]
+            lines.append("  " + "  ".join(parts).rstrip())
+        return "\n".join(lines)
+
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per row, for JSON (infinities as the string ``"inf"``)."""
+
+        def plain(v: Any) -> Any:
+            return "inf" if isinstance(v, float) and math.isinf(v) else v
+
+        return [{c: plain(v) for c, v in zip(self.columns, row, strict=True)} for row in self.rows]
+
+
+def to_json(tables: Sequence[Table]) -> str:
+    """``{title: [records]}`` (one key per table)."""
+    return json.dumps(
+        {t.title or f"table {k}": t.records() for k, t in enumerate(tables)}, indent=2
+    )
+
+
+def to_csv(tables: Sequence[Table]) -> str:
+    """One CSV; with several tables a first ``table`` column says which row is whose."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    if len(tables) == 1:
+        writer.writerow(tables[0].columns)
+        writer.writerows(tables[0].rows)
+        return out.getvalue()
+    columns: list[str] = []
+    for t in tables:
+        columns += [c for c in t.columns if c not in columns]
+    writer.writerow(["table", *columns])
+    for t in tables:
+        for record in t.records():
+            writer.writerow([t.title, *(record.get(c, "") for c in columns)])
+    return out.getvalue()
+
+
+def write_tables(tables: Sequence[Table], json_path: Path | None, csv_path: Path | None) -> bool:
+    """Write ``tables`` as JSON and/or CSV where a path is given (``-``: standard output).
+
+    Returns:
+        Whether one of them went to standard output (then the text form is left out).
+    """
+    to_stdout = False
+    for path, text in ((json_path, to_json(tables) + "\n"), (csv_path, to_csv(tables))):
+        if path is None:
+            continue
+        if str(path) == "-":
+            print(text, end="")
+            to_stdout = True
+        else:
+            path.write_text(text)
+    return to_stdout
+
+
+def _plan_text(text: str) -> str | None:
+    """A plan's JSON as ``[3,2] [1,0] (caps 2048, ∞)``; None if ``text`` is not one."""
+    try:
+        data = json.loads(text)
+        buckets, limits = data["buckets"], data["limits"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    caps = ", ".join("∞" if limit >= NO_LIMIT else str(limit) for limit in limits)
+    return " ".join("[" + ",".join(map(str, b)) + "]" for b in buckets) + f" (caps {caps})"
+
+
+def _brief(value: Any, width: int = 60) -> Any:
+    if isinstance(value, str) and value.startswith("{"):
+        value = _plan_text(value) or value
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, dict) for v in value):
+            return f"{len(value)} records"
+        text = ", ".join(str(v) for v in value)
+    elif isinstance(value, dict):
+        text = ", ".join(f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, (bool, int, float)) or value is None:
+        return value
+    else:
+        text = str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def statistics_table(stats: dict[str, Any], title: str = "statistics") -> Table:
+    """A DDP's ``statistics()`` (or any flat record) as a two-column table.
+
+    Lists are shortened, lists of records (a timeline) counted, so the table stays one
+    line per statistic; the JSON of the dict itself keeps everything.
+    """
+    return Table(("statistic", "value"), tuple((k, _brief(v)) for k, v in stats.items()), title)

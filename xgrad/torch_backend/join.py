@@ -1,0 +1,244 @@
+"""Uneven inputs: ``ddp.join()`` and PyTorch's ``Join``, shadowing the collectives of joined ranks.
+
+A rank that ran out of inputs leaves the training loop; the others still run forward and
+backward passes whose collectives need every rank. Inside ``with ddp.join():`` (or
+``with Join([ddp, ...]):`` from ``torch.distributed.algorithms.join``) a rank that has
+left keeps entering, per iteration of the others, the same collectives in the same
+order, with zeros as its gradients, until every rank has left. Then all ranks adopt the
+parameters of a rank that left last. The sequence, the same on both sides::
+
+    still training (forward + backward)          joined (JoinHook.main_hook, repeated)
+    allreduce(1): "I have not joined"            allreduce(0): count who has not joined
+    [throw_on_early_termination: allreduce(0)]   [allreduce(1), then raise]
+    rebuild broadcast (once)                     rebuild broadcast (once)
+    buffers: allreduce(MAX rank) + broadcast     buffers: allreduce(-1) + broadcast
+    allreduce(require_backward_grad_sync)        allreduce(0) -> skip the rest if 0
+    plan agreement (when the plan changed)       plan agreement (when the plan changed)
+    bucket 0, 1, ... reduced in bucket order     bucket 0, 1, ... of zeros
+    used-parameter map (find_unused_parameters) zeros (used nowhere on this rank)
+
+``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
+still training instead of the world size (PyTorch's ``div_factor``). Every wait is
+bounded by the DDP's ``timeout``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join as TorchJoin
+from torch.distributed.algorithms.join import Joinable, JoinHook
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp import DistributedDataParallel
+
+__all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
+
+
+def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
+    """A one-element allreduce on the DDP's group, waited on with its timeout."""
+    t = torch.tensor([value], device=ddp.join_device)
+    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ddp.process_group, async_op=True)
+    work.wait(timedelta(seconds=ddp.timeout))
+    return t
+
+
+class Join(TorchJoin):
+    """PyTorch's join context manager with its own collectives bounded by a timeout.
+
+    Same arguments and behaviour as ``torch.distributed.algorithms.join.Join``; PyTorch's
+    waits without a bound on the allreduce that counts the ranks still training, here it
+    is the first joinable's ``timeout`` (or the group's when it has none).
+    """
+
+    def __init__(
+        self,
+        joinables: list[Joinable],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(joinables, (list, tuple)):
+            raise TypeError(f"joinables must be a list of Joinable, got {type(joinables).__name__}")
+        for j in joinables:
+            if not isinstance(j, Joinable):
+                raise TypeError(f"{type(j).__name__} is not a Joinable (no join_hook)")
+        super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
+        self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
+
+    def _all_reduce(self, value: float) -> float:
+        t = torch.full((1,), value, device=self._device)
+        work = dist.all_reduce(t, group=self._process_group, async_op=True)
+        if self._timeout is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=self._timeout))
+        return float(t.item())
+
+    def _get_num_nonjoined_procs(self) -> float:
+        return self._all_reduce(0.0)
+
+    def _notify_procs_to_terminate(self) -> None:
+        self._all_reduce(1.0)
+        raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+
+
+class JoinableDDP(Joinable):
+    """The ``Joinable`` members of the DDP, with PyTorch's names and defaults."""
+
+    timeout: float
+    process_group: Any
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context in which ranks may run out of inputs at different iterations.
+
+        Args:
+            divide_by_initial_world_size: divide gradients by the world size (``True``,
+                PyTorch's default) or by the number of ranks still training.
+            enable: ``False`` turns the context into a no-op (inputs known to be even).
+            throw_on_early_termination: raise on every rank as soon as one runs out,
+                instead of shadowing its collectives.
+
+        Example:
+            >>> with ddp.join():  # doctest: +SKIP
+            ...     for x in my_shard:          # lengths differ between ranks
+            ...         ddp(x).sum().backward()
+        """
+        for name, flag in (
+            ("divide_by_initial_world_size", divide_by_initial_world_size),
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"join(): {name} must be a bool, got {flag!r}")
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> DDPJoinHook:
+        """The hook a join context runs for this DDP once its rank has no input left.
+
+        Takes ``divide_by_initial_world_size`` (default ``True``), as PyTorch's does.
+        """
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise TypeError(f"join_hook() got unexpected keyword arguments {sorted(unknown)}")
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))  # type: ignore[arg-type]
+
+    @property
+    def join_device(self) -> torch.device:
+        """Where the join context's one-element collectives live (the parameters' device)."""
+        return self._params[0].device  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group the join context counts ranks over (the DDP's own)."""
+        return self.process_group
+
+
+class DDPJoinHook(JoinHook):
+    """What a rank that has run out of inputs does for each iteration of the others.
+
+    Args:
+        ddp: xgrad's :class:`~xgrad.torch_backend.DistributedDataParallel`.
+        divide_by_initial_world_size: divide gradients by the world size (``True``) or
+            by the number of ranks still training.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        if not isinstance(divide_by_initial_world_size, bool):
+            raise TypeError(
+                f"divide_by_initial_world_size must be a bool, got {divide_by_initial_world_size!r}"
+            )
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        super().__init__()
+
+    def main_hook(self) -> None:
+        """Enter the collectives of one forward and backward pass of the others."""
+        ddp = self.ddp
+        ddp.reducer.rebuild_buckets()
+        if ddp.will_sync_module_buffers():
+            common = find_common_rank(ddp, ddp.comm.rank, False)
+            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=common)
+        should_sync = _allreduce(ddp, 0.0).item() != 0
+        ddp.require_forward_param_sync = should_sync
+        if not should_sync:
+            return
+        ddp._check_agreement()
+        ddp.reducer.shadow_backward()
+        if ddp.reducer.needs_rebuild_order():
+            # Never trained (or not through a whole iteration): offer the definition
+            # order, so this rank can take part in the rebuild the others do next.
+            ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank takes the parameters (and buffers) of a rank that joined last."""
+        sync_final_model(self.ddp, is_last_joiner)
+
+
+def find_common_rank(ddp: DistributedDataParallel, rank: int, candidate: bool) -> int:
+    """The largest rank among the candidates (PyTorch's ``_find_common_rank``)."""
+    found = int(_allreduce(ddp, rank if candidate else -1, dist.ReduceOp.MAX).item())
+    if found < 0:
+        raise RuntimeError(
+            f"join: no rank offered itself as the authoritative copy (seen on rank {rank})"
+        )
+    return found
+
+
+def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None:
+    """Broadcast the parameters and buffers of the largest rank that joined last."""
+    from xgrad.torch_backend.sync import broadcast_state
+
+    src = find_common_rank(ddp, ddp.comm.rank, is_last_joiner)
+    broadcast_state(
+        ddp.comm,
+        ddp.module,
+        buffers=ddp.forward_sync_buffers,
+        ignore=ddp.parameters_to_ignore,
+        src=src,
+    )
+
+
+def notify_join_context(ddp: DistributedDataParallel) -> int | None:
+    """Tell a joined rank's context that this one still trains; the ranks still training.
+
+    Called at the start of every forward pass inside an enabled join context (by the
+    first joinable only, as PyTorch does). Returns the number of ranks still training
+    when the gradients are to be divided by it, else ``None``.
+    """
+    config = ddp._join_config
+    if not (config.enable and config.is_first_joinable):
+        return None
+    ones = torch.ones(1, device=ddp.join_device)
+    work = dist.all_reduce(ones, group=ddp.process_group, async_op=True)
+    if config.throw_on_early_termination and _allreduce(ddp, 0.0).item():
+        raise RuntimeError(
+            "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+        )
+    if ddp._divide_by_initial_world_size:
+        return None
+    work.wait(timedelta(seconds=ddp.timeout))
+    return int(ones.item())
+
+
+def announce_backward_sync(ddp: DistributedDataParallel, sync: bool) -> None:
+    """Tell joined ranks whether this iteration's backward pass reduces.
+
+    ``sync`` is whether a synchronised backward follows this forward pass (grad enabled,
+    not under ``no_sync``); PyTorch looks at ``no_sync`` alone, so a forward pass under
+    ``torch.no_grad()`` inside join makes its joined ranks wait for buckets that never come.
+    """
+    _allreduce(ddp, 1.0 if sync else 0.0)

@@ -1,0 +1,57 @@
+"""Checkpointing for the pipeline runtime: which forwards to redo, and redoing them alike.
+
+torchgpipe's three modes decide which microbatches' forwards run without keeping their
+graph and are recomputed right before their backward. A recomputed forward must draw the
+same random numbers (dropout masks) as the first, so the random state is captured before
+the first run and restored around the second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CHECKPOINT_MODES", "RngState", "checkpointed", "replayed_rng"]
+
+#: recompute the forward of every microbatch in backward, of every microbatch but the last
+#: (whose backward starts right away), or of none.
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpointed(mode: str, microbatch: int, num_microbatches: int, data_parallel: bool) -> bool:
+    """Whether microbatch ``microbatch``'s forward is recomputed in its backward.
+
+    With data parallelism the last microbatch's forward is redone right before its backward,
+    so nothing else runs between DDP's synchronised forward and backward.
+    """
+    if microbatch == num_microbatches - 1:
+        return mode == "always" or data_parallel
+    return mode != "never"
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The CPU (and, for a CUDA stage, that device's) random state before a forward."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: torch.device
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda, device)
+
+
+@contextlib.contextmanager
+def replayed_rng(state: RngState) -> Iterator[None]:
+    """Run the block with ``state``'s random state; the caller's state is left untouched."""
+    devices = [state.device] if state.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state.cpu)
+        if state.cuda is not None:
+            torch.cuda.set_rng_state(state.cuda, state.device)
+        yield

@@ -1,0 +1,276 @@
+"""The pipeline's wire format: stage inputs and outputs as pytrees of tensors.
+
+A stage may take and return any pytree torch's ``torch.utils._pytree`` flattens (tensors,
+tuples, lists, dicts, named tuples) with tensors that need no gradient (integer masks,
+constants) and plain Python constants (None, numbers, strings) among its leaves, and the
+shapes may change from step to step. A forward message is:
+
+1. a header, one int64: the length of the description that follows, or 0 for "the same
+   description as the last message on this edge" (the steady state: one small message);
+2. the description (when it changed): JSON in a uint8 tensor, the tree's structure and per
+   leaf its shape, dtype and whether it carries a gradient, or its constant value;
+3. each tensor leaf, in flattening order.
+
+A backward message carries one gradient per leaf that carried a gradient forward, in the
+same order; both ends know their shapes already, so it has no header.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "Description",
+    "EdgeCache",
+    "carried",
+    "describe",
+    "detach_tree",
+    "differentiable",
+    "split_batch",
+    "tensor_leaves",
+]
+
+_DTYPES = {
+    str(t): t
+    for t in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class Description:
+    """What a forward message holds: the tree and, per leaf, a tensor's layout or a constant.
+
+    Attributes:
+        spec: the tree structure (``treespec_dumps`` text).
+        leaves: per leaf, ``("t", shape, dtype name, carries gradient)`` or ``("c", value)``.
+    """
+
+    spec: str
+    leaves: tuple[tuple[Any, ...], ...]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"spec": self.spec, "leaves": self.leaves}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Description:
+        d = json.loads(data.decode())
+        leaves = tuple(
+            ("t", tuple(leaf[1]), leaf[2], bool(leaf[3])) if leaf[0] == "t" else ("c", leaf[1])
+            for leaf in d["leaves"]
+        )
+        return cls(d["spec"], leaves)
+
+    @property
+    def gradient_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each leaf that carries a gradient, in order."""
+        return [(leaf[1], _DTYPES[leaf[2]]) for leaf in self.leaves if leaf[0] == "t" and leaf[3]]
+
+
+def _carries_gradient(t: torch.Tensor) -> bool:
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+def carried(tree: Any, graph: bool) -> list[bool]:
+    """Per tensor leaf, whether it carries a gradient: a floating leaf that requires one, or
+    any floating leaf of an output computed without a graph (a checkpointed forward, whose
+    recomputation will have one)."""
+    return [
+        (t.is_floating_point() or t.is_complex()) and (t.requires_grad or not graph)
+        for t in tensor_leaves(tree)
+    ]
+
+
+def describe(
+    tree: Any, where: str, carry: Sequence[bool] | None = None
+) -> tuple[Description, list[torch.Tensor]]:
+    """Flatten ``tree`` into its description and its tensor leaves; ``carry`` overrides
+    which tensor leaves carry a gradient (default: those that require one).
+
+    Raises:
+        TypeError: a leaf is neither a tensor nor a constant (naming ``where`` and the leaf).
+    """
+    leaves, spec = pytree.tree_flatten(tree)
+    described: list[tuple[Any, ...]] = []
+    tensors: list[torch.Tensor] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if str(leaf.dtype) not in _DTYPES:
+                raise TypeError(f"{where}: leaf {i} has dtype {leaf.dtype}, which cannot be sent")
+            flag = _carries_gradient(leaf) if carry is None else bool(carry[len(tensors)])
+            described.append(("t", tuple(leaf.shape), str(leaf.dtype), flag))
+            tensors.append(leaf)
+        elif isinstance(leaf, _CONSTANT_TYPES):
+            described.append(("c", leaf))
+        else:
+            raise TypeError(
+                f"{where}: leaf {i} is a {type(leaf).__name__}; stage inputs and outputs are "
+                "pytrees of tensors and constants (None, bool, int, float, str)"
+            )
+    return Description(pytree.treespec_dumps(spec), tuple(described)), tensors
+
+
+def rebuild(description: Description, tensors: Sequence[torch.Tensor]) -> Any:
+    """The tree of ``description`` with ``tensors`` as its tensor leaves, in order."""
+    it = iter(tensors)
+    leaves = [next(it) if leaf[0] == "t" else leaf[1] for leaf in description.leaves]
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(description.spec))
+
+
+def detach_tree(tree: Any, carry: Sequence[bool]) -> Any:
+    """Every tensor leaf detached; those that carry a gradient (``carry``, per tensor leaf)
+    become leaves that require one (a stage's input, whose gradient goes back)."""
+    flags = iter(carry)
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().requires_grad_(next(flags))
+        return leaf
+
+    return pytree.tree_map(cut, tree)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of ``tree``."""
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def differentiable(tree: Any) -> list[torch.Tensor]:
+    """The tensor leaves of ``tree`` that carry a gradient, in flattening order."""
+    return [
+        t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and _carries_gradient(t)
+    ]
+
+
+def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
+    """A pytree batch as m microbatches: every tensor leaf chunked along dim 0, constants kept.
+
+    Raises:
+        TypeError: no tensor in ``batch``.
+        ValueError: a leaf's batch size is not a multiple of m (naming ``name`` and the leaf).
+    """
+    leaves, spec = pytree.tree_flatten(batch)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        raise TypeError(
+            f"rank {rank}: {name} must be a tensor or a pytree of tensors on this rank, "
+            f"got {type(batch).__name__}"
+        )
+    columns: list[list[Any]] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            size = leaf.shape[0] if leaf.dim() else 0
+            if leaf.dim() == 0 or size % m:
+                label = name if len(leaves) == 1 else f"{name} leaf {i}"
+                raise ValueError(
+                    f"rank {rank}: {label} batch size {size} is not a multiple of the "
+                    f"{m} microbatches"
+                )
+            columns.append(list(leaf.chunk(m)))
+        else:
+            columns.append([leaf] * m)
+    return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(m)]
+
+
+Post = Callable[[torch.Tensor], Any]  # isend/irecv of one tensor to/from the edge's peer
+
+
+class EdgeCache:
+    """The last description sent or received on each edge, so a repeated one costs nothing.
+
+    Both ends of an edge must drop it together after a failed step (:meth:`clear`), since
+    the other end may not have seen the last message.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[Any, Description] = {}
+
+    def clear(self) -> None:
+        self._last.clear()
+
+    def last(self, edge: Any) -> Description | None:
+        """The description last sent or received on ``edge``."""
+        return self._last.get(edge)
+
+    def send(
+        self, edge: Any, tree: Any, carry: Sequence[bool], post: Post, where: str, device: Any
+    ) -> list[Any]:
+        """Post the sends of one forward message; returns the works and what they hold."""
+        description, tensors = describe(tree, where, carry)
+        works = []
+        if self._last.get(edge) == description:
+            header = torch.zeros(1, dtype=torch.int64, device=device)
+            works.append((post(header), header))
+        else:
+            raw = torch.frombuffer(bytearray(description.to_bytes()), dtype=torch.uint8)
+            raw = raw.to(device)
+            header = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
+            works += [(post(header), header), (post(raw), raw)]
+            self._last[edge] = description
+        for t in tensors:
+            payload = t.detach().contiguous()
+            works.append((post(payload), payload))
+        return works
+
+    def receive_description(
+        self, edge: Any, header: torch.Tensor, post: Post, wait: Callable[[Any, str], None]
+    ) -> Description:
+        """The description of a message whose header arrived (receiving it if it changed)."""
+        length = int(header.item())
+        if length == 0:
+            if edge not in self._last:
+                raise RuntimeError(f"{edge}: a repeated description arrived before any")
+            return self._last[edge]
+        raw = torch.empty(length, dtype=torch.uint8, device=header.device)
+        wait(post(raw), "description")
+        description = Description.from_bytes(raw.cpu().numpy().tobytes())
+        self._last[edge] = description
+        return description
+
+
+def empty_leaves(description: Description, device: Any) -> list[torch.Tensor]:
+    """Buffers for the tensor leaves of a message."""
+    return [
+        torch.empty(leaf[1], dtype=_DTYPES[leaf[2]], device=device)
+        for leaf in description.leaves
+        if leaf[0] == "t"
+    ]
+
+
+def mark_gradients(description: Description, tensors: Sequence[torch.Tensor]) -> None:
+    """Received leaves that carried a gradient on the sender require one here."""
+    flags = [leaf[3] for leaf in description.leaves if leaf[0] == "t"]
+    for t, flag in zip(tensors, flags, strict=True):
+        t.requires_grad_(flag)
+
+
+def send_header_recv(device: Any) -> torch.Tensor:
+    """The buffer a forward message's header arrives in."""
+    return torch.empty(1, dtype=torch.int64, device=device)
+
+
+def p2p(op: Callable[..., Any], peer: int, group: Any, tag: int) -> Callable[[torch.Tensor], Any]:
+    """``dist.isend``/``dist.irecv`` bound to one peer, group and tag."""
+
+    def post(t: torch.Tensor) -> Any:
+        return op(t, peer, group=group, tag=tag)
+
+    return post
