@@ -29,7 +29,7 @@ SUMMARIES: dict[str, str] = {
     "plan": "print the bucket plan for a built-in model or a JSON list of sizes",
     "schedule": "print a pipeline schedule's grid and simulated figures",
     "bench": "benchmarks against PyTorch's own implementations (ratios)",
-    "experiment": "paper experiments (sweeps on the reference backend's virtual clock)",
+    "experiment": "the papers' experiments, reproduced here: list, run NAME, docs",
     "backends": "list the registered backends and whether they can be imported",
 }
 
