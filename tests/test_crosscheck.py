@@ -199,7 +199,7 @@ def test_default_command_passes_on_every_backend(tmp_path: Path) -> None:
     pytest.importorskip("xgrad.torch_backend.crosscheck")
     assert main(["crosscheck", "--out", str(tmp_path), "--steps", "2"]) == 0
     data = json.loads((tmp_path / "crosscheck-mlp-ws2-float32-cap2048-nohook.json").read_text())
-    assert [b["status"] for b in data["backends"]] == ["ok"] * 5
+    assert [b["status"] for b in data["backends"]] == ["ok"] * len(crosscheck.runner_names())
     assert max(m["rel"] for b in data["backends"] for m in b["params"]) <= 1e-6
 
 
@@ -218,8 +218,18 @@ def test_fp16_difference_between_torch_and_jax_is_attributed_to_compression() ->
         Case(hook="fp16", steps=1), backends=["torch-xgrad", "jax-shard_map"]
     )
     assert [b.status for b in report.backends] == ["ok", "ok"]
-    line = next(s for s in report.attribution if s.startswith("torch-xgrad vs jax-shard_map"))
-    assert "explained by rounding per-rank float32 gradients" in line
+    pair = [s for s in report.attribution if s.startswith("torch-xgrad vs jax-shard_map")]
+    # Without a pair line the two were equal bit for bit (both on the compression model).
+    for line in pair:
+        assert "explained by rounding per-rank float32 gradients" in line
+    if not pair:
+        assert all(
+            any(
+                s == f"{name}: equal to the compression model, bit for bit"
+                for s in report.attribution
+            )
+            for name in ("torch-xgrad", "jax-shard_map")
+        ), report.attribution
     for name in ("torch-xgrad", "jax-shard_map"):
         within = next(s for s in report.attribution if s.startswith(f"{name}: "))
         ulps = 0.0 if "bit for bit" in within else float(within.split()[2])

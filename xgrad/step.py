@@ -14,6 +14,7 @@ import numpy as np
 
 from xgrad import models as zoo
 from xgrad.buckets import BucketPlan, assign_buckets
+from xgrad.powersgd import STATELESS, PowerSGD, Sampler
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,12 @@ class Step:
             :data:`xgrad.hooks.HOOK_NAMES`.
         steps: timed steps, after one untimed warm-up step.
         timeout: seconds the whole run may take; nothing waits longer.
+        powersgd: the PowerSGD hyperparameters of hook ``"powersgd"``; a stateful one
+            (error feedback, warm start) is carried over every step, the warm-up included.
+        sampler: draws PowerSGD's fresh ``Q`` (a backend that can, replays it so that
+            every backend starts from the same numbers); None: the backend's own draws.
+        processes: for backends that can spread their ranks over several processes on
+            this machine (``jax.distributed``): how many; the others ignore it.
     """
 
     model: str
@@ -43,6 +50,9 @@ class Step:
     hook: str | None = None
     steps: int = 1
     timeout: float = 120.0
+    powersgd: PowerSGD = STATELESS
+    sampler: Sampler | None = None
+    processes: int = 1
 
     @property
     def dtype(self) -> str:

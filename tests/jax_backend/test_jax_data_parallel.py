@@ -1,4 +1,4 @@
-"""Bucketed data-parallel gradients in JAX: pmap and shard_map, plans, hooks, bad input."""
+"""The data-parallel step: shard_map, jit and pmap; in_axes, pytree batches, has_aux."""
 
 from __future__ import annotations
 
@@ -10,207 +10,121 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
-from jax.extend.core import jaxprs_in_params  # noqa: E402
 
-from xgrad import crosscheck, models  # noqa: E402
-from xgrad.buckets import BucketPlan, assign_buckets, ddp_initial_plan  # noqa: E402
+from xgrad import models  # noqa: E402
 from xgrad.jax_backend import models as jm  # noqa: E402
-from xgrad.jax_backend.data_parallel import (  # noqa: E402
-    data_parallel_value_and_grad,
-    leaf_names,
-    plan_for,
-    plan_order,
-    reduce_gradients,
-)
+from xgrad.jax_backend.data_parallel import MODES, data_parallel_value_and_grad  # noqa: E402
 
 WORLD = 2
 
 
-def _mlp_case(dtype: str = "float32") -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    w = models.init_weights("mlp", seed=1, dtype=dtype)
-    x, y = models.make_batch("mlp", seed=1, batch_size=4 * WORLD, dtype=dtype)
-    return w, x, y
+def _case() -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+    w = models.init_weights("mlp", seed=1, dtype="float32")
+    x, y = models.make_batch("mlp", seed=1, batch_size=4 * WORLD, dtype="float32")
+    return jm.to_params(w), x, y
 
 
-def _np(tree: dict[str, Any]) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in tree.items()}
-
-
-@pytest.fixture(scope="module")
-def mlp_runs() -> dict[tuple[str, bool, str | None], dict[str, np.ndarray]]:
-    """MLP gradients for each mode, with and without a plan, for each hook (compiled once)."""
-    w, x, y = _mlp_case()
-    plan = plan_for(w, names=list(w), bucket_cap_bytes=2048)
+def test_modes_agree_and_shard_map_leads() -> None:
+    params, x, y = _case()
+    assert MODES[0] == "shard_map"
     loss = jm.make_loss(jm.mlp)
-    out = {}
-    for mode in ("pmap", "shard_map"):
-        for bucketed in (True, False):
-            for hook in (None, "fp16"):
-                step = data_parallel_value_and_grad(
-                    loss,
-                    world_size=WORLD,
-                    plan=plan if bucketed else None,
-                    names=list(w),
-                    hook=hook,
-                    mode=mode,
-                )
-                out[(mode, bucketed, hook)] = _np(step(jm.to_params(w), x, y)[1])
-    return out
+    full = jax.value_and_grad(loss)(params, x, y)
+    for mode in MODES:
+        value, grads = data_parallel_value_and_grad(loss, world_size=WORLD, mode=mode)(params, x, y)
+        assert np.allclose(value, full[0], rtol=1e-6)
+        for k in params:
+            assert np.allclose(grads[k], full[1][k], rtol=1e-5, atol=1e-7), (mode, k)
 
 
-def test_pmap_shard_map_bucketed_and_leafwise_give_identical_bits(
-    mlp_runs: dict[tuple[str, bool, str | None], dict[str, np.ndarray]],
-) -> None:
-    for hook in (None, "fp16"):
-        base = mlp_runs[("shard_map", True, hook)]
-        for key, grads in mlp_runs.items():
-            if key[2] == hook:
-                for name, g in grads.items():
-                    assert np.array_equal(g, base[name]), (key, name)
+def _dict_loss(params: Any, batch: dict[str, Any], key: Any, opts: dict[str, Any]) -> Any:
+    """A loss with a dict batch, an RNG key and a dict of options given whole to every device."""
+    keep = jax.random.bernoulli(key, 0.5, batch["x"].shape[1:])  # same mask on every device
+    out = jm.mlp(params, batch["x"] * keep)
+    return opts["scale"] * jnp.mean((out - batch["y"]) ** 2), {"out": out}
 
 
-def test_averaged_gradients_equal_the_full_batch_gradient(
-    mlp_runs: dict[tuple[str, bool, str | None], dict[str, np.ndarray]],
-) -> None:
-    from xgrad.torch_backend.models import single_process_grads
-
-    w, x, y = _mlp_case()
-    exact = single_process_grads("mlp", w, x, y)
-    for name, g in mlp_runs[("shard_map", True, None)].items():
-        assert g.dtype == np.float32
-        assert np.abs(g - exact[name]).max() <= 1e-6 * np.abs(exact[name]).max()
-
-
-def test_fp16_hook_is_the_compression_arithmetic(
-    mlp_runs: dict[tuple[str, bool, str | None], dict[str, np.ndarray]],
-) -> None:
-    """Per-device float32 gradients, cast to float16, divided, summed there, cast back."""
-    w, x, y = _mlp_case()
-    grad = jax.jit(jax.grad(jm.make_loss(jm.mlp)))
-    per_rank = [
-        _np(grad(jm.to_params(w), models.shard(x, WORLD, r), models.shard(y, WORLD, r)))
-        for r in range(WORLD)
-    ]
-    expected = crosscheck.compression_model(per_rank, "fp16", "float32")
-    got = mlp_runs[("pmap", True, "fp16")]
-    for name in w:
-        assert np.array_equal(got[name], expected[name]), name
-    plain = mlp_runs[("pmap", True, None)]
-    assert any(not np.array_equal(got[n], plain[n]) for n in w)
-
-
-@pytest.mark.parametrize("name", ["cnn", "transformer"])
-def test_other_zoo_models_reduce_correctly(name: str) -> None:
-    from xgrad.torch_backend.models import single_process_grads
-
-    w = models.init_weights(name, seed=2, dtype="float32")
-    x, y = models.make_batch(name, seed=2, batch_size=2 * WORLD, dtype="float32")
-    plan = plan_for(w, names=list(w), bucket_cap_bytes=1024)
-    assert len(plan.buckets) > 1
+@pytest.mark.parametrize("mode", MODES)
+def test_in_axes_pytree_batches_and_has_aux(mode: str) -> None:
+    params, x, y = _case()
+    key = jax.random.PRNGKey(0)
+    opts = {"scale": jnp.float32(2.0)}
     step = data_parallel_value_and_grad(
-        jm.make_loss(jm.get_apply(name)), world_size=WORLD, plan=plan, names=list(w)
+        _dict_loss, world_size=WORLD, mode=mode, in_axes=(0, None, None), has_aux=True
     )
-    loss, grads = step(jm.to_params(w), x, y)
-    exact = single_process_grads(name, w, x, y)
-    for k in w:
-        assert np.abs(np.asarray(grads[k]) - exact[k]).max() <= 1e-6 * np.abs(exact[k]).max(), k
-    assert np.isfinite(float(loss))
-
-
-def _count_psums(jaxpr: Any) -> int:
-    count = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "psum":
-            count += 1
-        for sub in jaxprs_in_params(eqn.params):
-            count += _count_psums(sub)
-    return count
-
-
-def test_one_collective_per_bucket_or_per_leaf() -> None:
-    """The effect of bucketing: collectives issued = buckets with a plan, leaves without."""
-    w, _, _ = _mlp_case()
-    names = list(w)
-    plan = plan_for(w, names=names, bucket_cap_bytes=2048)
-    grads = jm.to_params(w)
-
-    def body(g: Any, bucketed: bool) -> Any:
-        return reduce_gradients(
-            g, "i", world_size=WORLD, plan=plan if bucketed else None, names=names
-        )
-
-    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a] * WORLD), grads)
-    for bucketed, expected in ((True, len(plan.buckets)), (False, len(names))):
-        fn = jax.pmap(lambda g, b=bucketed: body(g, b), "i", devices=jax.devices()[:WORLD])
-        assert _count_psums(jax.make_jaxpr(fn)(stacked).jaxpr) == expected
-
-
-def test_plan_order_maps_torch_names_to_sorted_pytree_leaves() -> None:
-    tree = {"b": 1.0, "a": {"x": 2.0, "y": [3.0, 4.0]}}
-    assert leaf_names(tree) == ["a.x", "a.y.0", "a.y.1", "b"]
-    assert plan_order(tree, ["b", "a.y.1", "a.x", "a.y.0"]) == [3, 2, 0, 1]
-    assert plan_order(tree, None) == [0, 1, 2, 3]
-    with pytest.raises(
-        ValueError, match=r"names without a leaf \['c'\].*leaves without a name \['b'\]"
-    ):
-        plan_order(tree, ["a.x", "a.y.0", "a.y.1", "c"])
-
-
-def test_plan_for_is_ddps_plan() -> None:
-    w, _, _ = _mlp_case()
-    nbytes = [a.nbytes for a in w.values()]
-    assert plan_for(w, names=list(w)) == ddp_initial_plan(
-        nbytes, keys=["float32"] * len(nbytes), find_unused_parameters=True
+    (loss, aux), grads = step(params, {"x": x, "y": y}, key, opts)
+    (full, _), expected = jax.value_and_grad(_dict_loss, has_aux=True)(
+        params, {"x": x, "y": y}, key, opts
     )
-    assert plan_for(w, names=list(w), bucket_cap_bytes=2048) == crosscheck.bucket_plan(w, 2048)
-    keys = ["float32"] * len(nbytes)
-    # A small first bucket, then the cap (or DDP's 25 MiB when only the first is given).
-    both = plan_for(w, names=list(w), bucket_cap_bytes=4096, first_bucket_cap_bytes=512)
-    assert both == assign_buckets(nbytes, [512, 4096], keys=keys).reversed()
-    first_only = plan_for(w, names=list(w), first_bucket_cap_bytes=512)
-    assert first_only == assign_buckets(nbytes, [512, 25 << 20], keys=keys).reversed()
-    with pytest.raises(ValueError, match="bucket_cap_bytes=0"):
-        plan_for(w, bucket_cap_bytes=0)
+    assert np.allclose(loss, full, rtol=1e-6)
+    for k in params:
+        assert np.allclose(grads[k], expected[k], rtol=1e-5, atol=1e-7), k
+    if mode == "jit":  # XLA's step sees the global batch: aux is the global one
+        assert aux["out"].shape == (4 * WORLD, 8)
+    else:  # every device's aux, stacked on a leading axis, as pmap returns it
+        assert aux["out"].shape == (WORLD, 4, 8)
+    # pmap's spelling of in_axes (params first, always replicated) is accepted too.
+    again = data_parallel_value_and_grad(
+        _dict_loss, world_size=WORLD, mode=mode, in_axes=(None, 0, None, None), has_aux=True
+    )
+    assert np.allclose(again(params, {"x": x, "y": y}, key, opts)[0][0], loss)
+
+
+def test_the_step_can_be_jitted_whole() -> None:
+    params, x, y = _case()
+    step = data_parallel_value_and_grad(jm.make_loss(jm.mlp), world_size=WORLD)
+
+    @jax.jit
+    def train(params: Any, x: Any, y: Any) -> Any:
+        loss, grads = step(params, x, y)
+        return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+    loss, new = train(params, x, y)
+    ref_loss, ref_grads = step(params, x, y)
+    assert np.allclose(loss, ref_loss)
+    for k in params:
+        assert np.allclose(new[k], params[k] - 0.1 * ref_grads[k], rtol=1e-6, atol=1e-7)
 
 
 def test_bad_input_is_named() -> None:
-    w, x, y = _mlp_case()
+    params, x, y = _case()
     loss = jm.make_loss(jm.mlp)
     with pytest.raises(ValueError, match="mode='vmap'"):
         data_parallel_value_and_grad(loss, world_size=2, mode="vmap")
     with pytest.raises(ValueError, match="hook='fp8'"):
         data_parallel_value_and_grad(loss, world_size=2, hook="fp8")
+    with pytest.raises(TypeError, match="hook=3"):
+        data_parallel_value_and_grad(loss, world_size=2, hook=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size=9 needs 9 JAX devices but 8"):
         data_parallel_value_and_grad(loss, world_size=9)
-    step = data_parallel_value_and_grad(loss, world_size=3, names=list(w))
-    with pytest.raises(ValueError, match=r"leading dimension 8.*world_size=3"):
-        step(jm.to_params(w), x, y)
-    short = BucketPlan(((0, 1),), (1024,))
-    bad = data_parallel_value_and_grad(loss, world_size=2, names=list(w), plan=short)
-    with pytest.raises(ValueError, match="plan covers 2 parameters but the gradient pytree has 6"):
-        bad(jm.to_params(w), x, y)
+    with pytest.raises(ValueError, match="mode='jit' lets XLA"):
+        data_parallel_value_and_grad(loss, world_size=2, mode="jit", hook="fp16")
+    with pytest.raises(TypeError, match="loss_fn=3 is not callable"):
+        data_parallel_value_and_grad(3, world_size=2)  # type: ignore[arg-type]
+    step = data_parallel_value_and_grad(loss, world_size=3)
+    with pytest.raises(ValueError, match=r"batch argument 0 has leading dimension 8.*world_size=3"):
+        step(params, x, y)
+    step = data_parallel_value_and_grad(_dict_loss, world_size=2, has_aux=True)
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match=r"batch argument 2\['scale'\] is a scalar.*in_axes None"):
+        step(params, {"x": x, "y": y}, key, {"scale": 2.0})
+    with pytest.raises(ValueError, match=r"batch argument 0 is an empty pytree"):
+        step(params, {}, key, {"scale": jnp.ones(2)})
+    typed = data_parallel_value_and_grad(loss, world_size=2, in_axes=0)
+    with pytest.raises(ValueError, match=r"batch argument 1 is a PRNG key"):
+        typed(params, x, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"in_axes=\(0, None\) has 2 entries for 3"):
+        data_parallel_value_and_grad(_dict_loss, world_size=2, in_axes=(0, None))(
+            params, {"x": x, "y": y}, key, {}
+        )
+    with pytest.raises(ValueError, match=r"in_axes\[0\]=1: only 0"):
+        data_parallel_value_and_grad(loss, world_size=2, in_axes=1)(params, x, y)
+    with pytest.raises(ValueError, match="keeps no state; drop hook_state"):
+        data_parallel_value_and_grad(loss, world_size=2)(params, x, y, hook_state=())
 
 
-def test_a_bucket_never_mixes_dtypes() -> None:
-    grads = {"a": jnp.ones((2, 3), jnp.float32), "b": jnp.ones(3, jnp.float16)}
-    plan = BucketPlan(((0, 1),), (1 << 20,))
-    fn = jax.pmap(
-        lambda g: reduce_gradients(g, "i", world_size=2, plan=plan, names=["a", "b"]),
-        "i",
-        devices=jax.devices()[:2],
-    )
-    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), grads)
-    with pytest.raises(
-        ValueError, match=r"bucket 0 of the plan mixes dtypes \['float16', 'float32'\]"
-    ):
-        fn(stacked)
+def test_package_lists_its_functions() -> None:
+    import xgrad.jax_backend as jb
 
-
-def test_registered_as_the_jax_backend() -> None:
-    from xgrad.backend import backend_available, get_backend
-
-    backend = get_backend("jax")
-    assert backend.name == "jax" and backend_available("jax") == (True, "")
-    assert backend.data_parallel_value_and_grad is data_parallel_value_and_grad
-    with pytest.raises(AttributeError, match="no attribute 'pmap_everything'"):
-        backend.pmap_everything  # noqa: B018
+    names = dir(jb)
+    for name in ("data_parallel_value_and_grad", "plan_for", "reduce_gradients", "PowerSGD"):
+        assert name in names

@@ -75,9 +75,11 @@ from xgrad.crosscheck.runners import step_of as step_of
 from xgrad.crosscheck.truth import POWERSGD_MIN_RATE as POWERSGD_MIN_RATE
 from xgrad.crosscheck.truth import POWERSGD_RANK as POWERSGD_RANK
 from xgrad.crosscheck.truth import compression_model as compression_model
-from xgrad.crosscheck.truth import orthogonalize as orthogonalize
 from xgrad.crosscheck.truth import per_rank_grads as per_rank_grads
+from xgrad.crosscheck.truth import powersgd_config as powersgd_config
 from xgrad.crosscheck.truth import powersgd_layout as powersgd_layout
 from xgrad.crosscheck.truth import powersgd_model as powersgd_model
+from xgrad.crosscheck.truth import powersgd_run as powersgd_run
 from xgrad.crosscheck.truth import reference_grads as reference_grads
 from xgrad.crosscheck.truth import torch_powersgd_qs as torch_powersgd_qs
+from xgrad.powersgd import orthogonalize as orthogonalize

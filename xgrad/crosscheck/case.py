@@ -60,6 +60,12 @@ class Case:
         seed: seeds weights and batch.
         steps: timed steps per backend (after one untimed warm-up step).
         timeout: seconds a multi-process backend may take before it is stopped.
+        stateful: PowerSGD's multi-step mode: PyTorch's default state (error feedback,
+            warm start, from the third step), carried over every step, so the gradients
+            compared (the last step's) depend on all of them.
+        jax_processes: JAX runs in this many processes (``jax.distributed`` over gloo on
+            127.0.0.1, ``world_size / jax_processes`` devices each), each passing only
+            its own rows of the batch.
     """
 
     model: str = "mlp"
@@ -71,16 +77,24 @@ class Case:
     seed: int = 0
     steps: int = 5
     timeout: float = 120.0
+    stateful: bool = False
+    jax_processes: int = 1
 
     def __post_init__(self) -> None:
         zoo.get_spec(self.model)
         zoo.as_dtype(self.dtype)
-        for label in ("world_size", "bucket_cap_bytes", "batch_per_rank", "steps"):
+        for label in ("world_size", "bucket_cap_bytes", "batch_per_rank", "steps", "jax_processes"):
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{label}={value!r} must be a positive integer")
         if self.hook is not None and self.hook not in HOOK_NAMES:
             raise ValueError(f"hook={self.hook!r}: expected None or one of {HOOK_NAMES}")
+        if self.world_size % self.jax_processes:
+            raise ValueError(
+                f"jax_processes={self.jax_processes} does not divide world_size={self.world_size}"
+            )
+        if self.stateful and self.hook != "powersgd":
+            raise ValueError(f"stateful=True is PowerSGD's multi-step mode; hook={self.hook!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r} must be > 0 seconds")
 

@@ -26,9 +26,10 @@ from xgrad.crosscheck.truth import (
     POWERSGD_RANK,
     compression_model,
     per_rank_grads,
-    powersgd_model,
+    powersgd_config,
+    powersgd_run,
     reference_grads,
-    torch_powersgd_qs,
+    torch_sampler,
 )
 from xgrad.progress import Progress
 
@@ -269,8 +270,16 @@ def _measure(
         plan = inputs.plan if plan is None else plan
         key = plan.digest()
         if key not in cache:
-            qs = torch_powersgd_qs(inputs.weights, plan, case.steps)
-            cache[key] = powersgd_model(rank_grads, inputs.weights, plan, qs, case.dtype)
+            # One untimed warm-up step and case.steps timed ones, as every runner runs.
+            cache[key] = powersgd_run(
+                rank_grads,
+                inputs.weights,
+                plan,
+                powersgd_config(case.stateful),
+                case.steps + 1,
+                case.dtype,
+                torch_sampler(),
+            )
         return cache[key]
 
     return model
@@ -309,6 +318,11 @@ def run_crosscheck(
             how = (
                 "PowerSGD model: torch's powerSGD_hook (rank 1) in float64 on exact per-rank "
                 "gradients, from torch's own random draws, for the plan each backend ran"
+                + (
+                    f", {case.steps + 1} steps with error feedback and warm start"
+                    if case.stateful
+                    else ""
+                )
             )
         bar.say(f"[1/{total}] truth done ({time.perf_counter() - start:.1f} s): {how}")
         reports = []

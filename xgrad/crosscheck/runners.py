@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from xgrad.backend import Entry, Runner, Step, StepResult, runner_entries
 from xgrad.crosscheck.case import Inputs
+from xgrad.crosscheck.truth import powersgd_config, torch_sampler
 
 __all__ = ["Entry", "Runner", "StepResult", "runner_entries", "runner_names", "step_of"]
 
@@ -28,6 +29,9 @@ def step_of(inputs: Inputs) -> Step:
         hook=case.hook,
         steps=case.steps,
         timeout=case.timeout,
+        powersgd=powersgd_config(case.stateful),
+        sampler=torch_sampler(),
+        processes=case.jax_processes,
     )
 
 

@@ -7,9 +7,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from xgrad import models as zoo
-from xgrad.backend import find_truth
+from xgrad.backend import find_sampler, find_truth
 from xgrad.buckets import BucketPlan
 from xgrad.crosscheck.case import WIRE_DTYPES, Inputs
+from xgrad.powersgd import STATEFUL, STATELESS, PowerSGD, Sampler, compress, layout
+from xgrad.powersgd_hook import PowerSGDState, initial_qs
 
 
 def reference_grads(inputs: Inputs) -> tuple[dict[str, np.ndarray], str]:
@@ -66,54 +68,27 @@ POWERSGD_RANK = 1
 POWERSGD_MIN_RATE = 2.0
 
 
+def powersgd_config(stateful: bool = False) -> PowerSGD:
+    """The PowerSGD a crosscheck case runs on every backend.
+
+    Stateless (the default, :data:`xgrad.powersgd.STATELESS`): rank 1 from the second
+    step (the first is the untimed warm-up), so the last step depends on its own draws
+    only. Stateful (the multi-step mode, :data:`xgrad.powersgd.STATEFUL`): PyTorch's
+    default state from the third step, so the last step depends on every step before it.
+    """
+    return STATEFUL if stateful else STATELESS
+
+
 def powersgd_layout(
     shapes: Sequence[tuple[int, ...]], rank: int, min_compression_rate: float
 ) -> tuple[list[int], list[int]]:
     """Which gradients of a bucket PowerSGD compresses, in torch's processing order.
 
-    Each gradient is viewed as an ``(n, m) = (shape[0], -1)`` matrix and compressed when
-    ``(n + m) * min(n, m, rank) * min_compression_rate < n * m``. Torch processes the
-    compressed ones grouped by matrix shape, groups in order of first appearance, which
-    fixes the order of its random ``Q`` draws.
-
-    Returns:
-        (positions of the compressed gradients in that order, positions of the others).
+    (positions of the compressed gradients in that order, positions of the others); see
+    :func:`xgrad.powersgd.layout`.
     """
-    mats = [(s[0], int(np.prod(s[1:]))) for s in shapes]
-    compressed: list[int] = []
-    plain: list[int] = []
-    for k, (n, m) in enumerate(mats):
-        r = min(n, m, rank)
-        (compressed if (n + m) * r * min_compression_rate < n * m else plain).append(k)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for k in compressed:
-        groups.setdefault(mats[k], []).append(k)
-    return [k for group in groups.values() for k in group], plain
-
-
-def orthogonalize(matrix: np.ndarray) -> np.ndarray:
-    """Gram-Schmidt on the columns, as torch's PowerSGD does for ranks up to 2."""
-    out = np.array(matrix, dtype=np.float64, copy=True)
-    for i in range(out.shape[1]):
-        out[:, i] /= np.linalg.norm(out[:, i])
-        rest = out[:, i + 1 :]
-        rest -= np.sum(out[:, i : i + 1] * rest, axis=0, keepdims=True) * out[:, i : i + 1]
-    return out
-
-
-def bucket_matrices(
-    weights: Mapping[str, np.ndarray], plan: BucketPlan, bucket: Sequence[int]
-) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """A bucket's PowerSGD layout: compressed gradients in order, plain ones, matrix shapes.
-
-    Shared by the float64 PowerSGD model and the replay of torch's draws, which must agree
-    on which gradients are compressed as which ``(n, m)`` matrices.
-    """
-    names = list(weights)
-    shapes = [tuple(weights[names[i]].shape) for i in bucket]
-    order, plain = powersgd_layout(shapes, POWERSGD_RANK, POWERSGD_MIN_RATE)
-    mats = [(shapes[k][0], int(np.prod(shapes[k][1:]))) for k in order]
-    return order, plain, mats
+    lay = layout(shapes, rank, min_compression_rate)
+    return list(lay.compressed), list(lay.plain)
 
 
 def torch_powersgd_qs(
@@ -121,13 +96,26 @@ def torch_powersgd_qs(
 ) -> dict[int, list[np.ndarray]]:
     """The initial ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
 
-    Replaying torch's draws lets JAX and the numpy model start from the very same random
-    matrices. Needs torch: the draws are made in
-    :func:`xgrad.torch_backend.powersgd.initial_qs`.
+    Replaying torch's draws (the sampler a backend offers through the registry) lets JAX
+    and the numpy model start from the very same random matrices.
     """
-    from xgrad.torch_backend.powersgd import initial_qs
+    return initial_qs(weights, plan, steps, seed, sampler=find_sampler())
 
-    return initial_qs(weights, plan, steps, seed)
+
+def torch_sampler() -> Sampler | None:
+    """PyTorch's normal draws, if the torch backend is here (``xgrad.backend.find_sampler``)."""
+    sampler: Sampler | None = find_sampler()
+    return sampler
+
+
+def _stacked(
+    inputs_grads: Sequence[Mapping[str, np.ndarray]], names: Sequence[str], dtype: str
+) -> dict[str, np.ndarray]:
+    model_dtype = zoo.as_dtype(dtype)
+    return {
+        k: np.stack([g[k].astype(model_dtype).astype(np.float64) for g in inputs_grads])
+        for k in names
+    }
 
 
 def powersgd_model(
@@ -137,27 +125,85 @@ def powersgd_model(
     qs: Mapping[int, Sequence[np.ndarray]],
     dtype: str,
 ) -> dict[str, np.ndarray]:
-    """What an ideal backend returns with PowerSGD: torch's algorithm in float64.
+    """What an ideal backend returns with one stateless PowerSGD step: torch's algorithm in float64.
 
     Per-rank gradients are rounded to the model dtype (the best a backend can compute)
-    and compressed bucket by bucket from the given initial ``Q``.
+    and compressed bucket by bucket from the given initial ``Q`` by
+    :func:`xgrad.powersgd.compress`, the ranks stacked on a leading axis.
     """
     names = list(weights)
-    model_dtype = zoo.as_dtype(dtype)
     n_ranks = len(rank_grads)
-    local = [{k: g[k].astype(model_dtype).astype(np.float64) for k in names} for g in rank_grads]
+    local = _stacked(rank_grads, names, dtype)
     out: dict[str, np.ndarray] = {}
     for b, bucket in enumerate(plan.buckets):
-        order, plain, _ = bucket_matrices(weights, plan, bucket)
-        for k in plain:
-            name = names[bucket[k]]
-            out[name] = np.sum([g[name] for g in local], axis=0) / n_ranks
-        for k, q0 in zip(order, qs[b], strict=True):
-            name = names[bucket[k]]
-            shape = weights[name].shape
-            mats = [g[name].reshape(shape[0], -1) for g in local]
-            q = orthogonalize(q0)
-            p = orthogonalize(sum(m @ q for m in mats))
-            q = sum(m.T @ p for m in mats) / n_ranks
-            out[name] = (p @ q.T).reshape(shape)
-    return {k: out[k].astype(model_dtype) for k in names}
+        members = [names[i] for i in bucket]
+        lay = layout([weights[n].shape for n in members], POWERSGD_RANK, POWERSGD_MIN_RATE)
+        flat = np.concatenate([local[n].reshape(n_ranks, -1) for n in members], axis=1)
+        q = np.concatenate([np.ravel(q) for q in qs[b]]) if qs[b] else np.zeros(0)
+        reduced, _ = compress(flat, lay, q, _sum_ranks, n_ranks)
+        _unpack(reduced[0], members, weights, out)
+    return {k: out[k].astype(zoo.as_dtype(dtype)) for k in names}
+
+
+def powersgd_run(
+    rank_grads: Sequence[Mapping[str, np.ndarray]],
+    weights: Mapping[str, np.ndarray],
+    plan: BucketPlan,
+    config: PowerSGD,
+    steps: int,
+    dtype: str,
+    sampler: Sampler | None = None,
+) -> dict[str, np.ndarray]:
+    """The stateful PowerSGD model: ``steps`` steps at fixed weights, the last one's result.
+
+    The core :class:`~xgrad.powersgd.PowerSGDState` in float64 on the exact per-rank
+    gradients (rounded to the model dtype), the ranks stacked on a leading axis, buckets in
+    launch order, fresh ``Q`` from ``sampler`` (torch's draws when torch is here).
+    """
+    names = list(weights)
+    n_ranks = len(rank_grads)
+    local = _stacked(rank_grads, names, dtype)
+    state = PowerSGDState(config, sampler=sampler)
+    sample_dtype = zoo.as_dtype(dtype).name
+    state.sampler = _in_dtype(state.sampler, sample_dtype)
+    out: dict[str, np.ndarray] = {}
+    for _ in range(steps):
+        for b, bucket in enumerate(plan.buckets):
+            members = [names[i] for i in bucket]
+            lay = layout(
+                [weights[n].shape for n in members],
+                config.matrix_approximation_rank,
+                config.min_compression_rate,
+            )
+            flat = np.concatenate([local[n].reshape(n_ranks, -1) for n in members], axis=1)
+            last = b == len(plan.buckets) - 1
+            reduced = state.reduce(flat, lay, b, last, _sum_ranks, n_ranks)
+            _unpack(reduced[0], members, weights, out)
+    return {k: out[k].astype(zoo.as_dtype(dtype)) for k in names}
+
+
+def _in_dtype(sampler: Sampler, dtype: str) -> Sampler:
+    """``sampler`` drawing in the model's dtype, as torch does, whatever array it fills."""
+
+    def draw(seed: int, shapes: Sequence[tuple[int, int]], _: str) -> list[np.ndarray]:
+        return sampler(seed, shapes, dtype)
+
+    return draw
+
+
+def _sum_ranks(stacked: np.ndarray) -> np.ndarray:
+    """The allreduce of ranks stacked on axis 0: every rank gets the sum in rank order."""
+    return np.broadcast_to(np.sum(stacked, axis=0, keepdims=True), stacked.shape)
+
+
+def _unpack(
+    flat: np.ndarray,
+    members: Sequence[str],
+    weights: Mapping[str, np.ndarray],
+    out: dict[str, np.ndarray],
+) -> None:
+    offset = 0
+    for name in members:
+        size = int(np.prod(weights[name].shape))
+        out[name] = flat[offset : offset + size].reshape(weights[name].shape)
+        offset += size

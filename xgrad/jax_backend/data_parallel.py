@@ -1,12 +1,18 @@
 """Data-parallel value-and-grad in JAX that reduces gradients bucket by bucket with a BucketPlan.
 
-The same :class:`~xgrad.buckets.BucketPlan` that drives torch's reducer drives the reduction
-here: gradient leaves are taken in plan order, raveled and concatenated per bucket, each
-bucket is reduced by one collective (with the chosen communication hook's arithmetic), and
-the result is split back into leaves. Without a plan every leaf is reduced on its own, so
-the effect of bucketing can be measured. Two drivers run the same per-device step:
-``jax.pmap`` (what older code uses) and ``jax.shard_map`` over a one-axis mesh (pmap is in
-maintenance mode); they give identical numbers.
+Three drivers run the same data-parallel step:
+
+- ``"shard_map"`` (the default): ``jax.shard_map`` over a one-axis mesh, each device
+  differentiating its shard and xgrad reducing the gradients bucket by bucket
+  (:func:`~xgrad.jax_backend.reduce.reduce_gradients`, hooks included);
+- ``"jit"``: ``jax.jit`` of ``jax.value_and_grad`` on the global batch sharded with a
+  ``NamedSharding``: GSPMD places and combines the reductions itself (no plan, no hook),
+  which shows what XLA's own combiner does to the numbers;
+- ``"pmap"``: the ``shard_map`` step under ``jax.pmap`` (in maintenance mode since JAX
+  0.8; kept as a cross-check: it gives the ``shard_map`` path's very bits).
+
+Across processes (``jax.distributed.initialize``) the mesh spans every process's devices;
+use ``shard_map`` or ``jit`` there (``pmap`` maps over one process's devices).
 
 Example:
     >>> import numpy as np
@@ -22,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,263 +38,227 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from xgrad import hooks as xgrad_hooks
-from xgrad.buckets import BucketPlan, ddp_initial_plan
+from xgrad.buckets import BucketPlan
 from xgrad.jax_backend import powersgd
-from xgrad.jax_backend.powersgd import PowerSGD
-from xgrad.reducer import GradBucket
+from xgrad.jax_backend.batch import check_batch, devices_for, normalize_in_axes, place
+from xgrad.jax_backend.pmap import pmap_call
+from xgrad.jax_backend.reduce import (
+    HookSpec,
+    powersgd_layouts,
+    reduce_gradients,
+    resolve_hook,
+)
+from xgrad.powersgd import PowerSGD, Sampler
 
-#: communication hooks by name: ``xgrad.hooks``' own functions, run per bucket on JAX arrays
-#: (so the arithmetic is literally the one torch's reducer runs): "allreduce" divides by the
-#: world size and sums (torch's ``allreduce_hook``); "fp16" / "bf16" cast to float16 /
-#: bfloat16, divide, sum in that dtype and cast back (torch's compression hooks). Without a
-#: hook a bucket is summed and then divided (``lax.pmean``, the reducer's default).
-HOOKS: tuple[str, ...] = tuple(xgrad_hooks.HOOKS)
+#: the ways of running the per-device step; ``shard_map`` first, ``pmap`` as a cross-check.
+MODES: tuple[str, ...] = ("shard_map", "jit", "pmap")
 
-#: a hook name, a :class:`~xgrad.jax_backend.powersgd.PowerSGD`, or None.
-HookSpec = str | PowerSGD | None
-
-#: the two ways of running the per-device step.
-MODES: tuple[str, ...] = ("pmap", "shard_map")
-
-#: ``loss_fn(params, *batch) -> scalar``.
+#: ``loss_fn(params, *batch) -> scalar`` (or ``(scalar, aux)`` with ``has_aux=True``).
 LossFn = Callable[..., Any]
 
 
-def _key_name(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
+class DataParallelStep:
+    """``step(params, *batch) -> (value, grads)``: see :func:`data_parallel_value_and_grad`.
 
-
-def leaf_names(tree: Any) -> list[str]:
-    """A dotted name per leaf of ``tree``, in ``jax.tree_util`` flattening order.
-
-    A flat dict keyed by torch's parameter names gives those names back; a nested
-    ``{"layers": [{"weight": ...}]}`` gives ``"layers.0.weight"``, torch's spelling too.
-    """
-    paths, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [".".join(_key_name(e) for e in path) for path, _ in paths]
-
-
-def plan_order(tree: Any, names: Sequence[str] | None) -> list[int]:
-    """For each plan index ``i``, the position in ``tree``'s flattened leaves of parameter ``i``.
-
-    Plans index parameters in torch's ``named_parameters()`` order, while ``jax.tree_util``
-    flattens dicts in sorted key order; ``names`` (the parameter names in plan index order)
-    bridges the two. Without ``names`` the flattening order is the plan order.
-
-    Raises:
-        ValueError: ``names`` does not name exactly the leaves of ``tree``.
-    """
-    found = leaf_names(tree)
-    if names is None:
-        return list(range(len(found)))
-    position = {n: k for k, n in enumerate(found)}
-    if sorted(names) != sorted(found) or len(set(names)) != len(names):
-        missing = sorted(set(names) - set(found))
-        extra = sorted(set(found) - set(names))
-        raise ValueError(
-            f"names do not match the gradient pytree's leaves: names without a leaf {missing}, "
-            f"leaves without a name {extra}"
-        )
-    return [position[n] for n in names]
-
-
-def plan_for(
-    params: Any,
-    *,
-    names: Sequence[str] | None = None,
-    bucket_cap_bytes: int | None = None,
-    first_bucket_cap_bytes: int | None = None,
-) -> BucketPlan:
-    """A bucket plan for ``params`` as DDP fills it, in launch order (last parameters first).
-
-    With ``bucket_cap_bytes=None`` it is DDP's default plan (1 MiB first bucket, then 25 MiB,
-    launched reversed). Buckets never mix dtypes. ``names`` orders the leaves like torch's
-    ``named_parameters()`` (see :func:`plan_order`).
-
-    Raises:
-        ValueError: a cap that is not a positive byte count (shown), or mismatched names.
-    """
-    leaves = jax.tree_util.tree_leaves(params)
-    order = plan_order(params, names)
-    arrays = [leaves[k] for k in order]
-    nbytes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays]
-    keys = [str(np.dtype(a.dtype)) for a in arrays]
-    for label, cap in (
-        ("bucket_cap_bytes", bucket_cap_bytes),
-        ("first_bucket_cap_bytes", first_bucket_cap_bytes),
-    ):
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
-            raise ValueError(f"{label}={cap!r}: expected a positive byte count")
-    # DDP's bucketed plan (the one it uses when it will not rebuild), with its cap rules.
-    return ddp_initial_plan(
-        nbytes,
-        keys=keys,
-        bucket_cap_bytes=bucket_cap_bytes,
-        first_bucket_cap_bytes=first_bucket_cap_bytes,
-        find_unused_parameters=True,
-    )
-
-
-def _check_plan(plan: BucketPlan, num_leaves: int) -> None:
-    if plan.num_params != num_leaves:
-        raise ValueError(
-            f"plan covers {plan.num_params} parameters but the gradient pytree has "
-            f"{num_leaves} leaves (plan digest {plan.digest()[:12]})"
-        )
-
-
-def _check_hook(hook: HookSpec) -> None:
-    if hook is not None and not isinstance(hook, PowerSGD) and hook not in HOOKS:
-        raise ValueError(
-            f"hook={hook!r} is not a JAX comm hook; expected None, a PowerSGD or one of {HOOKS}"
-        )
-
-
-class _Reduced:
-    """A collective already issued in the traced program: ``wait`` just hands its value over."""
-
-    def __init__(self, value: Any) -> None:
-        self._value = value
-
-    def wait(self) -> Any:
-        return self._value
-
-
-class AxisComm:
-    """An ``xgrad.backend.Comm`` over a mapped JAX axis, for ``xgrad.hooks`` inside pmap/shard_map.
-
-    Only what the per-bucket hooks need is traced: ``allreduce`` is ``lax.psum`` over the
-    axis. The object collectives exchange Python objects between processes, which a traced
-    program cannot do; bucket plans are fixed before tracing, so nothing asks for them.
+    With a PowerSGD hook the step also takes and returns the hook's state:
+    ``value, grads, hook_state = step(params, *batch, hook_state=hook_state)``, the first
+    ``hook_state`` from :meth:`init`. ``value`` is ``(loss, aux)`` with ``has_aux=True``.
     """
 
-    def __init__(self, axis_name: str, world_size: int) -> None:
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        *,
+        world_size: int,
+        plan: BucketPlan | None,
+        names: Sequence[str] | None,
+        hook: str | PowerSGD | None,
+        mode: str,
+        axis_name: str,
+        devices: list[Any],
+        in_axes: Any,
+        has_aux: bool,
+        local_batch: bool,
+    ) -> None:
+        self.loss_fn = loss_fn
+        self.world_size = world_size
+        self.plan = plan
+        self.names = None if names is None else list(names)
+        self.hook = hook
+        self.mode = mode
         self.axis_name = axis_name
-        self._size = world_size
+        self.devices = devices
+        self.in_axes = in_axes
+        self.has_aux = has_aux
+        self.local_batch = local_batch
+        self.mesh = jax.sharding.Mesh(np.array(devices), (axis_name,))
+        self._compiled: dict[Any, Callable[..., Any]] = {}
 
     @property
-    def rank(self) -> int:
-        """Hooks read only the size; a traced rank (``lax.axis_index``) is not an int."""
-        raise TypeError(f"AxisComm over axis {self.axis_name!r} has no static rank")
+    def stateful(self) -> bool:
+        """Whether the step takes and returns a ``hook_state`` (PowerSGD)."""
+        return isinstance(self.hook, PowerSGD)
 
-    @property
-    def size(self) -> int:
-        return self._size
+    def __repr__(self) -> str:
+        return f"DataParallelStep(mode={self.mode!r}, world_size={self.world_size}, hook={self.hook!r})"
 
-    def allreduce(self, buffer: Any) -> _Reduced:
-        return _Reduced(lax.psum(buffer, self.axis_name))
+    def init(
+        self,
+        params: Any,
+        *,
+        qs: Mapping[int, Sequence[np.ndarray]] | None = None,
+        sampler: Sampler | None = None,
+    ) -> powersgd.PowerSGDCarry:
+        """The hook's first state for ``params`` (PowerSGD: zero errors, first ``Q``).
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        raise TypeError(f"AxisComm over axis {self.axis_name!r} cannot exchange objects ({obj!r})")
+        Args:
+            params: the parameters (shapes and dtypes are what matter).
+            qs: the first ``Q`` per bucket (see :func:`xgrad.jax_backend.powersgd.init`).
+            sampler: draws the first ``Q`` (torch's replay: ``xgrad.torch_backend.powersgd
+                .torch_sampler``); NumPy's by default.
 
-    def allgather_object(self, obj: Any) -> list[Any]:
-        raise TypeError(f"AxisComm over axis {self.axis_name!r} cannot exchange objects ({obj!r})")
+        Raises:
+            ValueError: the hook keeps no state.
+        """
+        if not isinstance(self.hook, PowerSGD):
+            raise ValueError(f"hook={self.hook!r} keeps no state; init() is for PowerSGD")
+        layouts, dtypes = powersgd_layouts(params, self.plan, self.names, self.hook)
+        return powersgd.init(self.hook, layouts, dtypes, self.world_size, qs=qs, sampler=sampler)
 
+    # -- the per-device program -------------------------------------------------------
 
-def reduce_flat(
-    flat: Any, axis_name: str, world_size: int, hook: str | None, index: int = 0, last: bool = True
-) -> Any:
-    """Reduce one flat bucket over ``axis_name`` with ``hook``'s arithmetic (see ``HOOKS``)."""
-    if hook is None:
-        return lax.psum(flat, axis_name) / world_size
-    bucket = GradBucket(index, flat, [flat], [], last)
-    return xgrad_hooks.HOOKS[hook](AxisComm(axis_name, world_size))(bucket).wait()
-
-
-def reduce_gradients(
-    grads: Any,
-    axis_name: str,
-    *,
-    world_size: int,
-    plan: BucketPlan | None = None,
-    names: Sequence[str] | None = None,
-    hook: HookSpec = None,
-) -> Any:
-    """Average ``grads`` over ``axis_name``, one collective per bucket (or per leaf without a plan).
-
-    Call inside ``jax.pmap`` or ``jax.shard_map`` with ``axis_name`` bound. In plan mode the
-    leaves of bucket ``b`` are raveled in plan order and concatenated, the bucket is reduced
-    by one collective, and the result is split back and reshaped; buckets are issued in
-    plan order. Without a plan each leaf is reduced by its own collective, in plan index
-    order. Either way the per-element arithmetic is the hook's, so bucketing changes how
-    many collectives run, not the numbers.
-
-    Args:
-        grads: the local gradient pytree.
-        axis_name: the mapped axis to reduce over.
-        world_size: the size of that axis (the divisor of the mean).
-        plan: bucket plan over the leaves, indexed in ``names`` order.
-        names: parameter names in plan index order (see :func:`plan_order`).
-        hook: None, ``"allreduce"``, ``"fp16"``, ``"bf16"`` (see ``HOOKS``) or a
-            :class:`~xgrad.jax_backend.powersgd.PowerSGD` (torch's ``powerSGD_hook``).
-
-    Raises:
-        ValueError: an unknown hook, a plan that does not cover the leaves, or a bucket that
-            mixes dtypes (which DDP never builds).
-    """
-    _check_hook(hook)
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
-    order = plan_order(grads, names)
-    out: list[Any] = list(leaves)
-    if plan is None:
-        for pos, k in enumerate(order):
-            if isinstance(hook, PowerSGD):
-                out[k] = powersgd.reduce_bucket([leaves[k]], pos, axis_name, world_size, hook)[0]
-            else:
-                last = pos == len(order) - 1
-                out[k] = reduce_flat(leaves[k], axis_name, world_size, hook, pos, last)
-        return jax.tree_util.tree_unflatten(treedef, out)
-    _check_plan(plan, len(leaves))
-    for b, bucket in enumerate(plan.buckets):
-        members = [order[i] for i in bucket]
-        dtypes = {str(leaves[k].dtype) for k in members}
-        if len(dtypes) > 1:
-            raise ValueError(f"bucket {b} of the plan mixes dtypes {sorted(dtypes)}")
-        if isinstance(hook, PowerSGD):
-            parts = [leaves[k] for k in members]
-            for k, part in zip(
-                members,
-                powersgd.reduce_bucket(parts, b, axis_name, world_size, hook),
-                strict=True,
-            ):
-                out[k] = part
-            continue
-        flat = jnp.concatenate([jnp.ravel(leaves[k]) for k in members])
-        last = b == len(plan.buckets) - 1
-        reduced = reduce_flat(flat, axis_name, world_size, hook, b, last)
-        offset = 0
-        for k in members:
-            size = int(np.prod(leaves[k].shape))
-            out[k] = reduced[offset : offset + size].reshape(leaves[k].shape)
-            offset += size
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _devices(world_size: int, devices: Sequence[Any] | None) -> list[Any]:
-    available = list(jax.devices()) if devices is None else list(devices)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    if world_size > len(available):
-        raise ValueError(
-            f"world_size={world_size} needs {world_size} JAX devices but {len(available)} are "
-            "available (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N or "
-            "jax.config.update('jax_num_cpu_devices', N) before JAX starts)"
+    def _local(
+        self, params: Any, batch: tuple[Any, ...], state: Any, stack_aux: bool = False
+    ) -> tuple[Any, ...]:
+        value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, *batch)
+        reduced = reduce_gradients(
+            grads,
+            self.axis_name,
+            world_size=self.world_size,
+            plan=self.plan,
+            names=self.names,
+            hook=self.hook,
+            hook_state=state,
         )
-    return available[:world_size]
+        if self.has_aux:
+            loss, aux = value
+            if stack_aux:  # shard_map concatenates device blocks; pmap stacks on its own
+                aux = jax.tree_util.tree_map(lambda a: jnp.expand_dims(a, 0), aux)
+            value = (lax.pmean(loss, self.axis_name), aux)
+        else:
+            value = lax.pmean(value, self.axis_name)
+        if self.stateful:
+            grads, state = reduced
+            return value, grads, state
+        return value, reduced
 
+    def _state_specs(self, state: powersgd.PowerSGDCarry, mapped: Any, whole: Any) -> Any:
+        return powersgd.PowerSGDCarry(
+            whole, tuple(mapped for _ in state.errors), tuple(whole for _ in state.qs), whole
+        )
 
-def _check_batch(batch: Sequence[Any], world_size: int) -> None:
-    for i, a in enumerate(batch):
-        n = np.shape(a)[0] if np.ndim(a) else 0
-        if n == 0 or n % world_size:
+    def _value_spec(self, mapped: Any, whole: Any) -> Any:
+        return (whole, mapped) if self.has_aux else whole
+
+    # -- drivers ---------------------------------------------------------------------
+
+    def __call__(self, params: Any, *batch: Any, hook_state: Any = None) -> tuple[Any, ...]:
+        if not batch:
+            raise ValueError("the step needs at least one batch argument after params")
+        if self.stateful and hook_state is None:
             raise ValueError(
-                f"batch argument {i} has leading dimension {n}, which does not split evenly "
-                f"over world_size={world_size}"
+                "hook=PowerSGD keeps state: call step(params, *batch, hook_state=state) "
+                "with state = step.init(params) first, and pass the state it returns on"
             )
+        if not self.stateful and hook_state is not None:
+            raise ValueError(f"hook={self.hook!r} keeps no state; drop hook_state=")
+        axes = normalize_in_axes(self.in_axes, len(batch))
+        if self.mode == "pmap":
+            return pmap_call(self, params, batch, axes, hook_state)
+        if self.local_batch:
+            local = len([d for d in self.devices if d.process_index == jax.process_index()])
+            check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
+        else:
+            check_batch(batch, axes, self.world_size, f"world_size={self.world_size}")
+        replicated = NamedSharding(self.mesh, P())
+        split = NamedSharding(self.mesh, P(self.axis_name))
+        params = jax.device_put(params, replicated)
+        placed = place(batch, axes, split, replicated, self.local_batch)
+        if self.mode == "jit":
+            return self._jit(params, placed)
+        return self._shard_map(params, placed, axes, hook_state)
+
+    def _shard_map(
+        self, params: Any, batch: tuple[Any, ...], axes: tuple[Any, ...], state: Any
+    ) -> tuple[Any, ...]:
+        name = self.axis_name
+        key = ("shard_map", axes, jax.tree_util.tree_structure(state))
+        fn = self._compiled.get(key)
+        if fn is None:
+
+            def body(params: Any, batch: tuple[Any, ...], *rest: Any) -> tuple[Any, ...]:
+                state = rest[0] if rest else None
+                # Differentiating a replicated input inside shard_map makes JAX insert its
+                # own psum (the transpose of the implicit pvary); casting the parameters to
+                # device-varying first keeps the reduction ours, bucket by bucket.
+                params = jax.tree_util.tree_map(lambda p: lax.pcast(p, name, to="varying"), params)
+                if state is not None:
+                    state = state._replace(errors=tuple(e[0] for e in state.errors))
+                out = self._local(params, batch, state, stack_aux=True)
+                if state is not None:
+                    new = out[-1]
+                    new = new._replace(errors=tuple(e[None] for e in new.errors))
+                    out = (*out[:-1], new)
+                return out
+
+            batch_specs = tuple(P() if a is None else P(name) for a in axes)
+            state_specs = None if state is None else self._state_specs(state, P(name), P())
+            out_specs: tuple[Any, ...] = (self._value_spec(P(name), P()), P())
+            if state is not None:
+                out_specs = (*out_specs, state_specs)
+            fn = jax.jit(
+                jax.shard_map(
+                    body,
+                    mesh=self.mesh,
+                    in_specs=(P(), batch_specs)
+                    if state is None
+                    else (P(), batch_specs, state_specs),
+                    out_specs=out_specs,
+                )
+            )
+            self._compiled[key] = fn
+        if state is not None:
+            state = jax.device_put(
+                state,
+                self._state_specs(
+                    state,
+                    NamedSharding(self.mesh, P(name)),
+                    NamedSharding(self.mesh, P()),
+                ),
+            )
+        args = (params, batch) if state is None else (params, batch, state)
+        return fn(*args)  # type: ignore[no-any-return]
+
+    def compiled_text(self, params: Any, *batch: Any) -> str:
+        """The compiled program of ``mode="jit"`` for these arguments (XLA's HLO text)."""
+        if self.mode != "jit":
+            raise ValueError(
+                f"compiled_text is for mode='jit' (XLA's reductions), not {self.mode!r}"
+            )
+        axes = normalize_in_axes(self.in_axes, len(batch))
+        replicated = NamedSharding(self.mesh, P())
+        split = NamedSharding(self.mesh, P(self.axis_name))
+        placed = place(batch, axes, split, replicated, self.local_batch)
+        params = jax.device_put(params, replicated)
+        fn = jax.jit(jax.value_and_grad(self.loss_fn, has_aux=self.has_aux))
+        return str(fn.lower(params, *placed).compile().as_text())
+
+    def _jit(self, params: Any, batch: tuple[Any, ...]) -> tuple[Any, ...]:
+        fn = self._compiled.get("jit")
+        if fn is None:
+            fn = jax.jit(jax.value_and_grad(self.loss_fn, has_aux=self.has_aux))
+            self._compiled["jit"] = fn
+        return fn(params, *batch)  # type: ignore[no-any-return]
 
 
 def data_parallel_value_and_grad(
@@ -301,84 +271,71 @@ def data_parallel_value_and_grad(
     mode: str = "shard_map",
     axis_name: str = "dp",
     devices: Sequence[Any] | None = None,
-) -> Callable[..., tuple[Any, Any]]:
-    """``step(params, *batch) -> (loss, grads)`` over ``world_size`` devices, data-parallel.
+    in_axes: Any = 0,
+    has_aux: bool = False,
+    local_batch: bool = False,
+) -> DataParallelStep:
+    """``step(params, *batch) -> (value, grads)`` over ``world_size`` devices, data-parallel.
 
-    Every array in ``batch`` is split along its leading axis into ``world_size`` equal
-    contiguous shards (device ``r`` gets the ``r``-th); each device computes
+    Every batch argument split by ``in_axes`` (all of them by default) is cut along the
+    leading axis of each of its leaves into ``world_size`` equal contiguous shards (device
+    ``r`` gets the ``r``-th); the others reach every device whole. Each device computes
     ``value_and_grad(loss_fn)`` on its shard, and the gradients are averaged with
-    :func:`reduce_gradients` (bucketed when ``plan`` is given). The loss returned is the
-    mean of the shard losses; the gradients are replicated, returned as one pytree.
+    :func:`~xgrad.jax_backend.reduce.reduce_gradients` (bucketed when ``plan`` is given).
+    The loss returned is the mean of the shard losses; the gradients are replicated.
+
+    Wrap the whole training step (this and the optimizer's update) in ``jax.jit``.
 
     Args:
-        loss_fn: ``loss_fn(params, *batch) -> scalar``.
+        loss_fn: ``loss_fn(params, *batch) -> scalar`` (``(scalar, aux)`` with ``has_aux``).
         world_size: number of devices (the first ``world_size`` of ``devices``).
-        plan: bucket plan (see :func:`plan_for`); None reduces leaf by leaf.
-        names: parameter names in plan index order (see :func:`plan_order`).
-        hook: communication hook (see ``HOOKS``).
-        mode: ``"pmap"`` or ``"shard_map"``; both give identical numbers.
+        plan: bucket plan (see :func:`~xgrad.jax_backend.reduce.plan_for`); None reduces
+            leaf by leaf. Not for ``mode="jit"``.
+        names: parameter names in plan index order (see ``plan_order``).
+        hook: communication hook: a name from ``HOOKS`` (``"powersgd"`` included) or a
+            :class:`~xgrad.powersgd.PowerSGD`; PowerSGD makes the step stateful
+            (``step.init(params)``, ``hook_state=``). Not for ``mode="jit"``.
+        mode: ``"shard_map"``, ``"jit"`` (XLA reduces) or ``"pmap"`` (see ``MODES``).
         axis_name: the name of the data-parallel axis.
-        devices: the devices to use (default ``jax.devices()``).
+        devices: the devices to use (default ``jax.devices()``: every process's).
+        in_axes: per batch argument, 0 (split) or None (every device gets it whole: RNG
+            keys, step counts, learning rates, option dicts); one value for all, or a
+            tuple (``pmap``'s, with a leading None for ``params``, is accepted too).
+        has_aux: ``loss_fn`` returns ``(loss, aux)`` as for ``jax.value_and_grad``; the step
+            returns ``((loss, aux), grads)`` with every device's ``aux`` stacked on a
+            leading axis (``mode="jit"``: ``aux`` of the global batch).
+        local_batch: each process passes only its own rows of split arguments (the
+            multi-host convention; rows in process order make the global batch); by
+            default every process passes the global batch.
 
     Raises:
-        ValueError: bad mode, hook or world size (too few devices: the message says how to
-            get more CPU devices).
+        ValueError: bad mode, hook, world size (too few devices: the message says how to
+            get more CPU devices), or a plan or hook with ``mode="jit"``.
+        TypeError: a non-callable ``loss_fn`` or a hook of the wrong type.
     """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} is not callable")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
-    _check_hook(hook)
-    devs = _devices(world_size, devices)
-
-    def local_step(params: Any, *batch: Any) -> tuple[Any, Any]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-        grads = reduce_gradients(
-            grads, axis_name, world_size=world_size, plan=plan, names=names, hook=hook
+    resolved = resolve_hook(hook)
+    if mode == "jit" and (resolved is not None or plan is not None):
+        raise ValueError(
+            f"mode='jit' lets XLA place and combine the reductions; plan={plan!r} and "
+            f"hook={hook!r} need mode='shard_map' (or 'pmap')"
         )
-        return lax.pmean(loss, axis_name), grads
-
-    compiled: dict[int, Callable[..., tuple[Any, Any]]] = {}
-
-    if mode == "pmap":
-
-        def pmap_step(params: Any, *batch: Any) -> tuple[Any, Any]:
-            _check_batch(batch, world_size)
-            fn = compiled.get(len(batch))
-            if fn is None:
-                in_axes = (None, *([0] * len(batch)))
-                fn = jax.pmap(local_step, axis_name, in_axes=in_axes, devices=devs)
-                compiled[len(batch)] = fn
-            shards = [jnp.reshape(a, (world_size, -1, *np.shape(a)[1:])) for a in batch]
-            loss, grads = fn(params, *shards)
-            return loss[0], jax.tree_util.tree_map(lambda g: g[0], grads)
-
-        return pmap_step
-
-    mesh = jax.sharding.Mesh(np.array(devs), (axis_name,))
-    replicated = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(axis_name))
-
-    def shard_local(params: Any, *batch: Any) -> tuple[Any, Any]:
-        # Differentiating a replicated input inside shard_map makes JAX insert its own psum
-        # (the transpose of the implicit pvary); casting the parameters to device-varying
-        # first keeps the reduction ours, bucket by bucket.
-        params = jax.tree_util.tree_map(lambda p: lax.pcast(p, axis_name, to="varying"), params)
-        return local_step(params, *batch)
-
-    def specs(n: int) -> tuple[Any, ...]:
-        return (P(), *([P(axis_name)] * n))
-
-    def shard_map_step(params: Any, *batch: Any) -> tuple[Any, Any]:
-        _check_batch(batch, world_size)
-        fn = compiled.get(len(batch))
-        if fn is None:
-            fn = jax.jit(
-                jax.shard_map(
-                    shard_local, mesh=mesh, in_specs=specs(len(batch)), out_specs=(P(), P())
-                )
-            )
-            compiled[len(batch)] = fn
-        params = jax.device_put(params, replicated)
-        batch = tuple(jax.device_put(a, split) for a in batch)
-        return fn(params, *batch)
-
-    return shard_map_step
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux={has_aux!r}: expected a bool")
+    devs = devices_for(world_size, devices)
+    return DataParallelStep(
+        loss_fn,
+        world_size=world_size,
+        plan=plan,
+        names=names,
+        hook=resolved,
+        mode=mode,
+        axis_name=axis_name,
+        devices=devs,
+        in_axes=in_axes,
+        has_aux=has_aux,
+        local_batch=bool(local_batch),
+    )

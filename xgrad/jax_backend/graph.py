@@ -34,7 +34,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xgrad.graph import BackwardGraph, Dependencies, GraphBuilder, compute_dependencies
 from xgrad.graph import unused_parameters as graph_unused_parameters
-from xgrad.jax_backend.data_parallel import leaf_names, plan_order
+from xgrad.jax_backend.reduce import leaf_names, plan_order
 
 #: primitives whose outputs carry no gradient back to their inputs.
 NON_DIFFERENTIABLE: frozenset[str] = frozenset({"stop_gradient"})

@@ -1,130 +1,156 @@
-"""PowerSGD per bucket in JAX, with the arithmetic of torch's ``powerSGD_hook``.
+"""PowerSGD in JAX: xgrad's core PowerSGD traced per bucket, its state a pytree.
 
-For each bucket, as torch does (no error feedback, no warm start): every gradient is viewed
-as a matrix ``(shape[0], -1)``; those worth compressing at the given rank (``(n + m) * r *
-min_compression_rate < n * m``) are approximated, the others are summed and divided by the
-world size. For a compressed ``M`` (this device's gradient) and an initial ``Q`` (random,
-orthogonalized): ``P = M Q`` is summed over devices and orthogonalized, ``Q = M^T P`` is
-summed and divided by the world size, and the result is ``P Q^T``. All ``P`` of a bucket
-travel in one collective and all ``Q`` in another, ordered like torch's (grouped by matrix
-shape, in order of first appearance).
+The arithmetic is :func:`xgrad.powersgd.compress` with ``lax.psum`` as the allreduce, so it
+is torch's ``powerSGD_hook`` step for step. The state torch keeps in ``PowerSGDState``
+(step count, error feedback per rank, warm-start ``Q``) is a :class:`PowerSGDCarry` that
+the data-parallel step takes and returns, so the step stays a pure function that
+``jax.jit`` compiles once: ``lax.cond`` chooses plain averaging before
+``start_powerSGD_iter`` and PowerSGD after, inside the compiled program.
 
-Torch draws new random ``Q`` at every step from its own generator; here the initial ``Q``
-are inputs of the compiled step (:attr:`PowerSGD.qs`, or a seeded default), so the same
-step can be replayed with torch's draws (``xgrad.crosscheck.torch_powersgd_qs``) and
-compared number for number.
+Fresh ``Q``: :func:`init` draws the first ones on the host as torch does (one seed per
+bucket from ``RandomState(random_seed)``; a ``sampler`` replaying ``torch.randn`` gives
+torch's very numbers). With warm start those are the only draws torch makes, so a whole
+run can match torch's. Without warm start torch draws again every step; here the next
+``Q`` come from ``jax.random`` inside the step (or the caller replaces
+:attr:`PowerSGDCarry.qs` before a step, as the crosscheck does with torch's draws).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from xgrad.crosscheck import powersgd_layout
+from xgrad.powersgd import Layout, PowerSGD, Sampler, compress, layout
+from xgrad.powersgd_hook import PowerSGDState
+
+__all__ = ["PowerSGD", "PowerSGDCarry", "bucket_layouts", "init", "reduce_bucket"]
 
 
-@dataclass(frozen=True)
-class PowerSGD:
-    """A PowerSGD hook for :func:`~xgrad.jax_backend.data_parallel.reduce_gradients`.
+class PowerSGDCarry(NamedTuple):
+    """PowerSGD's state between steps, as arrays (a pytree: jit, shard and save it).
 
     Attributes:
-        rank: the approximation rank (torch's ``matrix_approximation_rank``).
-        min_compression_rate: compress a matrix only when it shrinks by more than this.
-        qs: bucket index -> its initial ``Q`` matrices ``(m, rank)``, in layout order (not
-            yet orthogonalized); None draws them from ``seed``.
-        seed: seeds the default ``Q`` (a normal draw per bucket).
+        iter: steps taken (int32 scalar), as ``PowerSGDState.iter``.
+        errors: per bucket, every device's error-feedback memory, shape
+            ``(world_size, bucket length)`` (empty tuple without error feedback).
+        qs: per bucket, the ``Q`` the next PowerSGD step starts from (concatenated in
+            layout order; not yet orthogonalised): last step's with warm start, else fresh.
+        key: ``jax.random`` key data for fresh ``Q`` without warm start.
     """
 
-    rank: int = 1
-    min_compression_rate: float = 2.0
-    qs: Mapping[int, Sequence[np.ndarray]] | None = None
-    seed: int = 0
+    iter: Any
+    errors: tuple[Any, ...]
+    qs: tuple[Any, ...]
+    key: Any
 
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"PowerSGD rank={self.rank!r} must be a positive integer")
 
-    def initial_qs(self, bucket: int, shapes: Sequence[tuple[int, int]]) -> list[np.ndarray]:
-        """The initial ``Q`` of bucket ``bucket`` for compressed matrices of ``shapes``."""
-        wanted = [(m, min(n, m, self.rank)) for n, m in shapes]
-        if self.qs is None:
-            rng = np.random.default_rng([self.seed, bucket])
-            return [rng.standard_normal(shape) for shape in wanted]
-        given = [np.asarray(q) for q in self.qs.get(bucket, ())]
-        if [q.shape for q in given] != wanted:
-            raise ValueError(
-                f"PowerSGD qs for bucket {bucket} have shapes {[q.shape for q in given]}, "
-                f"expected {wanted}"
+def bucket_layouts(shapes: Sequence[Sequence[tuple[int, ...]]], config: PowerSGD) -> list[Layout]:
+    """One :class:`~xgrad.powersgd.Layout` per bucket of gradients of these shapes.
+
+    Raises:
+        ValueError: a scalar leaf (it has no matrix view; torch refuses it too).
+    """
+    out = []
+    for b, bucket in enumerate(shapes):
+        try:
+            out.append(
+                layout(bucket, config.matrix_approximation_rank, config.min_compression_rate)
             )
-        return given
+        except ValueError as err:
+            raise ValueError(f"{err} (bucket {b})") from None
+    return out
 
 
-def _orthogonalize(matrix: Any) -> Any:
-    """Gram-Schmidt on the columns (torch's choice for ranks up to 2), traced."""
-    cols = [matrix[:, i] for i in range(matrix.shape[1])]
-    for i in range(len(cols)):
-        cols[i] = cols[i] / jnp.linalg.norm(cols[i])
-        for j in range(i + 1, len(cols)):
-            cols[j] = cols[j] - jnp.sum(cols[i] * cols[j]) * cols[i]
-    return jnp.stack(cols, axis=1)
+def init(
+    config: PowerSGD,
+    layouts: Sequence[Layout],
+    dtypes: Sequence[Any],
+    world_size: int,
+    *,
+    qs: Mapping[int, Sequence[np.ndarray]] | None = None,
+    sampler: Sampler | None = None,
+) -> PowerSGDCarry:
+    """The state before the first step: zero errors, the first fresh ``Q`` of every bucket.
+
+    Args:
+        config: the hyperparameters.
+        layouts: per bucket (see :func:`bucket_layouts`).
+        dtypes: per bucket, its gradients' dtype.
+        world_size: devices the step runs on.
+        qs: bucket -> its first ``Q`` blocks ``(m, rank)`` in layout order (e.g. torch's
+            draws); None draws them as torch does, from ``sampler`` (NumPy's by default).
+        sampler: see :data:`xgrad.powersgd.Sampler`.
+
+    Raises:
+        ValueError: given ``qs`` of the wrong shapes (both shown).
+    """
+    host = PowerSGDState(config, sampler=sampler)
+    first = []
+    for b, (lay, dtype) in enumerate(zip(layouts, dtypes, strict=True)):
+        name = jnp.dtype(dtype).name
+        if qs is None:
+            drawn = host.fresh_q(lay, name)
+        else:
+            given = [np.asarray(q) for q in qs.get(b, ())]
+            if [q.shape for q in given] != list(lay.q_shapes):
+                raise ValueError(
+                    f"PowerSGD qs for bucket {b} have shapes {[q.shape for q in given]}, "
+                    f"expected {list(lay.q_shapes)}"
+                )
+            drawn = np.concatenate([q.ravel() for q in given]) if given else np.zeros(0)
+        first.append(jnp.asarray(drawn, dtype=dtype))
+    errors: tuple[Any, ...] = ()
+    if config.use_error_feedback:
+        errors = tuple(
+            jnp.zeros((world_size, lay.length), dtype=dtype)
+            for lay, dtype in zip(layouts, dtypes, strict=True)
+        )
+    key = jax.random.key_data(jax.random.key(config.random_seed))
+    return PowerSGDCarry(jnp.zeros((), jnp.int32), errors, tuple(first), key)
 
 
 def reduce_bucket(
-    leaves: Sequence[Any],
+    flat: Any,
     bucket: int,
+    lay: Layout,
+    config: PowerSGD,
+    carry: PowerSGDCarry,
     axis_name: str,
     world_size: int,
-    hook: PowerSGD,
-) -> list[Any]:
-    """This device's share of one PowerSGD-reduced bucket: the reduced leaves, in order.
+) -> tuple[Any, Any, Any]:
+    """This device's share of one bucket: ``(reduced flat bucket, new error, next Q)``.
 
-    Raises:
-        ValueError: a scalar leaf (torch cannot view it as a matrix either), or given
-            ``qs`` of the wrong shapes.
+    Call inside pmap/shard_map with ``axis_name`` bound; ``carry.errors[bucket]`` is this
+    device's own row (shape ``(length,)``).
     """
-    for k, leaf in enumerate(leaves):
-        if leaf.ndim == 0:
-            raise ValueError(f"PowerSGD: leaf {k} of bucket {bucket} is a scalar")
-    shapes = [tuple(int(d) for d in leaf.shape) for leaf in leaves]
-    order, plain = powersgd_layout(shapes, hook.rank, hook.min_compression_rate)
-    out: list[Any] = list(leaves)
-    if plain:
-        flat = jnp.concatenate([jnp.ravel(leaves[k]) for k in plain])
-        summed = lax.psum(flat, axis_name) / world_size
-        offset = 0
-        for k in plain:
-            size = int(np.prod(shapes[k]))
-            out[k] = summed[offset : offset + size].reshape(shapes[k])
-            offset += size
-    if not order:
-        return out
-    mats = [jnp.reshape(leaves[k], (shapes[k][0], -1)) for k in order]
-    dtype = mats[0].dtype
-    q0 = hook.initial_qs(bucket, [(int(m.shape[0]), int(m.shape[1])) for m in mats])
-    qs = [_orthogonalize(jnp.asarray(q, dtype=dtype)) for q in q0]
-    ps = [m @ q for m, q in zip(mats, qs, strict=True)]
-    summed_ps = _split(lax.psum(_concat(ps), axis_name), ps)
-    ps = [_orthogonalize(p) for p in summed_ps]
-    qs = [m.T @ p for m, p in zip(mats, ps, strict=True)]
-    summed_qs = _split(lax.psum(_concat(qs), axis_name) / world_size, qs)
-    for k, p, q in zip(order, ps, summed_qs, strict=True):
-        out[k] = (p @ q.T).reshape(shapes[k])
-    return out
+    error = carry.errors[bucket] if config.use_error_feedback else None
+    q = carry.qs[bucket]
 
+    def psum(x: Any) -> Any:
+        return lax.psum(x, axis_name)
 
-def _concat(arrays: Sequence[Any]) -> Any:
-    return jnp.concatenate([jnp.ravel(a) for a in arrays])
+    def plain(flat: Any, error: Any, q: Any) -> tuple[Any, Any, Any]:
+        # Before start_powerSGD_iter: torch's allreduce, divide first, then sum.
+        return psum(flat / world_size), error, q
 
+    def powersgd(flat: Any, error: Any, q: Any) -> tuple[Any, Any, Any]:
+        if config.use_error_feedback:
+            flat = flat + error
+        out, q_reduced = compress(flat, lay, q, psum, world_size, config.orthogonalization_epsilon)
+        if config.use_error_feedback:
+            error = flat - out
+        if config.warm_start:
+            q_next = q_reduced
+        else:
+            key = jax.random.fold_in(jax.random.wrap_key_data(carry.key), carry.iter)
+            q_next = jax.random.normal(jax.random.fold_in(key, bucket), q.shape, q.dtype)
+        return out, error, q_next
 
-def _split(flat: Any, like: Sequence[Any]) -> list[Any]:
-    out = []
-    offset = 0
-    for a in like:
-        out.append(flat[offset : offset + a.size].reshape(a.shape))
-        offset += a.size
-    return out
+    if config.start_powerSGD_iter == 0:
+        return powersgd(flat, error, q)
+    return lax.cond(carry.iter < config.start_powerSGD_iter, plain, powersgd, flat, error, q)  # type: ignore[no-any-return]

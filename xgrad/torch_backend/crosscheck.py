@@ -35,6 +35,7 @@ def run_ddp(
     hook: str | None = None,
     steps: int = 1,
     timeout: float = 300.0,
+    powersgd: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Averaged gradients of zoo model ``model_name`` under DDP on ``world_size`` gloo ranks.
 
@@ -59,6 +60,8 @@ def run_ddp(
             feedback) under either.
         steps: timed steps (at least 1).
         timeout: seconds for the whole run; nothing waits longer.
+        powersgd: ``PowerSGDState`` keyword arguments for ``hook="powersgd"`` (default:
+            rank 1 from the second step, no error feedback, no warm start).
 
     Returns:
         ``{"grads": {name: array}, "seconds_per_step": float, "plan": BucketPlan}`` from
@@ -93,6 +96,13 @@ def run_ddp(
         "hook": hook,
         "steps": steps,
         "timeout": timeout,
+        "powersgd": powersgd
+        or {
+            "matrix_approximation_rank": 1,
+            "start_powerSGD_iter": 1,
+            "use_error_feedback": False,
+            "warm_start": False,
+        },
     }
     answer = spawn(_rank_main, world_size, args=(settings,), timeout=timeout)[0]
     answer["plan"] = BucketPlan.from_json(answer["plan"])
@@ -132,13 +142,7 @@ def _rank_main(rank: int, world_size: int, s: dict[str, Any]) -> dict[str, Any]:
         if hook in torch_hooks:
             ddp.register_comm_hook(None, torch_hooks[hook])
     if hook == "powersgd":
-        state = psgd.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=1,
-            start_powerSGD_iter=1,
-            use_error_feedback=False,
-            warm_start=False,
-        )
+        state = psgd.PowerSGDState(process_group=None, **s["powersgd"])
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     # The order gradients became ready in the warm-up step: what DDP rebuilds from.
     ready: list[int] = []

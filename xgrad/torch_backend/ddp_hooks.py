@@ -188,3 +188,17 @@ def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch:
         return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
 
     return run
+
+
+def builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
+    """The Python twin of a PyTorch built-in C++ hook (``dist.BuiltinCommHookType``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {
+        "ALLREDUCE": default_hooks.allreduce_hook,
+        "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+    }
+    name = getattr(comm_hook_type, "name", str(comm_hook_type))
+    if name not in hooks:
+        raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
+    return hooks[name]

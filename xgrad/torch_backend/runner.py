@@ -6,12 +6,14 @@ without it); each run does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
+from xgrad import models as zoo
 from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.hooks import HOOK_NAMES
 
@@ -68,6 +70,7 @@ class DDPRunner:
             hook=step.hook,
             steps=step.steps,
             timeout=step.timeout,
+            powersgd=dataclasses.asdict(step.powersgd),
         )
         return StepResult(
             grads={k: np.asarray(v) for k, v in answer["grads"].items()},
@@ -118,7 +121,7 @@ def truth() -> Truth:
     """torch's autograd in float64, for every zoo model and model pair."""
     return Truth(
         grads=_float64_grads,
-        covers=lambda model: True,
+        covers=lambda model: model in zoo.MODELS or zoo.is_pair_name(model),
         description="torch float64, one process, full batch",
         independent=True,
     )

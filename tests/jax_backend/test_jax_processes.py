@@ -1,0 +1,152 @@
+"""Several JAX processes (jax.distributed over gloo on 127.0.0.1): gradients equal one process."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from xgrad import models  # noqa: E402
+from xgrad.jax_backend import models as jm  # noqa: E402
+from xgrad.jax_backend.data_parallel import data_parallel_value_and_grad  # noqa: E402
+from xgrad.jax_backend.processes import ProcessError, run_processes  # noqa: E402
+from xgrad.jax_backend.reduce import plan_for  # noqa: E402
+from xgrad.powersgd import PowerSGD  # noqa: E402
+
+BATCH = 16
+HOOK = PowerSGD(start_powerSGD_iter=2)
+
+
+def _host(a: Any) -> np.ndarray:
+    return np.asarray(a if a.is_fully_addressable else a.addressable_data(0))
+
+
+def runs(
+    process_id: int, num_processes: int, full: bool = True, world: int | None = None
+) -> dict[str, Any]:
+    """Every way of passing the batch, every mode, and three stateful PowerSGD steps.
+
+    Run in each process over every process's devices, and in the test process on the
+    first ``world`` of its own devices (one process: the local rows are all the rows)."""
+    w = models.init_weights("mlp", 0, "float32")
+    x, y = models.make_batch("mlp", 0, BATCH, "float32")
+    devices = jax.devices() if world is None else jax.devices()[:world]
+    world = len(devices)
+    plan = plan_for(w, names=list(w), bucket_cap_bytes=2048)
+    loss = jm.make_loss(jm.mlp)
+    params = jm.to_params(w)
+    mine = models.shard(x, num_processes, process_id), models.shard(y, num_processes, process_id)
+    out: dict[str, Any] = {"world": world, "processes": jax.process_count()}
+    for local in (False, True):
+        for mode in ("shard_map", "jit") if full else ("shard_map",):
+            if mode == "jit" and local:
+                continue
+            step = data_parallel_value_and_grad(
+                loss,
+                world_size=world,
+                names=list(w),
+                plan=None if mode == "jit" else plan,
+                mode=mode,
+                local_batch=local,
+                devices=devices,
+            )
+            _, grads = step(params, *(mine if local else (x, y)))
+            out[f"{mode}-{'local' if local else 'global'}"] = {
+                k: _host(g) for k, g in grads.items()
+            }
+    if not full:
+        return out
+    step = data_parallel_value_and_grad(
+        loss,
+        world_size=world,
+        names=list(w),
+        plan=plan,
+        hook=HOOK,
+        local_batch=True,
+        devices=devices,
+    )
+    state = step.init(params)
+    for _ in range(3):
+        _, grads, state = step(params, *mine, hook_state=state)
+    out["powersgd"] = {k: _host(g) for k, g in grads.items()}
+    return out
+
+
+def fail_in_process_1(process_id: int, num_processes: int) -> int:
+    if process_id == 1:
+        raise RuntimeError("boom in process 1")
+    time.sleep(30)  # process 0 would wait for its peer: the run must not
+    return process_id
+
+
+def _check(results: list[dict[str, Any]], single: dict[str, Any], n: int) -> None:
+    assert [r["processes"] for r in results] == [n] * n
+    assert results[0]["world"] == n
+    for result in results:
+        for key, grads in result.items():
+            if key in ("world", "processes"):
+                continue
+            for name, g in grads.items():
+                # gloo may sum in another order than one process's devices do: equal to
+                # float32 rounding (2 processes give the same bits here, 4 do not).
+                scale = np.abs(single[key][name]).max()
+                assert np.abs(g - single[key][name]).max() <= 1e-6 * scale, (key, name)
+
+
+def test_two_processes_give_the_single_process_gradients() -> None:
+    """Global batch and each process's own rows, shard_map and jit, stateful PowerSGD."""
+    results = run_processes("test_jax_processes:runs", 2, timeout=90)
+    _check(results, runs(0, 1, world=2), 2)
+
+
+@pytest.mark.slow
+def test_four_processes_give_the_single_process_gradients() -> None:
+    results = run_processes("test_jax_processes:runs", 4, (False,), timeout=120)
+    _check(results, runs(0, 1, False, world=4), 4)
+
+
+def test_a_failing_process_is_named_and_the_others_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(ProcessError, match="JAX process 1 of 2 exited") as info:
+        run_processes("test_jax_processes:fail_in_process_1", 2, timeout=60)
+    assert info.value.process_id == 1
+    assert "boom in process 1" in str(info.value)
+    assert time.monotonic() - start < 30
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="num_processes=0"):
+        run_processes("test_jax_processes:runs", 0)
+    with pytest.raises(ValueError, match="timeout=nan"):
+        run_processes("test_jax_processes:runs", 2, timeout=float("nan"))
+    with pytest.raises(ValueError, match="target='runs'"):
+        run_processes("runs", 2)
+
+
+def hang(process_id: int, num_processes: int) -> None:
+    time.sleep(120)
+
+
+def test_a_hanging_run_is_stopped_at_its_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(ProcessError, match=r"still running at the timeout; all were killed"):
+        run_processes("test_jax_processes:hang", 2, timeout=5)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_crosscheck_runs_the_jax_rows_in_two_processes(tmp_path: Any) -> None:
+    """``xgrad crosscheck --jax-processes 2``: stateful PowerSGD, same plan and data as torch."""
+    pytest.importorskip("torch")
+    from xgrad import crosscheck
+
+    case = crosscheck.Case(hook="powersgd", stateful=True, steps=3, jax_processes=2)
+    report = crosscheck.run_crosscheck(case, backends=["torch-xgrad", "jax-shard_map", "jax-pmap"])
+    status = {b.name: b.status for b in report.backends}
+    assert status == {"torch-xgrad": "ok", "jax-shard_map": "ok", "jax-pmap": "skipped"}
+    with pytest.raises(ValueError, match="jax_processes=3 does not divide world_size=2"):
+        crosscheck.Case(jax_processes=3)
