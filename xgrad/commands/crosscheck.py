@@ -57,13 +57,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
-    names = crosscheck.runner_names()
-    backends = list(dict.fromkeys(e.backend for e in crosscheck.runner_entries(check=False)))
+    default = crosscheck.runner_names()
+    every = crosscheck.runner_entries(check=False, every=True)
+    named_only = sorted(
+        {e.backend for e in every} - {e.backend for e in crosscheck.runner_entries(check=False)}
+    )
     parser.add_argument(
         "--backends",
-        default=",".join(names),
-        help=f"comma-separated registered backends ({', '.join(backends)}: all their runners) "
-        f"or runners ({', '.join(names)})",
+        default=",".join(default),
+        help="comma-separated registered backends (all their runners) or runners: "
+        f"{', '.join(dict.fromkeys(e.backend for e in every))} or "
+        f"{', '.join(e.name for e in every)}"
+        + (f" ({', '.join(named_only)} only when named)" if named_only else ""),
     )
     parser.add_argument(
         "--timeout", type=positive_float, default=120.0, help="seconds a backend may take"
