@@ -138,7 +138,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         #: the plan the reducer started with (``plan`` changes at the rebuild).
         self.initial_plan = plan
 
-    # ----------------------------------------------------------------- plan and buffers
+    # --- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
         self._buckets, self._locate = build_buckets(
@@ -155,7 +155,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         """Bytes per bucket, in launch order."""
         return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
 
-    # ----------------------------------------------------------------- iteration control
+    # --- iteration control
 
     def _missing(self) -> list[int]:
         return [i for i in range(len(self.params)) if not self._ready[i]]
@@ -285,6 +285,12 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             else:
                 self._launch(bucket)
             self._next_bucket += 1
+        if self._next_bucket == len(buckets):
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+
+    @property
+    def _search(self) -> dict[str, bool]:
+        return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
 
     def _all_unused(self, bucket: BucketState) -> bool:
         return set(bucket.indices) <= set(self._unused.current)
@@ -317,7 +323,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         if not self._expect_hooks:
             return
         if not self._marked_unused:
-            # No hook fired: nothing to reduce (e.g. the loss did not depend on the params).
+            # No hook fired: nothing to reduce.
             self._expect_hooks = False
             return
         if self._delay_launch:
@@ -329,11 +335,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         if self._next_bucket < len(self._buckets):
             raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
         globally_unused = self._unused.on_every_rank(
-            self.comm,
-            self.ops,
-            self.params[0],
-            find_unused=self.find_unused_parameters,
-            static_graph=self.static_graph,
+            self.comm, self.ops, self.params[0], **self._search
         )
         for bucket in self._buckets:
             if bucket.skipped:

@@ -2,7 +2,8 @@
 
 Its speed is not tested here (the bench reports it); the gradients of xgrad's
 distributed backward and of ``torch.distributed.autograd`` over RPC on the same graph
-(a chain through the ranks, a round trip back to rank 0, a fan-in there) must agree.
+(a chain through the ranks, a fan-out, a round trip back
+to rank 0, fan-ins) must agree.
 """
 
 from __future__ import annotations

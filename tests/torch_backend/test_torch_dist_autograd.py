@@ -139,6 +139,21 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
 
     os.environ.update(FAST_HEARTBEAT)
     out: dict[str, Any] = {"good": [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]}
+    out["bad"] = _bad_input(rank, da)
+    # Two passes through one graph with retain_graph: the context accumulates both.
+    P = _params()
+    with da.context() as cid:
+        if rank == 0:
+            da.send(P["w0"] * 3, 1)
+        loss = [da.recv(0).sum()] if rank == 1 else []
+        da.backward(cid, loss, retain_graph=True)
+        da.backward(cid, loss)
+        if rank == 0:
+            out["twice"] = da.get_gradients(cid)[P["w0"]].tolist()
+        try:
+            da.backward(cid, loss)
+        except RuntimeError as exc:
+            out["third"] = str(exc)
 
     def attempt(name: str, body: Any) -> None:
         start = time.time()
@@ -209,6 +224,33 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _bad_input(rank: int, da: Any) -> list[str]:
+    """Each misuse raises at once on its own rank, naming the argument and value."""
+    import torch
+
+    errors = []
+
+    def expect(call: Any) -> None:
+        try:
+            call()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        else:
+            errors.append("no error")
+
+    t = torch.ones(2)
+    expect(lambda: da.send(t, 1))  # outside a context
+    expect(lambda: da.context(timeout=float("nan")).__enter__())
+    expect(lambda: da.get_gradients(12345))
+    with da.context() as cid:
+        expect(lambda: da.send(t, rank))
+        expect(lambda: da.send(t, 7))
+        expect(lambda: da.recv("0"))
+        expect(lambda: da.send([1.0], 0 if rank else 1))
+        da.backward(cid, [])
+    return errors
+
+
 def test_gradients_equal_one_process_and_every_failure_reaches_every_rank() -> None:
     results, codes = run_ranks(_failures, 4, timeout=240)
     assert all(code == 0 for code in codes.values()), (codes, results)
@@ -241,6 +283,17 @@ def test_gradients_equal_one_process_and_every_failure_reaches_every_rank() -> N
         assert msg.startswith(
             "DistBackwardError: Error on rank 0 in backward: ValueError: roots[0] has shape (4, 3)"
         )
+    for rank in range(4):
+        bad = results[rank][1]["bad"]
+        assert bad[0] == "RuntimeError: send must be called inside `with dist_autograd.context():`"
+        assert bad[1].startswith("ValueError: timeout=nan must be a positive, finite")
+        assert bad[2].startswith("ValueError: context_id=12345 is not an open distributed")
+        assert bad[3].startswith(f"ValueError: dst={rank} is not another rank of the context's")
+        assert bad[4].startswith("ValueError: dst=7 is not another rank")
+        assert bad[5] == "TypeError: src='0' must be an int rank"
+        assert bad[6] == "TypeError: tensor is a list, not a torch.Tensor"
+    assert results[0][1]["twice"] == pytest.approx([6.0, 6.0, 6.0])
+    assert "without retain_graph=True" in results[0][1]["third"]
     assert results[0][1]["grad"] == results[0][1]["context"]
     assert results[0][1]["grad"] == pytest.approx([2.0, 2.0, 2.0])
 

@@ -28,8 +28,9 @@ def test_bench_prints_ratios_bubbles_and_memory(capsys: pytest.CaptureFixture[st
             float(simulated) / float(measured) - 1, abs=2e-3
         )
         equal = float(rows[1].split()[6])
+        assert float(rows[1].split()[7]) > 0  # the per-message latency fed to the simulator
         assert equal == pytest.approx(xp.simulate(xp.make(name, 2, 4)).bubble_fraction, abs=1e-3)
-    assert "us per message, ping-pong" in out
+    assert "us from a ping-pong" in out
     assert "peak memory per stage, MiB (heap: C heap in use above the step's start (" in out
     for stage in (0, 1):
         line = next(line for line in lines if line.startswith(f"stage {stage}: "))

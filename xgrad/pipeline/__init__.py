@@ -28,6 +28,7 @@ from xgrad.pipeline.multistage import interleaved_zb as interleaved_zb
 from xgrad.pipeline.multistage import looped_bfs as looped_bfs
 from xgrad.pipeline.multistage import v_placement as v_placement
 from xgrad.pipeline.multistage import zbv as zbv
+from xgrad.pipeline.passes import add_stage_ops as add_stage_ops
 from xgrad.pipeline.passes import insert_comms as insert_comms
 from xgrad.pipeline.passes import strip_comms as strip_comms
 from xgrad.pipeline.schedule import Schedule as Schedule

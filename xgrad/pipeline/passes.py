@@ -8,7 +8,7 @@ from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.schedule import Schedule
 from xgrad.pipeline.validate import ScheduleError
 
-__all__ = ["insert_comms", "strip_comms"]
+__all__ = ["add_stage_ops", "insert_comms", "strip_comms"]
 
 
 def strip_comms(schedule: Schedule) -> Schedule:
@@ -16,6 +16,36 @@ def strip_comms(schedule: Schedule) -> Schedule:
     actions = tuple(tuple(a for a in acts if a.kind.is_compute) for acts in schedule.actions)
     # (UNSHARD, RESHARD and REDUCE_GRAD go too: torch's compute-only form has none.)
     return replace(schedule, actions=actions)
+
+
+def add_stage_ops(schedule: Schedule) -> Schedule:
+    """Add torch's stage-level actions: UNSHARD before a stage's first pass, REDUCE_GRAD and
+    RESHARD after its last backward (B, or W when split), as torch's lowering places them.
+
+    A runtime reduces a stage's gradients across data-parallel replicas at REDUCE_GRAD (so
+    split backward works with data parallelism too) and gathers/frees sharded weights at
+    UNSHARD/RESHARD.
+    """
+    if any(a.kind.is_stage_op for acts in schedule.actions for a in acts):
+        raise ValueError(f"schedule {schedule.name!r} already has stage-level actions")
+    out = []
+    for acts in schedule.actions:
+        flat = list(acts)
+        last: dict[int, int] = {}
+        for i, a in enumerate(flat):
+            for sub in a.sub or (a,):
+                if sub.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                    last[sub.stage] = i
+        stages = sorted({sub.stage for a in flat for sub in (a.sub or (a,)) if sub.kind.is_compute})
+        head = [Action.stage_op(s, Kind.UNSHARD) for s in stages]
+        body: list[Action] = []
+        for i, a in enumerate(flat):
+            body.append(a)
+            for s in stages:
+                if last.get(s) == i:
+                    body += [Action.stage_op(s, Kind.REDUCE_GRAD), Action.stage_op(s, Kind.RESHARD)]
+        out.append(tuple(head + body))
+    return replace(schedule, actions=tuple(out))
 
 
 def insert_comms(schedule: Schedule) -> Schedule:

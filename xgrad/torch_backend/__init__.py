@@ -47,6 +47,8 @@ _EXPORTS: dict[str, str] = {
     "powersgd_sampler": "xgrad.torch_backend.powersgd",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
+    # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
+    # the registry (xgrad.backend.find_sampler) so others replay torch's draws.
 }
 
 #: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).

@@ -41,7 +41,6 @@ from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
-from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
     check_params,
@@ -51,6 +50,7 @@ from xgrad.torch_backend.ddp_checks import (
 )
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
+from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
 from xgrad.torch_backend.ddp_forward import (
     check_agreement_once,
     post_forward,
@@ -162,7 +162,8 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             )
         self.module = module
         self.process_group, self.device_mesh = resolve_group(process_group, device_mesh)
-        self.comm = TorchComm(self.process_group, timeout=timeout)
+        self._watch = StepWatch(self.process_group, timeout)
+        self.comm = WatchedComm(self._watch)
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(
             broadcast_buffers, forward_sync_buffers
@@ -245,6 +246,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         self._divide_by_initial_world_size = True
         self._still_training: int | None = None
         self._forward_started = 0.0
+        self._grad_hooks.watch = self._watch
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         self._grad_hooks.attach(self.reducer)
@@ -258,7 +260,10 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-        output = traced_module_call(self, *inputs, **kwargs)
+        try:
+            output = traced_module_call(self, *inputs, **kwargs)
+        except Exception as exc:  # every rank raises it, named (ddp_failure)
+            raise self._watch.post("forward", exc) from exc
         return self._post_forward(output)
 
     @outside_dynamo
@@ -292,7 +297,13 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
         # gloo buckets' hooks run one after another. NCCL keeps stream order: overlap.
         serial = dist.get_backend(self.comm.group) != "nccl"
-        self.reducer.register_hook(future_hook(state, hook, self.timeout), serial=serial)
+        watch = self._watch
+        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
+        run = future_hook(lambda: watch.group if state is None else state, hook, watch)
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", run, bucket),
+            serial=serial,
+        )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def register_hook(self, hook: Hook) -> None:
@@ -300,7 +311,10 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
 
         Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
         """
-        self.reducer.register_hook(hook)
+        watch = self._watch
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
+        )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:

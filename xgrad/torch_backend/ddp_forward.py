@@ -31,7 +31,7 @@ def pre_forward(
     """Everything DDP does before the module runs; returns the inputs to run it on."""
     ddp._forward_started = time.perf_counter()
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    ddp._grad_hooks.recover(ddp.comm.rank)
+    ddp._watch.start_forward(ddp._grad_hooks, sync)
     ddp._still_training = notify_join_context(ddp)
     if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
         ddp._agreement_pending = True

@@ -40,11 +40,10 @@ from xgrad.torch_backend.dist_pass import (
 )
 from xgrad.torch_backend.dist_wire import Link, header_device
 from xgrad.torch_backend.failure import (
-    Waiter,
     failure_channel,
     group_ranks,
     transfer_failed,
-    wait_work,
+    wait_posted,
 )
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
@@ -71,7 +70,6 @@ class _Context:
         self.me = dist.get_rank()
         self.channel = failure_channel(pg, f"dist_autograd/{seq}")
         self.device = header_device(pg)
-        self.waiter = Waiter(f"xgrad-dist-autograd-{seq}")
         self.links: dict[int, Link] = {}
         self.sends: list[tuple[int, int, torch.Tensor]] = []
         self.recvs: list[tuple[int, int, torch.Tensor]] = []
@@ -107,10 +105,9 @@ class _Context:
         return k
 
     def wait(self, work: Any, what: str, peer: int) -> None:
+        """Wait for a transfer whose other side is posted (announced or confirmed)."""
         try:
-            wait_work(
-                work, self.channel, timeout=self.timeout, what=what, waiter=self.waiter, peer=peer
-            )
+            wait_posted(work, self.channel, timeout=self.timeout, what=what, peer=peer)
         except RankError as exc:
             raise _error(self.id, exc) from None
 
@@ -209,7 +206,6 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
             _open.pop(ctx.id, None)
         if not ok:
             GRAVEYARD.extend(ctx.works)
-        ctx.waiter.close()
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
@@ -301,7 +297,7 @@ def backward(
             engine.register_post_accumulate_hook(i, _leaf_hooks(engine, leaf))
     pass_ = ProcessPass(
         ctx.id, ctx.ranks, ctx.me, ctx.links, sends, recvs, ctx.channel, ctx.passes,
-        ctx.waiter, ctx.timeout, lambda exc: _error(ctx.id, exc), unreached,
+        ctx.timeout, lambda exc: _error(ctx.id, exc), unreached,
     )  # fmt: skip
     with torch.no_grad():
         engine.backward_distributed(

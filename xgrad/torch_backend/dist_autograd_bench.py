@@ -1,10 +1,11 @@
 """``xgrad bench dist-autograd``: xgrad's distributed backward against PyTorch's RPC one.
 
 The same graph runs through both, in the same processes: a chain through every rank and
-back to rank 0, where the loss also uses rank 0's own activation (a round trip and a
-fan-in)::
+back to rank 0; rank 0's activation also goes straight to the last rank (a fan-out; with
+two ranks the same tensor is sent twice) and into the loss (a round trip and fan-ins)::
 
-    rank 0: h0 = tanh(x @ W0) -> rank 1: tanh(h @ W1) -> ... -> rank 0: loss = sum(h * h0)
+    rank 0: h0 = tanh(x @ W0) -> rank 1: tanh(h @ W1) -> ... -> last: tanh(h @ Wl) + h0
+    -> rank 0: loss = sum(h * h0)
 
 xgrad sends tensors with ``dist_autograd.send``/``recv`` on a gloo group; PyTorch calls
 each next rank with nested ``rpc_sync`` over TensorPipe inside a
@@ -54,14 +55,14 @@ def _weights(world: int, size: int, batch: int, dtype: Any) -> tuple[Any, list[A
     return x, ws
 
 
-def _rpc_stage(h: Any, rank: int, world: int) -> Any:
+def _rpc_stage(h: Any, h0: Any, rank: int, world: int) -> Any:
     import torch
     import torch.distributed.rpc as rpc
 
     h = torch.tanh(h @ _STATE["w"])
     if rank + 1 < world:
-        return rpc.rpc_sync(f"w{rank + 1}", _rpc_stage, args=(h, rank + 1, world))
-    return h
+        return rpc.rpc_sync(f"w{rank + 1}", _rpc_stage, args=(h, h0, rank + 1, world))
+    return h + h0
 
 
 def _rpc_grad(context_id: int) -> Any:
@@ -79,9 +80,13 @@ def _xgrad_pass(rank: int, world: int, x: Any, w: Any) -> tuple[float, Any]:
         if rank == 0:
             h0 = torch.tanh(x @ w)
             da.send(h0, 1)
+            da.send(h0, world - 1)
             roots = [(da.recv(world - 1) * h0).sum()]
         else:
-            da.send(torch.tanh(da.recv(rank - 1) @ w), (rank + 1) % world)
+            h = torch.tanh(da.recv(rank - 1) @ w)
+            if rank == world - 1:
+                h = h + da.recv(0)
+            da.send(h, (rank + 1) % world)
             roots = []
         start = time.perf_counter()
         da.backward(cid, roots)
@@ -96,7 +101,7 @@ def _torch_pass(world: int, x: Any, w: Any) -> tuple[float, list[Any]]:
 
     with torch_da.context() as cid:
         h0 = torch.tanh(x @ w)
-        loss = (rpc.rpc_sync("w1", _rpc_stage, args=(h0, 1, world)) * h0).sum()
+        loss = (rpc.rpc_sync("w1", _rpc_stage, args=(h0, h0, 1, world)) * h0).sum()
         start = time.perf_counter()
         torch_da.backward(cid, [loss])
         seconds = time.perf_counter() - start

@@ -25,7 +25,7 @@ from xgrad.failure import (
     wait_until,
 )
 from xgrad.torch_backend.dist_wire import Link
-from xgrad.torch_backend.failure import Waiter, transfer_failed, wait_work
+from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
 __all__ = [
     "GRAVEYARD",
@@ -76,7 +76,6 @@ class ProcessPass:
         recvs: recv node -> ``(peer, k, tensor)``.
         channel: the context's failure channel.
         number: this pass's number in the context (the gradients' store keys).
-        waiter: the context's :class:`Waiter` thread.
         timeout: bound of every wait (seconds).
         make_error: turns a :class:`RankError` into the error the user sees.
         unreached: ``(peer, k)`` of received tensors that require grad but that no root
@@ -93,7 +92,6 @@ class ProcessPass:
         recvs: dict[int, tuple[int, int, torch.Tensor]],
         channel: FailureChannel,
         number: int,
-        waiter: Waiter,
         timeout: float,
         make_error: Callable[[RankError], Exception],
         unreached: Sequence[tuple[int, int]] = (),
@@ -111,7 +109,6 @@ class ProcessPass:
         self._recvs = recvs
         self._channel = channel
         self._number = number
-        self._waiter = waiter
         self._timeout = timeout
         self._make_error = make_error
         self._poll = default_seconds("poll_interval")
@@ -176,14 +173,8 @@ class ProcessPass:
                 what = f"backward, gradient from rank {peer}"
                 raise transfer_failed(self._channel, what, exc, peer) from exc
             if work is not None:
-                wait_work(
-                    work,
-                    self._channel,
-                    timeout=self._timeout,
-                    what=f"backward, gradient from rank {peer}",
-                    waiter=self._waiter,
-                    peer=peer,
-                )
+                what = f"backward, gradient from rank {peer}"
+                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
                 grad = grad.to(self._sent[peer][k].device)  # type: ignore[union-attr]
             return self._node[(peer, k)], grad
 
@@ -206,10 +197,8 @@ class ProcessPass:
         with self._named():
             barrier(self._channel, f"backward/{self._number}", len(self.workers), self._timeout)
             for peer, (work, _) in self._out:
-                wait_work(
-                    work, self._channel, timeout=self._timeout,
-                    what=f"backward, gradient send to rank {peer}", waiter=self._waiter, peer=peer,
-                )  # fmt: skip
+                what = f"backward, gradient send to rank {peer}"
+                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
 
     def release(self, worker: int) -> None:
         """Keep what a failed pass left pending referenced; nothing else stays."""

@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import queue
 import threading
+from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -51,6 +52,7 @@ __all__ = [
     "start_heartbeat",
     "stop_heartbeat",
     "transfer_failed",
+    "wait_posted",
     "wait_work",
 ]
 
@@ -244,6 +246,33 @@ def wait_work(
         if channel is None:
             raise error[0]
         raise transfer_failed(channel, what, error[0], peer, prefix=prefix) from error[0]
+
+
+def wait_posted(
+    work: Any,
+    channel: FailureChannel,
+    *,
+    timeout: float | None = None,
+    what: str,
+    peer: int | None = None,
+    prefix: str = "",
+) -> None:
+    """Wait, on this thread, for a transfer whose other side is known to be posted.
+
+    For a receive whose send the peer announced, or a send the peer confirmed it
+    received: the transfer needs only the peer's communication thread, so it is done in
+    microseconds, without the thread hand-off of :func:`wait_work`. The wait is still
+    bounded: a peer that froze in that moment fails it after ``timeout`` (which closes
+    gloo's connections, as the peer is lost anyway), named as the rank that stopped.
+
+    Raises:
+        xgrad.failure.RankError: posted first (see :func:`transfer_failed`).
+    """
+    seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except Exception as exc:
+        raise transfer_failed(channel, what, exc, peer, prefix=prefix) from exc
 
 
 def transfer_failed(

@@ -1,16 +1,38 @@
-"""What one (stage, microbatch) keeps between its forward and its backward, and how much."""
+"""What the pipeline runtime keeps: per (stage, microbatch) between its forward and its
+backward, posted sends, and the record of each executed action."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from xgrad.pipeline import Action
 from xgrad.torch_backend.pipeline_recompute import RngState
 from xgrad.torch_backend.pipeline_wire import Description, tensor_leaves
 
-__all__ = ["Phony", "Slot", "held_bytes"]
+__all__ = ["ActionRecord", "Phony", "Send", "Slot", "held_bytes"]
+
+
+@dataclass
+class ActionRecord:
+    """One executed action's wall-clock interval (seconds, ``time.perf_counter``)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Send:
+    """A posted send: its tensor stays referenced until the send completes."""
+
+    action: Action
+    tensor: torch.Tensor
+    done: threading.Event
+    error: list[BaseException]
 
 
 @dataclass

@@ -53,6 +53,7 @@ class StagePasses:
     _channel: FailureChannel | None
     _tag: int
     _waiters: tuple[Waiter, Waiter]
+    _dp_group: Any
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -100,6 +101,21 @@ class StagePasses:
         if stage == self.schedule.num_stages - 1:
             return self.loss_fn(y, target) / self.schedule.num_microbatches
         return y
+
+    def _average_grads(self, action: Action) -> None:
+        """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
+        it, in one flat all-reduce."""
+        grads = [p.grad for p in self._module(action.stage).parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+        self._wait(work, f"{action} (all-reduce)")
+        flat /= dist.get_world_size(self._dp_group)
+        start = 0
+        for g in grads:
+            g.copy_(flat[start : start + g.numel()].view_as(g))
+            start += g.numel()
 
     def _forward(
         self,
