@@ -103,7 +103,7 @@ def test_the_core_names_no_backend_module_in_code() -> None:
         if _under(name, BACKENDS) or name == "xgrad.backend":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                if path_of_backend.match(node.value):
-                    found.append(f"{name}: {node.value!r}")
+            is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+            if is_text and path_of_backend.match(node.value):
+                found.append(f"{name}: {node.value!r}")
     assert found == []
