@@ -112,3 +112,82 @@ def test_lazy_attributes_import_on_first_use(
         _ = lazy_pkg.nope
     for name in ("lazy_pkg", "lazy_pkg.heavy"):
         monkeypatch.delitem(sys.modules, name)
+
+
+def _fake_backend(name: str, runner_names: list[str], **extra: object) -> object:
+    from types import SimpleNamespace
+
+    from xgrad.backend import unsupported_by_declaration
+
+    class R:
+        hooks = ("allreduce",)
+        dtypes = ("float32",)
+
+        def __init__(self, n: str) -> None:
+            self.name, self.description = n, f"runner {n}"
+
+        def unsupported(self, step: object) -> str | None:
+            return unsupported_by_declaration(self, step)  # type: ignore[arg-type]
+
+    return SimpleNamespace(
+        name=name, available=lambda: True, runners=lambda: [R(n) for n in runner_names], **extra
+    )
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_runner_entries_pick_backends_or_runners_and_leave_opt_in_ones_out() -> None:
+    from xgrad.backend import runner_entries
+
+    register_backend("two", _fake_backend("two", ["two-a", "two-b"]))  # type: ignore[arg-type]
+    register_backend("extra", _fake_backend("extra", ["extra"], BY_DEFAULT=False))  # type: ignore[arg-type]
+    default = [e.name for e in runner_entries(check=False)]
+    assert "two-a" in default and "two-b" in default and "extra" not in default
+    assert "extra" in [e.name for e in runner_entries(check=False, every=True)]
+    assert [e.name for e in runner_entries(["two"], check=False)] == ["two-a", "two-b"]
+    assert [e.name for e in runner_entries(["two-b", "extra"], check=False)] == ["two-b", "extra"]
+    with pytest.raises(
+        ValueError, match=r"unknown backends \['nope'\]; known backends and runners"
+    ):
+        runner_entries(["nope"], check=False)
+    with pytest.raises(ValueError, match="no backend named"):
+        runner_entries([], check=False)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_plug_in_that_fails_to_import_is_an_entry_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xgrad.backend import runner_entries
+
+    (tmp_path / "raising_backend_mod.py").write_text("raise RuntimeError('no licence')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register_backend("raising", "raising_backend_mod")
+    (entry,) = runner_entries(["raising"])
+    assert entry.runner is None and "RuntimeError: no licence" in entry.unavailable
+    assert backend_available("raising") == (False, "cannot import: RuntimeError: no licence")
+
+
+def test_declared_hooks_and_dtypes_say_why_not() -> None:
+    from xgrad.step import make_step
+
+    runner = _fake_backend("x", ["x"]).runners()[0]  # type: ignore[attr-defined]
+    assert runner.unsupported(make_step()) is None
+    assert runner.unsupported(make_step(hook="fp16")) == "x runs hooks allreduce only, not 'fp16'"
+    assert runner.unsupported(make_step(dtype="float64")) == "x runs float32 only, not float64"
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_bench_targets_and_the_truth_come_from_the_registry() -> None:
+    from xgrad.backend import Truth, backend_benches, find_truth
+
+    assert backend_benches()["ddp"] == "xgrad.torch_backend.bench"  # the torch backend's
+    register_backend("dup", _fake_backend("dup", ["dup"], BENCHES={"ddp": "elsewhere"}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bench target 'ddp' is claimed twice"):
+        backend_benches()
+    truth = find_truth("mlp")
+    assert truth.independent  # torch's autograd, preferred over xgrad's own engine
+    own = Truth(lambda *a: {}, lambda m: m == "only-here", "own", independent=False)
+    register_backend("t", _fake_backend("t", ["t"], truth=lambda: own))  # type: ignore[arg-type]
+    assert find_truth("only-here") is own
+    with pytest.raises(RuntimeError, match="no float64 truth for model 'nowhere'"):
+        find_truth("nowhere")

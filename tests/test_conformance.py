@@ -5,10 +5,12 @@ backends and any installed through the ``xgrad.backends`` entry points (the exam
 ``examples/ring_backend``, installed by ``make setup``) — and over every runner they list:
 
 - the backend's shape: a name, ``available()``, runners that declare hooks and dtypes;
-- ``Comm`` semantics (where the backend has a process group): allreduce sums exactly,
+- ``Comm`` semantics (JAX's ranks are threads with a device each, summing with a
+  ``psum``): allreduce sums exactly,
   in-flight collectives complete in any wait order, broadcast and allgather by rank, a
   failing rank is named and the next run works;
-- ``ArrayOps``: the reducer's array operations;
+- ``ArrayOps``: the reducer's in-place array operations (skipped, with the reason, for a
+  backend whose arrays are immutable: JAX);
 - a runner's gradients against the float64 truth, within the dtype's tolerance, for a
   plan of one bucket per parameter in a scrambled order; the plan it reports covers the
   step's parameters, and a runner reports which plan it ran.
@@ -43,7 +45,7 @@ EXAMPLE = "ring"
 TIMEOUT_S = 60.0
 
 BACKENDS = list_backends()
-ENTRIES = [e for e in runner_entries(check=False) if e.runner is not None]
+ENTRIES = [e for e in runner_entries(check=False, every=True) if e.runner is not None]
 
 
 def _usable(name: str) -> Any:
@@ -73,19 +75,21 @@ def test_backend_declares_what_it_runs(name: str) -> None:
         assert runner.name and runner.description
         assert set(runner.hooks) <= set(HOOK_NAMES), runner.hooks
         assert runner.dtypes and set(runner.dtypes) <= set(zoo.DTYPES), runner.dtypes
-    all_names = [e.name for e in runner_entries(check=False)]
+    all_names = [e.name for e in runner_entries(check=False, every=True)]
     assert len(all_names) == len(set(all_names)), f"runner names collide: {all_names}"
 
 
 def _scenario(name: str, comm: Comm) -> dict[str, Any]:
     """Every rank of a world of 3: exact sums, any wait order, objects by rank."""
-    ops, native = get_backend(name).array_ops()
+    pair = get_backend(name).array_ops()
+    # A backend without in-place array operations (JAX) takes NumPy arrays as they are.
+    native, to_numpy = (pair[1], pair[0].to_numpy) if pair is not None else (np.asarray, np.asarray)
     r = comm.rank
     # Integers in float32 sum exactly in any order, so every backend must give these bits.
     first = comm.allreduce(native(np.arange(6, dtype=np.float32) * (r + 1)))
     second = comm.allreduce(native(np.full((2, 3), 10.0**r, dtype=np.float64)))
-    late = ops.to_numpy(second.wait())  # waited in the reverse order of the launches
-    early = ops.to_numpy(first.wait())
+    late = to_numpy(second.wait())  # waited in the reverse order of the launches
+    early = to_numpy(first.wait())
     return {
         "rank": comm.rank,
         "size": comm.size,
@@ -101,6 +105,10 @@ def _fail_on_rank_1(comm: Comm) -> int:
         raise ValueError("rank 1 says no")
     comm.allgather_object(comm.rank)  # rank 0 would wait for rank 1 here, but not forever
     return comm.rank
+
+
+def _gather_ranks(comm: Comm) -> list[Any]:
+    return comm.allgather_object(comm.rank)
 
 
 def _comm_backend(name: str) -> Any:
@@ -133,7 +141,7 @@ def test_comm_failure_is_named_and_bounded_and_the_next_run_works(name: str) -> 
         backend.run_ranks(_fail_on_rank_1, 2, timeout=TIMEOUT_S)
     assert "rank 1" in str(err.value) and "rank 1 says no" in str(err.value)
     assert time.monotonic() - start < TIMEOUT_S  # the peer did not wait out its timeout
-    assert backend.run_ranks(functools.partial(_scenario, name), 3, timeout=TIMEOUT_S)
+    assert backend.run_ranks(_gather_ranks, 2, timeout=TIMEOUT_S) == [[0, 1], [0, 1]]
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -211,3 +219,16 @@ def test_runner_says_why_not(entry: Any) -> None:
         reason = runner.unsupported(bad)
         assert reason and dtype in reason, (runner.name, dtype, reason)
     assert unsupported_by_declaration(runner, step) is None
+
+
+def test_jax_says_why_not_for_more_ranks_than_devices() -> None:
+    """A world size is a "why not" too: JAX needs one device per rank."""
+    jax_runners = [e.runner for e in ENTRIES if e.backend == "jax"]
+    if not jax_runners:
+        pytest.skip("no JAX backend registered")
+    _usable("jax")
+    step = _scrambled_step()
+    big = Step(step.model, step.weights, step.x, step.y, 4096, step.plan)
+    for runner in jax_runners:
+        reason = runner.unsupported(big)
+        assert reason is not None and "world size 4096 needs 4096 JAX CPU devices" in reason

@@ -16,8 +16,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "xgrad"
 
@@ -27,14 +25,6 @@ FRAMEWORKS = ("torch", "jax", "jaxlib")
 ABOVE_BACKENDS = ("xgrad.crosscheck", "xgrad.experiments", "xgrad.commands", "xgrad.cli")
 #: may import a framework (never a backend module) in functions run in spawned ranks.
 FRAMEWORK_USERS = ("xgrad.experiments", "xgrad.commands", "xgrad.cli")
-
-#: PowerSGD's arrows, which go when PowerSGD becomes a core concept (issue 13): listed
-#: one by one, so no other arrow of these modules can hide behind them.
-KNOWN: set[tuple[str, str]] = {
-    ("xgrad.torch_backend.powersgd", "xgrad.crosscheck.truth"),
-    ("xgrad.crosscheck.truth", "xgrad.torch_backend.powersgd"),
-    ("xgrad.jax_backend.powersgd", "xgrad.crosscheck"),
-}
 
 
 def module_name(path: Path) -> str:
@@ -70,8 +60,6 @@ def wrong_arrows() -> list[str]:
     for path in sorted(PACKAGE.rglob("*.py")):
         name = module_name(path)
         for target in sorted(imports(path)):
-            if any(name == m and _under(target, (t,)) for m, t in KNOWN):
-                continue
             core = not _under(name, BACKENDS)
             if core and _under(target, FRAMEWORK_BACKENDS):
                 wrong.append(f"core {name} imports {target}")
@@ -101,13 +89,3 @@ def test_the_reader_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
         fake.unlink()
     assert "core xgrad.crosscheck._probe_for_test imports xgrad.torch_backend" in found
     assert "core xgrad.crosscheck._probe_for_test imports jax.numpy" in found
-
-
-@pytest.mark.parametrize("pair", sorted(KNOWN))
-def test_known_arrows_still_exist(pair: tuple[str, str]) -> None:
-    """An allowance goes once its arrow is gone (so none outlives its reason)."""
-    module, target = pair
-    path = ROOT / (module.replace(".", "/") + ".py")
-    if not path.exists():
-        path = ROOT / module.replace(".", "/") / "__init__.py"
-    assert path.exists() and target in imports(path), f"drop {pair} from KNOWN"

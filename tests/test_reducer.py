@@ -334,3 +334,94 @@ def test_unused_without_find_unused_is_refused() -> None:
     with pytest.raises(RankError) as err:
         spawn(body, 1)
     assert "['b.weight'] but find_unused_parameters is off" in str(err.value.__cause__)
+
+
+def _one_iteration(reducer: Reducer, rank: int, unused: Sequence[int] = ()) -> None:
+    reducer.rebuild_buckets()
+    reducer.prepare_for_backward(unused)
+    for i in range(len(SHAPES)):
+        if i not in unused:
+            reducer.mark_ready(i, grads_for(rank)[i])
+    reducer.finalize()
+
+
+def test_rebuild_off_keeps_the_plan_given() -> None:
+    def body(comm: ReferenceComm) -> tuple[bool, BucketPlan]:
+        reducer = make_reducer(comm, TWO_BUCKETS, {}, rebuild=False)
+        for _ in range(3):
+            _one_iteration(reducer, comm.rank)
+        return reducer.has_rebuilt_buckets, reducer.plan
+
+    for rebuilt, plan in spawn(2, body):
+        assert not rebuilt and plan == TWO_BUCKETS
+
+
+def test_hook_installs_once_and_only_before_the_first_iteration() -> None:
+    def body(comm: ReferenceComm) -> list[str]:
+        errors = []
+        reducer = make_reducer(comm, TWO_BUCKETS, {})
+        reducer.register_hook(HOOKS["allreduce"](comm))
+        for again in (lambda: reducer.register_hook(HOOKS["allreduce"](comm)),):
+            with pytest.raises(RuntimeError) as err:
+                again()
+            errors.append(str(err.value))
+        late = make_reducer(comm, TWO_BUCKETS, {})
+        _one_iteration(late, comm.rank)
+        for call in (
+            lambda: late.register_hook(HOOKS["allreduce"](comm)),
+            late.set_static_graph,
+        ):
+            with pytest.raises(RuntimeError) as err:
+                call()
+            errors.append(str(err.value))
+        return errors
+
+    once, hook_late, static_late = spawn(1, body)[0]
+    assert "can only be called once" in once
+    assert "before the first forward/backward pass (rank 0)" in hook_late
+    assert "_set_static_graph must be called before" in static_late
+
+
+def test_skip_all_reduce_unused_params_launches_no_reduction_for_unused_buckets() -> None:
+    def body(comm: ReferenceComm) -> tuple[dict[int, np.ndarray], list[float]]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(
+            comm,
+            TWO_BUCKETS,
+            got,
+            find_unused_parameters=True,
+            skip_all_reduce_unused_params=True,
+        )
+        _one_iteration(reducer, comm.rank, unused=(2, 3))
+        return got, list(reducer.records[-1].launch_times)
+
+    for got, launches in spawn(2, body):
+        assert sorted(got) == [0, 1]  # b (bucket 0) unused everywhere: untouched
+        assert launches[0] == 0.0 and launches[1] > 0  # bucket 0 never launched
+        for i in (0, 1):
+            np.testing.assert_array_equal(got[i], expected_mean(2)[i])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_batched_grad_copy_divides_the_bucket_once(world: int) -> None:
+    def body(comm: ReferenceComm) -> dict[int, np.ndarray]:
+        got: dict[int, np.ndarray] = {}
+        _one_iteration(make_reducer(comm, TWO_BUCKETS, got, batched_grad_copy=True), comm.rank)
+        return got
+
+    for got in spawn(world, body):
+        for i in range(4):
+            total = sum(grads_for(r)[i] for r in range(world))
+            want = (total / np.float32(world)).astype(np.float32)
+            np.testing.assert_allclose(got[i], want, rtol=1e-6)
+
+
+def test_sparse_parameter_cannot_share_a_bucket() -> None:
+    def body(comm: ReferenceComm) -> None:
+        make_reducer(comm, TWO_BUCKETS, {}, sparse=[False, False, True, False])
+
+    with pytest.raises(RankError) as err:
+        spawn(1, body)
+    assert "bucket 0 of the plan holds [2, 3]: a parameter with a sparse gradient" in str(
+        err.value.__cause__
+    )

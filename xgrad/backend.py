@@ -167,6 +167,21 @@ def find_truth(model: str) -> Truth:
     return sorted(found, key=lambda t: not t.independent)[0]
 
 
+def find_sampler() -> Any:
+    """The PowerSGD random draws a backend offers (its ``powersgd_sampler``), or ``None``.
+
+    PowerSGD starts from random matrices; a backend whose framework draws them its own way
+    (torch's ``powerSGD_hook``) offers that sampler, so the float64 model and the other
+    backends can replay the very same numbers. ``None``: NumPy's draws.
+    """
+    for name in list_backends():
+        ok, _ = backend_available(name)
+        sampler = getattr(get_backend(name), "powersgd_sampler", None) if ok else None
+        if sampler is not None:
+            return sampler
+    return None
+
+
 def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
     """The reasons a runner's declared ``hooks`` and ``dtypes`` give against ``step``."""
     if step.hook is not None and step.hook not in runner.hooks:
@@ -201,6 +216,8 @@ class Backend(Protocol):
     #: optional: ``xgrad bench`` targets it adds, target -> module (``HELP``,
     #: ``add_arguments``, ``run``), imported only when that target runs.
     BENCHES: Mapping[str, str]
+    #: optional, default True: whether its runners take part when no backend is named.
+    BY_DEFAULT: bool
 
     def available(self) -> bool:
         """Whether it can run here (its framework imports); cheap, imports nothing heavy."""
@@ -291,8 +308,10 @@ def backend_available(name: str) -> tuple[bool, str]:
     """Whether backend ``name`` imports and can run here, with the reason when not."""
     try:
         backend = get_backend(name)
-    except ImportError as err:
-        return False, f"cannot import: {err}"
+    except KeyError:
+        raise
+    except Exception as err:  # ImportError, or a plug-in that fails while importing
+        return False, f"cannot import: {type(err).__name__}: {err}"
     check = getattr(backend, "available", None)
     if check is None:
         return True, ""
@@ -319,10 +338,14 @@ class Entry:
         return self.backend if self.runner is None else self.runner.name
 
 
-def runner_entries(names: Sequence[str] | None = None, *, check: bool = True) -> list[Entry]:
-    """Every runner of the backends ``names`` (default: all), in registry order.
+def runner_entries(
+    names: Sequence[str] | None = None, *, check: bool = True, every: bool = False
+) -> list[Entry]:
+    """Every runner of the backends ``names``, in registry order.
 
-    A name may be a backend's (all its runners) or one runner's. A backend that cannot be
+    A name may be a backend's (all its runners) or one runner's. Without names: every
+    backend's runners, except a backend that sets ``BY_DEFAULT = False`` (an example, a slow
+    simulator), which runs when named (or with ``every=True``). A backend that cannot be
     imported is one entry with no runner, so it is reported, never a crash. With
     ``check=False`` the backends' ``available()`` (which may import their framework) is
     not asked, for listings such as ``--help``.
@@ -335,8 +358,10 @@ def runner_entries(names: Sequence[str] | None = None, *, check: bool = True) ->
         ok, why = backend_available(backend) if check else (True, "")
         try:
             module = get_backend(backend)
-        except ImportError:
-            entries.append(Entry(backend, None, why))
+        except Exception as err:  # a broken plug-in is reported, never a crash
+            entries.append(Entry(backend, None, why or f"cannot import: {err}"))
+            continue
+        if names is None and not every and not getattr(module, "BY_DEFAULT", True):
             continue
         listed = getattr(module, "runners", None)
         if listed is None:

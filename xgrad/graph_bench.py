@@ -15,6 +15,7 @@ import numpy as np
 
 from xgrad.dependencies import compute_dependencies, unused_parameters
 from xgrad.graph import BackwardGraph, NodeKind
+from xgrad.progress import progress
 
 HELP = "dependency computation on a large random backward graph (vectorised vs a plain walk)"
 
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     deps = compute_dependencies(graph, roots, sends)
     first = time.perf_counter() - t0
     best = float("inf")
-    for _ in range(max(1, args.repeat)):
+    for _ in progress(range(max(1, args.repeat)), "compute_dependencies"):
         t0 = time.perf_counter()
         deps = compute_dependencies(graph, roots, sends)
         best = min(best, time.perf_counter() - t0)

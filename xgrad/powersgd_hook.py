@@ -10,13 +10,17 @@ ranks (NumPy or torch tensors). JAX carries the same state as arrays instead
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from xgrad.backend import Comm, Work
+from xgrad.buckets import BucketPlan
 from xgrad.powersgd import (
+    STATELESS,
     AllReduce,
     Layout,
     PowerSGD,
@@ -27,7 +31,7 @@ from xgrad.powersgd import (
     numpy_sampler,
 )
 
-__all__ = ["PowerSGDState", "fresh_draws", "powersgd_hook", "registered_sampler"]
+__all__ = ["PowerSGDState", "fresh_draws", "initial_qs", "powersgd_hook"]
 
 
 class PowerSGDState:
@@ -172,18 +176,26 @@ def fresh_draws(
         }
 
 
-def registered_sampler() -> Sampler | None:
-    """The draws of the first available registered backend that offers ``powersgd_sampler``.
+def initial_qs(
+    weights: Mapping[str, np.ndarray],
+    plan: BucketPlan,
+    steps: int,
+    seed: int = 0,
+    config: PowerSGD | None = None,
+    sampler: Sampler | None = None,
+) -> dict[int, list[np.ndarray]]:
+    """The fresh ``Q`` the hook draws at its ``steps``-th draw round (see :func:`fresh_draws`).
 
-    PyTorch's hook is the reference implementation of PowerSGD, so the torch backend
-    offers its ``torch.randn`` replay; with it every backend and the float64 model start
-    from PyTorch's very numbers. None when no available backend offers one.
+    With a framework's sampler (``xgrad.backend.find_sampler()``: torch's, as
+    ``powerSGD_hook`` draws) another backend or the float64 model starts from its numbers.
+
+    Returns:
+        bucket index -> one ``(m, rank)`` float64 array per compressed gradient, in the
+        bucket's :func:`~xgrad.powersgd.layout` order.
     """
-    from xgrad.backend import backend_available, get_backend, list_backends
-
-    for name in list_backends():
-        if backend_available(name)[0]:
-            sampler = getattr(get_backend(name), "powersgd_sampler", None)
-            if sampler is not None:
-                return sampler  # type: ignore[no-any-return]
-    return None
+    cfg = config or dataclasses.replace(STATELESS, random_seed=seed)
+    names = list(weights)
+    shapes = [[weights[names[i]].shape for i in bucket] for bucket in plan.buckets]
+    dtype = np.dtype(next(iter(weights.values())).dtype).name
+    draws = fresh_draws(shapes, cfg, dtype, sampler)
+    return next(itertools.islice(draws, steps - 1, None))

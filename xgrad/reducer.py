@@ -1,12 +1,9 @@
 """DDP's Reducer as a backend-neutral state machine, written against the Comm protocol.
 
-The reducer owns the flat bucket buffers, counts how many gradients each bucket still
-waits for, launches buckets strictly in bucket order (the same on every rank, so the
-collectives match up), and writes averaged gradients back when the backward pass ends.
-It touches arrays only through :class:`ArrayOps` and the process group only through
-:class:`~xgrad.backend.Comm`, so numpy ranks in one process and torch ranks on c10d run
-the same code. The semantics follow PyTorch's ``reducer.cpp``; where they differ it is
-said at the method.
+It owns the bucket buffers, counts the gradients each bucket awaits, launches buckets in
+bucket order (the same on every rank, so collectives match) and writes averages back at
+the end of the backward pass, touching arrays only through :class:`ArrayOps` and the
+group only through :class:`~xgrad.backend.Comm`. Semantics: PyTorch's ``reducer.cpp``.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from xgrad.reducer_errors import (
     sparse_gradient_missing,
 )
 from xgrad.reducer_recovery import JoinAndRecovery
+from xgrad.reducer_setup import LateSetup
 from xgrad.reducer_types import A
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
@@ -42,7 +40,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(JoinAndRecovery, Generic[A]):
+class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -54,31 +52,24 @@ class Reducer(JoinAndRecovery, Generic[A]):
         set_grad: writes parameter ``i``'s reduced gradient back. It receives a view into
             the bucket; it must copy unless ``gradient_as_bucket_view`` is on, in which
             case the view is the gradient from then on.
-        find_unused_parameters: expect that some parameters get no gradient; the caller
-            passes them to :meth:`prepare_for_backward`.
+        find_unused_parameters: some parameters may get no gradient (the caller passes
+            them to :meth:`prepare_for_backward`).
         static_graph: the same parameters are used (and unused) in every iteration: the
             first iteration finds them and reduces at its end; later ones mark the unused
             ones ready at the first gradient hook.
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
-        serial_hooks: finish bucket ``b``'s hook before starting bucket ``b + 1``'s (for
-            hooks that issue collectives from their futures' callbacks, such as PowerSGD,
-            where those callbacks run in completion order, as on gloo).
+        serial_hooks: finish bucket ``b``'s hook before ``b + 1``'s starts (PowerSGD on
+            gloo, whose callbacks issue collectives in completion order).
         rebuild: rebuild the buckets once, from the first observed ready order (DDP's
             default); off for a plan that must be used as given.
-        rebuild_limits: bucket caps in bytes for the rebuild, the last one repeating:
-            DDP's (first bucket cap, bucket cap), or ``bucket_cap_mb_list``'s caps.
-        sparse: per parameter, whether its gradient is sparse (a bucket of its own,
-            reduced as the sparse tensor it is).
-        skip_all_reduce_unused_params: launch no reduction for a bucket whose parameters
-            are all unused on this rank (PyTorch's option of that name: it assumes the
-            same parameters are unused on every rank).
-        batched_grad_copy: PyTorch's ``batched_grad_copy``: divide a bucket by the world
-            size once, after its gradients are copied in, instead of multiplying each
-            gradient by ``1/world_size`` while copying (PyTorch's default arithmetic).
+        rebuild_limits: bucket caps in bytes for the rebuild (the last one repeats).
+        sparse: per parameter, whether its gradient is sparse (a bucket of its own).
+        skip_all_reduce_unused_params, batched_grad_copy: PyTorch's options (no reduction
+            for a bucket unused on this rank; one division per bucket after the copies).
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
-        clock: the time source of the records (the reference backend passes a virtual one).
+        clock: the records' time source (the reference backend's is virtual).
     """
 
     def __init__(
@@ -147,7 +138,7 @@ class Reducer(JoinAndRecovery, Generic[A]):
         #: the plan the reducer started with (``plan`` changes at the rebuild).
         self.initial_plan = plan
 
-    # ----------------------------------------------------------------- plan and buffers
+    # --- plan and buffers
 
     def _set_plan(self, plan: BucketPlan) -> None:
         self._buckets, self._locate = build_buckets(
@@ -164,7 +155,7 @@ class Reducer(JoinAndRecovery, Generic[A]):
         """Bytes per bucket, in launch order."""
         return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
 
-    # ----------------------------------------------------------------- iteration control
+    # --- iteration control
 
     def _missing(self) -> list[int]:
         return [i for i in range(len(self.params)) if not self._ready[i]]
@@ -237,53 +228,6 @@ class Reducer(JoinAndRecovery, Generic[A]):
             bucket.reset()
 
     @property
-    def hook(self) -> Hook | None:
-        """The communication hook (``None``: DDP's default pre-divided allreduce)."""
-        return self._hook
-
-    @property
-    def serial_hooks(self) -> bool:
-        """Whether bucket ``b``'s hook finishes before bucket ``b + 1``'s starts."""
-        return self._serial_hooks
-
-    def _set_hook(self, hook: Hook | None, serial: bool) -> None:
-        self._hook = hook
-        self._serial_hooks = serial
-        # Without a hook the reducer pre-divides while copying; a hook divides itself.
-        self._divisor = self.comm.size
-        self._scale = 1.0 / self._divisor if hook is None else None
-
-    def register_hook(self, hook: Hook, *, serial: bool = False) -> None:
-        """Install a communication hook after construction (DDP's ``register_comm_hook``).
-
-        Args:
-            hook: the hook with its state bound.
-            serial: see ``serial_hooks`` in the class docstring.
-
-        Raises:
-            RuntimeError: a hook is already installed, or an iteration has started.
-        """
-        if self._hook is not None:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once."
-            )
-        if self.num_iterations or self._expect_hooks:
-            raise RuntimeError(
-                "register_comm_hook must be called before the first forward/backward pass "
-                f"(rank {self.comm.rank})"
-            )
-        self._set_hook(hook, serial)
-
-    def set_static_graph(self) -> None:
-        """Switch to ``static_graph`` before the first iteration (DDP's ``_set_static_graph``)."""
-        if self.num_iterations or self._expect_hooks:
-            raise RuntimeError(
-                "_set_static_graph must be called before the first forward/backward pass "
-                f"(rank {self.comm.rank})"
-            )
-        self.static_graph = True
-
-    @property
     def _delay_launch(self) -> bool:
         """The first static-graph iteration reduces everything at its end (DDP's delay)."""
         return self.static_graph and self._unused.static is None
@@ -341,6 +285,12 @@ class Reducer(JoinAndRecovery, Generic[A]):
             else:
                 self._launch(bucket)
             self._next_bucket += 1
+        if self._next_bucket == len(buckets):
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+
+    @property
+    def _search(self) -> dict[str, bool]:
+        return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
 
     def _all_unused(self, bucket: BucketState) -> bool:
         return set(bucket.indices) <= set(self._unused.current)
@@ -373,7 +323,7 @@ class Reducer(JoinAndRecovery, Generic[A]):
         if not self._expect_hooks:
             return
         if not self._marked_unused:
-            # No hook fired: nothing to reduce (e.g. the loss did not depend on the params).
+            # No hook fired: nothing to reduce.
             self._expect_hooks = False
             return
         if self._delay_launch:
@@ -385,11 +335,7 @@ class Reducer(JoinAndRecovery, Generic[A]):
         if self._next_bucket < len(self._buckets):
             raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
         globally_unused = self._unused.on_every_rank(
-            self.comm,
-            self.ops,
-            self.params[0],
-            find_unused=self.find_unused_parameters,
-            static_graph=self.static_graph,
+            self.comm, self.ops, self.params[0], **self._search
         )
         for bucket in self._buckets:
             if bucket.skipped:

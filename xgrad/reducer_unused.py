@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from xgrad.backend import Comm
+from xgrad.backend import Comm, Work
 from xgrad.reducer_types import ArrayOps
 
 
@@ -31,10 +31,12 @@ class UnusedParams:
         #: a static graph's unused set, learned in its first iteration.
         self.static: list[int] | None = None
         self._static_global: set[int] | None = None
+        self._pending: Work | None = None
 
     def prepare(self, unused: list[int], static_graph: bool) -> None:
         """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
         self.local = self.static if static_graph and self.static is not None else unused
+        self._pending = None
 
     @property
     def current(self) -> list[int]:
@@ -46,22 +48,37 @@ class UnusedParams:
         self.static = list(missing)
         return self.static
 
+    def launch(
+        self, comm: Comm, ops: ArrayOps, like: Any, *, find_unused: bool, static_graph: bool
+    ) -> None:
+        """Start the used-map allreduce once every bucket is launched (DDP overlaps it too)."""
+        if self._pending is not None or not self._searched(find_unused, static_graph):
+            return
+        used = np.ones(self.num_params, dtype=np.int32)
+        used[list(self.current)] = 0
+        self._pending = comm.allreduce(ops.from_numpy(used, like))
+
     def on_every_rank(
         self, comm: Comm, ops: ArrayOps, like: Any, *, find_unused: bool, static_graph: bool
     ) -> set[int]:
         """Parameters that no rank used this iteration (their gradients stay untouched).
 
         Only searched when parameters may be unused; then the per-rank used maps are
-        summed with one extra allreduce, as DDP does (once, for a static graph).
+        summed with one extra allreduce, as DDP does (once, for a static graph), started
+        by :meth:`launch` when the last bucket went out, or here.
         """
-        if static_graph and self._static_global is not None:
-            return self._static_global
-        if not (find_unused or static_graph):
-            return set()
-        used = np.ones(self.num_params, dtype=np.int32)
-        used[list(self.current)] = 0
-        total = ops.to_numpy(comm.allreduce(ops.from_numpy(used, like)).wait())
+        if not self._searched(find_unused, static_graph):
+            return set() if self._static_global is None else self._static_global
+        self.launch(comm, ops, like, find_unused=find_unused, static_graph=static_graph)
+        work, self._pending = self._pending, None
+        assert work is not None
+        total = ops.to_numpy(work.wait())
         found = {int(i) for i in np.flatnonzero(total == 0)}
         if static_graph:
             self._static_global = found
         return found
+
+    def _searched(self, find_unused: bool, static_graph: bool) -> bool:
+        if static_graph:
+            return self._static_global is None
+        return find_unused

@@ -18,6 +18,8 @@ def test_no_words_and_list_print_every_experiment(capsys: pytest.CaptureFixture[
 
 
 def test_unknown_names_and_backends_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="usage: xgrad experiment"):
+        main(["experiment", "run"])
     with pytest.raises(SystemExit, match="unknown experiment 'bubble'"):
         main(["experiment", "run", "bubble"])
     with pytest.raises(SystemExit):

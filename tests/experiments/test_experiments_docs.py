@@ -17,6 +17,7 @@ import pytest
 
 from xgrad.cli import main
 from xgrad.experiments.docs import DOC_EXPERIMENTS, render
+from xgrad.experiments.report import signature
 from xgrad.experiments.runner import run_experiment
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -49,7 +50,7 @@ def test_schedules_figure_and_tables_come_from_the_current_code(tmp_path: Path) 
     words[out + 1] = str(tmp_path)
     assert main(words) == 0
     fresh = json.loads((tmp_path / "schedules.json").read_text())
-    assert fresh["signature"] == doc["signature"]
+    assert fresh["signature"] == doc["signature"] == signature(doc)
     assert fresh["deterministic_digest"] == doc["deterministic_digest"]
     png = (DOCS / "experiments" / "schedules.png").read_bytes()
     assert (tmp_path / "schedules.png").read_bytes() == png
@@ -65,5 +66,5 @@ def test_quick_runs_report_what_the_page_shows(name: str, tmp_path: Path) -> Non
     (tables, columns, axes, sources) of the documented full run."""
     code, report = run_experiment(name, ["--quick", "--out", str(tmp_path)])
     assert code == 0 and report is not None
-    assert report.signature() == documented(name)["signature"]
+    assert report.signature() == signature(documented(name))
     assert (tmp_path / f"{name}.png").exists() and (tmp_path / f"{name}.csv").exists()

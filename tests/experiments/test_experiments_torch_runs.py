@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from xgrad.experiments.report import signature
 from xgrad.experiments.runner import run_experiment
 
 pytest.importorskip("torch")
@@ -16,7 +17,7 @@ pytest.importorskip("torch")
 def documented_signature(name: str) -> str:
     """The signature of the report the docs show for ``name``."""
     docs = Path(__file__).resolve().parents[2] / "docs" / "experiments" / f"{name}.json"
-    return str(json.loads(docs.read_text())["signature"])
+    return signature(json.loads(docs.read_text()))
 
 
 def test_no_sync_accumulates_the_full_batch_gradient(tmp_path: Path) -> None:

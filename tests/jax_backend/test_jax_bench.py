@@ -17,7 +17,11 @@ def test_bench_jax_prints_bucketed_and_leafwise_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    assert main(["bench", "jax", "--steps", "2", "--no-torch", "--json", str(out)]) == 0
+    table = tmp_path / "bench.csv"
+    argv = ["bench", "jax", "--steps", "2", "--no-torch", "--json", str(out), "--csv", str(table)]
+    assert main(argv) == 0
+    lines = table.read_text().splitlines()
+    assert lines[0] == "variant,ms_per_step" and len(lines) == 5
     text = capsys.readouterr().out
     assert "3 buckets of <= 2048 B vs 6 leaves" in text
     rows = json.loads(out.read_text())

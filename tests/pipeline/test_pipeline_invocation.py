@@ -62,3 +62,39 @@ def test_from_invocations_chain_matches_formulas() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="policy"):
         xp.from_invocations(xp.chain([(0, 0)]), 2, "dfs")
+
+
+def test_dag_with_skip_connections_across_ranks() -> None:
+    # Stage 0 feeds stages 1 and 2; stage 3 joins 2 and 1 (skip connections).
+    inv = xp.dag([(0, 0), (1, 0), (2, 0), (0, 1)], [(), (0,), (1, 0), (2, 1)])
+    assert inv[2] == Invocation(2, Location(2, 0), Location(1, 0), Location(0, 1), (1, 0))
+    assert xp.sources_of(inv) == ((), (0,), (1, 0), (2, 1))
+    for policy in ("gpipe", "1f1b", "zb"):
+        s = xp.from_invocations(inv, 4, policy)
+        assert s.inputs == ((), (0,), (1, 0), (2, 1)) and not s.is_chain
+        assert s.consumers(0) == (1, 2) and s.sources(3) == (2, 1)
+        xp.validate(s)
+        c = xp.insert_comms(s)
+        xp.validate(c, rendezvous=False)  # stage 0's send reaches two ranks
+        sends = [a for a in c.actions[0] if a.kind is xp.Kind.SEND_F and a.stage == 0]
+        assert len(sends) == 4  # one per microbatch, to both consumers
+        sim = xp.simulate(s)
+        # Stage 3 starts only after both of its inputs.
+        spans = {sp.action: sp for r in sim.spans for sp in r}
+        f3 = spans[xp.Action(3, xp.Kind.FORWARD, 0)]
+        assert f3.start >= spans[xp.Action(2, xp.Kind.FORWARD, 0)].end
+        assert f3.start >= spans[xp.Action(1, xp.Kind.FORWARD, 0)].end
+    assert "inputs 0;1,0" not in xp.from_invocations(xp.chain([(0, 0), (1, 0)]), 2).text()
+    assert "inputs ;0;1,0;2,1" in xp.from_invocations(inv, 2).text()
+
+
+def test_bad_dags_are_refused() -> None:
+    with pytest.raises(ValueError, match="distinct earlier orders"):
+        xp.placement_of(xp.dag([(0, 0), (1, 0)], [(), (1,)]))
+    with pytest.raises(ValueError, match="used by no later invocation"):
+        xp.placement_of(xp.dag([(0, 0), (1, 0), (0, 1)], [(), (0,), (0,)]))
+    inv = list(xp.dag([(0, 0), (1, 0), (0, 1)], [(), (0,), (1, 0)]))
+    with pytest.raises(ValueError, match="source"):
+        xp.placement_of([*inv[:2], inv[2]._replace(source=Location(0, 0))])
+    with pytest.raises(ValueError, match="inputs"):
+        xp.Schedule(((),), (0,), 1, inputs=((0,),))

@@ -54,3 +54,22 @@ def test_unschedulable_compute_order_is_drawn() -> None:
     )
     with pytest.raises(xp.ScheduleError, match="cannot place comms"):
         xp.insert_comms(s)
+
+
+def test_add_stage_ops_places_them_as_torch_does() -> None:
+    s = xp.add_stage_ops(xp.zb_h1(2, 2))
+    assert [str(a) for a in s.actions[1]] == [
+        "1UNSHARD",
+        "1F0",
+        "1I0",
+        "1F1",
+        "1I1",
+        "1W0",
+        "1W1",
+        "1REDUCE_GRAD",
+        "1RESHARD",
+    ]
+    xp.validate(xp.insert_comms(s))
+    assert xp.strip_comms(s) == xp.zb_h1(2, 2)
+    with pytest.raises(ValueError, match="already has stage-level actions"):
+        xp.add_stage_ops(s)

@@ -24,9 +24,10 @@ def test_backward_before_forward_marks_the_step() -> None:
     err = fails(sched(["0F0 0B0", "1B0 1F0"], (0, 1), 1), "1B0 runs before 1F0")
     assert (err.rank, err.step) == (1, 0)
     lines = str(err).splitlines()
-    assert lines[1] == "        rank 0  rank 1"
-    assert lines[2] == "step 0: 0F0     1B0  <-- rank 1: 1B0 runs before 1F0"
-    assert "<--" not in lines[3]
+    assert lines[1] == "(step = position in each rank's own order, not time)"
+    assert lines[2] == "        rank 0  rank 1"
+    assert lines[3] == "step 0: 0F0     1B0  <-- rank 1: 1B0 runs before 1F0"
+    assert "<--" not in lines[4]
 
 
 def test_missing_duplicate_and_misplaced() -> None:

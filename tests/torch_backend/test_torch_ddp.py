@@ -546,7 +546,9 @@ def test_errors_name_parameters_and_ranks(world2: Results) -> None:
         assert "Expected to have finished reduction in the prior iteration" in m["unfinished"]
         assert f"for rank {rank}: c.weight, c.bias" in m["unfinished"]
         assert "marked as ready twice" in m["twice"] and "c.weight" in m["twice"]
-        assert f"rank {rank}" in m["twice"]
+        # Both ranks fail; every rank raises the first one posted, naming its rank.
+        assert m["twice"] == world2[0]["errors"]["twice"]
+        assert m["twice"].startswith(("rank 0 in gradient hook of c.weight", "rank 1 in"))
 
 
 def _nccl(rank: int, world: int) -> dict[str, Any]:

@@ -70,6 +70,35 @@ def _dp_pp(rank: int, world: int) -> tuple[dict[str, float], str]:
             for p, w in zip(blocks[s].parameters(), want[s], strict=True):
                 err = max(err, float((_grad(p) - w).norm() / w.norm()))
         errors[name] = err
+    # REDUCE_GRAD with the data-parallel group: split backward works too.
+    for name in ("zb_h1", "interleaved_zb", "dualpipev"):
+        schedule = xp.add_stage_ops(xp.make(name, 2, M, chunks=2))
+        blocks = _blocks(schedule.num_stages)
+        out = x
+        for b in blocks:
+            out = b(out)
+        nn.functional.mse_loss(out, y).backward()
+        want = {s: [_grad(p).clone() for p in blocks[s].parameters()] for s in range(len(blocks))}
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        stages = schedule.stages_of(pp_rank)
+        rt = PipelineRuntime(
+            schedule,
+            [blocks[s] for s in stages],
+            nn.functional.mse_loss,
+            group=pp,
+            timeout=60,
+            dp_group=dp,
+        )
+        rt.step(
+            x[half] if pp_rank == 0 else None,
+            y[half] if schedule.placement[-1] == pp_rank else None,
+        )
+        err = 0.0
+        for s in stages:
+            for p, w in zip(blocks[s].parameters(), want[s], strict=True):
+                err = max(err, float((_grad(p) - w).norm() / w.norm()))
+        errors[f"{name}/REDUCE_GRAD"] = err
     # DDP reduces in the backward after its synchronised forward: split I/W cannot do that.
     try:
         PipelineRuntime(
@@ -88,6 +117,13 @@ def test_two_by_two_data_and_pipeline_parallel() -> None:
     per_rank = spawn(_dp_pp, 4, timeout=170)
     for rank, (errors, refusal) in enumerate(per_rank):
         assert f"rank {rank % 2}: data parallelism (no_sync) needs full backward" in refusal
-        assert set(errors) == {"gpipe", "1f1b", "interleaved_1f1b"}
+        assert set(errors) == {
+            "gpipe",
+            "1f1b",
+            "interleaved_1f1b",
+            "zb_h1/REDUCE_GRAD",
+            "interleaved_zb/REDUCE_GRAD",
+            "dualpipev/REDUCE_GRAD",
+        }
         for name, err in errors.items():
             assert err <= 1e-6, (rank, name, err)

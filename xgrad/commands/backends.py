@@ -29,11 +29,14 @@ def tables(names: list[str]) -> tuple[Table, Table, list[str]]:
         except KeyError as err:
             unknown.append(str(err.args[0]))
             continue
-        backends.append((name, "available" if ok else f"unavailable: {why}"))
         try:
-            listed = getattr(get_backend(name), "runners", None)
-        except ImportError:
+            module = get_backend(name)
+        except Exception:  # unavailable, said above
+            backends.append((name, f"unavailable: {why}"))
             continue
+        named_only = "" if getattr(module, "BY_DEFAULT", True) else " (runs when named)"
+        backends.append((name, ("available" if ok else f"unavailable: {why}") + named_only))
+        listed = getattr(module, "runners", None)
         for r in listed() if listed is not None else ():
             hooks = ",".join(r.hooks) or "-"
             runners.append((name, r.name, hooks, ",".join(r.dtypes), r.description))

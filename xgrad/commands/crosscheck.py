@@ -58,20 +58,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
-    names = crosscheck.runner_names()
-    backends = list(dict.fromkeys(e.backend for e in crosscheck.runner_entries(check=False)))
+    default = crosscheck.runner_names()
+    every = crosscheck.runner_entries(check=False, every=True)
+    named_only = sorted(
+        {e.backend for e in every} - {e.backend for e in crosscheck.runner_entries(check=False)}
+    )
     parser.add_argument(
         "--backends",
-        default=",".join(names),
-        help=f"comma-separated registered backends ({', '.join(backends)}: all their runners) "
-        f"or runners ({', '.join(names)})",
+        default=",".join(default),
+        help="comma-separated registered backends (all their runners) or runners: "
+        f"{', '.join(dict.fromkeys(e.backend for e in every))} or "
+        f"{', '.join(e.name for e in every)}"
+        + (f" ({', '.join(named_only)} only when named)" if named_only else ""),
     )
     parser.add_argument(
         "--timeout", type=positive_float, default=120.0, help="seconds a backend may take"
     )
     parser.add_argument(
+        "--out", type=output_folder, default="xgrad-out", help="folder for the JSON and CSV"
+    )
+    parser.add_argument(
         "--jax-processes",
-        type=int,
+        type=positive_int,
         default=1,
         help="run the JAX rows in this many processes (jax.distributed over gloo on "
         "127.0.0.1, each passing its own rows of the batch; default 1)",
@@ -88,9 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --hook powersgd: PyTorch's default PowerSGD state (error feedback, warm "
         "start, from the third step) carried over every step; compare the last",
-    )
-    parser.add_argument(
-        "--out", type=output_folder, default="xgrad-out", help="folder for the JSON and CSV"
     )
     parser.add_argument("--no-buckets", action="store_true", help="omit the per-bucket rows")
     parser.add_argument(

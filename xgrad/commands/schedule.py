@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         try:
             save_timeline_png(
-                sim, args.png, title=f"{schedule.name} p={args.stages} m={args.microbatches}"
+                sim, args.png, name=f"{schedule.name} p={args.stages} m={args.microbatches}"
             )
         except RuntimeError as exc:
             print(f"xgrad schedule: error: {exc}", file=sys.stderr)

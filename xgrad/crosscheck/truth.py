@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from xgrad import models as zoo
-from xgrad.backend import find_truth
+from xgrad.backend import find_sampler, find_truth
 from xgrad.buckets import BucketPlan
 from xgrad.crosscheck.case import WIRE_DTYPES, Inputs
 from xgrad.powersgd import STATEFUL, STATELESS, PowerSGD, Sampler, compress, layout
-from xgrad.powersgd_hook import PowerSGDState, fresh_draws, registered_sampler
+from xgrad.powersgd_hook import PowerSGDState, initial_qs
 
 
 def reference_grads(inputs: Inputs) -> tuple[dict[str, np.ndarray], str]:
@@ -96,27 +94,18 @@ def powersgd_layout(
 def torch_powersgd_qs(
     weights: Mapping[str, np.ndarray], plan: BucketPlan, steps: int, seed: int = 0
 ) -> dict[int, list[np.ndarray]]:
-    """The fresh ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
+    """The initial ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th PowerSGD step.
 
-    Replaying torch's draws lets JAX and the numpy model start from the very same random
-    matrices; the draws come from the registered sampler (:func:`torch_sampler`).
-
-    Raises:
-        RuntimeError: no available backend replays torch's draws.
+    Replaying torch's draws (the sampler a backend offers through the registry) lets JAX
+    and the numpy model start from the very same random matrices.
     """
-    sampler = torch_sampler()
-    if sampler is None:
-        raise RuntimeError("no available backend offers powersgd_sampler (install torch)")
-    names = list(weights)
-    shapes = [[weights[names[i]].shape for i in bucket] for bucket in plan.buckets]
-    config = dataclasses.replace(STATELESS, random_seed=seed)
-    dtype = zoo.as_dtype(next(iter(weights.values())).dtype).name
-    return next(itertools.islice(fresh_draws(shapes, config, dtype, sampler), steps - 1, None))
+    return initial_qs(weights, plan, steps, seed, sampler=find_sampler())
 
 
 def torch_sampler() -> Sampler | None:
-    """PyTorch's normal draws, from a registered backend (the torch backend offers them)."""
-    return registered_sampler()
+    """PyTorch's normal draws, if the torch backend is here (``xgrad.backend.find_sampler``)."""
+    sampler: Sampler | None = find_sampler()
+    return sampler
 
 
 def _stacked(

@@ -6,22 +6,35 @@ bucket cannot start before the backward pass ends, and the best cap sits in betw
 (25 MiB by default for those models). Here xgrad's engine, buckets and reducer run a real
 MLP on the reference backend's simulated ranks (exact sums) on the virtual clock: compute
 is charged per flop and each allreduce costs the ring formula on one shared link, so the
-figure is the same on any machine and for world sizes this one does not have.
+figure is the same on any machine and for world sizes this one does not have. With
+``--backend torch`` the same sweep is measured on xgrad's DDP over 2 gloo ranks (the
+simulated link by default, ``--link real`` for loopback gloo).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from xgrad.experiments.bucket_sweep import SweepConfig, run_point
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
+from xgrad.experiments.torch_parts import (
+    linked_hook,
+    make_link,
+    median_seconds,
+    mlp,
+    spawn,
+    torch_backend,
+)
 from xgrad.reference.clock import LinkModel
 
 HELP = "iteration time vs bucket cap (one bucket per parameter .. one for all): the U shape"
-BACKENDS = ("reference",)
-LINKS = ("virtual",)
+BACKENDS = ("reference", "torch")
+#: the reference backend runs on the virtual clock; the torch one on the simulated link
+#: (``virtual`` means ``sim`` there) or loopback gloo.
+LINKS = ("virtual", "sim", "real")
 
 #: a cap whose ends are at least this much slower than the best one makes a U.
 U_MARGIN = 0.05
@@ -31,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=128, help="MLP width")
     parser.add_argument("--layers", type=int, default=32, help="MLP layers")
     parser.add_argument("--flops", type=float, default=1e10, help="modelled flop/s per rank")
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank (torch only)")
 
 
 def caps_for(param_bytes: int, total: int) -> tuple[int, ...]:
@@ -54,10 +68,70 @@ def u_shape(times: list[float]) -> tuple[bool, float, float]:
     return inside and left >= U_MARGIN and right >= U_MARGIN, left, right
 
 
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """Per cap: buckets, median iteration seconds, and the link's modelled busy seconds."""
+    import torch
+
+    link = make_link(cfg["link"], cfg["alpha"], cfg["beta"], world)
+    g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
+    out = []
+    for cap in cfg["caps"]:
+        model = mlp(cfg["width"], cfg["layers"], cfg["seed"])
+        mib = cap / 2**20
+        ddp = torch_backend().DistributedDataParallel(
+            model, bucket_cap_mb=mib, first_bucket_cap_mb=mib
+        )
+        ddp.register_hook(linked_hook(link)(ddp.comm))
+
+        def step(ddp: Any = ddp) -> None:
+            ddp.zero_grad(set_to_none=False)
+            ddp(x).square().mean().backward()
+
+        seconds = median_seconds(step, warmup=2, steps=cfg["steps"])
+        sizes = ddp.statistics()["bucket_sizes"]
+        busy = sum(link.seconds(b) for b in sizes) if link is not None else float("nan")
+        out.append((len(ddp.plan.buckets), seconds, busy))
+    return out
+
+
+def _measured(
+    args: argparse.Namespace, layers: int, caps: tuple[int, ...]
+) -> list[tuple[Any, ...]]:
+    """The sweep on xgrad's DDP over 2 gloo ranks (simulated or real link)."""
+    cfg = {
+        "width": args.width,
+        "layers": layers,
+        "batch": args.batch,
+        "caps": list(caps),
+        "link": "real" if args.link == "real" else "sim",
+        "alpha": args.alpha,
+        "beta": args.beta,
+        "seed": args.seed,
+        "steps": 3 if args.quick else 8,
+    }
+    per_rank: list[list[tuple[int, float, float]]] = []
+    for _ in progress([0], "bucket-size on 2 ranks"):
+        per_rank = spawn(_worker, 2, (cfg,), timeout=600)
+    nan = float("nan")
+    return [
+        (
+            2,
+            cap,
+            per_rank[0][i][0],
+            nan,
+            round(per_rank[0][i][2] * 1e3, 6),
+            round(max(r[i][1] for r in per_rank) * 1e3, 6),
+            nan,
+        )
+        for i, cap in enumerate(caps)
+    ]
+
+
 def run(args: argparse.Namespace) -> Report:
     if args.width < 1 or args.layers < 1:
         raise ValueError(f"--width={args.width} and --layers={args.layers} must be >= 1")
-    worlds = (2, 8) if args.quick else (2, 8, 32)
+    worlds: tuple[int, ...] = (2, 8) if args.quick else (2, 8, 32)
     layers = min(args.layers, 8) if args.quick else args.layers
     config = SweepConfig(
         world_sizes=worlds,
@@ -71,26 +145,34 @@ def run(args: argparse.Namespace) -> Report:
     weight = args.width * args.width * 4
     total = layers * (args.width + 1) * args.width * 4
     caps = caps_for(weight, total)
-    rows = []
-    points = [(n, cap) for n in worlds for cap in caps]
-    for n, cap in progress(points, "bucket-size"):
-        r = run_point(config, n, cap)
-        rows.append(
-            (
-                n,
-                cap,
-                r.buckets,
-                round(r.compute_ms, 6),
-                round(r.comm_ms, 6),
-                round(r.iteration_ms, 6),
-                round(r.overlap_pct, 3),
+    if args.backend == "torch":
+        worlds = (2,)
+        rows = _measured(args, layers, caps)
+        link_kind = "real" if args.link == "real" else "sim"
+    else:
+        if args.link != "virtual":
+            raise ValueError(f"--link {args.link}: the reference backend runs on the virtual clock")
+        link_kind = "virtual"
+        rows = []
+        points = [(n, cap) for n in worlds for cap in caps]
+        for n, cap in progress(points, "bucket-size"):
+            r = run_point(config, n, cap)
+            rows.append(
+                (
+                    n,
+                    cap,
+                    r.buckets,
+                    round(r.compute_ms, 6),
+                    round(r.comm_ms, 6),
+                    round(r.iteration_ms, 6),
+                    round(r.overlap_pct, 3),
+                )
             )
-        )
     table = Table(
         "bucket_size",
         ("ranks", "cap_bytes", "buckets", "compute_ms", "comm_ms", "iteration_ms", "overlap_pct"),
         tuple(rows),
-        deterministic=True,
+        deterministic=args.backend == "reference",
     )
     series = []
     verdicts = []
@@ -135,7 +217,7 @@ def run(args: argparse.Namespace) -> Report:
     return Report(
         name="bucket-size",
         title=f"iteration time vs bucket count, {layers} x {args.width}^2 MLP",
-        link=link_description("virtual", link),
+        link=link_description(link_kind, link),
         backend=args.backend,
         config={
             "world_sizes": list(worlds),

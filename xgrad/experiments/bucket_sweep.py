@@ -206,7 +206,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flops", type=float, default=d.flops_per_second, help="flop/s per rank")
     parser.add_argument("--iterations", type=int, default=d.iterations)
     parser.add_argument(
-        "--hook", choices=sorted(HOOKS), default=None, help="communication hook (default: none)"
+        "--hook",
+        choices=["none", *sorted(HOOKS)],
+        default="none",
+        help="communication hook (default: none)",
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--out", type=Path, default=Path("xgrad-out"), help="folder for CSV/JSON")
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         beta=args.beta,
         flops_per_second=args.flops,
         iterations=args.iterations,
-        hook=args.hook,
+        hook=None if args.hook == "none" else args.hook,
         seed=args.seed,
     )
     rows = bucket_sweep(config)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from xgrad.backend import backend_available
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
 from xgrad.experiments.torch_parts import spawn
@@ -200,7 +201,9 @@ def run(args: argparse.Namespace) -> Report:
         "seed": args.seed,
     }
     results: dict[str, dict[str, Any]] = {}
-    for framework in progress(("torch", "jax"), "compression"):
+    jax_ok, jax_why = backend_available("jax")
+    frameworks = ("torch", "jax") if jax_ok else ("torch",)
+    for framework in progress(frameworks, "compression"):
         if framework == "torch":
             results["torch"] = spawn(_torch_worker, 2, (cfg,), timeout=600)[0]
         else:
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace) -> Report:
     rows = []
     for name, r in variants.items():
         nbytes = powersgd_bytes(shapes, r) if r else (full if name == "none" else full // 2)
-        for fw in ("torch", "jax"):
+        for fw in frameworks:
             res, base = results[fw][name], results[fw]["none"]
             final, ref = float(np.mean(res["losses"][-3:])), float(np.mean(base["losses"][-3:]))
             rows.append(
@@ -233,7 +236,7 @@ def run(args: argparse.Namespace) -> Report:
     for name in variants:
         if name == "none":
             continue
-        for fw in ("torch", "jax"):
+        for fw in frameworks:
             row = next(r for r in rows if r[0] == name and r[1] == fw)
             ef = fw == "torch" or not name.startswith("powersgd")
             tol = 0.01 if name in ("fp16", "bf16") else 0.10
@@ -282,7 +285,7 @@ def run(args: argparse.Namespace) -> Report:
             "line" if fw == "torch" else "dashed",
         )
         for name in variants
-        for fw in ("torch", "jax")
+        for fw in frameworks
     )
     torch_rows = [r for r in rows if r[1] == "torch"]
     return Report(
@@ -319,5 +322,6 @@ def run(args: argparse.Namespace) -> Report:
         notes=(
             "torch PowerSGD: error feedback and warm start on; plain allreduce for the first "
             f"{START} steps (torch requires it); JAX PowerSGD: no error feedback",
+            *(() if jax_ok else (f"JAX skipped: {jax_why}",)),
         ),
     )

@@ -4,9 +4,10 @@ GPipe (Huang et al., NeurIPS 2019) splits a batch into m microbatches over p sta
 stage idles while the pipeline fills and drains, a fraction ``(p-1)/(m+p-1)`` of the step
 with equal stage costs, which GPipe calls negligible once ``m >= 4p``. Here xgrad's
 pipeline runtime runs GPipe on p gloo ranks (one stage each, no checkpointing) for m = 1
-to 32; the measured bubble is ``1 - sum(busy) / (p · step)`` from the runtime's own action
-records, set beside the formula and beside the schedule simulated with the costs
-measured per stage and kind (which includes the stages' unequal costs).
+to 32; the measured bubble is ``1 - sum(work) / (p · step)``, the work of each stage being
+its m microbatches' forward and backward timed alone (no pipeline, no messages), set
+beside the formula and beside the schedule simulated with those costs per stage (which
+shows how much the stages' unequal costs alone explain).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def formula(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def measured_bubble(per_rank: list[dict[str, Any]], p: int) -> float:
-    """``1 - sum(busy) / (p · step)``, the step being the slowest rank's."""
+def measured_bubble(per_rank: list[dict[str, Any]], p: int, m: int) -> float:
+    """``1 - sum(work) / (p · step)``: the step is the slowest rank's, a stage's work its
+    m microbatches' forward and backward measured alone."""
     step = max(r["time"] for r in per_rank)
-    return 1.0 - sum(r["busy"] for r in per_rank) / (p * step)
+    return 1.0 - sum(m * (r["forward"] + r["backward"]) for r in per_rank) / (p * step)
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -68,14 +70,15 @@ def run(args: argparse.Namespace) -> Report:
     rows = []
     for i, m in enumerate(ms):
         results = [r[i] for r in per_rank]
-        costs = {(s, Kind(k)): c for s, res in enumerate(results) for k, c in res["costs"].items()}
+        costs = {(s, Kind.FORWARD): r["forward"] for s, r in enumerate(results)}
+        costs |= {(s, Kind.BACKWARD): r["backward"] for s, r in enumerate(results)}
         sim = xp.simulate(xp.make("gpipe", p, m), lambda a, c=costs: c[(a.stage, a.kind)])
         step = max(r["time"] for r in results)
         rows.append(
             (
                 m,
                 round(step * 1e3, 3),
-                round(measured_bubble(results, p), 4),
+                round(measured_bubble(results, p, m), 4),
                 round(sim.bubble_fraction, 4),
                 round(formula(p, m), 4),
             )
@@ -96,11 +99,12 @@ def run(args: argparse.Namespace) -> Report:
                     r[2],
                     rel_tol=0.25,
                     fmt=".3f",
-                    why="measured from the runtime's action records;",
-                    why_not="on a shared CPU each microbatch's send/receive and Python "
-                    "overhead count as idle, and the stages' costs are not equal (the last "
-                    "stage also computes the loss); the simulated column, with the measured "
-                    "costs, shows how much of the gap the cost imbalance explains",
+                    why="idle share of the step against each stage's work timed alone;",
+                    why_not="each microbatch's send and receive, and the runtime's Python "
+                    "work per action, count as idle here, and on a shared CPU a stage's "
+                    "work takes longer inside the pipeline than alone; the simulated column "
+                    "(measured costs, no overheads) shows how much the stages' unequal "
+                    "costs alone explain",
                 )
             )
     big = [r for r in rows if r[0] >= 4 * p]

@@ -2,9 +2,12 @@
 
 Each rank holds one stage (a few Linear + Tanh layers) and runs xgrad's pipeline runtime
 (the torch backend's ``PipelineRuntime``, found through the registry) over loopback gloo.
-Per configuration it reports the median step time, the busy time of its compute actions,
-their median cost per kind, and the peak bytes of activations saved for the backward pass
-(counted with autograd's saved-tensor hooks, so recomputation is seen too).
+Per configuration it reports the median step time, the busy time of its compute actions
+as the runtime records them (a stage's forward and backward also wait there for the
+activation or gradient they receive, so this over-counts work), the stage's own compute
+measured alone (each microbatch's forward and backward with no pipeline and no messages,
+the work a bubble is measured against), and the peak bytes of activations saved for the
+backward pass (counted with autograd's saved-tensor hooks, so recomputation is seen too).
 """
 
 from __future__ import annotations
@@ -85,12 +88,43 @@ def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str
         with meter.hooks():
             dist.barrier()
             step()
+        # One rank at a time, so that the stages do not share the CPU while timed alone.
+        for r in range(world):
+            dist.barrier()
+            if r == rank:
+                forward, backward = _alone(stage, x.chunk(m)[0], last, m, cfg["steps"])
         out.append(
             {
                 "time": statistics.median(times),
                 "busy": statistics.median(busy),
                 "costs": {k: statistics.median(v) for k, v in costs.items()},
+                "forward": forward,
+                "backward": backward,
                 "saved_bytes": meter.peak,
             }
         )
+        dist.barrier()
     return out
+
+
+def _alone(stage: Any, x: Any, last: bool, m: int, steps: int) -> tuple[float, float]:
+    """Median seconds of one microbatch's forward and backward through ``stage`` alone
+    (with the loss on the last stage), as many times as a step runs them."""
+    import torch
+
+    fwd, bwd = [], []
+    for _ in range(steps * m):
+        inp = x.detach().requires_grad_(True)
+        start = time.perf_counter()
+        y = stage(inp)
+        out = torch.nn.functional.mse_loss(y, torch.zeros_like(y)) / m if last else y
+        mid = time.perf_counter()
+        if last:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        end = time.perf_counter()
+        fwd.append(mid - start)
+        bwd.append(end - mid)
+    stage.zero_grad(set_to_none=True)
+    return statistics.median(fwd), statistics.median(bwd)

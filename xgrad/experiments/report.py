@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Panel", "Report", "Series", "Table", "Verdict", "within"]
+__all__ = ["Panel", "Report", "Series", "Table", "Verdict", "signature", "within"]
 
 
 @dataclass(frozen=True)
@@ -172,23 +172,28 @@ class Report:
         return doc
 
     def signature(self) -> str:
-        """A digest of the report's shape: its tables and their columns, its panels' axes,
-        and the sources of the claims it checks. The same for ``--quick`` and a full run
-        of the same code (sizes and counts may differ), different when the code changes
-        what it reports."""
-        shape = {
-            "name": self.name,
-            "tables": [(t.name, list(t.columns)) for t in self.tables],
-            "axes": [(p.xlabel, p.ylabel) for p in self.panels],
-            "sources": sorted({v.source for v in self.verdicts}),
-        }
-        return _digest(shape)
+        """See :func:`signature`."""
+        return signature(asdict(self))
 
     def deterministic_digest(self) -> str:
         """A digest of the deterministic tables' rows and of the config: two runs of the
         same code with the same settings give the same digest whatever the machine."""
         rows = [(t.name, [list(r) for r in t.rows]) for t in self.tables if t.deterministic]
         return _digest({"config": dict(self.config), "rows": rows})
+
+
+def signature(doc: Mapping[str, Any]) -> str:
+    """A digest of a report's shape (``Report`` as a dict, or its JSON): its tables and
+    their columns, the axes of its panels and the sources of the claims it checks. The
+    same for ``--quick`` and a full run of the same code (sizes, counts and the number of
+    panels may differ), different when the code changes what it reports."""
+    shape = {
+        "name": doc["name"],
+        "tables": [(t["name"], list(t["columns"])) for t in doc["tables"]],
+        "axes": sorted({(p["xlabel"], p["ylabel"]) for p in doc["panels"]}),
+        "sources": sorted({v["source"] for v in doc["verdicts"]}),
+    }
+    return _digest(shape)
 
 
 def _digest(obj: Any) -> str:

@@ -17,7 +17,7 @@ pmap maps over one process's devices. Tested with 2 and 4 local CPU processes ov
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xgrad.backend import lazy_attributes
 from xgrad.jax_backend.runner import runners as runners
@@ -72,9 +72,16 @@ __all__ = [
     *sorted(_EXPORTS),
 ]
 
-#: JAX reduces inside a compiled function (``psum`` over a mesh axis), not through a
-#: process group object, so it offers no :class:`xgrad.backend.Comm`.
-run_ranks = None
+
+def run_ranks(fn: Any, world_size: int, *, timeout: float = 60.0) -> list[Any]:
+    """``fn(comm)`` on ``world_size`` ranks, each on a JAX CPU device; allreduce is a psum.
+
+    (The data-parallel runners reduce inside a traced step instead; see
+    :mod:`xgrad.jax_backend.comm`.)
+    """
+    from xgrad.jax_backend.comm import run_ranks as on_devices
+
+    return on_devices(fn, world_size, timeout=timeout)
 
 
 def array_ops() -> None:

@@ -22,7 +22,9 @@ from typing import Any
 
 from xgrad import models as zoo
 from xgrad.backend import runner_entries
+from xgrad.progress import progress
 from xgrad.step import Step, make_step
+from xgrad.tables import Table, write_tables
 
 HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
 
@@ -74,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--no-torch", action="store_true", help="JAX variants only")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--csv", type=Path, default=None, help="also write the times as CSV (variant, ms/step)"
+    )
 
 
 def time_steps(step: Callable[[], Any], steps: int) -> float:
@@ -101,19 +106,23 @@ def jax_times(case: BenchCase, steps: int) -> dict[str, float]:
     params = jm.to_params(inputs.weights)
     loss = jm.make_loss(jm.get_apply(case.model))
     out = {}
-    for mode in ("shard_map", "pmap"):
-        for label, plan in (("bucketed", inputs.plan), ("leaf-by-leaf", None)):
-            step = data_parallel_value_and_grad(
-                loss,
-                world_size=case.world_size,
-                plan=plan,
-                names=list(inputs.weights),
-                mode=mode,
-                devices=devices,
-            )
-            out[f"{mode} {label}"] = time_steps(
-                functools.partial(step, params, inputs.x, inputs.y), steps
-            )
+    variants = [
+        (mode, label, plan)
+        for mode in ("shard_map", "pmap")
+        for label, plan in (("bucketed", inputs.plan), ("leaf-by-leaf", None))
+    ]
+    for mode, label, plan in progress(variants, "bench jax"):
+        step = data_parallel_value_and_grad(
+            loss,
+            world_size=case.world_size,
+            plan=plan,
+            names=list(inputs.weights),
+            mode=mode,
+            devices=devices,
+        )
+        out[f"{mode} {label}"] = time_steps(
+            functools.partial(step, params, inputs.x, inputs.y), steps
+        )
     return out
 
 
@@ -185,6 +194,9 @@ def run(args: argparse.Namespace) -> int:
             print("torch comparison skipped: no torch DDP runner can run here", file=sys.stderr)
             torch_s = {}
     print(format_table(case, jax_s, torch_s))
+    if args.csv is not None:
+        times = tuple((k, v * 1e3) for k, v in {**jax_s, **torch_s}.items())
+        write_tables([Table(("variant", "ms_per_step"), times, "bench jax")], None, args.csv)
     if args.json is not None:
         rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}
         args.json.write_text(json.dumps(rows, indent=2))

@@ -91,6 +91,11 @@ def pipeline_value_and_grad(
         ``(loss, grads)``, grads a pytree per partition (on its rank's device).
     """
     schedule = validate(strip_comms(schedule))
+    if not schedule.is_chain:
+        raise ValueError(
+            f"schedule {schedule.name!r} is a DAG of stages (inputs {schedule.inputs}); the JAX "
+            "runtime runs chains only (the torch runtime runs DAGs)"
+        )
     ids = _partition_ids(schedule, invocations)
     if len(partitions) != len(params) or len(partitions) <= max(ids):
         raise ValueError(

@@ -49,7 +49,19 @@ class JaxRunner:
             )
         if step.world_size % step.processes:
             return f"{step.processes} processes do not split world_size={step.world_size}"
-        return unsupported_by_declaration(self, step)
+        declared = unsupported_by_declaration(self, step)
+        if declared is not None or step.processes > 1:
+            return declared
+        from xgrad.jax_backend.crosscheck import cpu_devices
+
+        count = len(cpu_devices(step.world_size))
+        if step.world_size > count:
+            return (
+                f"world size {step.world_size} needs {step.world_size} JAX CPU devices, this "
+                f"process has {count} (set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{step.world_size} before JAX starts)"
+            )
+        return None
 
     def run(self, step: Step) -> StepResult:
         from xgrad.jax_backend.crosscheck import run_data_parallel, run_in_processes

@@ -18,14 +18,17 @@ from xgrad.pipeline.generators import zb_h2 as zb_h2
 from xgrad.pipeline.invocation import Invocation as Invocation
 from xgrad.pipeline.invocation import Location as Location
 from xgrad.pipeline.invocation import chain as chain
+from xgrad.pipeline.invocation import dag as dag
 from xgrad.pipeline.invocation import partitions_of as partitions_of
 from xgrad.pipeline.invocation import placement_of as placement_of
+from xgrad.pipeline.invocation import sources_of as sources_of
 from xgrad.pipeline.multistage import dualpipev as dualpipev
 from xgrad.pipeline.multistage import interleaved_1f1b as interleaved_1f1b
 from xgrad.pipeline.multistage import interleaved_zb as interleaved_zb
 from xgrad.pipeline.multistage import looped_bfs as looped_bfs
 from xgrad.pipeline.multistage import v_placement as v_placement
 from xgrad.pipeline.multistage import zbv as zbv
+from xgrad.pipeline.passes import add_stage_ops as add_stage_ops
 from xgrad.pipeline.passes import insert_comms as insert_comms
 from xgrad.pipeline.passes import strip_comms as strip_comms
 from xgrad.pipeline.schedule import Schedule as Schedule

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from xgrad.pipeline.actions import Action, Kind
-from xgrad.pipeline.invocation import Invocation, placement_of
+from xgrad.pipeline.invocation import Invocation, placement_of, sources_of
 from xgrad.pipeline.multistage import MULTISTAGE, interleaved_1f1b
 from xgrad.pipeline.schedule import Schedule
 
@@ -114,15 +114,22 @@ def _greedy(
     *,
     split: bool,
     forward_first: bool = False,
+    sources: tuple[tuple[int, ...], ...] | None = None,
 ) -> list[list[Action]]:
     """List-schedule on a unit clock (F = I = W = 1, B = 2); the order per rank is the schedule.
 
     A free rank runs, among its stages' ready actions: the backward (B, or I when ``split``)
     of the oldest microbatch, deepest stage first; else a forward while it holds fewer than
     ``limits[rank]`` activation sets; else the oldest pending W. ``forward_first`` swaps the
-    first two (GPipe's fill-drain).
+    first two (GPipe's fill-drain). ``sources`` gives a DAG's inputs per stage (default: the
+    chain).
     """
     n = len(placement)
+    srcs = sources or tuple((s - 1,) if s else () for s in range(n))
+    users: list[list[int]] = [[] for _ in range(n)]
+    for t, ins in enumerate(srcs):
+        for u in ins:
+            users[u].append(t)
     p = max(placement) + 1
     bwd = I if split else B
     done_at: dict[Action, int] = {}
@@ -144,14 +151,14 @@ def _greedy(
                 for s in stages[r]
                 if next_b[s] < m
                 and ready(Action(s, F, next_b[s]))
-                and (s == n - 1 or ready(Action(s + 1, bwd, next_b[s])))
+                and all(ready(Action(t, bwd, next_b[s])) for t in users[s])
             ]
             forward = [
                 Action(s, F, next_f[s])
                 for s in stages[r]
                 if next_f[s] < m
                 and held[r] < limits[r]
-                and (s == 0 or ready(Action(s - 1, F, next_f[s])))
+                and all(ready(Action(u, F, next_f[s])) for u in srcs[s])
             ]
             weight = [Action(s, W, next_w[s]) for s in stages[r] if split and next_w[s] < next_b[s]]
             key = lambda a: (a.microbatch, -a.stage)  # noqa: E731
@@ -208,17 +215,25 @@ def from_invocations(
         ['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
     """
     placement = placement_of(invocations)
+    srcs = sources_of(invocations)
     m = _check("num_microbatches", num_microbatches)
     n, p = len(placement), max(placement) + 1
     if policy == "gpipe":
-        order = _greedy(placement, m, [n * m] * p, split=False, forward_first=True)
+        order = _greedy(placement, m, [n * m] * p, split=False, forward_first=True, sources=srcs)
     elif policy == "1f1b":
-        order = _greedy(placement, m, [n] * p, split=False)
+        order = _greedy(placement, m, [n] * p, split=False, sources=srcs)
     elif policy == "zb":
-        order = _greedy(placement, m, [2 * n - 1] * p, split=True)
+        order = _greedy(placement, m, [2 * n - 1] * p, split=True, sources=srcs)
     else:
         raise ValueError(f"policy must be 'gpipe', '1f1b' or 'zb', got {policy!r}")
-    return Schedule(tuple(tuple(a) for a in order), placement, m, f"{policy}(invocations)")
+    chain = all(ins == ((t - 1,) if t else ()) for t, ins in enumerate(srcs))
+    return Schedule(
+        tuple(tuple(a) for a in order),
+        placement,
+        m,
+        f"{policy}(invocations)",
+        () if chain else srcs,
+    )
 
 
 #: name -> generator taking (num_stages, num_microbatches, chunks).

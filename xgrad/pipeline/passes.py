@@ -2,18 +2,50 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.schedule import Schedule
 from xgrad.pipeline.validate import ScheduleError
 
-__all__ = ["insert_comms", "strip_comms"]
+__all__ = ["add_stage_ops", "insert_comms", "strip_comms"]
 
 
 def strip_comms(schedule: Schedule) -> Schedule:
     """The compute-only schedule (what the generators make and CSV ``compute_only`` holds)."""
     actions = tuple(tuple(a for a in acts if a.kind.is_compute) for acts in schedule.actions)
     # (UNSHARD, RESHARD and REDUCE_GRAD go too: torch's compute-only form has none.)
-    return Schedule(actions, schedule.placement, schedule.num_microbatches, schedule.name)
+    return replace(schedule, actions=actions)
+
+
+def add_stage_ops(schedule: Schedule) -> Schedule:
+    """Add torch's stage-level actions: UNSHARD before a stage's first pass, REDUCE_GRAD and
+    RESHARD after its last backward (B, or W when split), as torch's lowering places them.
+
+    A runtime reduces a stage's gradients across data-parallel replicas at REDUCE_GRAD (so
+    split backward works with data parallelism too) and gathers/frees sharded weights at
+    UNSHARD/RESHARD.
+    """
+    if any(a.kind.is_stage_op for acts in schedule.actions for a in acts):
+        raise ValueError(f"schedule {schedule.name!r} already has stage-level actions")
+    out = []
+    for acts in schedule.actions:
+        flat = list(acts)
+        last: dict[int, int] = {}
+        for i, a in enumerate(flat):
+            for sub in a.sub or (a,):
+                if sub.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
+                    last[sub.stage] = i
+        stages = sorted({sub.stage for a in flat for sub in (a.sub or (a,)) if sub.kind.is_compute})
+        head = [Action.stage_op(s, Kind.UNSHARD) for s in stages]
+        body: list[Action] = []
+        for i, a in enumerate(flat):
+            body.append(a)
+            for s in stages:
+                if last.get(s) == i:
+                    body += [Action.stage_op(s, Kind.REDUCE_GRAD), Action.stage_op(s, Kind.RESHARD)]
+        out.append(tuple(head + body))
+    return replace(schedule, actions=tuple(out))
 
 
 def insert_comms(schedule: Schedule) -> Schedule:
@@ -32,26 +64,53 @@ def insert_comms(schedule: Schedule) -> Schedule:
     if schedule.has_comms:
         raise ValueError(f"schedule {schedule.name!r} already has sends and receives")
     place = schedule.placement
-    last = schedule.num_stages - 1
     p = schedule.num_ranks
     out: list[list[Action]] = [[] for _ in range(p)]
     have: list[set[Action]] = [set() for _ in range(p)]
     heads = [0] * p
+    # Per receive not yet placed (a DAG stage may take from several ranks): the sends still
+    # to come. A receive is placed when its last send is, so it never waits for a later one.
+    waiting: dict[Action, set[Action]] = {}
 
     def ready(a: Action, r: int) -> bool:
         if a.kind is Kind.OVERLAP_F_B:
             return all(ready(sub, r) for sub in a.sub)
         s, mb = a.stage, a.microbatch
-        if a.kind is Kind.FORWARD and s > 0:
-            return bool({Action(s - 1, Kind.FORWARD, mb), Action(s, Kind.RECV_F, mb)} & have[r])
-        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s < last:
-            upstream = Action(s + 1, schedule.backward_kind(s + 1, mb), mb)
-            return bool({upstream, Action(s, Kind.RECV_B, mb)} & have[r])
+        if a.kind is Kind.FORWARD:
+            return all(
+                Action(t, Kind.FORWARD, mb) in have[r] or Action(s, Kind.RECV_F, mb) in have[r]
+                for t in schedule.sources(s)
+            )
+        if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            return all(
+                Action(t, schedule.backward_kind(t, mb), mb) in have[r]
+                or Action(s, Kind.RECV_B, mb) in have[r]
+                for t in schedule.consumers(s)
+            )
         return True
 
     def place_action(a: Action, r: int) -> None:
         out[r].append(a)
         have[r].add(a)
+
+    def send(sub: Action, r: int, neighbours: tuple[int, ...], kinds: tuple[Kind, Kind]) -> None:
+        remote = [t for t in neighbours if place[t] != r]
+        if not remote:
+            return
+        sent = Action(sub.stage, kinds[0], sub.microbatch)
+        place_action(sent, r)
+        for t in remote:
+            recv = Action(t, kinds[1], sub.microbatch)
+            # The receiver's other remote neighbours (sources of a forward, consumers of a
+            # backward) must all have sent first.
+            others = schedule.sources(t) if kinds[1] is Kind.RECV_F else schedule.consumers(t)
+            pending = waiting.setdefault(
+                recv,
+                {Action(o, kinds[0], sub.microbatch) for o in others if place[o] != place[t]},
+            )
+            pending.discard(sent)
+            if not pending:
+                place_action(recv, place[t])
 
     while any(heads[r] < len(schedule.actions[r]) for r in range(p)):
         moved = False
@@ -64,15 +123,10 @@ def insert_comms(schedule: Schedule) -> Schedule:
             place_action(a, r)
             for sub in a.sub or (a,):
                 have[r].add(sub)
-                s, mb = sub.stage, sub.microbatch
-                if sub.kind is Kind.FORWARD and s < last and place[s + 1] != r:
-                    place_action(Action(s, Kind.SEND_F, mb), r)
-                    place_action(Action(s + 1, Kind.RECV_F, mb), place[s + 1])
-                elif (
-                    sub.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s > 0 and place[s - 1] != r
-                ):
-                    place_action(Action(s, Kind.SEND_B, mb), r)
-                    place_action(Action(s - 1, Kind.RECV_B, mb), place[s - 1])
+                if sub.kind is Kind.FORWARD:
+                    send(sub, r, schedule.consumers(sub.stage), (Kind.SEND_F, Kind.RECV_F))
+                elif sub.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+                    send(sub, r, schedule.sources(sub.stage), (Kind.SEND_B, Kind.RECV_B))
             heads[r] += 1
             moved = True
         if not moved:
@@ -80,6 +134,4 @@ def insert_comms(schedule: Schedule) -> Schedule:
             r0 = stuck[0]
             waits = "; ".join(f"rank {r} waits at {schedule.actions[r][heads[r]]}" for r in stuck)
             raise ScheduleError(schedule, r0, heads[r0], f"cannot place comms, deadlock: {waits}")
-    return Schedule(
-        tuple(tuple(acts) for acts in out), place, schedule.num_microbatches, schedule.name
-    )
+    return replace(schedule, actions=tuple(tuple(acts) for acts in out))

@@ -63,12 +63,17 @@ class Schedule:
             feeds stage s + 1; see :mod:`xgrad.pipeline.invocation` for how a model maps here).
         num_microbatches: m.
         name: the generator that made it (for printing).
+        inputs: for a DAG of stages (fairscale's invocations with skip connections),
+            ``inputs[s]`` is the stages whose outputs stage s takes, in order (stage s is
+            called with their tuple when there are several); empty (the default) is the
+            chain, stage s taking stage s - 1's output. The last stage ends the model.
     """
 
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
     num_microbatches: int
     name: str = "custom"
+    inputs: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -81,12 +86,60 @@ class Schedule:
         for s, r in enumerate(self.placement):
             if not isinstance(r, int) or not 0 <= r < p:
                 raise ValueError(f"placement[{s}] = {r!r} is not a rank in 0..{p - 1}")
+        if self.inputs:
+            self._check_inputs()
         for r, acts in enumerate(self.actions):
             for i, top in enumerate(acts):
                 if not isinstance(top, Action):
                     raise TypeError(f"rank {r} step {i}: expected an Action, got {top!r}")
                 for a in expand([top]):
                     self._check_action(r, i, a)
+
+    def _check_inputs(self) -> None:
+        n = len(self.placement)
+        if len(self.inputs) != n:
+            raise ValueError(f"inputs has {len(self.inputs)} entries for {n} stages")
+        if self.inputs[0]:
+            raise ValueError(f"stage 0 reads the model input; inputs[0] = {self.inputs[0]}")
+        for t in range(1, n):
+            ins = self.inputs[t]
+            if not ins or len(set(ins)) != len(ins) or not all(0 <= s < t for s in ins):
+                raise ValueError(
+                    f"inputs[{t}] = {ins} must be distinct earlier stages 0..{t - 1}, at least one"
+                )
+        used = {s for ins in self.inputs for s in ins}
+        unused = [s for s in range(n - 1) if s not in used]
+        if unused:
+            raise ValueError(
+                f"stages {unused} feed no later stage; only stage {n - 1} ends the model"
+            )
+
+    @cached_property
+    def _sources(self) -> tuple[tuple[int, ...], ...]:
+        if self.inputs:
+            return self.inputs
+        return tuple((s - 1,) if s else () for s in range(len(self.placement)))
+
+    @cached_property
+    def _consumers(self) -> tuple[tuple[int, ...], ...]:
+        users: list[list[int]] = [[] for _ in self.placement]
+        for t, ins in enumerate(self._sources):
+            for s in ins:
+                users[s].append(t)
+        return tuple(tuple(u) for u in users)
+
+    def sources(self, stage: int) -> tuple[int, ...]:
+        """The stages whose outputs ``stage`` takes (``()`` for stage 0)."""
+        return self._sources[stage]
+
+    def consumers(self, stage: int) -> tuple[int, ...]:
+        """The stages that take ``stage``'s output (``()`` for the last)."""
+        return self._consumers[stage]
+
+    @property
+    def is_chain(self) -> bool:
+        """Whether each stage takes exactly the previous one's output."""
+        return all(ins == ((s - 1,) if s else ()) for s, ins in enumerate(self._sources))
 
     def _check_action(self, r: int, i: int, a: Action) -> None:
         if not 0 <= a.stage < len(self.placement):
@@ -147,6 +200,8 @@ class Schedule:
         head = (
             f"placement {','.join(map(str, self.placement))} microbatches {self.num_microbatches}"
         )
+        if not self.is_chain:
+            head += " inputs " + ";".join(",".join(map(str, ins)) for ins in self._sources)
         return "\n".join([head, *(f"rank {r}: {row}" for r, row in enumerate(rows))]) + "\n"
 
     def digest(self) -> str:
@@ -154,8 +209,15 @@ class Schedule:
         return hashlib.sha256(self.text().encode()).hexdigest()
 
     def grid(self, *, mark: int | None = None, note: str = "") -> str:
-        """The rank × step grid (a column per rank), optionally pointing at step ``mark``."""
-        return format_grid([[str(a) for a in acts] for acts in self.actions], mark=mark, note=note)
+        """The rank × step grid (a column per rank), optionally pointing at step ``mark``.
+
+        A row is a position in each rank's own list (rank r's k-th action), not a moment in
+        time: ranks wait for each other between rows. :func:`~xgrad.pipeline.simulate`'s
+        grid is the timeline.
+        """
+        columns = [[str(a) for a in acts] for acts in self.actions]
+        body = format_grid(columns, mark=mark, note=note)
+        return "(step = position in each rank's own order, not time)\n" + body
 
     def __str__(self) -> str:
         return self.grid()

@@ -88,13 +88,11 @@ class Simulation:
 def dependencies(schedule: Schedule, action: Action) -> list[Action]:
     """The compute actions that must finish before compute ``action`` may start."""
     s, mb = action.stage, action.microbatch
-    last = schedule.num_stages - 1
     if action.kind is Kind.FORWARD:
-        return [Action(s - 1, Kind.FORWARD, mb)] if s > 0 else []
+        return [Action(t, Kind.FORWARD, mb) for t in schedule.sources(s)]
     if action.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-        deps = [Action(s, Kind.FORWARD, mb)]
-        upstream = Action(s + 1, schedule.backward_kind(s + 1, mb), mb)
-        return deps + ([upstream] if s < last else [])
+        users = [Action(t, schedule.backward_kind(t, mb), mb) for t in schedule.consumers(s)]
+        return [Action(s, Kind.FORWARD, mb), *users]
     if action.kind is Kind.BACKWARD_WEIGHT:
         return [Action(s, Kind.BACKWARD_INPUT, mb)]
     raise ValueError(f"dependencies are defined for compute actions, got {action}")

@@ -28,30 +28,38 @@ class ScheduleError(ValueError):
         )
 
 
-def comm_partner(schedule: Schedule, action: Action) -> tuple[int, Action]:
-    """For a send or receive, the peer rank and the matching action it must run."""
+def comm_partners(schedule: Schedule, action: Action) -> list[tuple[int, Action]]:
+    """For a send or receive, each peer rank and the matching action it must run (one for
+    a chain; a DAG stage may send to several consumers and receive from several sources)."""
     s, mb = action.stage, action.microbatch
     k = action.kind
-    if k is Kind.SEND_F:
-        return schedule.placement[s + 1], Action(s + 1, Kind.RECV_F, mb)
-    if k is Kind.RECV_F:
-        return schedule.placement[s - 1], Action(s - 1, Kind.SEND_F, mb)
-    if k is Kind.SEND_B:
-        return schedule.placement[s - 1], Action(s - 1, Kind.RECV_B, mb)
-    if k is Kind.RECV_B:
-        return schedule.placement[s + 1], Action(s + 1, Kind.SEND_B, mb)
-    raise ValueError(f"{action} is not a send or receive")
+    place = schedule.placement
+    if k in (Kind.SEND_F, Kind.RECV_B):
+        stages, partner = schedule.consumers(s), (Kind.RECV_F if k is Kind.SEND_F else Kind.SEND_B)
+    elif k in (Kind.RECV_F, Kind.SEND_B):
+        stages, partner = schedule.sources(s), (Kind.SEND_F if k is Kind.RECV_F else Kind.RECV_B)
+    else:
+        raise ValueError(f"{action} is not a send or receive")
+    return [(place[t], Action(t, partner, mb)) for t in stages if place[t] != place[s]]
+
+
+def comm_partner(schedule: Schedule, action: Action) -> tuple[int, Action]:
+    """For a send or receive of a chain, the peer rank and the matching action it must run."""
+    partners = comm_partners(schedule, action)
+    if len(partners) != 1:
+        raise ValueError(f"{action} has {len(partners)} partners, not one")
+    return partners[0]
 
 
 def _check_comm_ends(schedule: Schedule, r: int, i: int, a: Action) -> None:
-    last = schedule.num_stages - 1
     k = a.kind
-    if (k is Kind.SEND_F and a.stage == last) or (k is Kind.SEND_B and a.stage == 0):
-        raise ScheduleError(schedule, r, i, f"{a} sends past the end of the pipeline")
-    if (k is Kind.RECV_F and a.stage == 0) or (k is Kind.RECV_B and a.stage == last):
+    forward_end = k in (Kind.SEND_F, Kind.RECV_B)
+    neighbours = schedule.consumers(a.stage) if forward_end else schedule.sources(a.stage)
+    if not neighbours:
+        if k in (Kind.SEND_F, Kind.SEND_B):
+            raise ScheduleError(schedule, r, i, f"{a} sends past the end of the pipeline")
         raise ScheduleError(schedule, r, i, f"{a} receives from beyond the end of the pipeline")
-    peer, _ = comm_partner(schedule, a)
-    if peer == r:
+    if not comm_partners(schedule, a):
         raise ScheduleError(schedule, r, i, f"{a} talks to its own rank {r}")
 
 
@@ -112,23 +120,27 @@ def _check_contents(schedule: Schedule) -> None:
 
 def _needs(schedule: Schedule, a: Action, r: int) -> list[Action]:
     """What rank r must have run before compute ``a`` (with explicit comms: local actions)."""
-    last = schedule.num_stages - 1
     s, mb = a.stage, a.microbatch
+    place = schedule.placement
+    comms = schedule.has_comms
     if a.kind.is_stage_op:
         return []
     if a.kind is F:
-        if s == 0:
-            return []
-        if schedule.placement[s - 1] == r or not schedule.has_comms:
-            return [Action(s - 1, F, mb)]
-        return [Action(s, Kind.RECV_F, mb)]
+        need = [Action(t, F, mb) for t in schedule.sources(s) if place[t] == r or not comms]
+        if len(need) < len(schedule.sources(s)):
+            need.append(Action(s, Kind.RECV_F, mb))
+        return need
     if a.kind in (B, I):
         need = [Action(s, F, mb)]
-        if s == last:
-            return need
-        if schedule.placement[s + 1] == r or not schedule.has_comms:
-            return [*need, Action(s + 1, schedule.backward_kind(s + 1, mb), mb)]
-        return [*need, Action(s, Kind.RECV_B, mb)]
+        users = schedule.consumers(s)
+        need += [
+            Action(t, schedule.backward_kind(t, mb), mb)
+            for t in users
+            if place[t] == r or not comms
+        ]
+        if len(need) - 1 < len(users):
+            need.append(Action(s, Kind.RECV_B, mb))
+        return need
     if a.kind is W:
         return [Action(s, I, mb)]
     # A send needs the pass that produced what it sends.
@@ -144,9 +156,11 @@ def _check_pairs(schedule: Schedule) -> None:
     where = {a: (r, i) for r, acts in enumerate(_flat(schedule)) for i, a in enumerate(acts)}
     for a, (r, i) in where.items():
         if a.kind.is_comm:
-            peer, partner = comm_partner(schedule, a)
-            if partner not in where:
-                raise ScheduleError(schedule, r, i, f"{a} has no matching {partner} on rank {peer}")
+            for peer, partner in comm_partners(schedule, a):
+                if partner not in where:
+                    raise ScheduleError(
+                        schedule, r, i, f"{a} has no matching {partner} on rank {peer}"
+                    )
         else:
             for need in _needs(schedule, a, r):
                 if need.kind.is_comm and need not in where:
@@ -166,17 +180,20 @@ def _run(schedule: Schedule, rendezvous: bool) -> None:
                 continue
             a = acts[r][heads[r]]
             if a.kind.is_comm:
-                peer, partner = comm_partner(schedule, a)
+                partners = comm_partners(schedule, a)
                 if any(n not in done for n in _needs(schedule, a, r)):
                     continue
                 is_send = a.kind in (Kind.SEND_F, Kind.SEND_B)
-                if rendezvous:
+                if rendezvous and len(partners) == 1:
+                    peer, partner = partners[0]
                     if heads[peer] < len(acts[peer]) and acts[peer][heads[peer]] == partner:
                         done.update((a, partner))
                         heads[r] += 1
                         heads[peer] += 1
                         moved = True
-                elif is_send or partner in done:
+                # Buffered, and a DAG's send to (receive from) several ranks: a send never
+                # blocks, a receive waits for every send it takes.
+                elif is_send or all(q in done for _, q in partners):
                     done.add(a)
                     heads[r] += 1
                     moved = True

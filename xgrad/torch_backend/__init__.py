@@ -6,6 +6,7 @@ so ``xgrad backends`` can ask :func:`available` cheaply.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from typing import TYPE_CHECKING
 
@@ -16,9 +17,11 @@ from xgrad.torch_backend.runner import runners as runners
 from xgrad.torch_backend.runner import truth as truth
 
 if TYPE_CHECKING:
+    from xgrad.torch_backend import dist_autograd as dist_autograd
     from xgrad.torch_backend.comm import TorchComm as TorchComm
     from xgrad.torch_backend.ddp import DistributedDataParallel as DistributedDataParallel
     from xgrad.torch_backend.ddp import IterationTimes as IterationTimes
+    from xgrad.torch_backend.dist_autograd import DistBackwardError as DistBackwardError
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
     from xgrad.torch_backend.pipeline import PipelineRuntime as PipelineRuntime
     from xgrad.torch_backend.spawn import SpawnError as SpawnError
@@ -29,22 +32,27 @@ name = "torch"
 #: ``xgrad bench`` targets -> their modules (see ``xgrad.backend.Backend``).
 BENCHES: dict[str, str] = {
     "ddp": "xgrad.torch_backend.bench",
+    "dist-autograd": "xgrad.torch_backend.dist_autograd_bench",
     "pipeline": "xgrad.torch_backend.pipeline_bench",
 }
 
 #: public name -> module that defines it (imported on first attribute access).
 _EXPORTS: dict[str, str] = {
     "DistributedDataParallel": "xgrad.torch_backend.ddp",
+    "DistBackwardError": "xgrad.torch_backend.dist_autograd",
     "IterationTimes": "xgrad.torch_backend.ddp",
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
     "PipelineRuntime": "xgrad.torch_backend.pipeline",
+    "powersgd_sampler": "xgrad.torch_backend.powersgd",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
     # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
-    # the registry (xgrad.powersgd_hook.registered_sampler) so others replay torch's draws.
-    "powersgd_sampler": "xgrad.torch_backend.powersgd",
+    # the registry (xgrad.backend.find_sampler) so others replay torch's draws.
 }
+
+#: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).
+_SUBMODULES = ("dist_autograd",)
 
 __all__ = [
     "BENCHES",
@@ -55,6 +63,7 @@ __all__ = [
     "runners",
     "truth",
     *sorted(_EXPORTS),
+    *_SUBMODULES,
 ]
 
 
@@ -69,4 +78,10 @@ def available() -> bool:
     return bool(dist.is_available())
 
 
-__getattr__ = lazy_attributes(__name__, _EXPORTS)
+_lazy = lazy_attributes(__name__, _EXPORTS)
+
+
+def __getattr__(attr: str) -> object:
+    if attr in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{attr}")
+    return _lazy(attr)

@@ -20,54 +20,50 @@ One training step, as PyTorch's DDP does it::
     end        engine's final callback: reducer.finalize() waits for every bucket and
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
-The pieces: parameter discovery and device checks in ``ddp_params``, the autograd hook
-adapter in ``ddp_hooks``, the timeline and statistics in ``ddp_stats``, the options
-``mixed_precision`` and ``delay_all_reduce_named_params`` in ``ddp_mixed`` and
-``ddp_delay``, and how ``torch.compile`` sees the wrapper in ``ddp_compile``; this module
-is the ``nn.Module`` that ties them to the reducer.
+Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
+``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_stats``, ``ddp_mixed``
+(mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile`` (dynamo),
+``join``; this is the wrapper.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
-from torch.utils._pytree import tree_map
 
-from xgrad.agreement import check_agreement
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
-from xgrad.torch_backend.autograd_graph import find_unused_parameters
-from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
-    fingerprint,
     resolve_caps,
     resolve_timeout,
 )
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
-from xgrad.torch_backend.ddp_hooks import GradientHooks, future_hook
+from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
+from xgrad.torch_backend.ddp_forward import (
+    check_agreement_once,
+    post_forward,
+    pre_forward,
+    sync_buffers,
+)
+from xgrad.torch_backend.ddp_hooks import GradientHooks, builtin_hook, future_hook
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import logging_data, statistics
 from xgrad.torch_backend.join import (
     JoinableDDP,
-    announce_backward_sync,
-    find_common_rank,
-    notify_join_context,
 )
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
@@ -81,16 +77,14 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
-    class's ``__init__`` (which would build PyTorch's C++ reducer and hooks too), so
-    ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` holds for the code
-    in Lightning, accelerate and transformers that unwraps or special-cases DDP, and
-    dynamo's DDP handling (``DDPOptimizer`` graph splitting, guards) applies. Why not
-    the alternatives: torch's class cannot be given an ``__instancecheck__`` without
-    patching torch, and registering as a virtual subclass (``ABC.register``) would not
-    give dynamo's ``issubclass`` checks or the class attributes it reads. Every method of
-    torch's class that would reach its C++ reducer is overridden here; the rest
-    (``_inside_ddp_forward``, ``_register_fused_optim``, ``scatter``/``gather``) work
-    unchanged on this object.
+    class's ``__init__`` (which would build PyTorch's C++ reducer too), so ``isinstance``
+    holds for the code in Lightning, accelerate and transformers that unwraps DDP, and
+    dynamo's DDP handling (``DDPOptimizer``, guards) applies. The alternatives fail:
+    torch's class takes no ``__instancecheck__`` without patching torch, and a virtual
+    subclass (``ABC.register``) gives dynamo neither its ``issubclass`` checks nor the
+    attributes it reads. Every method of torch's class that would reach its C++ reducer
+    is overridden; the rest (``_inside_ddp_forward``, ``_register_fused_optim``,
+    ``scatter``/``gather``, ``no_sync``, ``will_sync_module_buffers``) work unchanged.
 
     Args:
         module, device_ids, output_device, dim, broadcast_buffers, init_sync,
@@ -98,9 +92,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
         param_to_hook_all_reduce, mixed_precision, device_mesh,
         skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
-        forward_sync_buffers: as in PyTorch 2.13's DDP, with its defaults and
-            semantics (``mixed_precision`` also on the CPU, where PyTorch's needs
-            streams).
+        forward_sync_buffers: as in PyTorch 2.13's DDP (``mixed_precision`` also on CPU).
         first_bucket_cap_mb: cap of the first bucket (xgrad extra).
         plan: an explicit :class:`~xgrad.buckets.BucketPlan` over the parameter order of
             ``named_parameters`` (those that require grad), used as given: no rebuild.
@@ -170,7 +162,8 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             )
         self.module = module
         self.process_group, self.device_mesh = resolve_group(process_group, device_mesh)
-        self.comm = TorchComm(self.process_group, timeout=timeout)
+        self._watch = StepWatch(self.process_group, timeout)
+        self.comm = WatchedComm(self._watch)
         self.dim = dim
         self.forward_sync_buffers, init_sync_buffers = buffer_sync_flags(
             broadcast_buffers, forward_sync_buffers
@@ -252,6 +245,8 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
         self._still_training: int | None = None
+        self._forward_started = 0.0
+        self._grad_hooks.watch = self._watch
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         self._grad_hooks.attach(self.reducer)
@@ -265,87 +260,27 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-        output = traced_module_call(self, *inputs, **kwargs)
+        try:
+            output = traced_module_call(self, *inputs, **kwargs)
+        except Exception as exc:  # every rank raises it, named (ddp_failure)
+            raise self._watch.post("forward", exc) from exc
         return self._post_forward(output)
 
     @outside_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
-        self._forward_started = time.perf_counter()
-        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-        self._grad_hooks.recover(self.comm.rank)
-        self._still_training = notify_join_context(self)
-        if torch.is_grad_enabled() and self.reducer.rebuild_buckets():
-            self._agreement_pending = True
-            if self.gradient_as_bucket_view:
-                self._grad_hooks.alias_grads_to_buckets()
-        if self.will_sync_module_buffers():
-            self._sync_buffers()
-        if self._join_config.enable:
-            announce_backward_sync(self, sync)
-        if sync:
-            self._check_agreement()
-        if self.device_ids:
-            device = torch.device(self.device_type, self.device_ids[0])
-            inputs, kwargs = tree_map(
-                lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
-            )
-        if self._casts is not None:
-            self._casts.to_low()
-            if self._casts.param_dtype is not None:
-                from torch.distributed.utils import _cast_forward_inputs
-
-                inputs, kwargs = _cast_forward_inputs(self._casts.param_dtype, *inputs, **kwargs)
-        return inputs, kwargs
+        return pre_forward(self, inputs, kwargs)
 
     @outside_dynamo
     def _post_forward(self, output: Any) -> Any:
         """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self.require_forward_param_sync = True
-            unused: Sequence[int] = ()
-            if self.find_unused_parameters and not self.static_graph:
-                unused = find_unused_parameters(output, self._param_index, len(self._params))
-            self.reducer.prepare_for_backward(unused, divisor=self._still_training)
-            self._grad_hooks.sync_pending = True
-            self._grad_hooks.forward_seconds = time.perf_counter() - self._forward_started
-        else:
-            self.require_forward_param_sync = False
-        if self._delayed is not None:
-            self._delayed.point_grads_at_buffer()
-        return output
-
-    def will_sync_module_buffers(self) -> bool:
-        return bool(
-            self.require_forward_param_sync and self.forward_sync_buffers and self.modules_buffers
-        )
+        return post_forward(self, output)
 
     def _sync_buffers(self) -> None:
-        if self.comm.size > 1:
-            # Under join, rank 0 may have left with stale buffers: the last rank training wins.
-            src = find_common_rank(self, self.comm.rank, True) if self._join_config.enable else 0
-            with torch.no_grad():
-                self.comm.broadcast_tensors(self.modules_buffers, src=src)
+        sync_buffers(self)
 
     def _check_agreement(self) -> None:
-        """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
-        if self._agreement_pending:
-            mine = fingerprint(self.plan, self.parameter_names, self._params, self._hook_name)
-            check_agreement(self.comm, mine, where="DistributedDataParallel")
-            self._agreement_pending = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the first synchronised pass after reduces them all.
-
-        The forward pass must run inside the context, as with PyTorch's DDP.
-        """
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
+        check_agreement_once(self)
 
     # ------------------------------------------------------------------ hooks
 
@@ -358,12 +293,17 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         ``GradBucket``'s methods. The returned future is waited on with this module's
         timeout. Call once, before the first forward pass.
         """
-        # On gloo a future's callbacks run on gloo's threads as collectives complete, in an
-        # order that differs between ranks; PowerSGD issues collectives from such callbacks,
-        # so buckets overlapping would mismatch collectives across ranks (PyTorch's DDP
-        # hangs there). NCCL runs callbacks in stream order, so it keeps the overlap.
+        # Gloo runs a future's callbacks as collectives complete, in an order that differs
+        # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
+        # gloo buckets' hooks run one after another. NCCL keeps stream order: overlap.
         serial = dist.get_backend(self.comm.group) != "nccl"
-        self.reducer.register_hook(future_hook(state, hook, self.timeout), serial=serial)
+        watch = self._watch
+        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
+        run = future_hook(lambda: watch.group if state is None else state, hook, watch)
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", run, bucket),
+            serial=serial,
+        )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def register_hook(self, hook: Hook) -> None:
@@ -371,33 +311,21 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
 
         Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
         """
-        self.reducer.register_hook(hook)
+        watch = self._watch
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
+        )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """PyTorch's built-in C++ hooks, as their Python equivalents."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hooks = {
-            "ALLREDUCE": default_hooks.allreduce_hook,
-            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
-        }
-        name = getattr(comm_hook_type, "name", str(comm_hook_type))
-        if name not in hooks:
-            raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
-        self.register_comm_hook(self.process_group, hooks[name])
+        """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
+        self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
 
     def _set_static_graph(self) -> None:
         """PyTorch's late ``static_graph=True``: call before the first iteration."""
-        if self.static_graph:
-            import warnings
-
-            warnings.warn(
-                "You've set static_graph to be True, no need to set it again.", stacklevel=2
-            )
-            return
-        self.reducer.set_static_graph()
-        self.static_graph = True
+        if not self.static_graph:
+            self.reducer.set_static_graph()
+            self.static_graph = True
 
     # ------------------------------------------------------------------ introspection
 
@@ -412,17 +340,8 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         return self._grad_hooks.timeline
 
     def statistics(self) -> dict[str, Any]:
-        """What PyTorch's DDP logging data says, in seconds and names.
-
-        Keys: ``world_size``, ``rank``, ``num_parameters``, ``initial_plan``, ``plan``
-        (JSON), ``has_rebuilt_buckets``, ``bucket_sizes`` (bytes, launch order),
-        ``ready_order`` (parameter names, last synchronised iteration) and
-        ``ready_order_indices`` (the same as indices), ``iterations``, ``timeline``
-        (per kept iteration: :class:`IterationTimes` as a dict), and the averages over
-        the kept iterations ``avg_forward_time``, ``avg_backward_time``,
-        ``avg_backward_compute_time``, ``avg_backward_comm_time``,
-        ``avg_backward_compute_comm_overlap_time``.
-        """
+        """What PyTorch's DDP logging data says, in seconds and names (keys: see
+        :func:`xgrad.torch_backend.ddp_stats.statistics`)."""
         return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:

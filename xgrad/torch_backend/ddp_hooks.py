@@ -21,7 +21,7 @@ from torch import nn
 
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
-from xgrad.torch_backend.comm import FutureWork
+from xgrad.torch_backend.ddp_failure import StepWatch, WatchedFuture
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 
 
@@ -47,6 +47,7 @@ class GradientHooks:
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []
+        self.watch: StepWatch  # set by the DDP before the first pass
         #: run at the end of every synchronised backward pass (mixed precision's casts).
         self.after_backward: Callable[[], None] | None = None
         self._copy_dst: list[torch.Tensor] = []
@@ -74,12 +75,10 @@ class GradientHooks:
                 self.finalize_queued = True
             try:
                 reducer.mark_ready(index, param.grad)
-            except BaseException as exc:
-                reducer.fail(
-                    f"rank {reducer.comm.rank} in the gradient hook of "
-                    f"{reducer.names[index]}: {type(exc).__name__}: {exc}"
-                )
-                raise
+            except Exception as exc:
+                error = self.watch.post(f"gradient hook of {reducer.names[index]}", exc)
+                reducer.fail(str(error))
+                raise error from exc
 
         return hook
 
@@ -92,12 +91,12 @@ class GradientHooks:
             if self._copy_dst:
                 # One fused copy for every gradient instead of one call per parameter.
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
-        except BaseException as exc:
-            if reducer.all_ready():  # else gradients never came: DDP's unused-parameter error
-                reducer.fail(
-                    f"rank {reducer.comm.rank} in the reduction: {type(exc).__name__}: {exc}"
-                )
-            raise
+        except Exception as exc:
+            if not reducer.all_ready():  # gradients never came: DDP's unused-parameter error
+                raise
+            error = self.watch.post("reduction", exc)
+            reducer.fail(str(error))
+            raise error from exc
         finally:
             self._copy_dst.clear()
             self._copy_src.clear()
@@ -110,26 +109,31 @@ class GradientHooks:
             )
         )
 
-    def recover(self, rank: int) -> None:
+    def recover(self, watch: StepWatch, also: str = "") -> None:
         """At a forward pass: drop a backward pass that failed part-way, with a warning.
 
         A pass whose final callback never ran was cut short by an exception (in a hook,
-        a comm hook, autograd); one whose reduction raised was marked failed by it.
-        Either way the reducer starts the new pass clean instead of blaming unused
-        parameters for the gradients that never came.
+        a comm hook, autograd): that is posted to the step's failure channel (peers still
+        waiting for this rank's buckets stop at once) and the pass marked failed. The
+        reducer then starts clean instead of blaming unused parameters for the
+        gradients that never came.
         """
         reducer = self.reducer
         assert reducer is not None
+        rank = reducer.comm.rank
         if self.finalize_queued:
             self.finalize_queued = False
-            reducer.fail(f"rank {rank}: the backward pass raised an exception")
+            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
+            reducer.fail(str(error))
         dropped = reducer.recover()
-        if dropped is not None:
+        if dropped is not None or also:
             warnings.warn(
-                f"DistributedDataParallel (rank {rank}): {dropped}; .grad holds this rank's "
-                "unreduced gradients of that pass: zero them before the next step",
+                f"DistributedDataParallel (rank {rank}): "
+                + "; ".join(x for x in (dropped, also) if x)
+                + "; .grad holds this rank's unreduced gradients of that pass: zero them "
+                "before the next step",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
 
     def set_grad(self, index: int, view: torch.Tensor) -> None:
@@ -162,23 +166,39 @@ class GradientHooks:
                     p.grad = view
 
 
-def future_hook(state: object, hook: Callable[..., Any], timeout: float) -> Hook:
+def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
     """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
 
-    The returned future is waited on with ``timeout``; a hook that returns anything else
-    raises a ``TypeError`` naming it.
+    ``state_of()`` gives the state (it changes when the DDP replaces its private group
+    after a failure). The returned future is waited on through ``watch`` (bounded, and
+    stopped by a peer's failure); a hook that returns anything else raises a
+    ``TypeError`` naming it.
     """
     if not callable(hook):
         raise TypeError(f"Communication hook must be callable, got {hook!r}")
     name = getattr(hook, "__name__", type(hook).__name__)
 
     def run(bucket: GradBucket) -> Work:
-        future = hook(state, bucket)
+        future = hook(state_of(), bucket)
         if not isinstance(future, torch._C.Future):
             raise TypeError(
                 f"communication hook {name} returned {type(future).__name__}, "
                 "expected torch.futures.Future[torch.Tensor]"
             )
-        return FutureWork(future, timeout, name=f"comm hook {name} on bucket {bucket.index()}")
+        return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
 
     return run
+
+
+def builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
+    """The Python twin of a PyTorch built-in C++ hook (``dist.BuiltinCommHookType``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {
+        "ALLREDUCE": default_hooks.allreduce_hook,
+        "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+    }
+    name = getattr(comm_hook_type, "name", str(comm_hook_type))
+    if name not in hooks:
+        raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
+    return hooks[name]

@@ -54,15 +54,19 @@ class MixedPrecisionCasts:
                 if name not in ignore and buf.is_floating_point():
                     buf.data = buf.to(dtype=config.buffer_dtype)
 
-    def to_low(self) -> None:
-        """Before the forward pass: parameters (and accumulated gradients) in ``param_dtype``."""
+    def to_low(self, inputs: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Before the forward pass: parameters (and accumulated gradients) in
+        ``param_dtype``; returns the inputs cast to it (floating-point tensors only)."""
         if self.param_dtype is None:
-            return
+            return inputs, kwargs
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
                     p.grad.data = p.grad.to(self.param_dtype)
                 p.data = self._full[id(p)].to(self.param_dtype)
+        from torch.distributed.utils import _cast_forward_inputs
+
+        return _cast_forward_inputs(self.param_dtype, *inputs, **kwargs)
 
     def to_full(self, params: Sequence[torch.Tensor]) -> None:
         """Point ``params`` back at their full-precision tensors and upcast their gradients."""

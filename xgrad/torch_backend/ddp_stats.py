@@ -56,7 +56,17 @@ class IterationTimes:
 def statistics(
     *, reducer: Reducer, names: Sequence[str], timeline: Iterable[IterationTimes]
 ) -> dict[str, Any]:
-    """The statistics dictionary of :meth:`DistributedDataParallel.statistics`."""
+    """The statistics dictionary of :meth:`DistributedDataParallel.statistics`.
+
+    Keys: ``world_size``, ``rank``, ``num_parameters``, ``initial_plan``, ``plan``
+    (JSON), ``has_rebuilt_buckets``, ``bucket_sizes`` (bytes, launch order),
+    ``ready_order`` (parameter names, last synchronised iteration) and
+    ``ready_order_indices`` (the same as indices), ``iterations``, ``timeline``
+    (per kept iteration: :class:`IterationTimes` as a dict), and the averages over
+    the kept iterations ``avg_forward_time``, ``avg_backward_time``,
+    ``avg_backward_compute_time``, ``avg_backward_comm_time``,
+    ``avg_backward_compute_comm_overlap_time``.
+    """
     records = list(reducer.records)
     last = records[-1] if records else None
     kept = list(timeline)

@@ -27,20 +27,21 @@ import atexit
 import contextlib
 import queue
 import threading
+from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
 
 from xgrad.failure import (
     FailureChannel,
-    Heartbeat,
     KeyValueStore,
-    Liveness,
+    RankError,
     check_seconds,
     default_seconds,
     error_for,
     wait_until,
 )
+from xgrad.heartbeat import Heartbeat, Liveness
 
 __all__ = [
     "Waiter",
@@ -50,6 +51,8 @@ __all__ = [
     "group_store",
     "start_heartbeat",
     "stop_heartbeat",
+    "transfer_failed",
+    "wait_posted",
     "wait_work",
 ]
 
@@ -242,14 +245,53 @@ def wait_work(
     if error:
         if channel is None:
             raise error[0]
-        channel.check(prefix=prefix)  # a failure posted meanwhile is the origin
-        text = f"{type(error[0]).__name__}: {error[0]}"
-        if peer is None:
-            failure = channel.post(what, text)
-        else:
-            message = f"stopped answering: {what} failed: {text}"
-            failure = channel.post("", message, kind="unresponsive", rank=peer)
-        raise error_for(failure, channel.rank, prefix) from error[0]
+        raise transfer_failed(channel, what, error[0], peer, prefix=prefix) from error[0]
+
+
+def wait_posted(
+    work: Any,
+    channel: FailureChannel,
+    *,
+    timeout: float | None = None,
+    what: str,
+    peer: int | None = None,
+    prefix: str = "",
+) -> None:
+    """Wait, on this thread, for a transfer whose other side is known to be posted.
+
+    For a receive whose send the peer announced, or a send the peer confirmed it
+    received: the transfer needs only the peer's communication thread, so it is done in
+    microseconds, without the thread hand-off of :func:`wait_work`. The wait is still
+    bounded: a peer that froze in that moment fails it after ``timeout`` (which closes
+    gloo's connections, as the peer is lost anyway), named as the rank that stopped.
+
+    Raises:
+        xgrad.failure.RankError: posted first (see :func:`transfer_failed`).
+    """
+    seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except Exception as exc:
+        raise transfer_failed(channel, what, exc, peer, prefix=prefix) from exc
+
+
+def transfer_failed(
+    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, prefix: str = ""
+) -> RankError:
+    """Post a failed send, receive or collective (``exc``) and return the error to raise.
+
+    A failure another rank posted first is the origin. Otherwise, with a ``peer`` (gloo
+    fails a transfer when the peer's death closed the connection), the peer is named as
+    the rank that stopped answering; without one, this rank in ``what``.
+    """
+    channel.check(prefix=prefix)
+    text = f"{type(exc).__name__}: {exc}"
+    if peer is None:
+        failure = channel.post(what, text)
+    else:
+        message = f"stopped answering: {what} failed: {text}"
+        failure = channel.post("", message, kind="unresponsive", rank=peer)
+    return error_for(failure, channel.rank, prefix)
 
 
 def abort_group(group: Any = None) -> None:

@@ -41,8 +41,9 @@ __all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
 def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
     """A one-element allreduce on the DDP's group, waited on with its timeout."""
     t = torch.tensor([value], device=ddp.join_device)
-    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ddp.process_group, async_op=True)
-    work.wait(timedelta(seconds=ddp.timeout))
+    group = ddp.comm.group  # the DDP's private group, watched like its reductions
+    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
+    ddp._watch.wait_work(work, "join allreduce")
     return t
 
 
@@ -168,7 +169,10 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Enter the collectives of one forward and backward pass of the others."""
         ddp = self.ddp
-        ddp.reducer.rebuild_buckets()
+        if ddp.reducer.rebuild_buckets():  # as in forward: new buckets, compared again
+            ddp._agreement_pending = True
+            if ddp.gradient_as_bucket_view:
+                ddp._grad_hooks.alias_grads_to_buckets()
         if ddp.will_sync_module_buffers():
             common = find_common_rank(ddp, ddp.comm.rank, False)
             ddp.comm.broadcast_tensors(ddp.modules_buffers, src=common)
@@ -222,12 +226,17 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     config = ddp._join_config
     if not (config.enable and config.is_first_joinable):
         return None
+    # These two pair with the join context's own, on the join group (not the private one).
     ones = torch.ones(1, device=ddp.join_device)
     work = dist.all_reduce(ones, group=ddp.process_group, async_op=True)
-    if config.throw_on_early_termination and _allreduce(ddp, 0.0).item():
-        raise RuntimeError(
-            "Detected at least one rank that exhausted inputs. Throwing across all ranks."
-        )
+    if config.throw_on_early_termination:
+        zeros = torch.zeros(1, device=ddp.join_device)
+        check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
+        check.wait(timedelta(seconds=ddp.timeout))
+        if zeros.item():
+            raise RuntimeError(
+                "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+            )
     if ddp._divide_by_initial_world_size:
         return None
     work.wait(timedelta(seconds=ddp.timeout))

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +34,8 @@ from xgrad.torch_backend.failure import Waiter, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
 )
-from xgrad.torch_backend.pipeline_stage import Slot, StagePasses, held_bytes
+from xgrad.torch_backend.pipeline_slot import ActionRecord, Send, Slot, held_bytes
+from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import (
     EdgeCache,
     split_batch,
@@ -44,9 +43,9 @@ from xgrad.torch_backend.pipeline_wire import (
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
-#: gloo tags cycle through this many values: one per step, so that the messages of a failed
-#: step (never received) cannot be taken for those of a later one.
-_TAGS = 1 << 20
+#: gloo tags (one per step, edge and direction, so that the messages of a failed step,
+#: never received, cannot be taken for those of a later one) stay below this.
+_TAG_LIMIT = 1 << 30
 
 #: steps started per process group, in this process (every rank counts alike: the channel
 #: namespace and the tag of a step).
@@ -57,25 +56,6 @@ def _next_step(group: Any) -> int:
     pg: Any = dist.group.WORLD if group is None else group
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     return next(_steps.setdefault(name, itertools.count(1)))
-
-
-@dataclass
-class ActionRecord:
-    """One executed action's wall-clock interval (seconds, ``time.perf_counter``)."""
-
-    action: Action
-    start: float
-    end: float
-
-
-@dataclass
-class _Send:
-    """A posted send: its tensor stays referenced until the send completes."""
-
-    action: Action
-    tensor: torch.Tensor
-    done: threading.Event
-    error: list[BaseException]
 
 
 class PipelineRuntime(StagePasses):
@@ -122,10 +102,14 @@ class PipelineRuntime(StagePasses):
         no_sync: for data parallelism, a context factory ``no_sync(partition_index)`` under
             which forwards that must not reduce gradients run (DDP's ``no_sync``); only the
             last microbatch's forward with gradients runs outside it.
-        reduce_grad: called as ``reduce_grad(partition_index)`` for each REDUCE_GRAD action
-            (torch's lowering places one after a stage's last backward): reduce that
-            partition's gradients across data-parallel replicas. Without it REDUCE_GRAD, like
-            UNSHARD and RESHARD (FSDP's), does nothing.
+        reduce_grad: called as ``reduce_grad(partition_index)`` at a partition's last
+            REDUCE_GRAD action (torch's lowering and :func:`~xgrad.pipeline.add_stage_ops`
+            place one after a stage's last backward) to reduce its gradients across
+            data-parallel replicas. ``dp_group`` gives the default: the gradients averaged
+            over that group in one flat all-reduce (bounded, on the failure channel), which
+            works with split (I/W) backward too. Without either REDUCE_GRAD, like UNSHARD and
+            RESHARD (FSDP's), does nothing.
+        dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
 
     Example:
@@ -145,6 +129,7 @@ class PipelineRuntime(StagePasses):
         timeout: float = 60.0,
         no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
         reduce_grad: Callable[[int], None] | None = None,
+        dp_group: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
         if checkpoint not in CHECKPOINT_MODES:
@@ -163,7 +148,8 @@ class PipelineRuntime(StagePasses):
             # buffered model, as torch's own lowering assumes.
             self.schedule = validate(schedule, rendezvous=False)
         else:
-            self.schedule = validate(insert_comms(schedule), rendezvous=True)
+            # A chain's comms pair up even if sends blocked; a DAG's need the buffered model.
+            self.schedule = validate(insert_comms(schedule), rendezvous=schedule.is_chain)
         self.partitions = list(partitions)
         if invocations is not None:
             if placement_of(invocations) != schedule.placement:
@@ -184,7 +170,18 @@ class PipelineRuntime(StagePasses):
         self.checkpoint = checkpoint
         self.timeout = float(timeout)
         self._no_sync = no_sync
+        if dp_group is not None and (reduce_grad is not None or no_sync is not None):
+            raise ValueError(
+                f"rank {self.rank}: dp_group reduces at REDUCE_GRAD; give it without "
+                "reduce_grad and without no_sync (DDP reduces on its own)"
+            )
         self._reduce_grad = reduce_grad
+        self._dp_group = dp_group
+        # A partition invoked at several stages is reduced once, at its last REDUCE_GRAD.
+        self._reduce_at: dict[int, int] = {}
+        for a in self.schedule.actions[self.rank]:
+            if a.kind is Kind.REDUCE_GRAD:
+                self._reduce_at[self._slot_of[a.stage]] = a.stage
         self.device = None if device is None else torch.device(device)
         if no_sync is not None:
             self._check_data_parallel()
@@ -247,7 +244,8 @@ class PipelineRuntime(StagePasses):
             else None
         )
         index = _next_step(self.group)
-        self._tag = index % _TAGS
+        n = sched.num_stages
+        self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
@@ -266,7 +264,7 @@ class PipelineRuntime(StagePasses):
         action: Action | None = None
         try:
             slots: dict[tuple[int, int], Slot] = {}
-            sends: list[_Send] = []
+            sends: list[Send] = []
             loss = None
             self.records = []
             for action in expand(sched.actions[self.rank]):
@@ -306,15 +304,19 @@ class PipelineRuntime(StagePasses):
         self,
         action: Action,
         slots: dict[tuple[int, int], Slot],
-        sends: list[_Send],
+        sends: list[Send],
         xs: list[Any] | None,
         ys: list[Any] | None,
         loss: torch.Tensor | None,
     ) -> torch.Tensor | None:
         kind = action.kind
         if kind.is_stage_op:
-            if kind is Kind.REDUCE_GRAD and self._reduce_grad is not None:
-                self._reduce_grad(self._slot_of[action.stage])
+            slot_index = self._slot_of[action.stage]
+            if kind is Kind.REDUCE_GRAD and self._reduce_at.get(slot_index) == action.stage:
+                if self._reduce_grad is not None:
+                    self._reduce_grad(slot_index)
+                elif self._dp_group is not None:
+                    self._average_grads(action)
             return loss  # UNSHARD / RESHARD: nothing is sharded here
         key = (action.stage, action.microbatch)
         slot = slots.setdefault(key, Slot())
@@ -330,7 +332,7 @@ class PipelineRuntime(StagePasses):
             sends[:] = [s for s in sends if not s.done.is_set() or s.error]
             for work, tensor in self._send(action, slot):
                 done, error = self._waiters[1].submit(work)
-                sends.append(_Send(action, tensor, done, error))
+                sends.append(Send(action, tensor, done, error))
         else:
             self._recv(action, slot)
         if slot.empty():

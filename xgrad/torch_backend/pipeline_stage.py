@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,8 +19,8 @@ from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, wait_work
 from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
+from xgrad.torch_backend.pipeline_slot import Phony, Slot
 from xgrad.torch_backend.pipeline_wire import (
-    Description,
     EdgeCache,
     carried,
     detach_tree,
@@ -34,33 +33,7 @@ from xgrad.torch_backend.pipeline_wire import (
     tensor_leaves,
 )
 
-__all__ = ["Slot", "StagePasses", "held_bytes"]
-
-
-@dataclass
-class Slot:
-    """What one (stage, microbatch) keeps between its forward and its backward."""
-
-    input: Any = None  # pytree, detached leaves (those that carry a gradient require one)
-    output: Any = None  # pytree with graph (the scaled loss on the last stage)
-    carry: list[bool] | None = None  # per tensor leaf of the output: carries a gradient
-    sent: Description | None = None  # what the forward sent (shapes of the gradients back)
-    grad_output: list[torch.Tensor] | None = None
-    grad_input: list[torch.Tensor] | None = None  # waiting for SEND_B
-    # a forward message being received: its description, leaf buffers and their receives
-    header: tuple[Description, list[torch.Tensor], list[Any]] | None = None
-    rng: RngState | None = None  # for the recomputation
-    pending: list[Any] = field(default_factory=list)  # gradient receives not yet waited
-
-    def empty(self) -> bool:
-        return (
-            self.input is None
-            and self.output is None
-            and self.grad_output is None
-            and self.grad_input is None
-            and self.header is None
-            and not self.pending
-        )
+__all__ = ["StagePasses"]
 
 
 class StagePasses:
@@ -80,6 +53,7 @@ class StagePasses:
     _channel: FailureChannel | None
     _tag: int
     _waiters: tuple[Waiter, Waiter]
+    _dp_group: Any
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -96,11 +70,13 @@ class StagePasses:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def _post(
-        self, op: Callable[..., Any], peer_rank: int, *, forward: bool
+        self, op: Callable[..., Any], peer_rank: int, edge: tuple[int, int], *, forward: bool
     ) -> Callable[[torch.Tensor], Any]:
-        """Send or receive on one edge direction: activations and gradients travel under
-        their own tags, each in the order the schedule sends them."""
-        return p2p(op, self._peer(peer_rank), self.group, 2 * self._tag + (0 if forward else 1))
+        """Send or receive on one edge (source stage, consumer stage) in one direction: each
+        has its own tag, so its messages pair up in order whatever else the peers exchange."""
+        n = self.schedule.num_stages
+        tag = ((self._tag * n + edge[0]) * n + edge[1]) * 2 + (0 if forward else 1)
+        return p2p(op, self._peer(peer_rank), self.group, tag)
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
@@ -126,6 +102,21 @@ class StagePasses:
             return self.loss_fn(y, target) / self.schedule.num_microbatches
         return y
 
+    def _average_grads(self, action: Action) -> None:
+        """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
+        it, in one flat all-reduce."""
+        grads = [p.grad for p in self._module(action.stage).parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+        self._wait(work, f"{action} (all-reduce)")
+        flat /= dist.get_world_size(self._dp_group)
+        start = 0
+        for g in grads:
+            g.copy_(flat[start : start + g.numel()].view_as(g))
+            start += g.numel()
+
     def _forward(
         self,
         action: Action,
@@ -135,19 +126,23 @@ class StagePasses:
         ys: list[Any] | None,
     ) -> Any:
         s, mb = action.stage, action.microbatch
+        sched = self.schedule
         if s == 0:
             assert xs is not None
             x = xs[mb]
-        elif self.schedule.placement[s - 1] == self.rank:
-            prev = slots.get((s - 1, mb))
-            assert prev is not None and prev.output is not None
-            assert prev.carry is not None
-            x = detach_tree(prev.output, prev.carry)
-            if self._checkpointed(mb):
-                prev.output = None
         else:
-            x = self._receive_forward(action, slot)
-        target = ys[mb] if ys is not None and s == self.schedule.num_stages - 1 else None
+            parts = []
+            for src in sched.sources(s):
+                if sched.placement[src] == self.rank:
+                    prev = slots.get((src, mb))
+                    if prev is None or prev.output is None or prev.carry is None:
+                        raise RuntimeError(f"{action} runs before {Action(src, Kind.FORWARD, mb)}")
+                    parts.append(detach_tree(prev.output, prev.carry))
+                    self._read(prev)
+                else:
+                    parts.append(self._receive_forward(action, slot, src))
+            x = parts[0] if len(parts) == 1 else tuple(parts)
+        target = ys[mb] if ys is not None and s == sched.num_stages - 1 else None
         graph = not self._checkpointed(mb)
         if not graph:
             slot.rng = RngState.capture(self._device(s))
@@ -156,19 +151,31 @@ class StagePasses:
         else:
             y = self._run_forward(s, mb, x, target)
         slot.carry = carried(y, graph)
+        carried_leaves = [t for t, c in zip(tensor_leaves(y), slot.carry, strict=True) if c]
+        slot.grad_shapes = [(t.shape, t.dtype) for t in carried_leaves]
         slot.input = x
-        # Kept for the send (or the next local stage) and, without checkpointing, for the
-        # backward; a send drops the checkpointed one.
         slot.output = y
+        users = sched.consumers(s)
+        local = sum(sched.placement[t] == self.rank for t in users)
+        slot.readers = local + (1 if local < len(users) else 0)
+        if graph and users:
+            slot.kept = [i for i, t in enumerate(carried_leaves) if t.requires_grad]
+            if slot.kept:
+                slot.phony = Phony.apply(*(carried_leaves[i] for i in slot.kept))
         return y
 
-    def _receive_forward(self, action: Action, slot: Slot) -> Any:
-        s = action.stage
-        recv = Action(s, Kind.RECV_F, action.microbatch)
-        if slot.header is None:
+    def _read(self, slot: Slot) -> None:
+        """One reader (a local consumer, or the send) took the output; after the last the
+        output is dropped: recomputed if checkpointed, else its graph lives on in the phony."""
+        slot.readers -= 1
+        if slot.readers <= 0:
+            slot.output = None
+
+    def _receive_forward(self, action: Action, slot: Slot, source: int) -> Any:
+        recv = Action(action.stage, Kind.RECV_F, action.microbatch)
+        if source not in slot.header:
             raise RuntimeError(f"{action} runs before {recv}")
-        description, tensors, works = slot.header
-        slot.header = None
+        description, tensors, works = slot.header.pop(source)
         for w in works:
             self._wait(w, str(recv))
         mark_gradients(description, tensors)
@@ -183,25 +190,38 @@ class StagePasses:
             slot.output = self._run_forward(s, mb, slot.input, target)
 
     def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor] | None:
+        """The gradient of the output: the sum over every consumer's contribution."""
         s, mb = action.stage, action.microbatch
         if s == self.schedule.num_stages - 1:
             return None
         for work in slot.pending:
             self._wait(work, str(Action(s, Kind.RECV_B, mb)))
         slot.pending = []
-        if slot.grad_output is None:
-            raise RuntimeError(f"{action} has no gradient for its output")
-        return slot.grad_output
+        if len(slot.grad_parts) < len(self.schedule.consumers(s)):
+            raise RuntimeError(f"{action} has no gradient for its output from every consumer")
+        total = [
+            torch.stack(gs).sum(0) if len(gs) > 1 else gs[0]
+            for gs in zip(*slot.grad_parts, strict=True)
+        ]
+        slot.grad_parts = []
+        return total
 
-    def _pairs(
+    def _targets(
         self, action: Action, slot: Slot, grads: list[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The outputs to differentiate and their incoming gradients, paired up: the leaves
-        that carry a gradient, less those the (re)computed output does not make depend on
-        anything that requires one."""
+        """What to differentiate and with which incoming gradients: the loss; the phony
+        (its node handed the gradients); or the (recomputed) output leaves that carry a
+        gradient and depend on something that requires one."""
         if action.stage == self.schedule.num_stages - 1:
             return [slot.output], None
-        assert slot.carry is not None and grads is not None
+        assert grads is not None
+        if slot.output is None:  # not checkpointed: the phony stands for the output
+            if slot.phony is None:
+                return [], None
+            assert slot.phony.grad_fn is not None and slot.kept is not None
+            slot.phony.grad_fn.incoming = [grads[i] for i in slot.kept]  # type: ignore[attr-defined]
+            return [slot.phony], None
+        assert slot.carry is not None
         outs = [t for t, c in zip(tensor_leaves(slot.output), slot.carry, strict=True) if c]
         kept = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
         return [o for o, _ in kept], [g for _, g in kept]
@@ -218,101 +238,107 @@ class StagePasses:
         s, mb = action.stage, action.microbatch
         if self._checkpointed(mb):
             self._recompute(action, slot, ys)
-        if slot.output is None:
-            raise RuntimeError(f"{action} runs without the output of {Action(s, Kind.FORWARD, mb)}")
-        outs, grads = self._pairs(action, slot, self._grad_output(action, slot))
-        ins = differentiable(slot.input) if s > 0 else []
+        elif slot.output is not None and slot.phony is not None:
+            slot.output = None  # the phony is the graph
+        grads = self._grad_output(action, slot)
+        outs, out_grads = self._targets(action, slot, grads)
+        sources = self.schedule.sources(s)
+        trees = [] if not sources else [slot.input] if len(sources) == 1 else list(slot.input)
+        ins = [differentiable(t) for t in trees]
+        flat = [x for group in ins for x in group]
         if weights:
             # The inputs are leaves: the whole backward leaves their gradients in ``.grad``.
             if outs:
-                torch.autograd.backward(outs, grads)
-            grad_in = [x.grad if x.grad is not None else torch.zeros_like(x) for x in ins]
-            slot.output = slot.input = slot.grad_output = None
+                torch.autograd.backward(outs, out_grads)
+            found: list[torch.Tensor | None] = [x.grad for x in flat]
+            slot.output = slot.input = slot.phony = slot.grad_output = None
         else:
-            grad_in = []
-            if ins and outs:
-                found = torch.autograd.grad(outs, ins, grads, retain_graph=True, allow_unused=True)
-                grad_in = [
-                    g if g is not None else torch.zeros_like(x)
-                    for g, x in zip(found, ins, strict=True)
-                ]
+            found = [None] * len(flat)
+            if flat and outs:
+                found = list(
+                    torch.autograd.grad(outs, flat, out_grads, retain_graph=True, allow_unused=True)
+                )
+            slot.grad_output = grads  # kept for W
+        grad_in = [
+            (g if g is not None else torch.zeros_like(x)).detach()
+            for g, x in zip(found, flat, strict=True)
+        ]
+        start = 0
+        for src, group in zip(sources, ins, strict=True):
+            mine, start = grad_in[start : start + len(group)], start + len(group)
+            if self.schedule.placement[src] == self.rank:
+                slots.setdefault((src, mb), Slot()).grad_parts.append(mine)
             else:
-                grad_in = [torch.zeros_like(x) for x in ins]
-            slot.grad_output = grads  # kept for W (paired with the outputs that need one)
-        if s > 0:
-            if self.schedule.placement[s - 1] == self.rank:
-                slots.setdefault((s - 1, mb), Slot()).grad_output = [g.detach() for g in grad_in]
-            else:
-                slot.grad_input = [g.detach() for g in grad_in]
+                slot.grad_input = slot.grad_input or {}
+                slot.grad_input[src] = mine
 
     def _backward_weight(self, action: Action, slot: Slot) -> None:
         params = [p for p in self._module(action.stage).parameters() if p.requires_grad]
-        if slot.output is None:
+        if slot.output is None and slot.phony is None:
             raise RuntimeError(f"{action} runs without its I pass's graph")
         if action.stage == self.schedule.num_stages - 1:
             outs, grads = [slot.output], None
         else:
-            assert slot.carry is not None
-            leaves = [t for t, c in zip(tensor_leaves(slot.output), slot.carry, strict=True) if c]
-            outs = [o for o in leaves if o.requires_grad]
-            grads = slot.grad_output
+            outs, grads = self._targets(action, slot, slot.grad_output)
         if outs and params:
             torch.autograd.backward(outs, grads, inputs=params)
-        slot.output = slot.input = slot.grad_output = None
+        slot.output = slot.input = slot.phony = slot.grad_output = None
 
     def _send(self, action: Action, slot: Slot) -> list[tuple[Any, torch.Tensor]]:
         s = action.stage
+        sched = self.schedule
         if action.kind is Kind.SEND_F:
-            peer = self.schedule.placement[s + 1]
-            if slot.output is None:
+            if slot.output is None or slot.carry is None:
                 raise RuntimeError(f"{action} has nothing to send")
-            post = self._post(dist.isend, peer, forward=True)
-            assert slot.carry is not None
-            works = self._edges.send(
-                ("out", s), slot.output, slot.carry, post, str(action), self._device(s)
-            )
-            slot.sent = self._edges.last(("out", s))
-            # Without checkpointing the output's graph stays for the backward; the sent copy
-            # is all the next stage sees.
-            if self._checkpointed(action.microbatch):
-                slot.output = None
+            works = []
+            for t in sched.consumers(s):
+                if sched.placement[t] == self.rank:
+                    continue
+                post = self._post(dist.isend, sched.placement[t], (s, t), forward=True)
+                works += self._edges.send(
+                    ("out", s, t), slot.output, slot.carry, post, str(action), self._device(s)
+                )
+            self._read(slot)  # the sent copies are all the consumers see
             return works
         if slot.grad_input is None:
             raise RuntimeError(f"{action} has nothing to send")
-        post = self._post(dist.isend, self.schedule.placement[s - 1], forward=False)
-        grads, slot.grad_input = slot.grad_input, None  # freed once sent
-        return [(post(g.contiguous()), g) for g in grads]
+        works = []
+        for src, grads in slot.grad_input.items():
+            post = self._post(dist.isend, sched.placement[src], (src, s), forward=False)
+            works += [(post(g.contiguous()), g) for g in grads]
+        slot.grad_input = None  # freed once sent
+        return works
 
     def _recv(self, action: Action, slot: Slot) -> None:
         s = action.stage
+        sched = self.schedule
+        dev = self._device(s)
         if action.kind is Kind.RECV_F:
             # The header (and a changed description) is awaited here, where the schedule
-            # receives; the leaves' receives are posted and awaited by the forward. Every
-            # receive from a peer is posted in the order the peer sends.
-            post = self._post(dist.irecv, self.schedule.placement[s - 1], forward=True)
-            header = send_header_recv(self._device(s))
-            self._wait(post(header), f"{action} (header)")
-            description = self._edges.receive_description(
-                ("in", s), header, post, lambda w, what: self._wait(w, f"{action} ({what})")
-            )
-            tensors = empty_leaves(description, self._device(s))
-            slot.header = (description, tensors, [post(t) for t in tensors])
+            # receives; the leaves' receives are posted and awaited by the forward.
+            for src in sched.sources(s):
+                if sched.placement[src] == self.rank:
+                    continue
+                post = self._post(dist.irecv, sched.placement[src], (src, s), forward=True)
+                header = send_header_recv(dev)
+                self._wait(post(header), f"{action} (header)")
+                description = self._edges.receive_description(
+                    ("in", src, s),
+                    header,
+                    post,
+                    lambda w, what: self._wait(w, f"{action} ({what})"),
+                )
+                tensors = empty_leaves(description, dev)
+                slot.header[src] = (description, tensors, [post(t) for t in tensors])
             return
-        post = self._post(dist.irecv, self.schedule.placement[s + 1], forward=False)
-        if slot.sent is None:
-            raise RuntimeError(f"{action} before the forward of its stage was sent")
-        dev = self._device(s)
-        bufs = [
-            torch.empty(shape, dtype=dtype, device=dev)
-            for shape, dtype in slot.sent.gradient_shapes
-        ]
-        slot.grad_output = bufs
-        slot.pending.extend(post(b) for b in bufs)
-
-
-def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:
-    total = 0
-    for slot in slots.values():
-        for tree in (slot.input, slot.output, slot.grad_output, slot.grad_input):
-            total += sum(t.numel() * t.element_size() for t in tensor_leaves(tree))
-    return total
+        if slot.grad_shapes is None:
+            raise RuntimeError(f"{action} before the forward of its stage")
+        for t in sched.consumers(s):
+            if sched.placement[t] == self.rank:
+                continue
+            post = self._post(dist.irecv, sched.placement[t], (s, t), forward=False)
+            bufs = [
+                torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in slot.grad_shapes
+            ]
+            slot.grad_parts.append(bufs)
+            slot.pending.extend(post(b) for b in bufs)

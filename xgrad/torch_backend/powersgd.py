@@ -9,17 +9,14 @@ very numbers.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from xgrad import models as zoo
 from xgrad.buckets import BucketPlan
-from xgrad.powersgd import STATELESS, PowerSGD
-from xgrad.powersgd_hook import fresh_draws
+from xgrad.powersgd import PowerSGD
+from xgrad.powersgd_hook import initial_qs as core_initial_qs
 from xgrad.torch_backend.models import torch_dtype
 
 __all__ = ["initial_qs", "powersgd_sampler", "torch_sampler"]
@@ -35,7 +32,7 @@ def torch_sampler(seed: int, shapes: Sequence[tuple[int, int]], dtype: str) -> l
     ]
 
 
-#: the name the registry looks for (see ``xgrad.powersgd_hook.registered_sampler``).
+#: the name the registry looks for (see ``xgrad.backend.find_sampler``).
 powersgd_sampler = torch_sampler
 
 
@@ -48,15 +45,6 @@ def initial_qs(
 ) -> dict[int, list[np.ndarray]]:
     """The fresh ``Q`` torch's ``powerSGD_hook`` draws at its ``steps``-th draw round.
 
-    See :func:`xgrad.powersgd_hook.fresh_draws` (here with torch's sampler).
-
-    Returns:
-        bucket index -> one ``(m, rank)`` float64 array per compressed gradient, in the
-        bucket's :func:`~xgrad.powersgd.layout` order.
+    :func:`xgrad.powersgd_hook.initial_qs` with torch's sampler.
     """
-    cfg = config or dataclasses.replace(STATELESS, random_seed=seed)
-    names = list(weights)
-    shapes = [[weights[names[i]].shape for i in bucket] for bucket in plan.buckets]
-    dtype = zoo.as_dtype(next(iter(weights.values())).dtype).name
-    draws = fresh_draws(shapes, cfg, dtype, torch_sampler)
-    return next(itertools.islice(draws, steps - 1, None))
+    return core_initial_qs(weights, plan, steps, seed, config, torch_sampler)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from xgrad import models as zoo
 from xgrad.backend import Comm, Runner, Step, StepResult, Truth, unsupported_by_declaration
 from xgrad.hooks import HOOK_NAMES
 
@@ -131,7 +132,7 @@ def truth() -> Truth:
     """torch's autograd in float64, for every zoo model and model pair."""
     return Truth(
         grads=_float64_grads,
-        covers=lambda model: True,
+        covers=lambda model: model in zoo.MODELS or zoo.is_pair_name(model),
         description="torch float64, one process, full batch",
         independent=True,
     )

@@ -10,7 +10,9 @@ this package is the three things a backend provides (see ``xgrad.backend.Backend
 - ``array_ops()``: the reducer's array operations (NumPy's, from xgrad).
 
 It is registered by one line of ``pyproject.toml`` (the ``xgrad.backends`` entry point),
-after which ``xgrad backends`` lists it and ``xgrad crosscheck --backends ring`` runs it.
+after which ``xgrad backends`` lists it and ``xgrad crosscheck --backends ring`` runs it
+(being an example, it sets ``BY_DEFAULT = False``: a plain ``xgrad crosscheck`` leaves it
+out).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from xgrad_ring.runner import array_ops as array_ops
 from xgrad_ring.runner import runners as runners
 
 name = "ring"
+
+#: an example: it runs when named (``--backends ring``), not in every default crosscheck.
+BY_DEFAULT = False
 
 
 def available() -> bool:

@@ -1,0 +1,38 @@
+"""``xgrad bench dist-autograd`` end to end at tiny sizes: the same gradients as PyTorch's RPC.
+
+Its speed is not tested here (the bench reports it); the gradients of xgrad's
+distributed backward and of ``torch.distributed.autograd`` over RPC on the same graph
+(a chain through the ranks, a fan-out, a round trip back
+to rank 0, fan-ins) must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from xgrad.cli import main
+
+torch = pytest.importorskip("torch")
+
+
+def test_bench_reports_a_ratio_and_equal_gradients(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch.distributed.rpc as rpc
+
+    if not rpc.is_available():
+        pytest.skip("torch.distributed.rpc is not available in this build of torch")
+    argv = ["bench", "dist-autograd", "--quick", "--world", "3", "--dtype", "float64"]
+    assert main([*argv, "--timeout", "180"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("backward "))
+    torch_ms, xgrad_ms, ratio = (float(v) for v in row.split()[1:4])
+    assert torch_ms > 0 and xgrad_ms > 0
+    assert ratio == pytest.approx(xgrad_ms / torch_ms, rel=1e-2)
+    diff = next(line for line in lines if line.startswith("largest gradient difference"))
+    assert float(diff.rsplit(" ", 1)[1]) < 1e-12
+
+
+def test_bench_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="--world must be >= 2"):
+        main(["bench", "dist-autograd", "--world", "1"])
+    with pytest.raises(ValueError, match="--iters must be >= 1, got 0"):
+        main(["bench", "dist-autograd", "--iters", "0"])

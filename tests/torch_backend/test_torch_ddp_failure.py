@@ -1,0 +1,203 @@
+"""The DDP on the failure channel, with real gloo ranks that raise, die and freeze.
+
+One run of three ranks goes through a sequence of steps on one DDP: failures on one
+rank (comm hook, forward, a user's backward hook) and on every rank (comm hook), each
+followed by a step whose gradients must equal the full batch's. Two more runs kill and
+freeze a rank: the survivors name it, ``destroy_process_group()`` returns and they exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from typing import Any
+
+import pytest
+from ranks import run_ranks
+
+FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
+TIMEOUT = 6.0  # the DDP's timeout= in these runs
+SHARD = 4
+
+
+def _setup(rank: int, world: int, buffers: bool = False) -> tuple[Any, Any, Any, Any]:
+    import torch
+    from torch import nn
+
+    os.environ.update(FAST)
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)]
+    if buffers:
+        layers.insert(1, nn.BatchNorm1d(6))
+    model = nn.Sequential(*layers)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(SHARD * world, 5, generator=g), torch.randn(SHARD * world, 2, generator=g)
+    return model, x, y, torch
+
+
+def _full_batch_grads(model: Any, x: Any, y: Any) -> dict[str, Any]:
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    ((ref(x) - y) ** 2).mean().backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _sequence(rank: int, world: int) -> list[dict[str, Any]]:
+    """Steps of one DDP; per step what was raised, how fast, the warning, and correctness."""
+    model, x, y, torch = _setup(rank, world)
+    from xgrad.torch_backend import DistributedDataParallel
+
+    xs, ys = x[rank * SHARD : (rank + 1) * SHARD], y[rank * SHARD : (rank + 1) * SHARD]
+    plan: dict[int, tuple[str, set[int]]] = {
+        1: ("hook", {1}),
+        3: ("forward", {2}),
+        5: ("hook", set(range(world))),
+        7: ("backward", {1}),
+    }
+    step = [0]
+
+    def hook(state: Any, bucket: Any) -> Any:
+        kind, ranks = plan.get(step[0], ("", set()))
+        if kind == "hook" and rank in ranks:
+            raise ValueError(f"boom in hook on rank {rank}")
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(state, bucket)
+
+    def forward_fault(module: Any, inputs: Any) -> None:
+        kind, ranks = plan.get(step[0], ("", set()))
+        if kind == "forward" and rank in ranks:
+            raise RuntimeError(f"boom in forward on rank {rank}")
+
+    def backward_fault(grad: Any) -> Any:
+        kind, ranks = plan.get(step[0], ("", set()))
+        if kind == "backward" and rank in ranks:
+            raise RuntimeError(f"boom in backward on rank {rank}")
+        return grad
+
+    expected = _full_batch_grads(model, x, y)  # no optimizer step: the same for every step
+    ddp = DistributedDataParallel(model, timeout=TIMEOUT)
+    ddp.register_comm_hook(None, hook)
+    model[0].register_forward_pre_hook(forward_fault)
+    model[2].weight.register_hook(backward_fault)
+    out = []
+    for s in range(9):
+        step[0] = s
+        model.zero_grad()
+        record: dict[str, Any] = {"step": s, "error": "", "seconds": 0.0, "warning": ""}
+        start = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                ((ddp(xs) - ys) ** 2).mean().backward()
+                record["correct"] = all(
+                    torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6)
+                    for n, p in model.named_parameters()
+                )
+            except Exception as exc:
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                record["origin"] = getattr(exc, "rank", None)
+        record["seconds"] = time.monotonic() - start
+        record["warning"] = " | ".join(str(w.message) for w in caught)
+        out.append(record)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequence() -> dict[int, list[dict[str, Any]]]:
+    results, codes = run_ranks(_sequence, 3, timeout=120)
+    assert all(c == 0 for c in codes.values()), (codes, results)
+    for _r, (status, value) in results.items():
+        assert status == "ok", value
+    return {r: v for r, (_, v) in results.items()}
+
+
+def test_a_comm_hook_failing_on_one_rank_is_named_on_every_rank(sequence: Any) -> None:
+    for _rank, steps in sequence.items():
+        error = steps[1]["error"]
+        assert "rank 1 in comm hook, bucket 0: ValueError: boom in hook on rank 1" in error, error
+        assert steps[1]["origin"] == 1
+        assert steps[1]["seconds"] < 2.0 + 3.0, steps[1]  # 2 s, with room for a loaded machine
+
+
+def test_a_forward_failing_on_one_rank_is_named_on_every_rank(sequence: Any) -> None:
+    for steps in sequence.values():
+        assert "rank 2 in forward: RuntimeError: boom in forward on rank 2" in steps[3]["error"]
+        assert steps[3]["seconds"] < 5.0
+
+
+def test_a_failure_on_every_rank_names_one_and_the_next_step_warns_what_was_dropped(
+    sequence: Any,
+) -> None:
+    for steps in sequence.values():
+        assert "in comm hook, bucket 0: ValueError: boom in hook" in steps[5]["error"]
+        assert "iteration" in steps[6]["warning"] and "dropped" in steps[6]["warning"]
+
+
+def test_a_users_backward_hook_failing_on_one_rank_is_named_and_bounded(sequence: Any) -> None:
+    assert "boom in backward on rank 1" in sequence[1][7]["error"]
+    for rank in (0, 2):
+        error = sequence[rank][7]["error"]
+        assert "rank 1 in backward" in error, error
+
+
+def test_every_step_after_a_failure_gives_the_full_batch_gradients(sequence: Any) -> None:
+    for rank, steps in sequence.items():
+        for s in (0, 2, 4, 6, 8):
+            assert steps[s]["error"] == "", (rank, steps[s])
+            assert steps[s]["correct"], (rank, s)
+        # Never the misleading "unused parameters" message after a failed backward.
+        assert not any("Expected to have finished reduction" in st["error"] for st in steps)
+
+
+def _peer_stops(rank: int, world: int, how: str) -> dict[str, Any]:
+    """Rank 1 is killed or frozen before the forward pass (a buffer broadcast waits on it)."""
+    model, x, y, _torch = _setup(rank, world, buffers=True)
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, timeout=TIMEOUT)
+    ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    start = time.monotonic()
+    result: dict[str, Any] = {}
+    try:
+        ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["origin"] = getattr(exc, "rank", None)
+    result["seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    try:  # the next step: the same named error again, not a hang
+        ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
+    except Exception as exc:
+        result["again"] = f"{type(exc).__name__}: {exc}"
+    result["again_seconds"] = time.monotonic() - start
+    start = time.monotonic()
+    dist.destroy_process_group()
+    result["destroy_seconds"] = time.monotonic() - start
+    return result
+
+
+@pytest.mark.parametrize(("how", "world"), [("kill", 3), ("freeze", 2)])
+def test_a_killed_or_frozen_peer_is_named_and_the_survivors_exit(how: str, world: int) -> None:
+    results, codes = run_ranks(
+        _peer_stops, world, (how,), timeout=90, frozen=[1] if how == "freeze" else []
+    )
+    for rank in [r for r in range(world) if r != 1]:
+        status, value = results[rank]
+        assert status == "ok", value
+        assert value["origin"] == 1, value
+        assert value["error"].startswith("RankUnresponsiveError: rank 1: stopped answering"), value
+        assert value["seconds"] < TIMEOUT + 4.0, value
+        assert value["again"] == value["error"], value
+        assert value["again_seconds"] < 4.0, value
+        assert value["destroy_seconds"] < TIMEOUT + 4.0, value
+        assert codes[rank] == 0

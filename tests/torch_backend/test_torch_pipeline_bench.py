@@ -1,0 +1,54 @@
+"""``xgrad bench pipeline`` runs end to end at tiny sizes (its speed is not tested)."""
+
+from __future__ import annotations
+
+import pytest
+
+import xgrad.pipeline as xp
+from xgrad.cli import main
+
+pytest.importorskip("torch")
+
+
+def test_bench_prints_ratios_bubbles_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    names = ("gpipe", "1f1b", "interleaved_zb", "dualpipev")
+    argv = ["bench", "pipeline", "-p", "2", "-m", "4", "--batch", "8", "--width", "4"]
+    argv += ["--schedules", ",".join(names), "--layers", "2", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--timeout", "200"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("schedule ")))
+    for name in names:
+        rows = [line for line in lines[head:] if line.split()[:1] == [name]]
+        assert len(rows) == 2, rows  # the speed row and the simulator row
+        torch_t, ours_t, ratio = (float(v) for v in rows[0].split()[1:4])
+        assert ratio == pytest.approx(ours_t / torch_t, rel=1e-2)
+        measured, simulated, error = rows[1].split()[1:4]
+        assert float(error.rstrip("%")) / 100 == pytest.approx(
+            float(simulated) / float(measured) - 1, abs=2e-3
+        )
+        equal = float(rows[1].split()[6])
+        assert float(rows[1].split()[7]) > 0  # the per-message latency fed to the simulator
+        assert equal == pytest.approx(xp.simulate(xp.make(name, 2, 4)).bubble_fraction, abs=1e-3)
+    assert "us from a ping-pong" in out
+    assert "peak memory per stage, MiB (heap: C heap in use above the step's start (" in out
+    for stage in (0, 1):
+        line = next(line for line in lines if line.startswith(f"stage {stage}: "))
+        cells = dict(zip(names, line.split(": ", 1)[1].split(" | "), strict=True))
+        for name, cell in cells.items():
+            assert cell.startswith(f"{name} ")
+            figures = dict(item.split("=") for item in cell[len(name) + 1 :].split(", "))
+            assert list(figures) == ["torch_heap", "xgrad_heap", "xgrad_activation"]
+            for figure in figures.values():
+                assert figure.endswith(" MiB") and float(figure.removesuffix(" MiB")) >= 0
+
+
+def test_bench_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="--batch 5 is not a multiple of --microbatches 2"):
+        main(["bench", "pipeline", "-m", "2", "--batch", "5"])
+    with pytest.raises(ValueError, match="--stages must be >= 2"):
+        main(["bench", "pipeline", "-p", "1"])
+    with pytest.raises(ValueError, match="choose from gpipe"):
+        main(["bench", "pipeline", "--schedules", "zb_h1"])
+    with pytest.raises(ValueError, match="dualpipev needs num_microbatches >= the 8 stages"):
+        main(["bench", "pipeline", "-p", "4", "-m", "4", "--schedules", "dualpipev"])

@@ -1,0 +1,124 @@
+"""Heartbeats: each process bumps a counter in the shared store; a waiter names who stopped.
+
+A rank that dies (SIGKILL) or freezes (SIGSTOP) cannot post its own failure; its
+:class:`Heartbeat` thread stops too, and a :class:`Liveness` reader, polled by the
+:class:`~xgrad.failure.FailureChannel` while a rank waits, names it. Backend-neutral:
+written against :class:`~xgrad.failure.KeyValueStore`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable
+
+from xgrad.failure import KeyValueStore, check_seconds, default_seconds
+
+__all__ = ["Heartbeat", "Liveness"]
+
+
+class Heartbeat:
+    """A daemon thread bumping ``prefix/<rank>`` every ``interval`` seconds, so peers see it live.
+
+    A frozen process (SIGSTOP) or a dead one stops bumping; a process busy in a long
+    computation still does (the thread runs whenever the computation releases the GIL,
+    which torch's kernels and c10d waits do).
+    """
+
+    def __init__(
+        self, store: KeyValueStore, prefix: str, rank: int, interval: float | None = None
+    ) -> None:
+        self.key = f"{prefix}/{rank}"
+        self.interval = check_seconds(
+            "heartbeat_interval",
+            default_seconds("heartbeat_interval") if interval is None else interval,
+        )
+        self._store = store
+        self._stop = threading.Event()
+        self._store.add(self.key, 1)  # visible before the first peer looks
+        self._thread = threading.Thread(target=self._run, name=f"xgrad-heartbeat-{rank}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._store.add(self.key, 1)
+            except Exception:  # the store is gone (shutdown): nothing left to tell
+                return
+
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop beating; wait up to ``wait`` seconds for the thread to end.
+
+        Waiting matters at interpreter exit: a daemon thread still inside a store call
+        when the interpreter finalizes can abort the process.
+        """
+        self._stop.set()
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class Liveness:
+    """Tracks the heartbeats of ``ranks`` and names those whose counter stopped moving.
+
+    Args:
+        store, prefix: where the :class:`Heartbeat` threads write (``prefix/<rank>``).
+        ranks: the ranks to watch (those of the step, usually without oneself).
+        interval: read the counters at most this often.
+        timeout: a rank is stale when its counter did not move for this long.
+    """
+
+    def __init__(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        ranks: Iterable[int],
+        *,
+        interval: float | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.prefix = prefix
+        self.ranks = tuple(ranks)
+        self.interval = check_seconds(
+            "heartbeat_interval",
+            default_seconds("heartbeat_interval") if interval is None else interval,
+        )
+        self.timeout = check_seconds(
+            "heartbeat_timeout",
+            default_seconds("heartbeat_timeout") if timeout is None else timeout,
+        )
+        self._store = store
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._last_read = -math.inf
+
+    def read(self, *, force: bool = False) -> None:
+        """Read the counters (one store round trip per rank), unless read very recently."""
+        now = time.monotonic()
+        if not force and now - self._last_read < self.interval:
+            return
+        self._last_read = now
+        for r in self.ranks:
+            key = f"{self.prefix}/{r}"
+            value = int(self._store.get(key)) if self._store.check([key]) else 0
+            old = self._seen.get(r)
+            if old is None or old[0] != value:
+                self._seen[r] = (value, now)
+
+    def stale(self, older_than: float | None = None, *, include_silent: bool = False) -> list[int]:
+        """Ranks whose counter has not moved for ``older_than`` seconds (default: timeout).
+
+        A rank that never beat (it has not joined a step yet) counts only with
+        ``include_silent``: late is not dead until a wait's own timeout says so.
+        """
+        now = time.monotonic()
+        limit = self.timeout if older_than is None else older_than
+        return [
+            r
+            for r, (value, t) in sorted(self._seen.items())
+            if now - t >= limit and (value > 0 or include_silent)
+        ]

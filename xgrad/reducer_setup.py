@@ -1,0 +1,76 @@
+"""What may change on a reducer after construction, and only before its first iteration.
+
+PyTorch's DDP lets a communication hook be registered and a static graph be declared
+after the wrapper is built (``register_comm_hook``, ``_set_static_graph``), as long as no
+iteration has started. Those two doors are here, kept apart from the per-gradient state
+machine in :mod:`xgrad.reducer` (whose class mixes this in); nothing outside the reducer
+sets its hook or flags.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from xgrad.backend import Comm
+    from xgrad.reducer_types import Hook
+
+
+class LateSetup:
+    """Mixed into :class:`~xgrad.reducer.Reducer`; uses its state (declared below)."""
+
+    comm: Comm
+    num_iterations: int
+    static_graph: bool
+    _expect_hooks: bool
+    _hook: Hook | None
+    _serial_hooks: bool
+    _divisor: int
+    _scale: float | None
+
+    @property
+    def hook(self) -> Hook | None:
+        """The communication hook (``None``: DDP's default pre-divided allreduce)."""
+        return self._hook
+
+    @property
+    def serial_hooks(self) -> bool:
+        """Whether bucket ``b``'s hook finishes before bucket ``b + 1``'s starts."""
+        return self._serial_hooks
+
+    def _set_hook(self, hook: Hook | None, serial: bool) -> None:
+        self._hook = hook
+        self._serial_hooks = serial
+        # Without a hook the reducer pre-divides while copying; a hook divides itself.
+        self._divisor = self.comm.size
+        self._scale = 1.0 / self._divisor if hook is None else None
+
+    def register_hook(self, hook: Hook, *, serial: bool = False) -> None:
+        """Install a communication hook after construction (DDP's ``register_comm_hook``).
+
+        Args:
+            hook: the hook with its state bound.
+            serial: see ``serial_hooks`` in the class docstring.
+
+        Raises:
+            RuntimeError: a hook is already installed, or an iteration has started.
+        """
+        if self._hook is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "register_comm_hook must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self._set_hook(hook, serial)
+
+    def set_static_graph(self) -> None:
+        """Switch to ``static_graph`` before the first iteration (DDP's ``_set_static_graph``)."""
+        if self.num_iterations or self._expect_hooks:
+            raise RuntimeError(
+                "_set_static_graph must be called before the first forward/backward pass "
+                f"(rank {self.comm.rank})"
+            )
+        self.static_graph = True

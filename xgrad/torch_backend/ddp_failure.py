@@ -1,0 +1,343 @@
+"""The DDP on the failure channel: every wait bounded and watched, every failure named.
+
+Each synchronised step (a forward pass with its backward) gets a fresh namespace of the
+torch backend's failure channel (:mod:`xgrad.torch_backend.failure`). A rank that fails
+in the forward pass, a gradient hook, a communication hook or the reduction posts where;
+the others, waiting on a collective that will never complete, see it within a poll and
+raise the same :class:`~xgrad.failure.RankError` ("rank 1 in comm hook, bucket 0: ...").
+A rank that died or froze stops its heartbeat and is named the same way; a wait that
+outlives ``timeout`` raises too.
+
+The DDP's collectives run on a private copy of its group whose own timeout is the DDP's,
+so an operation left pending by a failed step expires with it and
+``destroy_process_group()`` returns. After a failed step every rank sees the failure in
+that step's namespace at its next synchronised forward pass, drops the private group
+(whatever was left pending on it, on any rank, goes with it) and makes a fresh one: the
+next step starts in step on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import pickle
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
+from xgrad.torch_backend.comm import TorchComm
+from xgrad.torch_backend.failure import failure_channel
+
+__all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
+
+#: per process: DDP instances in construction order (the same on every rank).
+_instances = itertools.count()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class StepWatch:
+    """The failure channel of one DDP, step by step, and the private group it reduces on.
+
+    Args:
+        group: the user's process group (``None``: the default group).
+        timeout: seconds any wait may last.
+    """
+
+    def __init__(self, group: Any, timeout: float) -> None:
+        self.user_group = group
+        self.timeout = timeout
+        self.instance = next(_instances)
+        self.step = 0
+        self.poll = default_seconds("poll_interval")
+        self.group: Any = self._private_group()
+        #: why the private group was dropped (a peer died or froze), until a new one is made.
+        self.lost: RankError | None = None
+        self.channel: FailureChannel = failure_channel(group, self._namespace())
+
+    def current_group(self) -> Any:
+        """The private group; the failure that lost it if it was dropped (never WORLD)."""
+        if self.group is None:
+            assert self.lost is not None
+            raise error_for(self.lost.failure, self.channel.rank)
+        return self.group
+
+    def _namespace(self) -> str:
+        return f"ddp/{self.instance}/step/{self.step}"
+
+    def _private_group(self) -> Any:
+        ranks = dist.get_process_group_ranks(self.user_group or dist.group.WORLD)
+        return dist.new_group(
+            ranks,
+            timeout=timedelta(seconds=self.timeout),
+            backend=dist.get_backend(self.user_group),
+            use_local_synchronization=True,
+        )
+
+    # ----------------------------------------------------------------- steps
+
+    def begin_step(self) -> Failure | None:
+        """Start the next synchronised step; the previous step's failure, if it had one.
+
+        Every rank calls this at the same forward pass, so every rank finds the same
+        failure and replaces its private group at the same point.
+        """
+        failed = self.channel.poll()
+        if failed is not None and failed.kind == "unresponsive" and self._still_silent(failed.rank):
+            raise error_for(failed, self.channel.rank)  # the same named error, not a hang
+        self.step += 1
+        self.channel = failure_channel(self.user_group, self._namespace())
+        if failed is not None or self.group is None:
+            self.group = self._private_group()
+            self.lost = None
+        return failed
+
+    def _still_silent(self, rank: int) -> bool:
+        """Whether ``rank``'s heartbeat is still not moving (over a few beats)."""
+        liveness = self.channel.liveness
+        if liveness is None or rank not in liveness.ranks:
+            return False
+        liveness.read(force=True)
+        time.sleep(liveness.interval * 3)
+        liveness.read(force=True)
+        return rank in liveness.stale(older_than=liveness.interval * 2.5)
+
+    def post(self, where: str, exc: BaseException) -> RankError:
+        """Report this rank's failure; the error every rank raises for the step's first one."""
+        if isinstance(exc, RankError):
+            return exc
+        failure = self.channel.post(where, _describe(exc))
+        return error_for(failure, self.channel.rank)
+
+    def call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``; a failure is posted and raised as the step's RankError."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise self.post(where, exc) from exc
+
+    def start_forward(self, hooks: Any, sync: bool) -> None:
+        """At a forward pass: drop what a failed step left behind, on every rank alike.
+
+        ``hooks`` (the DDP's gradient hooks) drops a backward pass this rank saw fail;
+        a synchronised pass also starts a new step, and when the previous one failed
+        anywhere (seen in its namespace, the same on every rank) drops this rank's part
+        of it too, with a warning, and replaces the private group.
+        """
+        hooks.recover(self)
+        if not sync:
+            self.current_group()  # a lost group raises its failure again
+            return
+        failed = self.begin_step()
+        if failed is not None:
+            hooks.reducer.fail(failed.text())
+            hooks.recover(
+                self, also=f"reductions moved to a fresh process group after {failed.text()}"
+            )
+
+    # ----------------------------------------------------------------- waits
+
+    def wait_work(self, work: Any, what: str) -> None:
+        """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise."""
+        try:
+            if not work.is_completed():
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _: done.set())
+                self._wait(done, what)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise self.explain(exc, what) from exc
+        except RankError as error:
+            self._drop_group_if_peer_gone(error)
+            raise
+
+    def wait_event(self, done: threading.Event, what: str) -> None:
+        """Wait for ``done``, checking the channel between naps, never past the timeout."""
+        try:
+            self._wait(done, what)
+        except RankError as error:
+            self._drop_group_if_peer_gone(error)
+            raise
+
+    def _wait(self, done: threading.Event, what: str) -> None:
+        waited = 0.0
+        while not done.wait(self.poll):
+            waited += self.poll
+            self.channel.check()
+            if waited >= self.timeout:
+                raise self.channel.timed_out(what, self.timeout)
+
+    def _drop_group_if_peer_gone(self, error: RankError) -> None:
+        """Abort the private group when a peer died or froze (or a wait timed out).
+
+        Its pending operations and its connections to the lost peer would otherwise be
+        torn down at exit, where gloo aborts the process on the closed connection. The
+        next step makes a fresh group (every rank sees this step's failure).
+        """
+        if error.failure.kind == "error" or self.group is None:
+            return
+        group, self.group, self.lost = self.group, None, error
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group(group)
+
+    def explain(self, exc: Exception, what: str) -> RankError:
+        """A collective that failed locally (gloo's "Connection closed by peer"): say who.
+
+        A peer that posted a failure is named at once; one that died is named once its
+        heartbeat is seen stopped (within the heartbeat timeout). Otherwise this rank
+        posts the error as its own.
+        """
+        liveness = self.channel.liveness
+        limit = liveness.timeout * 1.5 if liveness is not None else 0.0
+        waited = 0.0
+        while True:
+            failure = self.channel.poll()
+            if failure is not None:
+                return error_for(failure, self.channel.rank)
+            if liveness is not None:
+                liveness.read(force=True)
+                stale = liveness.stale(older_than=min(liveness.timeout, 1.0))
+                if stale:
+                    return self.channel.timed_out(f"{what} ({_describe(exc)})", max(waited, 1.0))
+            if waited >= limit:
+                return self.post(what, exc)
+            threading.Event().wait(self.poll * 5)
+            waited += self.poll * 5
+
+
+class WatchedWork:
+    """An in-flight collective of a :class:`WatchedComm`: ``wait()`` is watched and bounded."""
+
+    __slots__ = ("_result", "_watch", "_what", "_work")
+
+    def __init__(self, work: Any, result: torch.Tensor, watch: StepWatch, what: str) -> None:
+        self._work = work
+        self._result = result
+        self._watch = watch
+        self._what = what
+
+    def wait(self) -> torch.Tensor:
+        self._watch.wait_work(self._work, self._what)
+        return self._result
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """The collective's own future (what PyTorch's comm hooks chain ``then`` on)."""
+        return self._work.get_future()
+
+
+class WatchedFuture:
+    """A communication hook's future as a reducer ``Work``, waited on through the watch."""
+
+    __slots__ = ("_done", "_future", "_watch", "_what")
+
+    def __init__(self, future: torch._C.Future, watch: StepWatch, what: str) -> None:
+        self._future = future
+        self._watch = watch
+        self._what = what
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self) -> Any:
+        self._watch.wait_event(self._done, self._what)
+        try:
+            value = self._future.value()
+        except Exception as exc:  # the collective or the hook's own chain failed
+            error = self._watch.explain(exc, self._what)
+            self._watch._drop_group_if_peer_gone(error)
+            raise error from exc
+        # PyTorch's collectives complete their futures with a one-element list.
+        if isinstance(value, list) and len(value) == 1:
+            return value[0]
+        return value
+
+
+class WatchedComm(TorchComm):
+    """:class:`TorchComm` on the watch's private group, every wait through the watch.
+
+    The object collectives are built from tensor collectives (sizes, then padded bytes),
+    because ``broadcast_object_list`` and ``all_gather_object`` have no asynchronous form
+    and so could only be bounded by the group's own timeout.
+    """
+
+    def __init__(self, watch: StepWatch) -> None:
+        super().__init__(watch.user_group, timeout=watch.timeout)
+        self.watch = watch
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend(watch.user_group) == "nccl"
+            else torch.device("cpu")
+        )
+
+    @property  # type: ignore[override]
+    def group(self) -> Any:
+        return self.watch.current_group()
+
+    @group.setter
+    def group(self, value: Any) -> None:  # TorchComm's constructor sets the user's group
+        pass
+
+    def _run(self, work: Any, what: str) -> None:
+        self.watch.wait_work(work, what)
+
+    def allreduce(self, buffer: torch.Tensor) -> WatchedWork:  # type: ignore[override]
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        return WatchedWork(work, buffer, self.watch, f"allreduce of {buffer.numel()} elements")
+
+    def _sizes(self, n: int) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64, device=self._device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(self.size)]
+        self._run(dist.all_gather(sizes, mine, group=self.group, async_op=True), "allgather")
+        return [int(s.item()) for s in sizes]
+
+    def _bytes(self, obj: Any, length: int) -> torch.Tensor:
+        data = pickle.dumps(obj)
+        out = torch.zeros(length, dtype=torch.uint8)
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return out.to(self._device)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, indexed by group rank (two watched allgathers)."""
+        sizes = self._sizes(len(pickle.dumps(obj)))
+        longest = max(sizes)
+        outs = [torch.zeros(longest, dtype=torch.uint8, device=self._device) for _ in sizes]
+        work = dist.all_gather(outs, self._bytes(obj, longest), group=self.group, async_op=True)
+        self._run(work, "allgather of objects")
+        return [
+            pickle.loads(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)
+        ]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` on every rank (two watched broadcasts)."""
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        work = dist.broadcast(size, group=self.group, group_src=src, async_op=True)
+        self._run(work, f"broadcast from rank {src}")
+        buf = self._bytes(obj, int(size.item())) if self.rank == src else None
+        if buf is None:
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
+        work = dist.broadcast(buf, group=self.group, group_src=src, async_op=True)
+        self._run(work, f"broadcast of an object from rank {src}")
+        return pickle.loads(buf.cpu().numpy().tobytes())
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` with group rank ``src``'s values (watched, per dtype)."""
+        by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_key.setdefault((t.dtype, t.device), []).append(t)
+        for members in by_key.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            work = dist.broadcast(flat, group=self.group, group_src=src, async_op=True)
+            self._run(work, f"broadcast of buffers from rank {src}")
+            offset = 0
+            with torch.no_grad():
+                for t in members:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()

@@ -1,0 +1,86 @@
+"""DDP's steps around the wrapped module's forward pass, outside dynamo's view.
+
+Before the module runs: drop a failed backward pass, tell ``join()`` this rank still
+trains, rebuild the buckets once (and re-alias gradient views), broadcast buffers,
+check once per plan that the ranks agree, move and cast the inputs. After it: find the
+unused parameters and prepare the reducer for the backward pass. The wrapper calls
+these through ``torch._dynamo.disable``-d methods, so no collective here is traced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from xgrad.agreement import check_agreement
+from xgrad.torch_backend.autograd_graph import find_unused_parameters
+from xgrad.torch_backend.ddp_checks import fingerprint
+from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp import DistributedDataParallel
+
+
+def pre_forward(
+    ddp: DistributedDataParallel, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
+    """Everything DDP does before the module runs; returns the inputs to run it on."""
+    ddp._forward_started = time.perf_counter()
+    sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+    ddp._watch.start_forward(ddp._grad_hooks, sync)
+    ddp._still_training = notify_join_context(ddp)
+    if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
+        ddp._agreement_pending = True
+        if ddp.gradient_as_bucket_view:
+            ddp._grad_hooks.alias_grads_to_buckets()
+    if ddp.will_sync_module_buffers():
+        sync_buffers(ddp)
+    if ddp._join_config.enable:
+        announce_backward_sync(ddp, sync)
+    if sync:
+        check_agreement_once(ddp)
+    if ddp.device_ids:
+        device = torch.device(ddp.device_type, ddp.device_ids[0])
+        inputs, kwargs = tree_map(
+            lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
+        )
+    if ddp._casts is not None:
+        return ddp._casts.to_low(inputs, kwargs)
+    return inputs, kwargs
+
+
+def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
+    """Everything DDP does after the module ran; returns the output unchanged."""
+    if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+        ddp.require_forward_param_sync = True
+        unused: Sequence[int] = ()
+        if ddp.find_unused_parameters and not ddp.static_graph:
+            unused = find_unused_parameters(output, ddp._param_index, len(ddp._params))
+        ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
+        ddp._grad_hooks.sync_pending = True
+        ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
+    else:
+        ddp.require_forward_param_sync = False
+    if ddp._delayed is not None:
+        ddp._delayed.point_grads_at_buffer()
+    return output
+
+
+def check_agreement_once(ddp: DistributedDataParallel) -> None:
+    """Compare plan, parameters and hook across ranks, once per plan (a collective)."""
+    if ddp._agreement_pending:
+        mine = fingerprint(ddp.plan, ddp.parameter_names, ddp._params, ddp._hook_name)
+        check_agreement(ddp.comm, mine, where="DistributedDataParallel")
+        ddp._agreement_pending = False
+
+
+def sync_buffers(ddp: DistributedDataParallel) -> None:
+    """Broadcast the module's buffers (under join, from the last rank still training)."""
+    if ddp.comm.size > 1:
+        src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
+        with torch.no_grad():
+            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=src)

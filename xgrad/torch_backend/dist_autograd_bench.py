@@ -1,0 +1,184 @@
+"""``xgrad bench dist-autograd``: xgrad's distributed backward against PyTorch's RPC one.
+
+The same graph runs through both, in the same processes: a chain through every rank and
+back to rank 0; rank 0's activation also goes straight to the last rank (a fan-out; with
+two ranks the same tensor is sent twice) and into the loss (a round trip and fan-ins)::
+
+    rank 0: h0 = tanh(x @ W0) -> rank 1: tanh(h @ W1) -> ... -> last: tanh(h @ Wl) + h0
+    -> rank 0: loss = sum(h * h0)
+
+xgrad sends tensors with ``dist_autograd.send``/``recv`` on a gloo group; PyTorch calls
+each next rank with nested ``rpc_sync`` over TensorPipe inside a
+``torch.distributed.autograd`` context. Timed: ``backward`` on rank 0 (for xgrad, until
+every rank finished its part). Also reported: the largest difference between the two
+implementations' gradients of every weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+HELP = (
+    "time per distributed backward of xgrad's dist_autograd (gloo) against PyTorch's "
+    "torch.distributed.autograd over RPC (TensorPipe) on the same graph (ratio, target < 1)"
+)
+
+#: this process's weight, for the RPC stages (set in each worker before RPC starts).
+_STATE: dict[str, Any] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=3, help="processes (ranks), >= 2")
+    parser.add_argument("--size", type=int, default=256, help="width of the square weights")
+    parser.add_argument("--batch", type=int, default=64, help="rows of the input")
+    parser.add_argument("--iters", type=int, default=20, help="timed backward passes each")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed passes first")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes and 2 passes (for the tests)"
+    )
+
+
+def _weights(world: int, size: int, batch: int, dtype: Any) -> tuple[Any, list[Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, size, generator=g, dtype=dtype)
+    ws = [torch.randn(size, size, generator=g, dtype=dtype) / size**0.5 for _ in range(world)]
+    return x, ws
+
+
+def _rpc_stage(h: Any, h0: Any, rank: int, world: int) -> Any:
+    import torch
+    import torch.distributed.rpc as rpc
+
+    h = torch.tanh(h @ _STATE["w"])
+    if rank + 1 < world:
+        return rpc.rpc_sync(f"w{rank + 1}", _rpc_stage, args=(h, h0, rank + 1, world))
+    return h + h0
+
+
+def _rpc_grad(context_id: int) -> Any:
+    import torch.distributed.autograd as torch_da
+
+    return torch_da.get_gradients(context_id)[_STATE["w"]]
+
+
+def _xgrad_pass(rank: int, world: int, x: Any, w: Any) -> tuple[float, Any]:
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    with da.context() as cid:
+        if rank == 0:
+            h0 = torch.tanh(x @ w)
+            da.send(h0, 1)
+            da.send(h0, world - 1)
+            roots = [(da.recv(world - 1) * h0).sum()]
+        else:
+            h = torch.tanh(da.recv(rank - 1) @ w)
+            if rank == world - 1:
+                h = h + da.recv(0)
+            da.send(h, (rank + 1) % world)
+            roots = []
+        start = time.perf_counter()
+        da.backward(cid, roots)
+        seconds = time.perf_counter() - start
+        return seconds, da.get_gradients(cid)[w]
+
+
+def _torch_pass(world: int, x: Any, w: Any) -> tuple[float, list[Any]]:
+    import torch
+    import torch.distributed.autograd as torch_da
+    import torch.distributed.rpc as rpc
+
+    with torch_da.context() as cid:
+        h0 = torch.tanh(x @ w)
+        loss = (rpc.rpc_sync("w1", _rpc_stage, args=(h0, h0, 1, world)) * h0).sum()
+        start = time.perf_counter()
+        torch_da.backward(cid, [loss])
+        seconds = time.perf_counter() - start
+        grads = [torch_da.get_gradients(cid)[w]]
+        grads += [rpc.rpc_sync(f"w{r}", _rpc_grad, args=(cid,)) for r in range(1, world)]
+        return seconds, grads
+
+
+def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+
+    dtype = getattr(torch, cfg["dtype"])
+    x, ws = _weights(world, cfg["size"], cfg["batch"], dtype)
+    w = ws[rank].requires_grad_()
+    _STATE["w"] = w
+    ours: list[float] = []
+    theirs: list[float] = []
+    mine = None
+    for i in range(cfg["warmup"] + cfg["iters"]):
+        seconds, mine = _xgrad_pass(rank, world, x, w)
+        if i >= cfg["warmup"]:
+            ours.append(seconds)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    opts = rpc.TensorPipeRpcBackendOptions(
+        init_method=cfg["rpc_init"], num_worker_threads=8, rpc_timeout=cfg["timeout"]
+    )
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    try:
+        if rank != 0:
+            return None
+        grads: list[Any] = []
+        for i in range(cfg["warmup"] + cfg["iters"]):
+            seconds, grads = _torch_pass(world, x, w)
+            if i >= cfg["warmup"]:
+                theirs.append(seconds)
+    finally:
+        rpc.shutdown()
+    diff = max(float((a - b).abs().max()) for a, b in zip(gathered, grads, strict=True))
+    return {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
+
+
+def run(args: argparse.Namespace) -> int:
+    from xgrad.torch_backend.spawn import spawn
+
+    if args.quick:
+        args.size, args.batch, args.iters, args.warmup = 8, 4, 2, 1
+    for label in ("world", "size", "batch", "iters"):
+        if getattr(args, label) < 1:
+            raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
+    if args.world < 2:
+        raise ValueError(f"--world must be >= 2 for a distributed backward, got {args.world}")
+    import torch.distributed.rpc as rpc
+
+    if not rpc.is_available():
+        print("skipped: torch.distributed.rpc is not available in this build of torch")
+        return 0
+    tmp = tempfile.mkdtemp(prefix="xgrad-bench-rpc-")
+    cfg = {
+        "size": args.size, "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
+        "dtype": args.dtype, "timeout": args.timeout,
+        "rpc_init": "file://" + os.path.join(tmp, "rpc"),
+    }  # fmt: skip
+    try:
+        result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
+        f"batch {args.batch}, median of {args.iters} backward passes"
+    )
+    print(f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}")
+    ratio = result["xgrad"] / result["torch"]
+    print(
+        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}"
+    )
+    print(f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}")
+    return 0

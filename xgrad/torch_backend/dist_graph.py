@@ -1,0 +1,182 @@
+"""One rank's part of a distributed backward pass: the torch ``grad_fn`` graph as xgrad data.
+
+The walk starts from a ``GraphRoot`` node (one edge per root tensor, as PyTorch's engine
+seeds a backward) and from one ``send`` node per tensor this rank sent that requires grad
+(its edge leads to the sent tensor's ``grad_fn``, or to its accumulator for a leaf).
+``AccumulateGrad`` nodes of received tensors become ``recv`` nodes; those of every other
+leaf, parameters and inputs alike, become accumulators numbered in discovery order. The
+node functions call the torch nodes themselves, so xgrad's engine runs the pass with its
+own dependency counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import get_gradient_edge
+
+from xgrad.engine import NodeFunction
+from xgrad.graph import BackwardGraph, NodeKind
+
+__all__ = ["RankGraph", "build_rank_graph"]
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class RankGraph:
+    """What the engine needs for one rank's pass.
+
+    Attributes:
+        graph: the backward graph (node 0 is ``GraphRoot`` when there are roots).
+        functions: node id -> backward function, for every torch function node.
+        grad_roots: ``{GraphRoot: seed}`` (empty without roots).
+        leaves: accumulator ``params`` index -> the leaf tensor it accumulates for.
+        send_nodes: the node of each send, in the order of ``sends``.
+        recv_nodes: recv node -> its index in ``recvs``.
+    """
+
+    graph: BackwardGraph
+    functions: dict[int, NodeFunction]
+    grad_roots: dict[int, Any]
+    leaves: tuple[torch.Tensor, ...]
+    send_nodes: tuple[int, ...]
+    recv_nodes: dict[int, int]
+
+
+def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
+    """Run torch node ``fn`` and return the gradients of the edges kept in the graph.
+
+    ``wants`` is the input metadata of each kept edge's destination: as PyTorch's engine
+    does between nodes, a gradient of a broadcast input is summed back to the input's
+    shape, and cast to its dtype.
+    """
+    call = fn.apply if isinstance(fn, BackwardCFunction) else fn
+    meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if meta is not None:
+            # A Python Function's backward expects zeros, not None, where nothing arrived.
+            inputs = [
+                torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
+                for g, m in zip(inputs, meta, strict=True)
+            ]
+        out = call(*inputs)
+        if not isinstance(out, tuple):
+            out = (out,)
+        grads = []
+        for i, want in zip(keep, wants, strict=True):
+            g = out[i]
+            if g is not None:
+                if g.shape != want.shape:
+                    g = g.sum_to_size(want.shape)
+                if g.dtype != want.dtype:
+                    g = g.to(want.dtype)
+            grads.append(g)
+        return grads
+
+    return run
+
+
+def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
+    def run(inputs: list[Any]) -> list[Any]:
+        return [torch.ones_like(r) for r in roots]
+
+    return run
+
+
+def build_rank_graph(
+    roots: Sequence[torch.Tensor],
+    sends: Sequence[tuple[torch.Tensor, str]],
+    recvs: Sequence[tuple[torch.Tensor, str]],
+) -> RankGraph:
+    """The graph from ``roots`` and the ``(tensor, label)`` sends; ``recvs`` become recv nodes.
+
+    Raises:
+        ValueError: a root that does not require grad or is not a scalar.
+    """
+    for i, r in enumerate(roots):
+        if not isinstance(r, torch.Tensor):
+            raise TypeError(f"roots[{i}] is a {type(r).__name__}, not a tensor")
+        if not r.requires_grad:
+            raise ValueError(f"roots[{i}] does not require grad; nothing to differentiate")
+        if r.numel() != 1:
+            raise ValueError(
+                f"roots[{i}] has shape {tuple(r.shape)}; roots must be scalars (one element)"
+            )
+    recv_index = {id(t): i for i, (t, _) in enumerate(recvs)}
+    kinds: list[int] = []
+    params: list[int] = []
+    names: list[str] = []
+    src: list[int] = []
+    dst: list[int] = []
+    input_nr: list[int] = []
+    ids: dict[int, int] = {}
+    keep_alive: list[Any] = []  # ids of freed nodes could be reused during the walk
+    stack: list[tuple[int, Any]] = []
+    leaves: list[torch.Tensor] = []
+    recv_nodes: dict[int, int] = {}
+    functions: dict[int, NodeFunction] = {}
+
+    def add(kind: NodeKind, name: str, param: int = -1) -> int:
+        kinds.append(int(kind))
+        params.append(param)
+        names.append(name)
+        return len(kinds) - 1
+
+    def node_of(fn: Any) -> int:
+        found = ids.get(id(fn))
+        if found is not None:
+            return found
+        keep_alive.append(fn)
+        if type(fn) is _ACCUMULATE_GRAD:
+            var = fn.variable
+            if id(var) in recv_index:
+                u = add(NodeKind.RECV, recvs[recv_index[id(var)]][1])
+                recv_nodes[u] = recv_index[id(var)]
+            else:
+                u = add(NodeKind.ACCUMULATE, "AccumulateGrad", len(leaves))
+                leaves.append(var)
+        else:
+            u = add(NodeKind.FUNCTION, type(fn).__name__)
+            stack.append((u, fn))
+        ids[id(fn)] = u
+        return u
+
+    def edge(u: int, fn: Any, nr: int) -> None:
+        src.append(u)
+        dst.append(node_of(fn))
+        input_nr.append(nr)
+
+    grad_roots: dict[int, Any] = {}
+    if roots:
+        root = add(NodeKind.FUNCTION, "GraphRoot")
+        functions[root] = _root_function(roots)
+        grad_roots[root] = torch.ones(())
+        for r in roots:
+            e = get_gradient_edge(r)
+            edge(root, e.node, e.output_nr)
+    send_nodes = []
+    for t, label in sends:
+        u = add(NodeKind.SEND, label)
+        e = get_gradient_edge(t)
+        edge(u, e.node, e.output_nr)
+        send_nodes.append(u)
+    while stack:
+        u, fn = stack.pop()
+        keep = []
+        wants = []
+        for i, (child, nr) in enumerate(fn.next_functions):
+            if child is not None:
+                keep.append(i)
+                wants.append(child._input_metadata[nr])
+                edge(u, child, nr)
+        functions[u] = _caller(fn, keep, wants)
+    graph = BackwardGraph.from_arrays(
+        kinds, src, dst, input_nr=input_nr, params=params, names=names
+    )
+    return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)

@@ -1,0 +1,220 @@
+"""One rank's side of a distributed backward pass, as xgrad's engine sees a context.
+
+``xgrad.engine.Engine.backward_distributed`` drives a pass through a small context
+protocol (``sends_of``, ``recvs_of``, ``deliver``, ``receive``, ``raise_if_failed``,
+``fail``, ``finish``, ``release``); the in-process ``DistContext`` implements it with
+threads, :class:`ProcessPass` with c10d messages between processes and the failure
+channel: every wait is bounded and any rank's failure is raised here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from xgrad.engine import DistBackwardError as _EngineDistBackwardError
+from xgrad.failure import (
+    FailureChannel,
+    RankError,
+    RankUnresponsiveError,
+    default_seconds,
+    wait_until,
+)
+from xgrad.torch_backend.dist_wire import Link
+from xgrad.torch_backend.failure import transfer_failed, wait_posted
+
+__all__ = [
+    "GRAVEYARD",
+    "DistBackwardError",
+    "DistBackwardUnresponsiveError",
+    "ProcessPass",
+    "barrier",
+]
+
+#: works abandoned by failed passes: kept referenced (with their buffers) so that
+#: nothing is freed under a transfer gloo may still complete.
+GRAVEYARD: list[Any] = []
+
+
+class DistBackwardError(_EngineDistBackwardError, RankError):  # type: ignore[misc]
+    """Raised on every rank of a context when any rank failed.
+
+    The message names the origin first: ``"Error on rank 1 in MulBackward0: ValueError: ..."``.
+    Attributes: ``rank`` (origin), ``raised_on`` (this rank), ``context_id``, ``failure``
+    (:class:`xgrad.failure.Failure`), and the engine's ``node_name``/``message``/``worker``.
+    """
+
+    def __init__(self, context_id: int, error: RankError) -> None:
+        f = error.failure
+        self.failure, self.rank, self.prefix = f, f.rank, ""
+        self.raised_on = -1 if error.raised_on is None else error.raised_on
+        self.context_id, self.node, self.node_name = context_id, -1, f.where
+        self.message, self.worker = f.message, f.rank
+        RuntimeError.__init__(self, "Error on " + f.text())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.context_id, RankError(self.failure, self.raised_on))
+
+
+class DistBackwardUnresponsiveError(DistBackwardError, RankUnresponsiveError):  # type: ignore[misc]
+    """A rank of the context stopped answering (died, froze) or a wait timed out."""
+
+
+class ProcessPass:
+    """The engine's context for one backward pass of one rank.
+
+    Args:
+        context_id: the user-facing context id.
+        ranks: the group's ranks (global).
+        me: this rank (global).
+        links: peer (global rank) -> :class:`Link`.
+        sends: ``(peer, k, tensor, node)`` of this rank's sends that require grad.
+        recvs: recv node -> ``(peer, k, tensor)``.
+        channel: the context's failure channel.
+        number: this pass's number in the context (the gradients' store keys).
+        timeout: bound of every wait (seconds).
+        make_error: turns a :class:`RankError` into the error the user sees.
+        unreached: ``(peer, k)`` of received tensors that require grad but that no root
+            or send of this rank leads to.
+    """
+
+    def __init__(
+        self,
+        context_id: int,
+        ranks: Sequence[int],
+        me: int,
+        links: dict[int, Link],
+        sends: Sequence[tuple[int, int, torch.Tensor, int]],
+        recvs: dict[int, tuple[int, int, torch.Tensor]],
+        channel: FailureChannel,
+        number: int,
+        timeout: float,
+        make_error: Callable[[RankError], Exception],
+        unreached: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        self.context_id = context_id
+        self.workers = tuple(ranks)
+        self.me = me
+        self._links = links
+        self._sent: dict[int, dict[int, torch.Tensor]] = {}
+        self._node: dict[tuple[int, int], int] = {}
+        for p, k, t, node in sends:
+            self._sent.setdefault(p, {})[k] = t
+            self._node[(p, k)] = node
+        self._left = {p: len(ks) for p, ks in self._sent.items()}
+        self._recvs = recvs
+        self._channel = channel
+        self._number = number
+        self._timeout = timeout
+        self._make_error = make_error
+        self._poll = default_seconds("poll_interval")
+        self._next_poll = 0.0
+        self._out: list[Any] = []
+        self.failed = False
+        # Received tensors the graph does not reach: their senders learn at once that
+        # no gradient comes.
+        for peer, k in unreached:
+            links[peer].send_grad(number, k, None, torch.empty(0))
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        try:
+            yield
+        except RankError as exc:
+            self.failed = True
+            raise self._make_error(exc) from None
+
+    def sends_of(self, worker: int) -> tuple[int, ...]:
+        return tuple(self._node.values())
+
+    def recvs_of(self, worker: int) -> dict[int, tuple[int, int]]:
+        return {node: (p, k) for node, (p, k, _) in self._recvs.items()}
+
+    def deliver(self, worker: int, recv_node: int, grad: Any) -> None:
+        """Send the gradient of a received tensor back to its sender (None: no gradient)."""
+        peer, k, like = self._recvs[recv_node]
+        try:
+            work = self._links[peer].send_grad(self._number, k, grad, like)
+        except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
+            with self._named():
+                what = f"backward, gradient send to rank {peer}"
+                raise transfer_failed(self._channel, what, exc, peer) from exc
+        if work is not None:
+            self._out.append((peer, work))
+
+    def receive(self, worker: int) -> tuple[int, Any]:
+        """The next ``(send node, gradient)`` from any peer (bounded, watching the channel)."""
+        with self._named():
+            found: list[int] = []
+            waiting = [p for p, n in self._left.items() if n]
+
+            def arrived() -> bool:
+                for p in waiting:
+                    if self._links[p].grad_ready(self._number):
+                        found.append(p)
+                        return True
+                return False
+
+            wait_until(
+                arrived,
+                self._channel,
+                timeout=self._timeout,
+                what=f"backward, gradients from ranks {waiting}",
+            )
+            peer = found[0]
+            self._left[peer] -= 1
+            try:
+                k, work, grad = self._links[peer].recv_grad(self._number, self._sent[peer])
+            except RuntimeError as exc:
+                what = f"backward, gradient from rank {peer}"
+                raise transfer_failed(self._channel, what, exc, peer) from exc
+            if work is not None:
+                what = f"backward, gradient from rank {peer}"
+                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
+                grad = grad.to(self._sent[peer][k].device)  # type: ignore[union-attr]
+            return self._node[(peer, k)], grad
+
+    def raise_if_failed(self, worker: int) -> None:
+        """Raise another rank's failure; reads the channel at most every poll interval."""
+        now = time.monotonic()
+        if now >= self._next_poll:
+            self._next_poll = now + self._poll
+            with self._named():
+                self._channel.check()
+
+    def fail(self, worker: int, node: int, node_name: str, message: str) -> Exception:
+        """Post this rank's failure (the first one posted wins) and return the error to raise."""
+        self.failed = True
+        failure = self._channel.post(node_name, message)
+        return self._make_error(RankError(failure, self.me))
+
+    def finish(self, worker: int) -> None:
+        """Wait until every rank of the group finished; then this rank's sends are received."""
+        with self._named():
+            barrier(self._channel, f"backward/{self._number}", len(self.workers), self._timeout)
+            for peer, (work, _) in self._out:
+                what = f"backward, gradient send to rank {peer}"
+                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
+
+    def release(self, worker: int) -> None:
+        """Keep what a failed pass left pending referenced; nothing else stays."""
+        if self.failed:
+            GRAVEYARD.extend(self._out)
+        self._out = []
+
+
+def barrier(channel: FailureChannel, name: str, world: int, timeout: float) -> None:
+    """Wait until ``world`` ranks reached barrier ``name`` of the channel's step (store only)."""
+    store = channel.store
+    key = f"{channel.prefix}/barrier/{name}"
+    store.add(key, 1)
+    wait_until(
+        lambda: int(store.get(key)) >= world,
+        channel,
+        timeout=timeout,
+        what=f"{name}, waiting for every rank",
+    )

@@ -1,0 +1,95 @@
+"""What the pipeline runtime keeps: per (stage, microbatch) between its forward and its
+backward, posted sends, and the record of each executed action."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from xgrad.pipeline import Action
+from xgrad.torch_backend.pipeline_recompute import RngState
+from xgrad.torch_backend.pipeline_wire import Description, tensor_leaves
+
+__all__ = ["ActionRecord", "Phony", "Send", "Slot", "held_bytes"]
+
+
+@dataclass
+class ActionRecord:
+    """One executed action's wall-clock interval (seconds, ``time.perf_counter``)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Send:
+    """A posted send: its tensor stays referenced until the send completes."""
+
+    action: Action
+    tensor: torch.Tensor
+    done: threading.Event
+    error: list[BaseException]
+
+
+@dataclass
+class Slot:
+    """What one (stage, microbatch) keeps between its forward and its backward."""
+
+    input: Any = None  # pytree, detached leaves (those that carry a gradient require one)
+    output: Any = None  # pytree with graph (the scaled loss on the last stage)
+    carry: list[bool] | None = None  # per tensor leaf of the output: carries a gradient
+    # shape and dtype of each output leaf that carries a gradient (what comes back)
+    grad_shapes: list[tuple[torch.Size, torch.dtype]] | None = None
+    readers: int = 0  # local consumers and a send still to read the output
+    # Without checkpointing: one scalar standing for the output in the graph, so the
+    # output itself is dropped once read (fairscale's AutogradWithoutActivations).
+    phony: torch.Tensor | None = None
+    kept: list[int] | None = None  # which carried leaves the phony stands for
+    grad_parts: list[list[torch.Tensor]] = field(default_factory=list)  # summed at backward
+    grad_output: list[torch.Tensor] | None = None  # the sum, kept between I and W
+    grad_input: dict[int, list[torch.Tensor]] | None = None  # per remote source, for SEND_B
+    # forward messages being received, per remote source: description, buffers, receives
+    header: dict[int, tuple[Description, list[torch.Tensor], list[Any]]] = field(
+        default_factory=dict
+    )
+    rng: RngState | None = None  # for the recomputation
+    pending: list[Any] = field(default_factory=list)  # gradient receives not yet waited
+
+    def empty(self) -> bool:
+        return (
+            self.input is None
+            and self.output is None
+            and self.phony is None
+            and not self.grad_parts
+            and self.grad_output is None
+            and self.grad_input is None
+            and not self.header
+            and not self.pending
+        )
+
+
+class Phony(torch.autograd.Function):
+    """A scalar whose backward hands out gradients set on its node: the graph of a stage's
+    outputs without the outputs themselves (their memory is freed once sent)."""
+
+    @staticmethod
+    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=outputs[0].dtype, device=outputs[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(ctx.incoming)
+
+
+def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:
+    """Bytes of the activations and gradients the slots reference (inputs, outputs,
+    gradients waiting to be used or sent)."""
+    total = 0
+    for slot in slots.values():
+        for tree in (slot.input, slot.output, slot.grad_parts, slot.grad_output, slot.grad_input):
+            total += sum(t.numel() * t.element_size() for t in tensor_leaves(tree))
+    return total
