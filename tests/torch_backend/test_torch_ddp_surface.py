@@ -172,10 +172,20 @@ def _options(rank: int, world: int) -> dict[str, Any]:
 
         return wrap
 
-    ours, _, _ = _train(rank, base, delay(DistributedDataParallel))
-    theirs, _, _ = _train(rank, base, delay(TorchDDP))
-    torch.distributed.barrier()  # PyTorch never waits for its delayed all-reduce
-    out["delay_all_reduce"] = {"xgrad": ours, "torch": theirs}
+    def delayed_grads(cls: Any) -> list[dict[str, np.ndarray]]:
+        model = copy.deepcopy(base)
+        ddp = delay(cls)(model)
+        x, y = _batch(rank)
+        ((ddp(x) - y) ** 2).mean().backward()
+        # PyTorch never waits for its delayed all-reduce (CUDA streams order it); on gloo
+        # a barrier queued behind it does. xgrad's DDP waits at the end of backward.
+        torch.distributed.barrier()
+        return [_grads(model)]
+
+    out["delay_all_reduce"] = {
+        "xgrad": delayed_grads(DistributedDataParallel),
+        "torch": delayed_grads(TorchDDP),
+    }
 
     # _set_static_graph after construction, as PyTorch's reentrant-checkpoint users do.
     def late_static(cls: Any) -> Callable[[nn.Module], nn.Module]:

@@ -94,10 +94,10 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
         forward_sync_buffers: as in PyTorch 2.13's DDP (``mixed_precision`` also on CPU).
         first_bucket_cap_mb: cap of the first bucket (xgrad extra).
-        plan: an explicit :class:`~xgrad.buckets.BucketPlan` over the parameter order of
-            ``named_parameters`` (those that require grad), used as given: no rebuild.
-        comm_hook: a backend-neutral hook factory such as ``xgrad.hooks.fp16_compress_hook``,
-            called with this module's :class:`~xgrad.torch_backend.comm.TorchComm`.
+        plan: an explicit :class:`~xgrad.buckets.BucketPlan` over the reduced parameters,
+            used as given (no rebuild).
+        comm_hook: a backend-neutral hook factory (``xgrad.hooks.fp16_compress_hook``),
+            called with this module's ``comm``.
         timeout: seconds any wait on a peer may block before it raises (default
             ``$XGRAD_DDP_TIMEOUT``, else 300): reductions, the buffer broadcast, the
             rebuild broadcast and the agreement check alike.
@@ -108,8 +108,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
 
     Example:
         >>> ddp = DistributedDataParallel(model)  # doctest: +SKIP
-        >>> ddp(x).sum().backward()               # .grad now averaged over ranks
-        >>> print(ddp.plan.table())
+        >>> ddp(x).sum().backward()  # .grad now averaged over ranks
     """
 
     #: xgrad's reducer (where PyTorch's class keeps its C++ one).
@@ -255,7 +254,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         if self._casts is not None:
             self._grad_hooks.after_backward = self._casts.frozen_to_full
 
-    # ------------------------------------------------------------------ forward
+    # --- forward
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -282,7 +281,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
     def _check_agreement(self) -> None:
         check_agreement_once(self)
 
-    # ------------------------------------------------------------------ hooks
+    # --- hooks
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a PyTorch communication hook, ``hook(state, bucket) -> Future``.
@@ -327,7 +326,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             self.reducer.set_static_graph()
             self.static_graph = True
 
-    # ------------------------------------------------------------------ introspection
+    # --- introspection
 
     @property
     def plan(self) -> BucketPlan:
@@ -340,10 +339,9 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
         return self._grad_hooks.timeline
 
     def statistics(self) -> dict[str, Any]:
-        """What PyTorch's DDP logging data says, in seconds and names (keys: see
-        :func:`xgrad.torch_backend.ddp_stats.statistics`)."""
+        """PyTorch's logging data in seconds and names (see ``ddp_stats.statistics``)."""
         return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """PyTorch's logging dictionary: the same keys, from xgrad's records (nanoseconds)."""
+        """PyTorch's logging dictionary, from xgrad's records (nanoseconds)."""
         return logging_data(self)

@@ -17,14 +17,19 @@ def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
     """The group to reduce over and the mesh it came from (``None`` without one).
 
     Raises:
-        RuntimeError: both given, or a mesh that is not 1-D (PyTorch's errors).
+        RuntimeError: no process group initialised, both given, or a mesh that is not
+            1-D (PyTorch's errors).
     """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call init_process_group (torchrun sets "
+            "the environment for it) or use xgrad.torch_backend.spawn"
+        )
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is None:
-        if process_group is None and dist.is_initialized():
-            # PyTorch's DDP holds the default group itself (``join_process_group``);
-            # without one, TorchComm says what to call.
+        if process_group is None:
+            # PyTorch's DDP holds the default group itself (``join_process_group``).
             process_group = dist.distributed_c10d._get_default_group()
         return process_group, None
     if device_mesh.ndim != 1:
