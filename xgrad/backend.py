@@ -168,7 +168,7 @@ def find_truth(model: str) -> Truth:
 
 
 def find_sampler() -> Any:
-    """The PowerSGD random draws a backend offers (``powersgd_sampler()``), or ``None``.
+    """The PowerSGD random draws a backend offers (its ``powersgd_sampler``), or ``None``.
 
     PowerSGD starts from random matrices; a backend whose framework draws them its own way
     (torch's ``powerSGD_hook``) offers that sampler, so the float64 model and the other
@@ -176,9 +176,9 @@ def find_sampler() -> Any:
     """
     for name in list_backends():
         ok, _ = backend_available(name)
-        offer = getattr(get_backend(name), "powersgd_sampler", None) if ok else None
-        if offer is not None:
-            return offer()
+        sampler = getattr(get_backend(name), "powersgd_sampler", None) if ok else None
+        if sampler is not None:
+            return sampler
     return None
 
 
@@ -189,6 +189,9 @@ def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
         return f"{runner.name} runs hooks {runs} only, not {step.hook!r}"
     if step.dtype not in runner.dtypes:
         return f"{runner.name} runs {', '.join(runner.dtypes)} only, not {step.dtype}"
+    devices = getattr(runner, "devices", ("cpu",))
+    if step.device not in devices:
+        return f"{runner.name} runs on {', '.join(devices)} only, not {step.device}"
     return None
 
 

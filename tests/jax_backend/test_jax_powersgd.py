@@ -23,51 +23,57 @@ from xgrad.torch_backend.powersgd import torch_sampler  # noqa: E402
 STEPS = 2
 
 
-def _torch_rank(rank: int, world_size: int, case: Case, state_kwargs: dict[str, Any]) -> Any:
-    """PyTorch's DDP with its own powerSGD_hook: the gradients of every step."""
+CASES = {
+    label: Case(
+        world_size=2, steps=steps, bucket_cap_bytes=1 << 20, hook="powersgd", stateful=stateful
+    )
+    for label, stateful, steps in (("stateless", False, STEPS), ("stateful", True, 9))
+}
+
+
+def _torch_rank(rank: int, world_size: int) -> Any:
+    """PyTorch's DDP with its own powerSGD_hook, per case: every step's gradients."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
     from xgrad.torch_backend.models import build, loss, to_numpy
 
-    inputs = crosscheck.make_inputs(case)
-    module = build(case.model, inputs.weights)
-    ddp = DistributedDataParallel(module, bucket_cap_mb=case.bucket_cap_bytes / 2**20)
-    ddp.register_comm_hook(psgd.PowerSGDState(None, **state_kwargs), psgd.powerSGD_hook)
-    x = torch.from_numpy(models.shard(inputs.x, world_size, rank))
-    y = torch.from_numpy(models.shard(inputs.y, world_size, rank))
-    steps = []
-    for _ in range(case.steps + 1):
-        module.zero_grad(set_to_none=True)
-        loss(ddp(x), y).backward()
-        steps.append({n: to_numpy(p.grad) for n, p in module.named_parameters()})
-    rebuilt = str(ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"])
-    return {"steps": steps, "buckets": [[int(i) for i in b.split()] for b in rebuilt.split(",")]}
+    out = {}
+    for label, case in CASES.items():
+        inputs = crosscheck.make_inputs(case)
+        module = build(case.model, inputs.weights)
+        ddp = DistributedDataParallel(module, bucket_cap_mb=case.bucket_cap_bytes / 2**20)
+        config = crosscheck.powersgd_config(case.stateful)
+        kwargs = {k: getattr(config, k) for k in config.__dataclass_fields__}
+        ddp.register_comm_hook(psgd.PowerSGDState(None, **kwargs), psgd.powerSGD_hook)
+        x = torch.from_numpy(models.shard(inputs.x, world_size, rank))
+        y = torch.from_numpy(models.shard(inputs.y, world_size, rank))
+        steps = []
+        for _ in range(case.steps + 1):
+            module.zero_grad(set_to_none=True)
+            loss(ddp(x), y).backward()
+            steps.append({n: to_numpy(p.grad) for n, p in module.named_parameters()})
+        rebuilt = str(ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"])
+        buckets = [[int(i) for i in b.split()] for b in rebuilt.split(",")]
+        out[label] = {"steps": steps, "buckets": buckets}
+    return out
 
 
 @pytest.fixture(scope="module")
 def torch_runs() -> dict[str, Any]:
-    """PyTorch's hook on 2 gloo ranks, one bucket (PyTorch's DDP on gloo runs several
-    buckets' PowerSGD callbacks concurrently and in a different order on each rank),
-    stateless (one step after the warm-up) and stateful (ten steps, error feedback and
-    warm start): one spawn each."""
+    """PyTorch's hook on 2 gloo ranks (one spawn), one bucket (PyTorch's DDP on gloo runs
+    several buckets' PowerSGD callbacks concurrently and in a different order on each
+    rank), stateless (one step after the warm-up) and stateful (ten steps, error feedback
+    and warm start)."""
     from xgrad.torch_backend.spawn import spawn
 
+    answer = spawn(_torch_rank, 2, timeout=90)[0]
     out = {}
-    for label, stateful, steps in (("stateless", False, STEPS), ("stateful", True, 9)):
-        case = Case(
-            world_size=2,
-            steps=steps,
-            bucket_cap_bytes=1 << 20,
-            hook="powersgd",
-            stateful=stateful,
-        )
-        config = crosscheck.powersgd_config(stateful)
-        kwargs = {k: getattr(config, k) for k in config.__dataclass_fields__}
-        answer = spawn(_torch_rank, 2, args=(case, kwargs), timeout=60)[0]
-        assert len(answer["buckets"]) == 1
-        plan = BucketPlan((tuple(answer["buckets"][0]),), (1 << 20,))
-        out[label] = (case, plan, answer["steps"])
+    for label, case in CASES.items():
+        buckets = answer[label]["buckets"]
+        assert len(buckets) == 1
+        plan = BucketPlan((tuple(buckets[0]),), (1 << 20,))
+        out[label] = (case, plan, answer[label]["steps"])
     return out
 
 
@@ -140,24 +146,22 @@ def test_shard_map_and_pmap_carry_the_same_state() -> None:
     plan = plan_for(w, names=list(w), bucket_cap_bytes=2048)
     hook = PowerSGD(start_powerSGD_iter=2, warm_start=False)
     finals = {}
-    for mode in ("shard_map", "pmap"):
-        for bucketed in (True, False):
-            step = data_parallel_value_and_grad(
-                jm.make_loss(jm.mlp),
-                world_size=2,
-                names=list(w),
-                hook=hook,
-                mode=mode,
-                plan=plan if bucketed else None,
-            )
-            state = step.init(jm.to_params(w))
-            for _ in range(4):
-                _, grads, state = step(jm.to_params(w), x, y, hook_state=state)
-            finals[(mode, bucketed)] = {k: np.asarray(v) for k, v in grads.items()}
-            assert state.errors[0].shape[0] == 2  # one error row per device
+    for mode, bucketed in (("shard_map", True), ("pmap", True), ("shard_map", False)):
+        step = data_parallel_value_and_grad(
+            jm.make_loss(jm.mlp),
+            world_size=2,
+            names=list(w),
+            hook=hook,
+            mode=mode,
+            plan=plan if bucketed else None,
+        )
+        state = step.init(jm.to_params(w))
+        for _ in range(4):
+            _, grads, state = step(jm.to_params(w), x, y, hook_state=state)
+        finals[(mode, bucketed)] = {k: np.asarray(v) for k, v in grads.items()}
+        assert state.errors[0].shape[0] == 2  # one error row per device
     for name in w:
         assert np.array_equal(finals[("pmap", True)][name], finals[("shard_map", True)][name])
-        assert np.array_equal(finals[("pmap", False)][name], finals[("shard_map", False)][name])
     # Biases are never compressed; weights are compressed per bucket, so the plan matters.
     assert np.array_equal(
         finals[("shard_map", True)]["layers.0.bias"], finals[("shard_map", False)]["layers.0.bias"]

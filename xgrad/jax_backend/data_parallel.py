@@ -239,6 +239,20 @@ class DataParallelStep:
         args = (params, batch) if state is None else (params, batch, state)
         return fn(*args)  # type: ignore[no-any-return]
 
+    def compiled_text(self, params: Any, *batch: Any) -> str:
+        """The compiled program of ``mode="jit"`` for these arguments (XLA's HLO text)."""
+        if self.mode != "jit":
+            raise ValueError(
+                f"compiled_text is for mode='jit' (XLA's reductions), not {self.mode!r}"
+            )
+        axes = normalize_in_axes(self.in_axes, len(batch))
+        replicated = NamedSharding(self.mesh, P())
+        split = NamedSharding(self.mesh, P(self.axis_name))
+        placed = place(batch, axes, split, replicated, self.local_batch)
+        params = jax.device_put(params, replicated)
+        fn = jax.jit(jax.value_and_grad(self.loss_fn, has_aux=self.has_aux))
+        return str(fn.lower(params, *placed).compile().as_text())
+
     def _jit(self, params: Any, batch: tuple[Any, ...]) -> tuple[Any, ...]:
         fn = self._compiled.get("jit")
         if fn is None:

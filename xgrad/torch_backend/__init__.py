@@ -33,6 +33,7 @@ name = "torch"
 BENCHES: dict[str, str] = {
     "ddp": "xgrad.torch_backend.bench",
     "dist-autograd": "xgrad.torch_backend.dist_autograd_bench",
+    "faults": "xgrad.torch_backend.faults_bench",
     "pipeline": "xgrad.torch_backend.pipeline_bench",
 }
 
@@ -47,6 +48,8 @@ _EXPORTS: dict[str, str] = {
     "powersgd_sampler": "xgrad.torch_backend.powersgd",
     "spawn": "xgrad.torch_backend.spawn",
     "SpawnError": "xgrad.torch_backend.spawn",
+    # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
+    # the registry (xgrad.backend.find_sampler) so others replay torch's draws.
 }
 
 #: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).

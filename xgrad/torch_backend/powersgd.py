@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from xgrad.buckets import BucketPlan
-from xgrad.powersgd import PowerSGD, Sampler
+from xgrad.powersgd import PowerSGD
 from xgrad.powersgd_hook import initial_qs as core_initial_qs
 from xgrad.torch_backend.models import torch_dtype
 
@@ -32,6 +32,10 @@ def torch_sampler(seed: int, shapes: Sequence[tuple[int, int]], dtype: str) -> l
     ]
 
 
+#: the name the registry looks for (see ``xgrad.backend.find_sampler``).
+powersgd_sampler = torch_sampler
+
+
 def initial_qs(
     weights: Mapping[str, np.ndarray],
     plan: BucketPlan,
@@ -44,8 +48,3 @@ def initial_qs(
     :func:`xgrad.powersgd_hook.initial_qs` with torch's sampler.
     """
     return core_initial_qs(weights, plan, steps, seed, config, torch_sampler)
-
-
-def powersgd_sampler() -> Sampler:
-    """What the torch backend offers the registry (``xgrad.backend.find_sampler``)."""
-    return torch_sampler
