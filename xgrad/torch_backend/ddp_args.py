@@ -22,7 +22,9 @@ def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is None:
-        if process_group is None:
+        if process_group is None and dist.is_initialized():
+            # PyTorch's DDP holds the default group itself (``join_process_group``);
+            # without one, TorchComm says what to call.
             process_group = dist.distributed_c10d._get_default_group()
         return process_group, None
     if device_mesh.ndim != 1:
