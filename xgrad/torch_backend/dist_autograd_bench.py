@@ -24,6 +24,8 @@ import tempfile
 import time
 from typing import Any
 
+from xgrad.tables import Table, add_table_outputs, print_tables
+
 HELP = (
     "time per distributed backward of xgrad's dist_autograd (gloo) against PyTorch's "
     "torch.distributed.autograd over RPC (TensorPipe) on the same graph (ratio, target < 1)"
@@ -44,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes and 2 passes (for the tests)"
     )
+    add_table_outputs(parser, "the row (milliseconds, ratio, gradient difference)")
 
 
 def _weights(world: int, size: int, batch: int, dtype: Any) -> tuple[Any, list[Any]]:
@@ -156,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
         raise ValueError(f"--world must be >= 2 for a distributed backward, got {args.world}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     import torch.distributed.rpc as rpc
 
     if not rpc.is_available():
@@ -171,14 +176,17 @@ def run(args: argparse.Namespace) -> int:
         result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
-        f"batch {args.batch}, median of {args.iters} backward passes"
-    )
-    print(f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}")
     ratio = result["xgrad"] / result["torch"]
-    print(
-        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}"
+    text = (
+        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
+        f"batch {args.batch}, median of {args.iters} backward passes\n"
+        f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}\n"
+        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}\n"
+        f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
     )
-    print(f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}")
+    columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
+    row = (args.world, args.size, args.batch, args.dtype, args.iters)
+    row += (result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
+    figures = Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")
+    print_tables(args, [figures], text)
     return 0
