@@ -185,8 +185,8 @@ def run(args: argparse.Namespace) -> int:
         f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
     )
     columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
-    row = (args.world, args.size, args.batch, args.dtype, args.iters)
-    row += (result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
+    setup = (args.world, args.size, args.batch, args.dtype, args.iters)
+    row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
     figures = Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")
     print_tables(args, [figures], text)
     return 0
