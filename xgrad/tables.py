@@ -133,7 +133,7 @@ def add_table_outputs(parser: argparse.ArgumentParser, what: str = "the table(s)
             const=STDOUT,
             metavar="FILE",
             help=f"write {what} as {fmt.upper()} to FILE (to standard output, instead of "
-            "the text, when FILE is left out)",
+            "the text, when FILE is left out; default: not written)",
         )
 
 
