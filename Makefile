@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint typecheck bench
+.PHONY: setup demo test lint typecheck bench gpu
 
 setup: $(VENV)/.installed
 
@@ -31,3 +31,19 @@ test: lint typecheck
 
 bench: setup
 	$(VENV)/bin/xgrad bench ddp
+
+# CUDA: the GPU tests and the crosscheck on the GPUs (torch on NCCL, one process per GPU;
+# JAX on the same GPUs with its preallocation off), each runner also compared with its
+# own CPU run. Uses the existing environment (no network); without a GPU it says so and
+# exits 0.
+gpu:
+	@test -x $(PY) || { echo "make gpu: no $(PY): run 'make setup' first"; exit 2; }
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  n=$$($(PY) -c "import torch; print(torch.cuda.device_count())"); \
+	  echo "make gpu: $$n CUDA device(s); GPU tests, then xgrad crosscheck --device cuda --world-size $$n"; \
+	  JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(VENV)/bin/pytest -m gpu -q -rs && \
+	  XLA_PYTHON_CLIENT_PREALLOCATE=false $(VENV)/bin/xgrad crosscheck --device cuda \
+	    --world-size $$n --out xgrad-out/gpu; \
+	else \
+	  echo "make gpu: skipped: no CUDA device here (torch.cuda.is_available() is False)"; \
+	fi

@@ -199,10 +199,13 @@ def test_runner_against_the_float64_truth(entry: Any) -> None:
         rel = np.abs(got.astype(np.float64) - exact).max() / np.abs(exact).max()
         assert rel <= 1e-6, f"{runner.name}: {key} rel {rel:.3g} beyond float32's 1e-6"
     assert result.seconds_per_step > 0
-    # Plan fidelity: the plan it reports is a plan of exactly these parameters; a runner
-    # that took the step's plan reports it unchanged, one that made its own says so.
-    assert result.plan is not None, f"{runner.name} does not say which plan it ran"
-    assert sorted(i for b in result.plan.buckets for i in b) == list(range(len(step.weights)))
+    # Plan fidelity: the plan it reports is a plan of exactly these parameters (None: it
+    # reduces without a bucket plan, as JAX's own jit reduction does, and says so).
+    if result.plan is not None:
+        covered = sorted(i for b in result.plan.buckets for i in b)
+        assert covered == list(range(len(step.weights))), f"{runner.name}: {result.plan}"
+    else:
+        assert "no plan" in runner.description, f"{runner.name} does not say which plan it ran"
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])

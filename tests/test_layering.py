@@ -89,3 +89,21 @@ def test_the_reader_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
         fake.unlink()
     assert "core xgrad.crosscheck._probe_for_test imports xgrad.torch_backend" in found
     assert "core xgrad.crosscheck._probe_for_test imports jax.numpy" in found
+
+
+def test_the_core_names_no_backend_module_in_code() -> None:
+    """No core module reaches a framework backend by its dotted path either (the registry in
+    ``backend.py`` is the one place that knows where the built-in backends live)."""
+    import re
+
+    path_of_backend = re.compile(r"^xgrad\.(torch|jax)_backend(\.\w+)*(:\w+)?$")
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if _under(name, BACKENDS) or name == "xgrad.backend":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+            if is_text and path_of_backend.match(node.value):
+                found.append(f"{name}: {node.value!r}")
+    assert found == []

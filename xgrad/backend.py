@@ -189,6 +189,9 @@ def unsupported_by_declaration(runner: Runner, step: Step) -> str | None:
         return f"{runner.name} runs hooks {runs} only, not {step.hook!r}"
     if step.dtype not in runner.dtypes:
         return f"{runner.name} runs {', '.join(runner.dtypes)} only, not {step.dtype}"
+    devices = getattr(runner, "devices", ("cpu",))
+    if step.device not in devices:
+        return f"{runner.name} runs on {', '.join(devices)} only, not {step.device}"
     return None
 
 

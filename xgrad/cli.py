@@ -13,6 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from xgrad.help_format import HelpFormatter as HelpFormatter
+from xgrad.help_format import with_help_lines
+
 #: subcommand -> module implementing it (imported lazily).
 COMMANDS: dict[str, str] = {
     "crosscheck": "xgrad.commands.crosscheck",
@@ -29,7 +32,7 @@ SUMMARIES: dict[str, str] = {
     "plan": "print the bucket plan for a built-in model or a JSON list of sizes",
     "schedule": "print a pipeline schedule's grid and simulated figures",
     "bench": "benchmarks against PyTorch's own implementations (ratios)",
-    "experiment": "paper experiments (sweeps on the reference backend's virtual clock)",
+    "experiment": "the papers' experiments, reproduced here: list, run NAME, docs",
     "backends": "list the registered backends and whether they can be imported",
 }
 
@@ -45,34 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """Every option gets a help line, and the line shows its default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        shown = (
-            "%(default)" not in text
-            and default is not argparse.SUPPRESS
-            and action.option_strings
-            and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-            and not isinstance(action, argparse._HelpAction)
-        )
-        if shown:
-            text = f"{text} (default: {'none' if default is None else '%(default)s'})".strip()
-        return text
-
-
 def build_module_parser(module: object, prog: str) -> argparse.ArgumentParser:
     """The parser of a command module: its options, each with a help line and default."""
     parser = argparse.ArgumentParser(
         prog=prog, description=getattr(module, "HELP", None), formatter_class=HelpFormatter
     )
     module.add_arguments(parser)  # type: ignore[attr-defined]
-    for action in parser._actions:
-        if not action.help and action.help is not argparse.SUPPRESS:
-            action.help = action.dest.replace("_", " ")  # argparse skips an option without help
-    return parser
+    return with_help_lines(parser)
 
 
 def run_module(path: str, prog: str, argv: Sequence[str]) -> int:

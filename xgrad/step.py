@@ -39,6 +39,8 @@ class Step:
             every backend starts from the same numbers); None: the backend's own draws.
         processes: for backends that can spread their ranks over several processes on
             this machine (``jax.distributed``): how many; the others ignore it.
+        device: ``"cpu"`` or ``"cuda"`` (one GPU per rank); a runner declares the devices
+            it runs on (``devices``, CPU only when it does not say).
     """
 
     model: str
@@ -53,6 +55,7 @@ class Step:
     powersgd: PowerSGD = STATELESS
     sampler: Sampler | None = None
     processes: int = 1
+    device: str = "cpu"
 
     @property
     def dtype(self) -> str:

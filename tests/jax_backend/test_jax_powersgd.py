@@ -140,6 +140,7 @@ def test_ten_stateful_steps_equal_pytorchs_hook(torch_runs: dict[str, Any]) -> N
         assert crosscheck.compare(name, steps[-1][name], model[name], 1e-5).passed, name
 
 
+@pytest.mark.slow
 def test_shard_map_and_pmap_carry_the_same_state() -> None:
     w = models.init_weights("mlp", 0, "float32")
     x, y = models.make_batch("mlp", 0, 8, "float32")

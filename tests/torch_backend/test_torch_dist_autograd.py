@@ -154,6 +154,11 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
             da.backward(cid, loss)
         except RuntimeError as exc:
             out["third"] = str(exc)
+        # A send after the backward passes: the context still waits for it at its exit.
+        if rank == 0:
+            da.send(torch.full((2,), 5.0), 1)
+        if rank == 1:
+            out["late"] = da.recv(0).tolist()
 
     def attempt(name: str, body: Any) -> None:
         start = time.time()
@@ -294,6 +299,7 @@ def test_gradients_equal_one_process_and_every_failure_reaches_every_rank() -> N
         assert bad[6] == "TypeError: tensor is a list, not a torch.Tensor"
     assert results[0][1]["twice"] == pytest.approx([6.0, 6.0, 6.0])
     assert "without retain_graph=True" in results[0][1]["third"]
+    assert results[1][1]["late"] == [5.0, 5.0]
     assert results[0][1]["grad"] == results[0][1]["context"]
     assert results[0][1]["grad"] == pytest.approx([2.0, 2.0, 2.0])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 import xgrad.torch_backend as tb
@@ -16,5 +17,8 @@ def test_package_is_lazy_and_available() -> None:
 
 
 def test_ddp_needs_an_initialised_group() -> None:
-    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialized"):
+    # The same error as PyTorch's own DDP gives without a process group.
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
+        torch.nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Default process group has not been initialized"):
         tb.DistributedDataParallel(nn.Linear(2, 2))

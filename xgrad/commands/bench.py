@@ -17,7 +17,6 @@ HELP = "benchmarks against PyTorch's own implementations, reported as ratios"
 #: the core's targets -> module implementing each.
 TARGETS: dict[str, str] = {
     "graph": "xgrad.graph_bench",
-    "faults": "xgrad.torch_backend.faults_bench",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -84,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "127.0.0.1, each passing its own rows of the batch; default 1)",
     )
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo), or cuda: torch on NCCL with one process per GPU and JAX on the same "
+        "GPUs (its preallocation off), each compared with its own CPU run (default cpu)",
+    )
+    parser.add_argument(
         "--stateful",
         action="store_true",
         help="with --hook powersgd: PyTorch's default PowerSGD state (error feedback, warm "
@@ -98,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from xgrad import crosscheck
 
+    if args.device == "cuda":
+        # JAX shares the GPUs with torch's ranks: it must not grab most of their memory.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     start = time.perf_counter()
     try:
         case = crosscheck.Case(
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             stateful=args.stateful,
             jax_processes=args.jax_processes,
+            device=args.device,
         )
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         if not backends:

@@ -33,6 +33,9 @@ POWERSGD_FACTOR = 10.0
 #: wire dtypes of the compression hooks.
 WIRE_DTYPES: dict[str, str] = {"fp16": "float16", "bf16": "bfloat16"}
 
+#: where a case's ranks compute: the CPU (gloo) or one CUDA device per rank (NCCL).
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
 #: default byte cap of a bucket: small enough that the default MLP gets several buckets.
 DEFAULT_CAP_BYTES = 2048
 
@@ -66,6 +69,9 @@ class Case:
         jax_processes: JAX runs in this many processes (``jax.distributed`` over gloo on
             127.0.0.1, ``world_size / jax_processes`` devices each), each passing only
             its own rows of the batch.
+        device: ``"cpu"`` or ``"cuda"`` (torch on NCCL, one process per GPU; JAX on the
+            same GPUs); with ``"cuda"`` the report also compares each runner with its own
+            CPU run.
     """
 
     model: str = "mlp"
@@ -79,6 +85,7 @@ class Case:
     timeout: float = 120.0
     stateful: bool = False
     jax_processes: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         zoo.get_spec(self.model)
@@ -93,6 +100,8 @@ class Case:
             raise ValueError(
                 f"jax_processes={self.jax_processes} does not divide world_size={self.world_size}"
             )
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r}: expected one of {DEVICES}")
         if self.stateful and self.hook != "powersgd":
             raise ValueError(f"stateful=True is PowerSGD's multi-step mode; hook={self.hook!r}")
         if not self.timeout > 0:

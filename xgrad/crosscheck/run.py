@@ -337,6 +337,11 @@ def run_crosscheck(
             bar.say(f"[{k}/{total}] {name} {report.status} ({report.wall_seconds:.1f} s){extra}")
             reports.append(report)
     names = list(inputs.weights)
+    lines = agreement(reports, names, case.hook)
+    if case.device != "cpu":
+        from xgrad.crosscheck.devices import cuda_vs_cpu
+
+        lines += cuda_vs_cpu(chosen, reports, step_of(inputs))
     return Report(
         case,
         tol,
@@ -344,5 +349,5 @@ def run_crosscheck(
         how,
         reports,
         _attribution(inputs, reports, exact, ref),
-        agreement(reports, names, case.hook),
+        lines,
     )

@@ -32,6 +32,7 @@ def step_of(inputs: Inputs) -> Step:
         powersgd=powersgd_config(case.stateful),
         sampler=torch_sampler(),
         processes=case.jax_processes,
+        device=case.device,
     )
 
 

@@ -15,6 +15,7 @@ from xgrad.experiments import EXPERIMENTS, STANDALONE
 from xgrad.experiments.link import DEFAULT_ALPHA, DEFAULT_BETA
 from xgrad.experiments.output import format_report, write_report
 from xgrad.experiments.report import Report
+from xgrad.help_format import HelpFormatter, with_help_lines
 
 __all__ = ["DEFAULT_OUT", "build_parser", "load", "run_experiment"]
 
@@ -43,7 +44,9 @@ def _positive(text: str) -> float:
 
 def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     """The options of ``xgrad experiment run NAME``: the common ones, then the module's."""
-    parser = argparse.ArgumentParser(prog=f"xgrad experiment run {name}", description=module.HELP)
+    parser = argparse.ArgumentParser(
+        prog=f"xgrad experiment run {name}", description=module.HELP, formatter_class=HelpFormatter
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a small version (under 30 s; the tests use it)"
     )
@@ -77,7 +80,7 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     extra = getattr(module, "add_arguments", None)
     if extra is not None:
         extra(parser)
-    return parser
+    return with_help_lines(parser)
 
 
 def run_experiment(name: str, argv: Sequence[str]) -> tuple[int, Report | None]:

@@ -1,4 +1,4 @@
-"""JAX backend: bucketed data-parallel gradients under pmap and shard_map, jaxpr graphs, the zoo.
+"""JAX backend: data-parallel gradients under shard_map, jit and pmap, PowerSGD, jaxpr graphs.
 
 Importing this package does not import JAX; the names below are loaded on first use, so
 ``xgrad backends`` can ask :func:`available` cheaply.
@@ -96,7 +96,7 @@ def truth() -> None:
 
 def __dir__() -> list[str]:
     """The public names, loaded or not, so tab completion and ``dir()`` show them."""
-    return sorted({*globals(), *__all__})
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__"))})
 
 
 def available() -> bool:

@@ -36,6 +36,30 @@ def cpu_devices(count: int) -> list[Any]:
     return list(jax.devices("cpu"))
 
 
+def gpu_devices(count: int) -> list[Any]:
+    """JAX's CUDA devices, with JAX's preallocation off so torch's ranks fit beside it.
+
+    Raises:
+        ValueError: fewer than ``count`` CUDA devices (or a CPU-only jaxlib), saying so.
+    """
+    # Set before JAX's GPU client starts; afterwards it has no effect (JAX would hold 75%
+    # of every GPU and torch's NCCL ranks on the same GPUs could run out of memory).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    cpu_devices(count)  # fix the CPU device count first: the CPU comparison runs need it
+    import jax
+
+    try:
+        found = list(jax.devices("gpu"))
+    except RuntimeError:
+        found = []
+    if len(found) < count:
+        raise ValueError(
+            f"world_size={count} needs {count} CUDA devices for JAX; it sees {len(found)} "
+            "(a CPU-only jaxlib? install jax[cuda12])"
+        )
+    return found[:count]
+
+
 def run_data_parallel(
     model_name: str,
     weights: Mapping[str, np.ndarray],
@@ -50,6 +74,7 @@ def run_data_parallel(
     draws: Draws | None = None,
     devices: Sequence[Any] | None = None,
     local_batch: bool = False,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Reduced gradients of zoo model ``model_name`` on ``world_size`` JAX devices.
 
@@ -66,7 +91,9 @@ def run_data_parallel(
         ``{"grads": {name: np.ndarray}, "seconds_per_step": float, "plan": plan}`` with the
         gradients in ``weights``' order and dtype.
     """
-    devices = cpu_devices(world_size) if devices is None else list(devices)
+    if devices is None:
+        devices = gpu_devices(world_size) if device == "cuda" else cpu_devices(world_size)
+    devices = list(devices)
     import jax
 
     names = list(weights)

@@ -31,8 +31,18 @@ class JaxRunner:
     mode: str
     hooks: tuple[str, ...] = HOOK_NAMES
     dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
     def unsupported(self, step: Step) -> str | None:
+        if step.device == "cuda":
+            from xgrad.jax_backend.crosscheck import gpu_devices
+
+            if step.processes > 1:
+                return "several JAX processes run on the CPU here (gloo); use one with cuda"
+            try:
+                gpu_devices(step.world_size)
+            except ValueError as err:
+                return str(err)
         if self.mode == "pmap" and step.processes > 1:
             return (
                 "jax.pmap maps over one process's devices; several processes need shard_map or jit"
@@ -82,6 +92,8 @@ class JaxRunner:
             "steps": step.steps,
             "draws": draws,
         }
+        if step.device != "cpu":
+            common["device"] = step.device
         if step.processes > 1:
             answer = run_in_processes(
                 step.model,

@@ -33,6 +33,7 @@ name = "torch"
 BENCHES: dict[str, str] = {
     "ddp": "xgrad.torch_backend.bench",
     "dist-autograd": "xgrad.torch_backend.dist_autograd_bench",
+    "faults": "xgrad.torch_backend.faults_bench",
     "pipeline": "xgrad.torch_backend.pipeline_bench",
 }
 

@@ -36,6 +36,7 @@ def run_ddp(
     steps: int = 1,
     timeout: float = 300.0,
     powersgd: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Averaged gradients of zoo model ``model_name`` under DDP on ``world_size`` gloo ranks.
 
@@ -62,6 +63,7 @@ def run_ddp(
         timeout: seconds for the whole run; nothing waits longer.
         powersgd: ``PowerSGDState`` keyword arguments for ``hook="powersgd"`` (default:
             rank 1 from the second step, no error feedback, no warm start).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank ``r`` on GPU ``r``).
 
     Returns:
         ``{"grads": {name: array}, "seconds_per_step": float, "plan": BucketPlan}`` from
@@ -96,6 +98,7 @@ def run_ddp(
         "hook": hook,
         "steps": steps,
         "timeout": timeout,
+        "device": device,
         "powersgd": powersgd
         or {
             "matrix_approximation_rank": 1,
@@ -104,7 +107,10 @@ def run_ddp(
             "warm_start": False,
         },
     }
-    answer = spawn(_rank_main, world_size, args=(settings,), timeout=timeout)[0]
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    backend = "nccl" if device == "cuda" else "gloo"
+    answer = spawn(_rank_main, world_size, args=(settings,), timeout=timeout, backend=backend)[0]
     answer["plan"] = BucketPlan.from_json(answer["plan"])
     return answer  # type: ignore[no-any-return]
 
@@ -119,9 +125,10 @@ def _rank_main(rank: int, world_size: int, s: dict[str, Any]) -> dict[str, Any]:
     from xgrad.torch_backend import models
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-    module = models.build(s["model"], s["weights"])
-    x = models.to_tensor(shard(s["x"], world_size, rank))
-    y = models.to_tensor(shard(s["y"], world_size, rank))
+    device = f"cuda:{rank}" if s["device"] == "cuda" else "cpu"
+    module = models.build(s["model"], s["weights"]).to(device)
+    x = models.to_tensor(shard(s["x"], world_size, rank)).to(device)
+    y = models.to_tensor(shard(s["y"], world_size, rank)).to(device)
     hook = s["hook"]
     if s["implementation"] == "xgrad":
         plan = None if s["plan"] is None else BucketPlan.from_json(s["plan"])

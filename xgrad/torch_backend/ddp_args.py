@@ -17,13 +17,14 @@ def resolve_group(process_group: Any, device_mesh: Any) -> tuple[Any, Any]:
     """The group to reduce over and the mesh it came from (``None`` without one).
 
     Raises:
-        RuntimeError: no process group initialised, both given, or a mesh that is not
-            1-D (PyTorch's errors).
+        ValueError: no process group initialised (PyTorch's error and type, with a hint).
+        RuntimeError: both given, or a mesh that is not 1-D (PyTorch's errors).
     """
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized: call init_process_group (torchrun sets "
-            "the environment for it) or use xgrad.torch_backend.spawn"
+        raise ValueError(
+            "Default process group has not been initialized, please make sure to call "
+            "init_process_group (torchrun sets the environment for it) or use "
+            "xgrad.torch_backend.spawn."
         )
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")

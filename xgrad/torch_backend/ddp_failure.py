@@ -146,47 +146,46 @@ class StepWatch:
 
     def wait_work(self, work: Any, what: str) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise."""
+        if not work.is_completed():
+            done = threading.Event()
+            work.get_future().add_done_callback(lambda _: done.set())
+            self.wait_event(done, what)
         try:
-            if not work.is_completed():
-                done = threading.Event()
-                work.get_future().add_done_callback(lambda _: done.set())
-                self._wait(done, what)
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                raise self.explain(exc, what) from exc
-        except RankError as error:
-            self._drop_group_if_peer_gone(error)
-            raise
+            work.wait()
+        except RuntimeError as exc:
+            error = self.explain(exc, what)
+            self.drop_group(error, abort=True)
+            raise error from exc
 
     def wait_event(self, done: threading.Event, what: str) -> None:
         """Wait for ``done``, checking the channel between naps, never past the timeout."""
         try:
-            self._wait(done, what)
+            waited = 0.0
+            while not done.wait(self.poll):
+                waited += self.poll
+                self.channel.check()
+                if waited >= self.timeout:
+                    raise self.channel.timed_out(what, self.timeout)
         except RankError as error:
-            self._drop_group_if_peer_gone(error)
+            # The operation is still pending (a frozen peer): aborting would wait for it.
+            self.drop_group(error, abort=False)
             raise
 
-    def _wait(self, done: threading.Event, what: str) -> None:
-        waited = 0.0
-        while not done.wait(self.poll):
-            waited += self.poll
-            self.channel.check()
-            if waited >= self.timeout:
-                raise self.channel.timed_out(what, self.timeout)
+    def drop_group(self, error: RankError, *, abort: bool) -> None:
+        """Stop using the private group when a peer died or froze (or a wait timed out).
 
-    def _drop_group_if_peer_gone(self, error: RankError) -> None:
-        """Abort the private group when a peer died or froze (or a wait timed out).
-
-        Its pending operations and its connections to the lost peer would otherwise be
-        torn down at exit, where gloo aborts the process on the closed connection. The
-        next step makes a fresh group (every rank sees this step's failure).
+        Its collectives cannot match up any more; the next step makes a fresh group
+        (every rank sees this step's failure). A group whose operations already failed
+        (a dead peer) is aborted, since gloo would otherwise abort the process at exit on
+        the closed connection; one with an operation still pending (a frozen peer) is
+        left to expire with its timeout, the DDP's, which bounds ``destroy_process_group()``.
         """
         if error.failure.kind == "error" or self.group is None:
             return
         group, self.group, self.lost = self.group, None, error
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._abort_process_group(group)
+        if abort:
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._abort_process_group(group)
 
     def explain(self, exc: Exception, what: str) -> RankError:
         """A collective that failed locally (gloo's "Connection closed by peer"): say who.
@@ -251,7 +250,7 @@ class WatchedFuture:
             value = self._future.value()
         except Exception as exc:  # the collective or the hook's own chain failed
             error = self._watch.explain(exc, self._what)
-            self._watch._drop_group_if_peer_gone(error)
+            self._watch.drop_group(error, abort=True)
             raise error from exc
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:

@@ -75,8 +75,6 @@ class _Context:
         self.recvs: list[tuple[int, int, torch.Tensor]] = []
         self.counts: dict[tuple[str, int], int] = {}
         self.works: list[Any] = []
-        # Whether every send so far is known to be received (after a backward pass).
-        self.confirmed = True
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.passes = 0
         self.graph_freed = False
@@ -120,17 +118,17 @@ class _Context:
     def close(self) -> None:
         """Make sure every send was received: a store barrier, then the sends' works.
 
-        After a failure this rank already raised (and the user caught), nothing is
-        awaited: the context is dropped.
+        Every rank leaves through the barrier (whether a rank still has sends in flight is
+        not known to the others), so past it every receive was made. After a failure
+        this rank already raised (and the user caught), nothing is awaited.
         """
         if self.reported:
             GRAVEYARD.extend(self.works)
             return
-        if not self.confirmed:
-            try:
-                barrier(self.channel, "exit", len(self.ranks), self.timeout)
-            except RankError as exc:
-                raise _error(self.id, exc) from None
+        try:
+            barrier(self.channel, "exit", len(self.ranks), self.timeout)
+        except RankError as exc:
+            raise _error(self.id, exc) from None
         for peer, (work, _) in self.works:
             self.wait(work, f"context exit, send to rank {peer}", peer)
         try:
@@ -218,7 +216,6 @@ def send(tensor: torch.Tensor, dst: int) -> None:
         ctx.works.append((dst, link.send_tensor(tensor)))
     except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
         raise _error(ctx.id, transfer_failed(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
-    ctx.confirmed = False
     if tensor.requires_grad:
         ctx.sends.append((dst, ctx.number("send", dst), tensor))
 
@@ -309,8 +306,6 @@ def backward(
             ctx.grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)
             if accumulate_grad:
                 leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
-    # Every rank finished the pass, so every tensor sent before it was received.
-    ctx.confirmed = True
     if not retain_graph:
         ctx.graph_freed = True
 

@@ -33,11 +33,13 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
+    check_data_parallel,
 )
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Send, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import (
     EdgeCache,
+    retire,
     split_batch,
 )
 
@@ -184,9 +186,10 @@ class PipelineRuntime(StagePasses):
                 self._reduce_at[self._slot_of[a.stage]] = a.stage
         self.device = None if device is None else torch.device(device)
         if no_sync is not None:
-            self._check_data_parallel()
+            check_data_parallel(self.schedule, self.rank)
         self._edges = EdgeCache()
         self._agreed = False
+        self._p2p: Any = None
         self._channel: FailureChannel | None = None
         self._tag = 0
         # Gloo's sends and receives complete only inside ``wait()``: receives are awaited on
@@ -195,27 +198,6 @@ class PipelineRuntime(StagePasses):
         self._waiters = (Waiter("xgrad-pipeline-recv"), Waiter("xgrad-pipeline-send"))
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
-
-    def _check_data_parallel(self) -> None:
-        """DDP reduces in the backward after its synchronised forward: that must be the
-        stage's last backward, of the last microbatch, and a whole one (B, not I and W)."""
-        if self.schedule.splits_backward:
-            raise ValueError(
-                f"rank {self.rank}: data parallelism (no_sync) needs full backward passes; "
-                f"schedule {self.schedule.name!r} splits them into I and W"
-            )
-        last = self.schedule.num_microbatches - 1
-        for s in self.schedule.stages_of(self.rank):
-            order = [
-                a.microbatch
-                for a in self.schedule.compute(self.rank)
-                if a.stage == s and a.kind is Kind.BACKWARD
-            ]
-            if order[-1] != last:
-                raise ValueError(
-                    f"rank {self.rank}: with data parallelism stage {s}'s last backward must be "
-                    f"of microbatch {last}, got {order[-1]}"
-                )
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -247,6 +229,10 @@ class PipelineRuntime(StagePasses):
         n = sched.num_stages
         self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
+        if self._p2p is None:
+            # Sends and receives go through a private group of the pipeline's ranks.
+            members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            self._p2p = dist.new_group(members, use_local_synchronization=True)
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
             # everywhere; a hang on a schedule one rank does not share is ruled out.
@@ -294,8 +280,13 @@ class PipelineRuntime(StagePasses):
 
     def _reset(self) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
-        last), and leave waiter threads that may be parked on the failed step's transfers."""
+        last), abort the private group of the failed step's transfers (its pending sends and
+        receives would otherwise abort the process at exit; every rank saw the failure and
+        makes a fresh one next step), and leave waiter threads parked on those transfers."""
         self._edges.clear()
+        if self._p2p is not None:
+            retire(self._p2p)
+            self._p2p = None
         for waiter in self._waiters:
             waiter.close()
         self._waiters = (Waiter("xgrad-pipeline-recv"), Waiter("xgrad-pipeline-send"))

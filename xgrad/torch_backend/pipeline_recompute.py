@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CHECKPOINT_MODES", "RngState", "checkpointed", "replayed_rng"]
+from xgrad.pipeline import Kind, Schedule
+
+__all__ = ["CHECKPOINT_MODES", "RngState", "check_data_parallel", "checkpointed", "replayed_rng"]
 
 #: recompute the forward of every microbatch in backward, of every microbatch but the last
 #: (whose backward starts right away), or of none.
@@ -55,3 +57,24 @@ def replayed_rng(state: RngState) -> Iterator[None]:
         if state.cuda is not None:
             torch.cuda.set_rng_state(state.cuda, state.device)
         yield
+
+
+def check_data_parallel(schedule: Schedule, rank: int) -> None:
+    """DDP reduces in the backward after its synchronised forward (the last microbatch's,
+    redone right before its backward): that must be the stage's last backward, of the last
+    microbatch, and a whole one (B, not I and W)."""
+    if schedule.splits_backward:
+        raise ValueError(
+            f"rank {rank}: data parallelism (no_sync) needs full backward passes; "
+            f"schedule {schedule.name!r} splits them into I and W"
+        )
+    last = schedule.num_microbatches - 1
+    for s in schedule.stages_of(rank):
+        order = [
+            a.microbatch for a in schedule.compute(rank) if a.stage == s and a.kind is Kind.BACKWARD
+        ]
+        if order[-1] != last:
+            raise ValueError(
+                f"rank {rank}: with data parallelism stage {s}'s last backward must be "
+                f"of microbatch {last}, got {order[-1]}"
+            )

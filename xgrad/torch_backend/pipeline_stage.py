@@ -54,6 +54,7 @@ class StagePasses:
     _tag: int
     _waiters: tuple[Waiter, Waiter]
     _dp_group: Any
+    _p2p: Any  # the private group of the step's sends and receives
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -76,7 +77,7 @@ class StagePasses:
         has its own tag, so its messages pair up in order whatever else the peers exchange."""
         n = self.schedule.num_stages
         tag = ((self._tag * n + edge[0]) * n + edge[1]) * 2 + (0 if forward else 1)
-        return p2p(op, self._peer(peer_rank), self.group, tag)
+        return p2p(op, self._peer(peer_rank), self._p2p, tag)
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])

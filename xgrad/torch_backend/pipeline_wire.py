@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
+
+from xgrad.torch_backend.failure import abort_group
 
 __all__ = [
     "Description",
@@ -32,6 +35,7 @@ __all__ = [
     "describe",
     "detach_tree",
     "differentiable",
+    "retire",
     "split_batch",
     "tensor_leaves",
 ]
@@ -274,3 +278,21 @@ def p2p(op: Callable[..., Any], peer: int, group: Any, tag: int) -> Callable[[to
         return op(t, peer, group=group, tag=tag)
 
     return post
+
+
+class _Retired:
+    """Holds an aborted group's place among torch's group names: new groups are named by
+    hashing their ranks with the number of named groups, so without it the next private
+    group would take the aborted one's name, and its stale rendezvous keys in the store."""
+
+    def shutdown(self) -> None:  # destroy_process_group shuts every named group down
+        pass
+
+
+def retire(group: Any) -> None:
+    """Abort a private group whose transfers a failed step left pending (they would make
+    ``destroy_process_group`` wait for ever), keeping its name taken."""
+    c10d = dist.distributed_c10d
+    name = c10d._get_process_group_name(group)
+    abort_group(group)
+    c10d._world.pg_names[_Retired()] = name  # type: ignore[index, assignment]

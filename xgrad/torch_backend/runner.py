@@ -36,9 +36,19 @@ class DDPRunner:
     implementation: str
     hooks: tuple[str, ...] = HOOK_NAMES
     dtypes: tuple[str, ...] = DTYPES
+    devices: tuple[str, ...] = ("cpu", "cuda")
 
     def unsupported(self, step: Step) -> str | None:
-        if self.implementation == "torch" and step.hook == "bf16":
+        if step.device == "cuda":
+            import torch
+
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if found < step.world_size:
+                return (
+                    f"world_size={step.world_size} needs {step.world_size} CUDA devices (one "
+                    f"process per GPU, NCCL); {found} here"
+                )
+        elif self.implementation == "torch" and step.hook == "bf16":
             return "PyTorch's bf16_compress_hook needs NCCL on CUDA; these ranks run gloo on CPU"
         if (
             self.implementation == "torch"
@@ -71,6 +81,7 @@ class DDPRunner:
             steps=step.steps,
             timeout=step.timeout,
             powersgd=dataclasses.asdict(step.powersgd),
+            device=step.device,
         )
         return StepResult(
             grads={k: np.asarray(v) for k, v in answer["grads"].items()},
