@@ -10,7 +10,7 @@ two ranks the same tensor is sent twice) and into the loss (a round trip and fan
 xgrad sends tensors with ``dist_autograd.send``/``recv`` on a gloo group; PyTorch calls
 each next rank with nested ``rpc_sync`` over TensorPipe inside a
 ``torch.distributed.autograd`` context. Timed: ``backward`` on rank 0 (for xgrad, until
-every rank finished its part). Also reported: the largest difference between the two
+every rank finished its part); the two run alternately, pass by pass, in the same run. Also reported: the largest difference between the two
 implementations' gradients of every weight.
 """
 
@@ -125,26 +125,29 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     ours: list[float] = []
     theirs: list[float] = []
     mine = None
-    for i in range(cfg["warmup"] + cfg["iters"]):
-        seconds, mine = _xgrad_pass(rank, world, x, w)
-        if i >= cfg["warmup"]:
-            ours.append(seconds)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    grads: list[Any] = []
     opts = rpc.TensorPipeRpcBackendOptions(
         init_method=cfg["rpc_init"], num_worker_threads=8, rpc_timeout=cfg["timeout"]
     )
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     try:
-        if rank != 0:
-            return None
-        grads: list[Any] = []
+        # Alternate the two implementations pass by pass, so that a change of the
+        # machine's load during the run weighs on both alike (the ratio stays fair).
         for i in range(cfg["warmup"] + cfg["iters"]):
-            seconds, grads = _torch_pass(world, x, w)
+            seconds, mine = _xgrad_pass(rank, world, x, w)
             if i >= cfg["warmup"]:
-                theirs.append(seconds)
+                ours.append(seconds)
+            if rank == 0:  # the others serve its calls on their RPC threads meanwhile
+                seconds, grads = _torch_pass(world, x, w)
+                if i >= cfg["warmup"]:
+                    theirs.append(seconds)
+            dist.barrier()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
     finally:
         rpc.shutdown()
+    if rank != 0:
+        return None
     diff = max(float((a - b).abs().max()) for a, b in zip(gathered, grads, strict=True))
     return {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
 
