@@ -16,6 +16,12 @@ from xgrad.torch_backend.runner import run_ranks as run_ranks
 from xgrad.torch_backend.runner import runners as runners
 from xgrad.torch_backend.runner import truth as truth
 
+# Imported now, not lazily: ``spawn`` is also the name of its submodule, and importing that
+# submodule later (anyone's ``from xgrad.torch_backend.spawn import ...``) would rebind the
+# package attribute to the module. spawn.py imports torch only when it runs.
+from xgrad.torch_backend.spawn import SpawnError as SpawnError
+from xgrad.torch_backend.spawn import spawn as spawn
+
 if TYPE_CHECKING:
     from xgrad.torch_backend import dist_autograd as dist_autograd
     from xgrad.torch_backend.comm import TorchComm as TorchComm
@@ -24,8 +30,6 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.dist_autograd import DistBackwardError as DistBackwardError
     from xgrad.torch_backend.ops import TorchArrayOps as TorchArrayOps
     from xgrad.torch_backend.pipeline import PipelineRuntime as PipelineRuntime
-    from xgrad.torch_backend.spawn import SpawnError as SpawnError
-    from xgrad.torch_backend.spawn import spawn as spawn
 
 name = "torch"
 
@@ -45,11 +49,9 @@ _EXPORTS: dict[str, str] = {
     "TorchComm": "xgrad.torch_backend.comm",
     "TorchArrayOps": "xgrad.torch_backend.ops",
     "PipelineRuntime": "xgrad.torch_backend.pipeline",
-    "powersgd_sampler": "xgrad.torch_backend.powersgd",
-    "spawn": "xgrad.torch_backend.spawn",
-    "SpawnError": "xgrad.torch_backend.spawn",
     # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
     # the registry (xgrad.backend.find_sampler) so others replay torch's draws.
+    "powersgd_sampler": "xgrad.torch_backend.powersgd",
 }
 
 #: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).
@@ -57,11 +59,13 @@ _SUBMODULES = ("dist_autograd",)
 
 __all__ = [
     "BENCHES",
+    "SpawnError",
     "array_ops",
     "available",
     "name",
     "run_ranks",
     "runners",
+    "spawn",
     "truth",
     *sorted(_EXPORTS),
     *_SUBMODULES,
