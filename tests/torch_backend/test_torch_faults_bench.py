@@ -27,3 +27,20 @@ def test_a_ddp_cell_and_a_reference_cell_are_all_yes() -> None:
     text = table(rows)
     assert text.splitlines()[0].startswith("| system | fault | where | world | every rank raised")
     assert "| ddp | raise | comm hook | 2 | yes | yes |" in text
+
+
+@pytest.mark.slow
+def test_a_killed_middle_pipeline_stage_is_named_by_both_neighbours() -> None:
+    """SIGKILL of rank 1 (the middle stage of 3, real gloo processes) in its forward pass:
+    rank 0 waits on a gradient from it and rank 2 on an activation; gloo closes their
+    connections, and both name rank 1 (its heartbeat stopped), not themselves. The next
+    step raises the same named error at once instead of waiting on the dead rank."""
+    (row,) = run_matrix([("pipeline", "kill", "forward")], [3], timeout=4.0)
+    for column in COLUMNS:
+        if column != "time to error s":
+            assert row[column] == "yes", (column, row)
+    assert row["time to error s"] < 4.0 * 3, row
+    assert len(row["errors"]) == 2, row["errors"]
+    for error in row["errors"]:
+        assert error.startswith("RankUnresponsiveError: rank 1: stopped answering"), error
+        assert "rank 0 in" not in error and "rank 2 in" not in error, error

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
-from xgrad.torch_backend.failure import failure_channel, still_silent, transfer_failed
+from xgrad.torch_backend.failure import check_lost, failure_channel, transfer_failed
 
 __all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
 
@@ -89,12 +89,7 @@ class StepWatch:
         failure and replaces its private group at the same point.
         """
         failed = self.channel.poll()
-        if (
-            failed is not None
-            and failed.kind == "unresponsive"
-            and still_silent(self.channel, failed.rank)
-        ):
-            raise error_for(failed, self.channel.rank)  # the same named error, not a hang
+        check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
         self.step += 1
         self.channel = failure_channel(self.user_group, self._namespace())
         if failed is not None or self.group is None:

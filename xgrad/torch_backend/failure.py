@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from xgrad.failure import (
+    Failure,
     FailureChannel,
     KeyValueStore,
     RankError,
@@ -47,6 +48,7 @@ from xgrad.heartbeat import Heartbeat, Liveness
 __all__ = [
     "Waiter",
     "abort_group",
+    "check_lost",
     "failure_channel",
     "group_ranks",
     "group_store",
@@ -330,6 +332,14 @@ def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | 
         if time.monotonic() >= limit:
             return None
         time.sleep(nap)
+
+
+def check_lost(channel: FailureChannel, lost: Failure | None, *, prefix: str = "") -> None:
+    """At the start of a step: raise the last step's failure again if it lost a rank that is
+    still silent (dead or still frozen), so the step fails at once, named, instead of waiting
+    on that rank (making a process group with it, a collective)."""
+    if lost is not None and lost.kind == "unresponsive" and still_silent(channel, lost.rank):
+        raise error_for(lost, channel.rank, prefix)
 
 
 def still_silent(channel: FailureChannel, rank: int) -> bool:

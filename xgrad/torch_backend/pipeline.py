@@ -30,7 +30,7 @@ from xgrad.pipeline import (
     validate,
 )
 from xgrad.torch_backend.agreement import check_agreement
-from xgrad.torch_backend.failure import Waiter, failure_channel, still_silent
+from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
@@ -230,13 +230,8 @@ class PipelineRuntime(StagePasses):
         n = sched.num_stages
         self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
-        if self._lost is not None:
-            # A rank that died or stays frozen: the same named error at once, not a wait
-            # on it (making the private group below would wait for it).
-            lost, self._lost = self._lost, None
-            if still_silent(self._channel, lost.rank):
-                self._lost = lost
-                raise error_for(lost, self._channel.rank)
+        check_lost(self._channel, self._lost)  # before a new group waits on a lost rank
+        self._lost = None
         if self._p2p is None:
             # Sends and receives go through a private group of the pipeline's ranks.
             members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
