@@ -44,3 +44,17 @@ def test_a_killed_middle_pipeline_stage_is_named_by_both_neighbours() -> None:
     for error in row["errors"]:
         assert error.startswith("RankUnresponsiveError: rank 1: stopped answering"), error
         assert "rank 0 in" not in error and "rank 2 in" not in error, error
+
+
+def test_systems_and_faults_filters_that_match_no_cell_are_refused() -> None:
+    import argparse
+
+    from xgrad.torch_backend.faults_bench import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--systems", "reference", "--faults", "kill"])
+    with pytest.raises(ValueError, match="no cell of the matrix matches"):
+        run(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--systems", "jax"])

@@ -229,15 +229,16 @@ def wait_work(
         timeout: seconds (default ``XGRAD_TIMEOUT`` or 60).
         what: what is awaited, for the timeout's message (``"recv from rank 2"``).
         waiter: the :class:`Waiter` thread to use (default: a new one for this wait).
-        peer: the other side of a send or receive: if the work fails (gloo reports a
-            connection the peer's death closed), the peer is named as the rank that
-            stopped answering.
+        peer: the other side of a send or receive, named first when the work fails
+            (gloo reports a connection a peer's death closed). Without it the heartbeats
+            name the rank that stopped answering (see :func:`transfer_failed`), so a
+            collective or a receive names the rank that died, never the waiting rank.
         prefix: put before the failure's text in the raised message.
 
     Raises:
         xgrad.failure.RankError: a failure any rank posted, a peer whose heartbeat
             stopped, or the work's own error (posted first, so the other ranks stop too);
-            ``RankUnresponsiveError`` when ``timeout`` ran out or ``peer`` was lost.
+            ``RankUnresponsiveError`` when ``timeout`` ran out or a peer was lost.
         RuntimeError: the work's own error, without a channel.
     """
     seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
