@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -9,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from xgrad.tables import Table, statistics_table, to_csv, to_json, write_tables
+from xgrad.tables import (
+    Table,
+    add_table_outputs,
+    print_tables,
+    statistics_table,
+    to_csv,
+    to_json,
+    write_tables,
+)
 
 
 def test_text_aligns_numbers_right_and_shows_infinity() -> None:
@@ -68,3 +77,21 @@ def test_statistics_print_as_a_table_of_their_own() -> None:
     assert "layer0.weight, layer1.weight" in text and "..." in text
     assert max(len(line) for line in text.splitlines()) < 100
     assert "[1,0] (caps ∞)" in text and "9223372036854775807" not in text
+
+
+def test_table_outputs_are_checked_before_a_run_and_leave_stdout_parseable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser(prog="xgrad bench x")
+    add_table_outputs(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--csv", str(tmp_path / "missing" / "t.csv")])
+    assert "argument --csv: folder" in capsys.readouterr().err
+    table = Table(("a", "ratio"), ((1, float("nan")),), "t")
+    args = parser.parse_args(["--json", "--csv", str(tmp_path / "t.csv")])
+    print_tables(args, [table], "the text")
+    out = capsys.readouterr().out
+    assert json.loads(out) == {"t": [{"a": 1, "ratio": None}]}  # NaN as null; no text
+    assert (tmp_path / "t.csv").read_text() == "a,ratio\n1,nan\n"
+    print_tables(parser.parse_args([]), [table], "the text")
+    assert capsys.readouterr().out == "the text\n"

@@ -16,6 +16,7 @@ import numpy as np
 from xgrad.dependencies import compute_dependencies, unused_parameters
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.progress import progress
+from xgrad.tables import Table, add_table_outputs, print_tables
 
 HELP = "dependency computation on a large random backward graph (vectorised vs a plain walk)"
 
@@ -83,32 +84,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-baseline", action="store_true", help="skip the plain Python walk (slow)"
     )
+    add_table_outputs(parser, "the figures (seconds, speedup)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes < 4 or args.edges < args.nodes or args.repeat < 1:
+        raise ValueError(
+            f"--nodes {args.nodes} --edges {args.edges} --repeat {args.repeat}: expected "
+            "--nodes >= 4, --edges >= --nodes and --repeat >= 1"
+        )
+    lines: list[str] = []
     t0 = time.perf_counter()
     graph, roots, sends = random_graph(args.nodes, args.edges, seed=args.seed)
-    print(
+    built = time.perf_counter() - t0
+    lines.append(
         f"graph: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {len(sends)} sends "
-        f"(built in {time.perf_counter() - t0:.2f} s)"
+        f"(built in {built:.2f} s)"
     )
     t0 = time.perf_counter()
     deps = compute_dependencies(graph, roots, sends)
     first = time.perf_counter() - t0
     best = float("inf")
-    for _ in progress(range(max(1, args.repeat)), "compute_dependencies"):
+    for _ in progress(range(args.repeat), "compute_dependencies"):
         t0 = time.perf_counter()
         deps = compute_dependencies(graph, roots, sends)
         best = min(best, time.perf_counter() - t0)
     t0 = time.perf_counter()
     unused = unused_parameters(graph, roots, sends)
     t_unused = time.perf_counter() - t0
-    print(f"compute_dependencies: first call {first:.3f} s (imports, caches), best {best:.3f} s")
-    print(
+    lines.append(
+        f"compute_dependencies: first call {first:.3f} s (imports, caches), best {best:.3f} s"
+    )
+    lines.append(
         f"  reachable {int(deps.reachable.sum()):,}, leaves {deps.leaves.size:,}, "
         f"needed {int(deps.needed.sum()):,}"
     )
-    print(f"unused_parameters: {t_unused:.3f} s ({len(unused):,} unused)")
+    lines.append(f"unused_parameters: {t_unused:.3f} s ({len(unused):,} unused)")
+    t_ref: float | None = None
+    agree: bool | None = None
     if not args.no_baseline:
         t0 = time.perf_counter()
         ref = plain_walk(graph, roots, sends)
@@ -117,10 +130,14 @@ def run(args: argparse.Namespace) -> int:
         agree = all(table.get(v, 0) == c for v, c in ref.items()) and sum(table.values()) == sum(
             ref.values()
         )
-        print(
+        lines.append(
             f"plain Python walk: {t_ref:.3f} s; xgrad is {t_ref / best:.1f}x faster; agree: {agree}"
         )
         if not agree:
-            print("MISMATCH between xgrad and the plain walk")
-            return 1
-    return 0
+            lines.append("MISMATCH between xgrad and the plain walk")
+    columns = ("nodes", "edges", "sends", "first_s", "best_s", "unused_s", "unused", "walk_s")
+    row = (graph.num_nodes, graph.num_edges, len(sends), first, best, t_unused, len(unused), t_ref)
+    speedup = None if t_ref is None else t_ref / best
+    figures = Table((*columns, "speedup", "agree"), ((*row, speedup, agree),), "bench graph")
+    print_tables(args, [figures], "\n".join(lines))
+    return 1 if agree is False else 0

@@ -11,14 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from xgrad.reducer_buckets import BucketState, build_buckets
 
 if TYPE_CHECKING:
     from xgrad.backend import Comm
     from xgrad.buckets import BucketPlan
     from xgrad.reducer_types import ArrayOps
+    from xgrad.reducer_unused import UnusedParams
 
 
 class JoinAndRecovery:
@@ -44,6 +43,7 @@ class JoinAndRecovery:
     _require_finalize: bool
     _marked_unused: bool
     _failure: str | None = None
+    _unused: UnusedParams
 
     def _launch(self, bucket: BucketState) -> None: ...  # defined by the reducer
 
@@ -108,9 +108,16 @@ class JoinAndRecovery:
                 shadow.wait(self.clock)
         finally:
             self._buckets = real
-        if self.find_unused_parameters or self.static_graph:
-            unused = np.zeros(len(self.params), dtype=np.int32)
-            self.comm.allreduce(self.ops.from_numpy(unused, self.params[0])).wait()
+        # The used-parameter map, when the training ranks sum one (not after a static
+        # graph's first iteration): this rank used nothing.
+        self._unused.on_every_rank(
+            self.comm,
+            self.ops,
+            self.params[0],
+            find_unused=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            used_nothing=True,
+        )
 
     def needs_rebuild_order(self) -> bool:
         """Whether a rebuild is still to come and this rank has no ready order for it."""

@@ -49,27 +49,55 @@ class UnusedParams:
         return self.static
 
     def launch(
-        self, comm: Comm, ops: ArrayOps, like: Any, *, find_unused: bool, static_graph: bool
+        self,
+        comm: Comm,
+        ops: ArrayOps,
+        like: Any,
+        *,
+        find_unused: bool,
+        static_graph: bool,
+        used_nothing: bool = False,
     ) -> None:
-        """Start the used-map allreduce once every bucket is launched (DDP overlaps it too)."""
+        """Start the used-map allreduce once every bucket is launched (DDP overlaps it too).
+
+        ``used_nothing``: this rank took no part (a joined rank shadowing the others).
+        """
         if self._pending is not None or not self._searched(find_unused, static_graph):
             return
-        used = np.ones(self.num_params, dtype=np.int32)
-        used[list(self.current)] = 0
+        used = np.zeros(self.num_params, dtype=np.int32)
+        if not used_nothing:
+            used[:] = 1
+            used[list(self.current)] = 0
         self._pending = comm.allreduce(ops.from_numpy(used, like))
 
     def on_every_rank(
-        self, comm: Comm, ops: ArrayOps, like: Any, *, find_unused: bool, static_graph: bool
+        self,
+        comm: Comm,
+        ops: ArrayOps,
+        like: Any,
+        *,
+        find_unused: bool,
+        static_graph: bool,
+        used_nothing: bool = False,
     ) -> set[int]:
         """Parameters that no rank used this iteration (their gradients stay untouched).
 
         Only searched when parameters may be unused; then the per-rank used maps are
         summed with one extra allreduce, as DDP does (once, for a static graph), started
-        by :meth:`launch` when the last bucket went out, or here.
+        by :meth:`launch` when the last bucket went out, or here. A joined rank passes
+        ``used_nothing`` and keeps the same state as the ranks still training, so it
+        enters exactly the collectives they do.
         """
         if not self._searched(find_unused, static_graph):
             return set() if self._static_global is None else self._static_global
-        self.launch(comm, ops, like, find_unused=find_unused, static_graph=static_graph)
+        self.launch(
+            comm,
+            ops,
+            like,
+            find_unused=find_unused,
+            static_graph=static_graph,
+            used_nothing=used_nothing,
+        )
         work, self._pending = self._pending, None
         assert work is not None
         total = ops.to_numpy(work.wait())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,17 @@ class StepResult:
     grads: dict[str, np.ndarray]
     seconds_per_step: float
     plan: BucketPlan | None = None
+
+    @classmethod
+    def from_answer(cls, answer: Mapping[str, Any]) -> StepResult:
+        """From the plain dict a run in other processes sends back (it pickles simply):
+        ``{"grads": {name: array}, "seconds_per_step": float, "plan": BucketPlan | None}``.
+        """
+        return cls(
+            grads={k: np.asarray(v) for k, v in answer["grads"].items()},
+            seconds_per_step=float(answer["seconds_per_step"]),
+            plan=answer.get("plan"),
+        )
 
 
 def capped_plan(weights: Mapping[str, np.ndarray], bucket_cap_bytes: int) -> BucketPlan:

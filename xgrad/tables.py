@@ -7,6 +7,7 @@ a ``table`` column when several tables share one file.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import json
@@ -65,9 +66,11 @@ class Table:
         return "\n".join(lines)
 
     def records(self) -> list[dict[str, Any]]:
-        """One dict per row, for JSON (infinities as the string ``"inf"``)."""
+        """One dict per row, for JSON (infinities as the string ``"inf"``, NaN as null)."""
 
         def plain(v: Any) -> Any:
+            if isinstance(v, float) and math.isnan(v):
+                return None
             return "inf" if isinstance(v, float) and math.isinf(v) else v
 
         return [{c: plain(v) for c, v in zip(self.columns, row, strict=True)} for row in self.rows]
@@ -96,6 +99,50 @@ def to_csv(tables: Sequence[Table]) -> str:
         for record in t.records():
             writer.writerow([t.title, *(record.get(c, "") for c in columns)])
     return out.getvalue()
+
+
+def output_file(text: str) -> Path:
+    """argparse type: a file to write, whose folder exists (checked before anything runs)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+    return path
+
+
+#: what ``--json``/``--csv`` without a file mean: standard output.
+STDOUT = Path("-")
+
+
+def _output_or_stdout(text: str) -> Path:
+    return STDOUT if text == "-" else output_file(text)
+
+
+def add_table_outputs(parser: argparse.ArgumentParser, what: str = "the table(s)") -> None:
+    """``--json [FILE]`` and ``--csv [FILE]``: ``what`` as JSON and CSV (no FILE: stdout).
+
+    Every command and bench that prints a table takes these two, so a missing folder is
+    argparse's one-line error naming the option, before a long run rather than after it.
+    """
+    for fmt in ("json", "csv"):
+        parser.add_argument(
+            f"--{fmt}",
+            type=_output_or_stdout,
+            nargs="?",
+            const=STDOUT,
+            metavar="FILE",
+            help=f"write {what} as {fmt.upper()} to FILE (to standard output, instead of "
+            "the text, when FILE is left out; default: not written)",
+        )
+
+
+def print_tables(args: argparse.Namespace, tables: Sequence[Table], text: str) -> None:
+    """Print ``text`` (the command's own rendering of ``tables``) and write the JSON/CSV
+    that ``args.json``/``args.csv`` (from :func:`add_table_outputs`) ask for; the text is
+    left out when one of them goes to standard output, so that output stays parseable."""
+    if not write_tables(tables, getattr(args, "json", None), getattr(args, "csv", None)):
+        print(text)
 
 
 def write_tables(tables: Sequence[Table], json_path: Path | None, csv_path: Path | None) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,18 @@ def test_run_prints_the_table_and_verdicts_and_writes_files(
     assert "[schedules]" in out and "AGREES" in out and "DISAGREES" in out
     assert "link: none" in out
     assert (tmp_path / "schedules.png").read_bytes()[:4] == b"\x89PNG"
+    # Every table as JSON and CSV too.
+    assert json.loads((tmp_path / "schedules.json").read_text())["name"] == "schedules"
+    assert (tmp_path / "schedules.csv").read_text().count("\n") > 1
+
+
+def test_out_that_is_a_file_is_one_line_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        main(["experiment", "run", "schedules", "--quick", "--out", str(tmp_path / "f")])
+    assert "argument --out: " in capsys.readouterr().err
 
 
 def test_bucket_sweep_keeps_its_own_options(tmp_path: Path) -> None:

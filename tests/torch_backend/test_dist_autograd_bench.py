@@ -8,6 +8,10 @@ to rank 0, fan-ins) must agree.
 
 from __future__ import annotations
 
+import csv
+import json
+import pathlib
+
 import pytest
 
 from xgrad.cli import main
@@ -15,13 +19,16 @@ from xgrad.cli import main
 torch = pytest.importorskip("torch")
 
 
-def test_bench_reports_a_ratio_and_equal_gradients(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_reports_a_ratio_and_equal_gradients(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch.distributed.rpc as rpc
 
     if not rpc.is_available():
         pytest.skip("torch.distributed.rpc is not available in this build of torch")
     argv = ["bench", "dist-autograd", "--quick", "--world", "3", "--dtype", "float64"]
-    assert main([*argv, "--timeout", "180"]) == 0
+    files = ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
+    assert main([*argv, "--timeout", "180", *files]) == 0
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if line.startswith("backward "))
     torch_ms, xgrad_ms, ratio = (float(v) for v in row.split()[1:4])
@@ -29,6 +36,13 @@ def test_bench_reports_a_ratio_and_equal_gradients(capsys: pytest.CaptureFixture
     assert ratio == pytest.approx(xgrad_ms / torch_ms, rel=1e-2)
     diff = next(line for line in lines if line.startswith("largest gradient difference"))
     assert float(diff.rsplit(" ", 1)[1]) < 1e-12
+    # The same figures as JSON and CSV, unrounded.
+    (record,) = json.loads((tmp_path / "r.json").read_text())["bench dist-autograd"]
+    assert record["world"] == 3 and record["dtype"] == "float64"
+    assert record["ratio"] == pytest.approx(record["xgrad_ms"] / record["torch_rpc_ms"])
+    assert record["torch_rpc_ms"] == pytest.approx(torch_ms, abs=1e-3)
+    (csv_row,) = csv.DictReader((tmp_path / "r.csv").open())
+    assert float(csv_row["max_grad_diff"]) == record["max_grad_diff"] < 1e-12
 
 
 def test_bench_rejects_bad_sizes() -> None:
@@ -36,3 +50,7 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "dist-autograd", "--world", "1"])
     with pytest.raises(ValueError, match="--iters must be >= 1, got 0"):
         main(["bench", "dist-autograd", "--iters", "0"])
+    with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds, got -1\.0"):
+        main(["bench", "dist-autograd", "--timeout", "-1"])
+    with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts
+        main(["bench", "dist-autograd", "--csv", "no/such/folder/r.csv"])

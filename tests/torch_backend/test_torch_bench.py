@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,13 +22,17 @@ def test_bench_prints_one_row_per_case(
 ) -> None:
     out = tmp_path / "rows.json"
     args = ["bench", "ddp", "--scale", "tiny", "--models", "mlp,many"]
-    args += ["--wide-world-size", "0", "--json", str(out)]
+    args += ["--wide-world-size", "0", "--json", str(out), "--csv", str(tmp_path / "rows.csv")]
     assert main(args) == 0
     printed = capsys.readouterr().out
     # --scale tiny takes 2 rounds of 3 steps per side, and says so.
     assert "median of 6 timed steps per side" in printed
     assert printed.count("| mlp |") == 2 and printed.count("| many |") == 2
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["bench ddp"]
+    # The CSV has the same rows, one per case, with the ratios.
+    csv_rows = list(csv.DictReader((tmp_path / "rows.csv").open()))
+    assert [r["model"] for r in csv_rows] == ["mlp", "mlp", "many", "many"]
+    assert all(float(r["time_ratio"]) > 0 for r in csv_rows)
     assert [(r["model"], r["find_unused"]) for r in rows] == [
         ("mlp", False),
         ("mlp", True),
@@ -57,6 +63,36 @@ def test_table_shows_no_memory_ratio_without_torch_memory() -> None:
 def test_unknown_model_is_refused() -> None:
     with pytest.raises(ValueError, match=r"unknown model\(s\) \['resnet'\]"):
         main(["bench", "ddp", "--models", "resnet"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "0"], "--world-size must be at least 2, got 0"),
+        (["--wide-world-size", "1"], "--wide-world-size must be 0 (none) or >= 2, got 1"),
+        (["--iters", "0"], "--iters must be at least 1, got 0"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_option(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        main(["bench", "ddp", *argv])
+
+
+def test_output_to_a_missing_folder_is_one_line_naming_the_option(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--csv", str(tmp_path / "missing" / "rows.csv")])
+    err = capsys.readouterr().err
+    assert "argument --csv" in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_help_shows_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--json [FILE]" in text and "--csv [FILE]" in text
+    assert "(default: 2)" in text and "(default: 600.0)" in text
 
 
 @pytest.mark.slow

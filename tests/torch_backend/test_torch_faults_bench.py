@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
-from xgrad.torch_backend.faults_bench import COLUMNS, reference_cell, run_matrix, table
+from xgrad.cli import main
+from xgrad.tables import to_csv
+from xgrad.torch_backend.faults_bench import (
+    COLUMNS,
+    reference_cell,
+    rows_table,
+    run_matrix,
+    table,
+)
 from xgrad.torch_backend.faults_cells import named_origin
 
 
@@ -58,3 +68,35 @@ def test_systems_and_faults_filters_that_match_no_cell_are_refused() -> None:
         run(args)
     with pytest.raises(SystemExit):
         parser.parse_args(["--systems", "jax"])
+
+
+def test_the_reference_cell_as_json_and_csv_rows() -> None:
+    row = reference_cell(2)
+    data = rows_table([row]).records()
+    assert data[0]["system"] == "reference" and data[0]["world"] == 2
+    assert data[0]["every rank raised"] == "yes" and data[0]["time to error s"] > 0
+    assert "rank 1" in data[0]["errors"]
+    lines = to_csv([rows_table([row])]).splitlines()
+    assert lines[0].startswith("system,fault,where,world,every rank raised")
+    assert lines[1].startswith("reference,raise,comm hook,2,yes,yes,")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--worlds", "1"], "--worlds: 1 ranks cannot lose one"),
+        (["--timeout", "0"], r"--timeout must be > 0 seconds, got 0\.0"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_option(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        main(["bench", "faults", *argv])
+
+
+def test_json_to_a_missing_folder_is_refused_before_any_cell_runs(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "faults", "--json", f"{tmp_path}/missing/m.json"])
+    err = capsys.readouterr().err
+    assert "argument --json" in err and "does not exist" in err

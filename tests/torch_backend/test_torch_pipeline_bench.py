@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import pathlib
+
 import pytest
 
 import xgrad.pipeline as xp
@@ -10,11 +14,14 @@ from xgrad.cli import main
 pytest.importorskip("torch")
 
 
-def test_bench_prints_ratios_bubbles_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_prints_ratios_bubbles_and_memory(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     names = ("gpipe", "1f1b", "interleaved_zb", "dualpipev")
     argv = ["bench", "pipeline", "-p", "2", "-m", "4", "--batch", "8", "--width", "4"]
     argv += ["--schedules", ",".join(names), "--layers", "2", "--steps", "1", "--warmup", "0"]
-    assert main([*argv, "--timeout", "200"]) == 0
+    files = ["--json", str(tmp_path / "p.json"), "--csv", str(tmp_path / "p.csv")]
+    assert main([*argv, "--timeout", "200", *files]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     head = lines.index(next(line for line in lines if line.startswith("schedule ")))
@@ -41,6 +48,19 @@ def test_bench_prints_ratios_bubbles_and_memory(capsys: pytest.CaptureFixture[st
             assert list(figures) == ["torch_heap", "xgrad_heap", "xgrad_activation"]
             for figure in figures.values():
                 assert figure.endswith(" MiB") and float(figure.removesuffix(" MiB")) >= 0
+    # The three sections as data: one speed and one simulator row per schedule, and one
+    # memory row per stage, schedule and figure; the CSV says which table a row is from.
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert list(data) == ["bench pipeline", "simulator", "peak memory"]
+    assert [r["schedule"] for r in data["bench pipeline"]] == list(names)
+    for r in data["bench pipeline"]:
+        assert r["ratio"] == pytest.approx(r["xgrad_s"] / r["torch_s"])
+    for r in data["simulator"]:
+        assert r["error"] == pytest.approx(r["simulated_s"] / r["measured_s"] - 1)
+    assert len(data["peak memory"]) == 2 * len(names) * 3
+    assert all(r["bytes"] >= 0 for r in data["peak memory"])
+    tables = [row["table"] for row in csv.DictReader((tmp_path / "p.csv").open())]
+    assert tables.count("bench pipeline") == len(names) and tables.count("simulator") == len(names)
 
 
 def test_bench_rejects_bad_sizes() -> None:
@@ -48,6 +68,10 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "pipeline", "-m", "2", "--batch", "5"])
     with pytest.raises(ValueError, match="--stages must be >= 2"):
         main(["bench", "pipeline", "-p", "1"])
+    with pytest.raises(ValueError, match="--width must be > 0, got 0"):
+        main(["bench", "pipeline", "--width", "0"])
+    with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts
+        main(["bench", "pipeline", "--json", "no/such/folder/p.json"])
     with pytest.raises(ValueError, match="choose from gpipe"):
         main(["bench", "pipeline", "--schedules", "zb_h1"])
     with pytest.raises(ValueError, match="dualpipev needs num_microbatches >= the 8 stages"):

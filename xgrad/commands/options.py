@@ -12,6 +12,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from xgrad.tables import STDOUT as STDOUT
+from xgrad.tables import add_table_outputs as add_table_outputs
+from xgrad.tables import output_file as output_file
+
 #: unit suffix -> bytes. K, M and G are binary, as DDP's ``bucket_cap_mb`` is (MiB).
 UNITS: dict[str, int] = {
     "B": 1,
@@ -83,16 +87,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def output_file(text: str) -> Path:
-    """argparse type: a file to write, whose folder exists."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
-    return path
-
-
 def output_folder(text: str) -> Path:
     """argparse type: a folder to write into; it is created if its parent exists."""
     path = Path(text)
@@ -101,25 +95,3 @@ def output_folder(text: str) -> Path:
     if not path.exists() and not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
     return path
-
-
-#: what ``--json``/``--csv`` without a file mean: standard output.
-STDOUT = Path("-")
-
-
-def _output_or_stdout(text: str) -> Path:
-    return STDOUT if text == "-" else output_file(text)
-
-
-def add_table_outputs(parser: argparse.ArgumentParser, what: str = "the table(s)") -> None:
-    """``--json [FILE]`` and ``--csv [FILE]``: ``what`` as JSON and CSV (no FILE: stdout)."""
-    for fmt in ("json", "csv"):
-        parser.add_argument(
-            f"--{fmt}",
-            type=_output_or_stdout,
-            nargs="?",
-            const=STDOUT,
-            metavar="FILE",
-            help=f"write {what} as {fmt.upper()} to FILE (to standard output, instead of "
-            "the text, when FILE is left out)",
-        )

@@ -42,6 +42,14 @@ def _positive(text: str) -> float:
     return value
 
 
+def _results_folder(text: str) -> Path:
+    """argparse type: a folder for the results, made (with its parents) if missing."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    return path
+
+
 def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     """The options of ``xgrad experiment run NAME``: the common ones, then the module's."""
     parser = argparse.ArgumentParser(
@@ -57,7 +65,10 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
         help=f"backend to run on (default {module.BACKENDS[0]})",
     )
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})"
+        "--out",
+        type=_results_folder,
+        default=DEFAULT_OUT,
+        help=f"results folder: NAME.json, NAME.csv, NAME.png (default {DEFAULT_OUT})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds weights and data")
     parser.add_argument(

@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from xgrad import models as zoo
 from xgrad.backend import runner_entries
 from xgrad.progress import progress
 from xgrad.step import Step, make_step
-from xgrad.tables import Table, write_tables
+from xgrad.tables import Table, add_table_outputs, print_tables
 
 HELP = "JAX: bucketed vs leaf-by-leaf reduction, and JAX vs torch step time (ratios)"
 
@@ -75,10 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-rank", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--no-torch", action="store_true", help="JAX variants only")
-    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    parser.add_argument(
-        "--csv", type=Path, default=None, help="also write the times as CSV (variant, ms/step)"
-    )
+    add_table_outputs(parser, "the times (variant, ms per step, the case's settings)")
 
 
 def time_steps(step: Callable[[], Any], steps: int) -> float:
@@ -193,11 +188,8 @@ def run(args: argparse.Namespace) -> int:
         if "torch DDP" not in torch_s:
             print("torch comparison skipped: no torch DDP runner can run here", file=sys.stderr)
             torch_s = {}
-    print(format_table(case, jax_s, torch_s))
-    if args.csv is not None:
-        times = tuple((k, v * 1e3) for k, v in {**jax_s, **torch_s}.items())
-        write_tables([Table(("variant", "ms_per_step"), times, "bench jax")], None, args.csv)
-    if args.json is not None:
-        rows = {"case": asdict(case), "jax": jax_s, "torch": torch_s}
-        args.json.write_text(json.dumps(rows, indent=2))
+    case_row = tuple(asdict(case).values())
+    times = tuple((k, v * 1e3, *case_row) for k, v in {**jax_s, **torch_s}.items())
+    columns = ("variant", "ms_per_step", *asdict(case))
+    print_tables(args, [Table(columns, times, "bench jax")], format_table(case, jax_s, torch_s))
     return 0

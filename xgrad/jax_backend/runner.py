@@ -15,8 +15,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from xgrad.backend import Runner, Step, StepResult, unsupported_by_declaration
 from xgrad.hooks import HOOK_NAMES
 from xgrad.powersgd_hook import fresh_draws
@@ -106,11 +104,7 @@ class JaxRunner:
             )
         else:
             answer = run_data_parallel(step.model, step.weights, step.x, step.y, **common)
-        return StepResult(
-            grads={k: np.asarray(v) for k, v in answer["grads"].items()},
-            seconds_per_step=float(answer["seconds_per_step"]),
-            plan=answer.get("plan"),
-        )
+        return StepResult.from_answer(answer)
 
 
 def runners() -> tuple[Runner, ...]:

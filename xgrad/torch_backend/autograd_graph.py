@@ -144,15 +144,17 @@ def find_unused_parameters(
         elif id(fn) not in seen:
             seen.add(id(fn))
             stack.append(fn)
-    while stack:
+    found = sum(used)
+    while stack and found < num_params:  # every parameter reached: the rest cannot add one
         fn = stack.pop()
         keep.append(fn)
         # A type check, not getattr(fn, "variable", None): a failed getattr on an autograd
         # node raises and catches an AttributeError, the slowest step of this loop.
         if type(fn) is _ACCUMULATE_GRAD:
             index = param_index.get(id(fn.variable))
-            if index is not None:
+            if index is not None and not used[index]:
                 used[index] = 1
+                found += 1
             continue
         for child, _ in fn.next_functions:
             if child is not None and id(child) not in seen:

@@ -13,11 +13,10 @@ import argparse
 import copy
 import functools
 import itertools
-import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from xgrad.tables import Table, add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
 from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 from xgrad.torch_backend.spawn import spawn
@@ -94,12 +94,12 @@ class CaseResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks")
     parser.add_argument(
         "--wide-world-size",
         type=int,
         default=4,
-        help="also run the first model at this world size (0: no such row; default 4)",
+        help="also run the first model at this world size (0: no such row)",
     )
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the run")
-    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_table_outputs(parser, "the rows (seconds, bytes, ratios)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,8 +120,12 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         raise ValueError(f"--models: unknown model(s) {unknown}; expected some of {MODELS}")
-    if args.world_size < 2:
-        raise ValueError(f"--world-size must be at least 2, got {args.world_size}")
+    for label, least in (("world_size", 2), ("rounds", 1), ("iters", 1), ("threads", 1)):
+        value = getattr(args, label)
+        if value is not None and value < least:
+            raise ValueError(f"--{label.replace('_', '-')} must be at least {least}, got {value}")
+    if args.wide_world_size == 1 or args.wide_world_size < 0:
+        raise ValueError(f"--wide-world-size must be 0 (none) or >= 2, got {args.wide_world_size}")
     rounds, iters, warmup = _STEPS[args.scale]
     settings = {
         "models": models,
@@ -145,29 +149,21 @@ def run(args: argparse.Namespace) -> int:
         )[0]
     results = [CaseResult(**r) for r in rows]
     steps = sorted({r.steps for r in results})
-    print(
+    head = (
         f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
         f"{'/'.join(map(str, steps))} timed steps per side (each alternated with the other "
         "side and with the bare model); µs/grad = (DDP step - bare step) / tensors"
     )
-    print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                [
-                    asdict(r)
-                    | {
-                        "time_ratio": r.time_ratio,
-                        "memory_ratio": r.memory_ratio,
-                        "xgrad_per_grad": r.xgrad_per_grad,
-                        "torch_per_grad": r.torch_per_grad,
-                    }
-                    for r in results
-                ],
-                f,
-                indent=2,
-            )
+    print_tables(args, [rows_table(results)], head + "\n" + table(results))
     return 0
+
+
+def rows_table(results: list[CaseResult]) -> Table:
+    """Every figure of every row, unformatted (times in seconds, memory in bytes)."""
+    extra = ("time_ratio", "memory_ratio", "xgrad_per_grad", "torch_per_grad")
+    rows = [(*asdict(r).values(), *(getattr(r, k) for k in extra)) for r in results]
+    columns = tuple(f.name for f in fields(CaseResult)) + extra
+    return Table(columns, tuple(rows), "bench ddp")
 
 
 def table(results: list[CaseResult]) -> str:

@@ -10,7 +10,7 @@ two ranks the same tensor is sent twice) and into the loss (a round trip and fan
 xgrad sends tensors with ``dist_autograd.send``/``recv`` on a gloo group; PyTorch calls
 each next rank with nested ``rpc_sync`` over TensorPipe inside a
 ``torch.distributed.autograd`` context. Timed: ``backward`` on rank 0 (for xgrad, until
-every rank finished its part). Also reported: the largest difference between the two
+every rank finished its part); the two run alternately, pass by pass, in the same run. Also reported: the largest difference between the two
 implementations' gradients of every weight.
 """
 
@@ -23,6 +23,8 @@ import statistics
 import tempfile
 import time
 from typing import Any
+
+from xgrad.tables import Table, add_table_outputs, print_tables
 
 HELP = (
     "time per distributed backward of xgrad's dist_autograd (gloo) against PyTorch's "
@@ -44,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes and 2 passes (for the tests)"
     )
+    add_table_outputs(parser, "the row (milliseconds, ratio, gradient difference)")
 
 
 def _weights(world: int, size: int, batch: int, dtype: Any) -> tuple[Any, list[Any]]:
@@ -122,26 +125,29 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     ours: list[float] = []
     theirs: list[float] = []
     mine = None
-    for i in range(cfg["warmup"] + cfg["iters"]):
-        seconds, mine = _xgrad_pass(rank, world, x, w)
-        if i >= cfg["warmup"]:
-            ours.append(seconds)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    grads: list[Any] = []
     opts = rpc.TensorPipeRpcBackendOptions(
         init_method=cfg["rpc_init"], num_worker_threads=8, rpc_timeout=cfg["timeout"]
     )
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     try:
-        if rank != 0:
-            return None
-        grads: list[Any] = []
+        # Alternate the two implementations pass by pass, so that a change of the
+        # machine's load during the run weighs on both alike (the ratio stays fair).
         for i in range(cfg["warmup"] + cfg["iters"]):
-            seconds, grads = _torch_pass(world, x, w)
+            seconds, mine = _xgrad_pass(rank, world, x, w)
             if i >= cfg["warmup"]:
-                theirs.append(seconds)
+                ours.append(seconds)
+            if rank == 0:  # the others serve its calls on their RPC threads meanwhile
+                seconds, grads = _torch_pass(world, x, w)
+                if i >= cfg["warmup"]:
+                    theirs.append(seconds)
+            dist.barrier()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
     finally:
         rpc.shutdown()
+    if rank != 0:
+        return None
     diff = max(float((a - b).abs().max()) for a, b in zip(gathered, grads, strict=True))
     return {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
 
@@ -156,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
         raise ValueError(f"--world must be >= 2 for a distributed backward, got {args.world}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     import torch.distributed.rpc as rpc
 
     if not rpc.is_available():
@@ -171,14 +179,17 @@ def run(args: argparse.Namespace) -> int:
         result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
-        f"batch {args.batch}, median of {args.iters} backward passes"
-    )
-    print(f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}")
     ratio = result["xgrad"] / result["torch"]
-    print(
-        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}"
+    text = (
+        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
+        f"batch {args.batch}, median of {args.iters} backward passes\n"
+        f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}\n"
+        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}\n"
+        f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
     )
-    print(f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}")
+    columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
+    setup = (args.world, args.size, args.batch, args.dtype, args.iters)
+    row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
+    figures = Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")
+    print_tables(args, [figures], text)
     return 0

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from xgrad.tables import Table, add_table_outputs, print_tables
 from xgrad.torch_backend.faults_cells import FAULTY, HEARTBEAT_ENV, named_origin, run_cell
 
 HELP = "the fault matrix: raise, kill and freeze a rank of the DDP, the pipeline, the reference"
@@ -203,6 +204,13 @@ def run_matrix(
     return rows
 
 
+def rows_table(rows: Sequence[dict]) -> Table:
+    """The matrix as data (for ``--json``/``--csv``), every rank's error text included."""
+    head = ("system", "fault", "where", "world", *COLUMNS)
+    cells = [(*(row[h] for h in head), "\n".join(row["errors"])) for row in rows]
+    return Table((*head, "errors"), tuple(cells), "bench faults")
+
+
 def table(rows: Sequence[dict]) -> str:
     """The matrix as a Markdown table (the README shows it)."""
     head = ("system", "fault", "where", "world", *COLUMNS)
@@ -234,6 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="only the cells of these faults (default: all)",
     )
+    add_table_outputs(parser, "the matrix (every rank's error included)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -248,12 +257,14 @@ def run(args: argparse.Namespace) -> int:
     for w in worlds:
         if w < 2:
             raise ValueError(f"--worlds: {w} ranks cannot lose one; expected >= 2")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     rows = run_matrix(cells, worlds, args.timeout)
-    print(table(rows))
+    text = [table(rows)]
     if args.errors:
         for row in rows:
-            print(f"\n{row['system']} {row['fault']} {row['where']} world {row['world']}:")
-            for error in row["errors"]:
-                print(f"  {error}")
+            text.append(f"\n{row['system']} {row['fault']} {row['where']} world {row['world']}:")
+            text += [f"  {error}" for error in row["errors"]]
+    print_tables(args, [rows_table(rows)], "\n".join(text))
     bad = [r for r in rows if any(r[c] == "no" for c in COLUMNS if c != "time to error s")]
     return 1 if bad else 0

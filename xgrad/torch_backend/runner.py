@@ -83,11 +83,7 @@ class DDPRunner:
             powersgd=dataclasses.asdict(step.powersgd),
             device=step.device,
         )
-        return StepResult(
-            grads={k: np.asarray(v) for k, v in answer["grads"].items()},
-            seconds_per_step=float(answer["seconds_per_step"]),
-            plan=answer.get("plan"),
-        )
+        return StepResult.from_answer(answer)
 
 
 def runners() -> tuple[Runner, ...]:

@@ -1,0 +1,54 @@
+"""The bench's report: its text and its tables say the same, from the same per-rank results."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import xgrad.pipeline as xp
+from xgrad.tables import to_csv
+
+pytest.importorskip("torch")
+
+
+def _results(step: float, busy: float) -> list[dict]:
+    """Per-rank results as the bench's workers return them: gpipe, 2 stages, 2 microbatches,
+    every forward 1 ms and every backward 2 ms, no message records (the ping-pong is used)."""
+    per_rank = []
+    for rank in range(2):
+        costs = {(rank, "F"): 1e-3, (rank, "B"): 2e-3}
+        peaks = {"torch_heap_bytes": 2**20, "xgrad_heap_bytes": 2**19, "xgrad_activation_bytes": 0}
+        gpipe = {"torch": 2 * step, "xgrad": step, "busy": busy, "records": [], "costs": costs}
+        per_rank.append({"message": 1e-4, "gpipe": gpipe | {"peaks": peaks}})
+    return per_rank
+
+
+def test_the_text_and_the_tables_hold_the_same_figures() -> None:
+    from xgrad.torch_backend.pipeline_report import report
+
+    args = argparse.Namespace(stages=2, microbatches=2, batch=8, width=4, layers=1)
+    args.backend, args.steps = "gloo", 1
+    text, tables = report(args, _results(step=0.01, busy=0.006), ["gpipe"])
+    speed, simulated, memory = (t.records() for t in tables)
+    assert speed == [
+        {"schedule": "gpipe", "torch_s": 0.02, "xgrad_s": 0.01, "ratio": 0.5, "ok": True}
+    ]
+
+    def cost(action: xp.Action) -> float:
+        return 1e-3 if action.kind is xp.Kind.FORWARD else 2e-3
+
+    sim = xp.simulate(xp.make("gpipe", 2, 2), cost, comm_cost=1e-4)
+    (row,) = simulated
+    assert row["simulated_s"] == pytest.approx(sim.step_time)
+    assert row["error"] == pytest.approx(sim.step_time / 0.01 - 1)
+    assert row["bubble_measured"] == pytest.approx(1 - 2 * 0.006 / (2 * 0.01))
+    assert row["message_us"] == pytest.approx(100)
+    assert [(r["stage"], r["figure"], r["bytes"]) for r in memory[:2]] == [
+        (0, "torch_heap", 2**20),
+        (0, "xgrad_heap", 2**19),
+    ]
+    assert "gpipe       0.02000       0.01000   0.500  ok" in text
+    assert row["ok"] is False and text.rstrip().count("MISSED") == 1  # bubble off by 5 points
+    assert "stage 1: gpipe torch_heap=1.00 MiB, xgrad_heap=0.50 MiB" in text
+    assert to_csv(tables).splitlines()[0].startswith("table,schedule,torch_s,xgrad_s,ratio,ok")
