@@ -39,6 +39,37 @@ def test_a_ddp_cell_and_a_reference_cell_are_all_yes() -> None:
     assert "| ddp | raise | comm hook | 2 | yes | yes |" in text
 
 
+@pytest.mark.slow
+def test_a_killed_middle_pipeline_stage_is_named_by_both_neighbours() -> None:
+    """SIGKILL of rank 1 (the middle stage of 3, real gloo processes) in its forward pass:
+    rank 0 waits on a gradient from it and rank 2 on an activation; gloo closes their
+    connections, and both name rank 1 (its heartbeat stopped), not themselves. The next
+    step raises the same named error at once instead of waiting on the dead rank."""
+    (row,) = run_matrix([("pipeline", "kill", "forward")], [3], timeout=4.0)
+    for column in COLUMNS:
+        if column != "time to error s":
+            assert row[column] == "yes", (column, row)
+    assert row["time to error s"] < 4.0 * 3, row
+    assert len(row["errors"]) == 2, row["errors"]
+    for error in row["errors"]:
+        assert error.startswith("RankUnresponsiveError: rank 1: stopped answering"), error
+        assert "rank 0 in" not in error and "rank 2 in" not in error, error
+
+
+def test_systems_and_faults_filters_that_match_no_cell_are_refused() -> None:
+    import argparse
+
+    from xgrad.torch_backend.faults_bench import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--systems", "reference", "--faults", "kill"])
+    with pytest.raises(ValueError, match="no cell of the matrix matches"):
+        run(args)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--systems", "jax"])
+
+
 def test_the_reference_cell_as_json_and_csv_rows() -> None:
     row = reference_cell(2)
     data = rows_table([row]).records()

@@ -22,7 +22,6 @@ import contextlib
 import itertools
 import pickle
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
-from xgrad.torch_backend.failure import failure_channel
+from xgrad.torch_backend.failure import check_lost, failure_channel, transfer_failed
 
 __all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
 
@@ -90,24 +89,13 @@ class StepWatch:
         failure and replaces its private group at the same point.
         """
         failed = self.channel.poll()
-        if failed is not None and failed.kind == "unresponsive" and self._still_silent(failed.rank):
-            raise error_for(failed, self.channel.rank)  # the same named error, not a hang
+        check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
         self.step += 1
         self.channel = failure_channel(self.user_group, self._namespace())
         if failed is not None or self.group is None:
             self.group = self._private_group()
             self.lost = None
         return failed
-
-    def _still_silent(self, rank: int) -> bool:
-        """Whether ``rank``'s heartbeat is still not moving (over a few beats)."""
-        liveness = self.channel.liveness
-        if liveness is None or rank not in liveness.ranks:
-            return False
-        liveness.read(force=True)
-        time.sleep(liveness.interval * 3)
-        liveness.read(force=True)
-        return rank in liveness.stale(older_than=liveness.interval * 2.5)
 
     def post(self, where: str, exc: BaseException) -> RankError:
         """Report this rank's failure; the error every rank raises for the step's first one."""
@@ -188,28 +176,15 @@ class StepWatch:
                 dist.distributed_c10d._abort_process_group(group)
 
     def explain(self, exc: Exception, what: str) -> RankError:
-        """A collective that failed locally (gloo's "Connection closed by peer"): say who.
-
-        A peer that posted a failure is named at once; one that died is named once its
-        heartbeat is seen stopped (within the heartbeat timeout). Otherwise this rank
-        posts the error as its own.
-        """
-        liveness = self.channel.liveness
-        limit = liveness.timeout * 1.5 if liveness is not None else 0.0
-        waited = 0.0
-        while True:
-            failure = self.channel.poll()
-            if failure is not None:
-                return error_for(failure, self.channel.rank)
-            if liveness is not None:
-                liveness.read(force=True)
-                stale = liveness.stale(older_than=min(liveness.timeout, 1.0))
-                if stale:
-                    return self.channel.timed_out(f"{what} ({_describe(exc)})", max(waited, 1.0))
-            if waited >= limit:
-                return self.post(what, exc)
-            threading.Event().wait(self.poll * 5)
-            waited += self.poll * 5
+        """A collective that failed locally (gloo's "Connection closed by peer"): the
+        failure channel says which rank stopped answering (see
+        :func:`~xgrad.torch_backend.failure.transfer_failed`)."""
+        if isinstance(exc, RankError):
+            return exc
+        try:
+            return transfer_failed(self.channel, what, exc, None)
+        except RankError as error:  # another rank's failure, posted first
+            return error
 
 
 class WatchedWork:

@@ -27,12 +27,14 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, cast
 
 import torch.distributed as dist
 
 from xgrad.failure import (
+    Failure,
     FailureChannel,
     KeyValueStore,
     RankError,
@@ -46,10 +48,13 @@ from xgrad.heartbeat import Heartbeat, Liveness
 __all__ = [
     "Waiter",
     "abort_group",
+    "check_lost",
     "failure_channel",
     "group_ranks",
     "group_store",
+    "silent_peer",
     "start_heartbeat",
+    "still_silent",
     "stop_heartbeat",
     "transfer_failed",
     "wait_posted",
@@ -224,15 +229,16 @@ def wait_work(
         timeout: seconds (default ``XGRAD_TIMEOUT`` or 60).
         what: what is awaited, for the timeout's message (``"recv from rank 2"``).
         waiter: the :class:`Waiter` thread to use (default: a new one for this wait).
-        peer: the other side of a send or receive: if the work fails (gloo reports a
-            connection the peer's death closed), the peer is named as the rank that
-            stopped answering.
+        peer: the other side of a send or receive, named first when the work fails
+            (gloo reports a connection a peer's death closed). Without it the heartbeats
+            name the rank that stopped answering (see :func:`transfer_failed`), so a
+            collective or a receive names the rank that died, never the waiting rank.
         prefix: put before the failure's text in the raised message.
 
     Raises:
         xgrad.failure.RankError: a failure any rank posted, a peer whose heartbeat
             stopped, or the work's own error (posted first, so the other ranks stop too);
-            ``RankUnresponsiveError`` when ``timeout`` ran out or ``peer`` was lost.
+            ``RankUnresponsiveError`` when ``timeout`` ran out or a peer was lost.
         RuntimeError: the work's own error, without a channel.
     """
     seconds = check_seconds("timeout", default_seconds("timeout") if timeout is None else timeout)
@@ -280,18 +286,76 @@ def transfer_failed(
 ) -> RankError:
     """Post a failed send, receive or collective (``exc``) and return the error to raise.
 
-    A failure another rank posted first is the origin. Otherwise, with a ``peer`` (gloo
-    fails a transfer when the peer's death closed the connection), the peer is named as
-    the rank that stopped answering; without one, this rank in ``what``.
+    Gloo fails a transfer locally ("Connection closed by peer") when a peer died, so the
+    failure is rarely this rank's own: it is worded for the rank that stopped answering.
+    A failure another rank posted first is the origin. Otherwise the heartbeats are read
+    until a peer is seen stopped (within 1.5 heartbeat timeouts; ``peer``, the other side
+    of a send or receive, first when it is among them): that rank is named. When every
+    peer still beats, ``peer`` is named if given (its side of the transfer failed), else
+    this rank in ``what``.
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
-    if peer is None:
+    silent = silent_peer(channel, prefer=peer)
+    if silent is None:
+        silent = peer
+    if silent is None:
         failure = channel.post(what, text)
     else:
-        message = f"stopped answering: {what} failed: {text}"
-        failure = channel.post("", message, kind="unresponsive", rank=peer)
+        if silent == peer:
+            message = f"stopped answering: {what} failed: {text}"
+        else:
+            message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
+        failure = channel.post("", message, kind="unresponsive", rank=silent)
     return error_for(failure, channel.rank, prefix)
+
+
+def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | None:
+    """The peer whose heartbeat stopped, read for up to 1.5 heartbeat timeouts; None if all beat.
+
+    For a transfer that failed locally: a killed peer's heartbeat stops at once, so it is
+    seen stopped after about one second (or a short heartbeat timeout). A failure another
+    rank posts meanwhile names its own origin; this returns None then (the caller's post
+    returns that failure).
+    """
+    liveness = channel.liveness
+    if liveness is None or not liveness.ranks:
+        return None
+    limit = time.monotonic() + liveness.timeout * 1.5
+    nap = max(liveness.interval, 0.05)
+    while True:
+        if channel.poll() is not None:
+            return None
+        liveness.read(force=True)
+        stale = liveness.stale(older_than=min(liveness.timeout, 1.0))
+        if stale:
+            return prefer if prefer in stale else stale[0]
+        if time.monotonic() >= limit:
+            return None
+        time.sleep(nap)
+
+
+def check_lost(channel: FailureChannel, lost: Failure | None, *, prefix: str = "") -> None:
+    """At the start of a step: raise the last step's failure again if it lost a rank that is
+    still silent (dead or still frozen), so the step fails at once, named, instead of waiting
+    on that rank (making a process group with it, a collective)."""
+    if lost is not None and lost.kind == "unresponsive" and still_silent(channel, lost.rank):
+        raise error_for(lost, channel.rank, prefix)
+
+
+def still_silent(channel: FailureChannel, rank: int) -> bool:
+    """Whether ``rank``'s heartbeat is still not moving (over a few beats).
+
+    At the start of a step after one that lost ``rank``: a rank that died or stays frozen
+    makes the new step raise the same named error at once instead of waiting on it.
+    """
+    liveness = channel.liveness
+    if liveness is None or rank not in liveness.ranks:
+        return False
+    liveness.read(force=True)
+    time.sleep(liveness.interval * 3)
+    liveness.read(force=True)
+    return rank in liveness.stale(older_than=liveness.interval * 2.5)
 
 
 def abort_group(group: Any = None) -> None:

@@ -228,11 +228,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=8.0, help="the DDP's and pipeline's timeout="
     )
     parser.add_argument("--errors", action="store_true", help="also print every rank's error")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=sorted({c[0] for c in CELLS}),
+        default=None,
+        help="only the cells of these systems (default: all)",
+    )
+    parser.add_argument(
+        "--faults",
+        nargs="+",
+        choices=sorted({c[1] for c in CELLS}),
+        default=None,
+        help="only the cells of these faults (default: all)",
+    )
     add_table_outputs(parser, "the matrix (every rank's error included)")
 
 
 def run(args: argparse.Namespace) -> int:
     cells = QUICK_CELLS if args.quick else CELLS
+    systems, faults = getattr(args, "systems", None), getattr(args, "faults", None)
+    cells = tuple(
+        c for c in cells if (not systems or c[0] in systems) and (not faults or c[1] in faults)
+    )
+    if not cells:
+        raise ValueError(f"--systems={systems} --faults={faults}: no cell of the matrix matches")
     worlds = [2] if args.quick else args.worlds
     for w in worlds:
         if w < 2:

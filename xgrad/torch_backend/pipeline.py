@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xgrad.failure import FailureChannel, RankError, error_for, wait_until
+from xgrad.failure import Failure, FailureChannel, RankError, error_for, wait_until
 from xgrad.pipeline import (
     Action,
     Invocation,
@@ -30,7 +30,7 @@ from xgrad.pipeline import (
     validate,
 )
 from xgrad.torch_backend.agreement import check_agreement
-from xgrad.torch_backend.failure import Waiter, failure_channel
+from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
@@ -191,6 +191,7 @@ class PipelineRuntime(StagePasses):
         self._agreed = False
         self._p2p: Any = None
         self._channel: FailureChannel | None = None
+        self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
         # Gloo's sends and receives complete only inside ``wait()``: receives are awaited on
         # one thread while this one watches the failure channel, sends drain on another (a
@@ -229,6 +230,8 @@ class PipelineRuntime(StagePasses):
         n = sched.num_stages
         self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
+        check_lost(self._channel, self._lost)  # before a new group waits on a lost rank
+        self._lost = None
         if self._p2p is None:
             # Sends and receives go through a private group of the pipeline's ranks.
             members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
@@ -269,20 +272,24 @@ class PipelineRuntime(StagePasses):
                     raise send.error[0]
             action = None
             return loss
-        except RankError:
-            self._reset()
+        except RankError as error:
+            self._reset(error)
             raise
         except Exception as exc:
-            self._reset()
+            self._reset(None)
             where = f"{action} failed" if action is not None else "step failed"
             failure = self._channel.post("", f"{where}: {type(exc).__name__}: {exc}")
             raise error_for(failure, self._channel.rank) from exc
 
-    def _reset(self) -> None:
+    def _reset(self, error: RankError | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
         last), abort the private group of the failed step's transfers (its pending sends and
         receives would otherwise abort the process at exit; every rank saw the failure and
-        makes a fresh one next step), and leave waiter threads parked on those transfers."""
+        makes a fresh one next step), and leave waiter threads parked on those transfers.
+        A rank that stopped answering is remembered: the next step checks it first."""
+        self._lost = (
+            error.failure if error is not None and error.failure.kind == "unresponsive" else None
+        )
         self._edges.clear()
         if self._p2p is not None:
             retire(self._p2p)
