@@ -10,16 +10,13 @@ the size towards ``1/beta``. Fitting the line to the measurements gives alpha an
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Any
 
 import numpy as np
 
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict, within
-from xgrad.experiments.torch_parts import make_link, spawn
+from xgrad.experiments.torch_parts import spawn, torch_backend
 from xgrad.reference.clock import LinkModel
 
 HELP = "allreduce of 1 K to 8 M float32 elements: fitted alpha, beta; algbw and busbw"
@@ -29,27 +26,6 @@ LINKS = ("real", "sim")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
-
-
-def _worker(rank: int, world: int, sizes: list[int], reps: int, link_cfg: Any) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    link = make_link(link_cfg[0], link_cfg[1], link_cfg[2], world)
-    out = []
-    for n in sizes:
-        buf = torch.ones(n, dtype=torch.float32)
-        times = []
-        for i in range(reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buf)
-            if link is not None:
-                link.wait(n * 4)
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-        out.append(statistics.median(times))
-    return out
 
 
 def fit(nbytes: list[int], seconds: list[float], world: int) -> tuple[float, float]:
@@ -74,7 +50,7 @@ def run(args: argparse.Namespace) -> Report:
     link_cfg = (args.link, args.alpha, args.beta)
     times: list[float] = []
     for _ in progress([0], f"allreduce-size on {n} ranks"):
-        times = spawn(_worker, n, (elems, reps, link_cfg), timeout=600)[0]
+        times = spawn(torch_backend().allreduce_worker, n, (elems, reps, link_cfg), timeout=600)[0]
     nbytes = [e * 4 for e in elems]
     alpha, beta = fit(nbytes, times, n)
     factor = 2 * (n - 1) / n

@@ -20,14 +20,7 @@ from xgrad.experiments.bucket_sweep import SweepConfig, run_point
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
-from xgrad.experiments.torch_parts import (
-    linked_hook,
-    make_link,
-    median_seconds,
-    mlp,
-    spawn,
-    torch_backend,
-)
+from xgrad.experiments.torch_parts import spawn, torch_backend
 from xgrad.reference.clock import LinkModel
 
 HELP = "iteration time vs bucket cap (one bucket per parameter .. one for all): the U shape"
@@ -68,33 +61,6 @@ def u_shape(times: list[float]) -> tuple[bool, float, float]:
     return inside and left >= U_MARGIN and right >= U_MARGIN, left, right
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """Per cap: buckets, median iteration seconds, and the link's modelled busy seconds."""
-    import torch
-
-    link = make_link(cfg["link"], cfg["alpha"], cfg["beta"], world)
-    g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    out = []
-    for cap in cfg["caps"]:
-        model = mlp(cfg["width"], cfg["layers"], cfg["seed"])
-        mib = cap / 2**20
-        ddp = torch_backend().DistributedDataParallel(
-            model, bucket_cap_mb=mib, first_bucket_cap_mb=mib
-        )
-        ddp.register_hook(linked_hook(link)(ddp.comm))
-
-        def step(ddp: Any = ddp) -> None:
-            ddp.zero_grad(set_to_none=False)
-            ddp(x).square().mean().backward()
-
-        seconds = median_seconds(step, warmup=2, steps=cfg["steps"])
-        sizes = ddp.statistics()["bucket_sizes"]
-        busy = sum(link.seconds(b) for b in sizes) if link is not None else float("nan")
-        out.append((len(ddp.plan.buckets), seconds, busy))
-    return out
-
-
 def _measured(
     args: argparse.Namespace, layers: int, caps: tuple[int, ...]
 ) -> list[tuple[Any, ...]]:
@@ -112,7 +78,7 @@ def _measured(
     }
     per_rank: list[list[tuple[int, float, float]]] = []
     for _ in progress([0], "bucket-size on 2 ranks"):
-        per_rank = spawn(_worker, 2, (cfg,), timeout=600)
+        per_rank = spawn(torch_backend().bucket_worker, 2, (cfg,), timeout=600)
     nan = float("nan")
     return [
         (

@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from xgrad.experiments.pipeline_parts import pipeline_worker
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
-from xgrad.experiments.torch_parts import spawn
+from xgrad.experiments.torch_parts import spawn, torch_backend
 
 HELP = "pipeline checkpointing always / except_last / never: saved-activation memory and time"
 BACKENDS = ("torch",)
@@ -46,7 +45,7 @@ def run(args: argparse.Namespace) -> Report:
     }
     per_rank: list[list[dict[str, Any]]] = []
     for _ in progress([0], "checkpoint"):
-        per_rank = spawn(pipeline_worker, p, (cfg,), timeout=600)
+        per_rank = spawn(torch_backend().pipeline_worker, p, (cfg,), timeout=600)
     rows = []
     for i, mode in enumerate(MODES):
         step = max(r[i]["time"] for r in per_rank)

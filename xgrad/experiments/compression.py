@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from xgrad.backend import backend_available
+from xgrad.backend import backend_available, get_backend
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
-from xgrad.experiments.torch_parts import spawn
+from xgrad.experiments.torch_parts import spawn, torch_backend
 
 HELP = "fp16, bf16, PowerSGD ranks 1/2/4: bytes, gradient error and training loss, torch and JAX"
 BACKENDS = ("torch",)
@@ -63,135 +63,6 @@ def powersgd_bytes(shapes: list[tuple[int, ...]], rank: int, itemsize: int = 4) 
     return total
 
 
-def _grad(param: Any) -> Any:
-    """A parameter's gradient, which DDP's backward must have written."""
-    if param.grad is None:
-        raise RuntimeError(f"parameter of shape {tuple(param.shape)} got no gradient")
-    return param.grad
-
-
-def _torch_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-    from xgrad.backend import get_backend
-
-    ddp_cls = get_backend("torch").DistributedDataParallel
-    x, y = (torch.from_numpy(a) for a in cfg["batch"])
-    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    out = {}
-    for name, r in cfg["variants"].items():
-        layers = nn.ModuleList(
-            nn.Linear(w.shape[1], w.shape[0]) for k, w in cfg["weights"].items() if "weight" in k
-        )
-        with torch.no_grad():
-            for k, w in cfg["weights"].items():
-                layers.get_submodule(k.split(".", 1)[1].rsplit(".", 1)[0]).get_parameter(
-                    k.rsplit(".", 1)[1]
-                ).copy_(torch.from_numpy(w))
-
-        def forward(inp: Any, layers: Any = layers) -> Any:
-            for i, layer in enumerate(layers):
-                inp = layer(inp)
-                inp = torch.tanh(inp) if i < len(layers) - 1 else inp
-            return inp
-
-        model = nn.Module()
-        model.layers = layers
-        model.forward = forward  # type: ignore[method-assign]
-        ddp = ddp_cls(model, bucket_cap_mb=1000)  # one bucket: PowerSGD on gloo needs it
-        if name in ("fp16", "bf16"):
-            ddp.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
-        elif r:
-            state = psgd.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=r,
-                start_powerSGD_iter=START,
-                min_compression_rate=MIN_RATE,
-                random_seed=cfg["seed"],
-            )
-            ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        params = list(model.parameters())
-        losses, error = [], 0.0
-        for step in range(cfg["steps"]):
-            loss = (forward(x) - y).square().mean()
-            if step == START:  # the first compressed step: the exact average for reference
-                exact = torch.autograd.grad(loss, params, retain_graph=True)
-                flat = torch.cat([g.reshape(-1) for g in exact])
-                dist.all_reduce(flat)
-                flat /= world
-            for p in params:
-                p.grad = None
-            loss = (ddp(x) - y).square().mean()
-            loss.backward()
-            if step == START:
-                got = torch.cat([_grad(p).reshape(-1) for p in params])
-                error = float((got - flat).norm() / flat.norm())
-            whole = loss.detach().clone()
-            dist.all_reduce(whole)
-            losses.append(float(whole) / world)
-            with torch.no_grad():
-                for p in params:
-                    p.sub_(LR * _grad(p))
-        out[name] = {"losses": losses, "error": error}
-    return out
-
-
-def _jax_runs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The same training in JAX on 2 CPU devices (fresh process state needs the flag)."""
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import jax
-    import jax.numpy as jnp
-
-    from xgrad.backend import get_backend
-
-    jb = get_backend("jax")
-    names = list(cfg["weights"])
-    n_layers = sum(1 for k in names if k.endswith("weight"))
-
-    def loss_fn(params: dict[str, Any], x: Any, y: Any) -> Any:
-        for i in range(n_layers):
-            x = x @ params[f"layers.{i}.weight"].T + params[f"layers.{i}.bias"]
-            x = jnp.tanh(x) if i < n_layers - 1 else x
-        return jnp.mean((x - y) ** 2)
-
-    x, y = (jnp.asarray(a) for a in cfg["batch"])
-    out = {}
-    exact_step = jb.data_parallel_value_and_grad(loss_fn, world_size=2)
-    for name, r in cfg["variants"].items():
-        hook: Any = None
-        if name in ("fp16", "bf16"):
-            hook = name
-        elif r:
-            hook = jb.PowerSGD(
-                matrix_approximation_rank=r,
-                start_powerSGD_iter=START,
-                min_compression_rate=MIN_RATE,
-                random_seed=cfg["seed"],
-            )
-        step_fn = jb.data_parallel_value_and_grad(loss_fn, world_size=2, hook=hook)
-        params = {k: jnp.asarray(v) for k, v in cfg["weights"].items()}
-        state = step_fn.init(params) if step_fn.stateful else None
-        losses, error = [], 0.0
-        for step in range(cfg["steps"]):
-            if state is None:
-                loss, grads = step_fn(params, x, y)
-            else:
-                loss, grads, state = step_fn(params, x, y, hook_state=state)
-            if step == START:
-                _, exact = exact_step(params, x, y)
-                e = jnp.concatenate([exact[k].reshape(-1) for k in names])
-                g = jnp.concatenate([grads[k].reshape(-1) for k in names])
-                error = float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e))
-            losses.append(float(loss))
-            params = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
-        out[name] = {"losses": losses, "error": error}
-    return out
-
-
 def run(args: argparse.Namespace) -> Report:
     from xgrad.models import get_spec, init_weights, make_batch
 
@@ -209,15 +80,20 @@ def run(args: argparse.Namespace) -> Report:
         "variants": variants,
         "steps": steps,
         "seed": args.seed,
+        "start": START,
+        "lr": LR,
+        "min_rate": MIN_RATE,
     }
     results: dict[str, dict[str, Any]] = {}
     jax_ok, jax_why = backend_available("jax")
     frameworks = ("torch", "jax") if jax_ok else ("torch",)
     for framework in progress(frameworks, "compression"):
         if framework == "torch":
-            results["torch"] = spawn(_torch_worker, 2, (cfg,), timeout=600)[0]
+            results["torch"] = spawn(torch_backend().compression_worker, 2, (cfg,), timeout=600)[0]
         else:
-            results["jax"] = _jax_runs(cfg)
+            # JAX on 2 CPU devices: fresh process state needs the flag before JAX starts.
+            os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+            results["jax"] = get_backend("jax").compression_runs(cfg)
     shapes = [shape for _, shape in get_spec("mlp").params]
     full = sum(int(np.prod(s)) for s in shapes) * 4
     rows = []

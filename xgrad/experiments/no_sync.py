@@ -12,15 +12,12 @@ counted on the wire, and the time per sample is set against the cost model
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
-import time
 from typing import Any
 
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict, within
-from xgrad.experiments.torch_parts import linked_hook, make_link, mlp, spawn, torch_backend
+from xgrad.experiments.torch_parts import spawn, torch_backend
 from xgrad.reference.clock import LinkModel
 
 HELP = "reduce every n = 1, 2, 4, 8 iterations: same gradients, communication per sample 1/n"
@@ -37,72 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=256, help="MLP width")
     parser.add_argument("--layers", type=int, default=6, help="MLP layers")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per iteration")
-
-
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    link = make_link(cfg["link"], cfg["alpha"], cfg["beta"], world)
-    model = mlp(cfg["width"], cfg["layers"], cfg["seed"])
-    reference = copy.deepcopy(model).double()
-    ddp = torch_backend().DistributedDataParallel(model)
-    sent = [0]
-
-    def counting(comm: Any) -> Any:
-        inner = linked_hook(link)(comm)
-
-        def hook(bucket: Any) -> Any:
-            buf = bucket.buffer()
-            sent[0] += buf.numel() * buf.element_size()
-            return inner(bucket)
-
-        return hook
-
-    ddp.register_hook(counting(ddp.comm))
-    b = cfg["batch"]
-    out: dict[str, Any] = {}
-    for n in cfg["ns"]:
-        # The global batch of one sync: n microbatches on each of the ranks.
-        g = torch.Generator().manual_seed(cfg["seed"] + n)
-        xs = torch.randn(n, world, b, cfg["width"], generator=g)
-
-        def sync_step(n: int = n, xs: Any = xs) -> None:
-            ddp.zero_grad(set_to_none=False)
-            for k in range(n - 1):
-                with ddp.no_sync():
-                    ddp(xs[k, rank]).square().mean().backward()
-            ddp(xs[n - 1, rank]).square().mean().backward()
-
-        sync_step()  # warm-up (and the bucket rebuild)
-        sent[0] = 0
-        times = []
-        for _ in range(cfg["steps"]):
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            sync_step()
-            times.append(time.perf_counter() - start)
-        nbytes = sent[0] / cfg["steps"]
-        error = 0.0
-        if rank == 0:
-            reference.zero_grad()
-            reference(xs.reshape(-1, cfg["width"]).double()).square().mean().backward()
-            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-                got = p.grad.double() / n
-                error = max(error, float((got - q.grad).abs().max() / q.grad.abs().max()))
-        # Compute alone: the same n microbatches with no reduction at all.
-        with ddp.no_sync():
-            start = time.perf_counter()
-            for _ in range(cfg["steps"]):
-                for k in range(n):
-                    ddp(xs[k, rank]).square().mean().backward()
-            compute = (time.perf_counter() - start) / cfg["steps"]
-        out[str(n)] = {
-            "time": statistics.median(times),
-            "bytes": nbytes,
-            "error": error,
-            "compute": compute,
-        }
-    return out
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -124,7 +55,7 @@ def run(args: argparse.Namespace) -> Report:
     }
     per_rank: list[dict[str, Any]] = []
     for _ in progress([0], "no-sync"):
-        per_rank = spawn(_worker, world, (cfg,), timeout=600)
+        per_rank = spawn(torch_backend().no_sync_worker, world, (cfg,), timeout=600)
     rows = []
     for n in ns:
         r0 = per_rank[0][str(n)]

@@ -17,15 +17,13 @@ alpha-beta cost model's prediction for this run is checked as well.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 from xgrad.experiments.costmodel import ddp_iteration
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict, within
-from xgrad.experiments.torch_parts import linked_hook, make_link, mlp, spawn, torch_backend
+from xgrad.experiments.torch_parts import spawn, torch_backend
 from xgrad.reference.clock import LinkModel
 
 HELP = "forward, backward and exposed communication with overlap on and off (DDP Fig. 6)"
@@ -44,71 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cap-mb", type=float, default=1.0, help="bucket cap (MiB)")
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    link = make_link(cfg["link"], cfg["alpha"], cfg["beta"], world)
-    model = mlp(cfg["width"], cfg["layers"], cfg["seed"])
-    ddp = torch_backend().DistributedDataParallel(
-        model, bucket_cap_mb=cfg["cap_mb"], first_bucket_cap_mb=cfg["cap_mb"]
-    )
-    ddp.register_hook(linked_hook(link)(ddp.comm))
-    g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def reduce_after() -> None:
-        for bucket in ddp.plan.buckets:
-            flat = torch.cat([params[i].grad.reshape(-1) for i in bucket])
-            # As in DDP's hook: the link is booked at launch, the reduction runs within it.
-            finish = link.reserve(flat.numel() * flat.element_size()) if link else 0.0
-            dist.all_reduce(flat)
-            if finish > time.perf_counter():
-                time.sleep(finish - time.perf_counter())
-            flat /= world
-            offset = 0
-            for i in bucket:
-                n = params[i].numel()
-                params[i].grad.copy_(flat[offset : offset + n].view_as(params[i]))
-                offset += n
-
-    def step(mode: str) -> tuple[float, float]:
-        ddp.zero_grad(set_to_none=False)
-        dist.barrier()
-        start = time.perf_counter()
-        if mode == "overlap":
-            loss = ddp(x).square().mean()
-            mid = time.perf_counter()
-            loss.backward()
-        else:
-            with ddp.no_sync():
-                loss = ddp(x).square().mean()
-                mid = time.perf_counter()
-                loss.backward()
-            if mode == "no_overlap":
-                reduce_after()
-        end = time.perf_counter()
-        return mid - start, end - start
-
-    # The first steps build and rebuild the buckets; every mode gets a warm-up.
-    for _ in range(2):
-        for mode in MODES:
-            step(mode)
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    for _ in range(cfg["steps"]):
-        for mode in MODES:  # interleaved so that drift in the load hits all alike
-            samples[mode].append(step(mode))
-    layer_bytes = [p.numel() * p.element_size() for p in params]
-    return {
-        m: {
-            "forward": statistics.median(s[0] for s in v),
-            "total": statistics.median(s[1] for s in v),
-        }
-        for m, v in samples.items()
-    } | {"buckets": len(ddp.plan.buckets), "layer_bytes": layer_bytes}
-
-
 def run(args: argparse.Namespace) -> Report:
     for label in ("width", "layers", "batch"):
         if getattr(args, label) < 1:
@@ -123,13 +56,14 @@ def run(args: argparse.Namespace) -> Report:
         "beta": args.beta,
         "seed": args.seed,
         "steps": 3 if args.quick else 15,
+        "modes": MODES,
     }
     if args.quick:
         cfg["layers"] = min(args.layers, 4)
     world = 2
     res: dict[str, Any] = {}
     for _ in progress([0], "overlap"):
-        per_rank = spawn(_worker, world, (cfg,), timeout=600)
+        per_rank = spawn(torch_backend().overlap_worker, world, (cfg,), timeout=600)
         res = {m: {k: max(r[m][k] for r in per_rank) for k in ("forward", "total")} for m in MODES}
         res["buckets"] = per_rank[0]["buckets"]
         res["layer_bytes"] = per_rank[0]["layer_bytes"]

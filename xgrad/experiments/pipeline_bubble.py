@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from xgrad.experiments.pipeline_parts import pipeline_worker
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict, within
-from xgrad.experiments.torch_parts import spawn
+from xgrad.experiments.torch_parts import spawn, torch_backend
 
 HELP = "GPipe bubble for m = 1..32 microbatches against (p-1)/(m+p-1), measured on gloo"
 BACKENDS = ("torch",)
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace) -> Report:
     }
     per_rank: list[list[dict[str, Any]]] = []
     for _ in progress([0], f"pipeline-bubble on {p} ranks"):
-        per_rank = spawn(pipeline_worker, p, (cfg,), timeout=600)
+        per_rank = spawn(torch_backend().pipeline_worker, p, (cfg,), timeout=600)
     rows = []
     for i, m in enumerate(ms):
         results = [r[i] for r in per_rank]

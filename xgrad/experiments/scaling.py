@@ -24,7 +24,7 @@ from xgrad.experiments.extrapolate import Workload, best_cap, iteration, pipelin
 from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, within
-from xgrad.experiments.torch_parts import spawn
+from xgrad.experiments.torch_parts import spawn, torch_backend
 from xgrad.reference.clock import LinkModel
 
 HELP = "alpha-beta cost model: validated on small runs here, extrapolated to 1024 ranks"
@@ -62,8 +62,11 @@ def _validate(args: argparse.Namespace, link: LinkModel) -> tuple[list[tuple[Any
             "beta": args.beta,
             "seed": args.seed,
             "steps": 3 if args.quick else 10,
+            "modes": overlap.MODES,
         }
-        per_rank: list[dict[str, Any]] = spawn(overlap._worker, 2, (cfg,), timeout=600)
+        per_rank: list[dict[str, Any]] = spawn(
+            torch_backend().overlap_worker, 2, (cfg,), timeout=600
+        )
         t = {m: max(r[m]["total"] for r in per_rank) for m in overlap.MODES}
         fwd = max(r["no_comm"]["forward"] for r in per_rank)
         nbytes = list(reversed(per_rank[0]["layer_bytes"]))

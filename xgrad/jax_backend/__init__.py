@@ -59,6 +59,8 @@ _EXPORTS: dict[str, str] = {
     "find_unused_parameters": "xgrad.jax_backend.graph",
     "PowerSGD": "xgrad.powersgd",
     "PowerSGDCarry": "xgrad.jax_backend.powersgd",
+    # The compression experiment's JAX run (xgrad.experiments calls it through the registry).
+    "compression_runs": "xgrad.jax_backend.paper_compression",
 }
 
 __all__ = [

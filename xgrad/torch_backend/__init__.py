@@ -52,6 +52,14 @@ _EXPORTS: dict[str, str] = {
     # PowerSGD's fresh Q as torch.randn draws them (xgrad.powersgd.Sampler): found through
     # the registry (xgrad.backend.find_sampler) so others replay torch's draws.
     "powersgd_sampler": "xgrad.torch_backend.powersgd",
+    # The experiments' per-rank workers (xgrad.experiments spawns them through the registry).
+    "allreduce_worker": "xgrad.torch_backend.paper_workers",
+    "bucket_worker": "xgrad.torch_backend.paper_workers",
+    "compression_worker": "xgrad.torch_backend.paper_compression",
+    "link_comm_hook": "xgrad.torch_backend.paper_parts",
+    "no_sync_worker": "xgrad.torch_backend.paper_workers",
+    "overlap_worker": "xgrad.torch_backend.paper_workers",
+    "pipeline_worker": "xgrad.torch_backend.paper_pipeline",
 }
 
 #: submodules that are public names themselves (``from xgrad.torch_backend import dist_autograd``).

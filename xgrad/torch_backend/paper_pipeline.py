@@ -1,7 +1,7 @@
-"""The worker the pipeline experiments share: one rank of a torch pipeline, timed and metered.
+"""The rank worker the pipeline experiments share: one rank of a torch pipeline, timed and metered.
 
 Each rank holds one stage (a few Linear + Tanh layers) and runs xgrad's pipeline runtime
-(the torch backend's ``PipelineRuntime``, found through the registry) over loopback gloo.
+(the torch backend's ``PipelineRuntime``) over loopback gloo.
 Per configuration it reports the median step time, the busy time of its compute actions
 as the runtime records them (a stage's forward and backward also wait there for the
 activation or gradient they receive, so this over-counts work), the stage's own compute
@@ -16,7 +16,12 @@ import statistics
 import time
 from typing import Any
 
-from xgrad.experiments.torch_parts import mlp, torch_backend
+import torch
+import torch.distributed as dist
+
+import xgrad.pipeline as xp
+from xgrad.torch_backend.paper_parts import mlp
+from xgrad.torch_backend.pipeline import PipelineRuntime
 
 __all__ = ["pipeline_worker"]
 
@@ -29,8 +34,6 @@ class _SavedBytes:
         self.peak = 0
 
     def hooks(self) -> Any:
-        import torch
-
         meter = self
 
         class Held:
@@ -50,12 +53,7 @@ class _SavedBytes:
 
 def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Run every ``(schedule, m, checkpoint)`` of ``cfg["runs"]``; one dict per run."""
-    import torch
-    import torch.distributed as dist
-
-    import xgrad.pipeline as xp
-
-    runtime_cls = torch_backend().PipelineRuntime
+    runtime_cls = PipelineRuntime
     stage = mlp(cfg["width"], cfg["layers"], cfg["seed"] + rank)
     g = torch.Generator().manual_seed(cfg["seed"])
     x = torch.randn(cfg["batch"], cfg["width"], generator=g)
@@ -89,9 +87,9 @@ def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str
             dist.barrier()
             step()
         # One rank at a time, so that the stages do not share the CPU while timed alone.
-        for r in range(world):
+        for turn in range(world):
             dist.barrier()
-            if r == rank:
+            if turn == rank:
                 forward, backward = _alone(stage, x.chunk(m)[0], last, m, cfg["steps"])
         out.append(
             {
@@ -110,8 +108,6 @@ def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str
 def _alone(stage: Any, x: Any, last: bool, m: int, steps: int) -> tuple[float, float]:
     """Median seconds of one microbatch's forward and backward through ``stage`` alone
     (with the loss on the last stage), as many times as a step runs them."""
-    import torch
-
     fwd, bwd = [], []
     for _ in range(steps * m):
         inp = x.detach().requires_grad_(True)
