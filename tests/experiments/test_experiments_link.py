@@ -1,32 +1,13 @@
-"""The simulated link: one message at a time, each the ring time after the previous."""
+"""The link line of a report (the link itself is tested in tests/test_link.py)."""
 
 from __future__ import annotations
 
-import time
-
-import pytest
-
-from xgrad.experiments.link import SimulatedLink, link_description
+from xgrad.experiments.link import link_description
 from xgrad.reference.clock import LinkModel
 
 
-def test_messages_queue_on_the_link() -> None:
-    link = SimulatedLink(LinkModel(1e-3, 1e-6), world_size=2)
-    one = link.seconds(1000)
-    assert one == pytest.approx(2e-3 + 1e-3)
-    first = link.reserve(1000, now=10.0)
-    second = link.reserve(1000, now=10.0)  # issued at once: waits for the first
-    third = link.reserve(1000, now=100.0)  # the link is idle again
-    assert (first, second, third) == pytest.approx((10.0 + one, 10.0 + 2 * one, 100.0 + one))
-    assert link.messages == 3 and link.bytes == 3000
-
-
-def test_wait_sleeps_for_the_modelled_time() -> None:
-    link = SimulatedLink(LinkModel(0.02, 0.0), world_size=2)
-    start = time.perf_counter()
-    link.wait(10)
-    assert time.perf_counter() - start >= 0.04 * 0.99
-    with pytest.raises(ValueError, match="world_size=0"):
-        SimulatedLink(LinkModel(0.0, 0.0), world_size=0)
+def test_link_description_names_the_link() -> None:
     assert "simulated" in link_description("sim", LinkModel(1e-6, 1e-9))
+    assert "infinite bandwidth" in link_description("sim", LinkModel(1e-6, 0.0))
     assert "loopback" in link_description("real")
+    assert "virtual clock" in link_description("virtual", LinkModel(1e-6, 1e-9))
