@@ -56,7 +56,6 @@ _EXPORTS: dict[str, str] = {
     "allreduce_worker": "xgrad.torch_backend.paper_workers",
     "bucket_worker": "xgrad.torch_backend.paper_workers",
     "compression_worker": "xgrad.torch_backend.paper_compression",
-    "link_comm_hook": "xgrad.torch_backend.paper_parts",
     "no_sync_worker": "xgrad.torch_backend.paper_workers",
     "overlap_worker": "xgrad.torch_backend.paper_workers",
     "pipeline_worker": "xgrad.torch_backend.paper_pipeline",

@@ -20,7 +20,7 @@ from torch import nn
 from xgrad.hooks import allreduce_hook
 from xgrad.link import SimulatedLink
 
-__all__ = ["link_comm_hook", "linked_hook", "median_seconds", "mlp"]
+__all__ = ["linked_hook", "median_seconds", "mlp"]
 
 
 def mlp(width: int, layers: int, seed: int) -> nn.Sequential:
@@ -79,26 +79,3 @@ def linked_hook(link: SimulatedLink | None) -> Callable[[Any], Any]:
         return hook
 
     return factory
-
-
-def link_comm_hook(link: SimulatedLink) -> Callable[[Any, Any], Any]:
-    """A PyTorch-style comm hook ``hook(state, bucket) -> Future``: allreduce the bucket
-    (average), then hold it for the link's time. Register it with
-    ``ddp.register_comm_hook(None, link_comm_hook(link))``."""
-    world = link.world_size
-
-    def hook(state: Any, bucket: Any) -> Any:
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
-        issued = time.perf_counter()
-        fut = dist.all_reduce(buf, async_op=True).get_future()
-
-        def done(f: Any) -> Any:
-            delay = link.reserve(nbytes, issued) - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            return f.value()[0].div_(world)
-
-        return fut.then(done)
-
-    return hook
