@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from xgrad.torch_backend.dist_wire import DTYPES
 from xgrad.torch_backend.failure import abort_group
 
 __all__ = [
@@ -40,23 +41,8 @@ __all__ = [
     "tensor_leaves",
 ]
 
-_DTYPES = {
-    str(t): t
-    for t in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+#: dtypes that may cross a stage boundary (the distributed backward's wire list), by name.
+_DTYPES = {str(t): t for t in DTYPES}
 _CONSTANT_TYPES = (type(None), bool, int, float, str)
 
 
