@@ -107,7 +107,10 @@ class ProcessPass:
         self._channel = channel
         self._make_error = make_error
         self._poll = default_seconds("poll_interval")
-        self._next_poll = 0.0
+        # The channel was read when the context began and is read by every wait; between
+        # nodes it is read once per poll interval, not at the start of each pass (a store
+        # round trip and the peers' heartbeats, on the pass's critical path).
+        self._next_poll = time.monotonic() + self._poll
         self.failed = False
         # Received tensors the graph does not reach: their senders learn at once that
         # no gradient comes.
