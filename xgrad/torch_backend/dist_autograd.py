@@ -276,9 +276,25 @@ def recv(src: int) -> torch.Tensor:
     return buf
 
 
-def _accumulate(old: Any, new: Any) -> Any:
-    # A private copy first: one gradient tensor may reach several leaves.
-    return new.detach().clone() if old is None else old + new
+class _Accumulate:
+    """How the engine adds a leaf's gradients: the first one is kept as it is, for now.
+
+    One gradient tensor may reach several leaves, so each leaf gets a private copy, made
+    after the pass (:meth:`private`): copying during the pass would delay the gradients
+    this rank still sends (the engine runs accumulators first).
+    """
+
+    def __init__(self) -> None:
+        self.shared: set[int] = set()
+
+    def __call__(self, old: Any, new: Any) -> Any:
+        if old is None:
+            self.shared.add(id(new))
+            return new
+        return old + new
+
+    def private(self, grad: Any) -> Any:
+        return grad.detach().clone() if id(grad) in self.shared else grad
 
 
 def backward(
@@ -325,7 +341,8 @@ def backward(
     recvs = {node: ctx.recvs[i] for node, i in rank_graph.recv_nodes.items()}
     reached = set(rank_graph.recv_nodes.values())
     unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
-    engine = Engine(accumulate=_accumulate)
+    accumulate = _Accumulate()
+    engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
         if leaf._backward_hooks:
             engine.register_post_accumulate_hook(i, _leaf_hooks(engine, leaf))
@@ -344,7 +361,7 @@ def backward(
         for i, grad in engine.grads.items():
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
-            ctx.grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)
+            ctx.grads[id(leaf)] = (leaf, accumulate.private(grad) if old is None else old[1] + grad)
             if accumulate_grad:
                 leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
     if not retain_graph:
