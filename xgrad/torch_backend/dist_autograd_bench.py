@@ -10,8 +10,11 @@ two ranks the same tensor is sent twice) and into the loss (a round trip and fan
 xgrad sends tensors with ``dist_autograd.send``/``recv`` on a gloo group; PyTorch calls
 each next rank with nested ``rpc_sync`` over TensorPipe inside a
 ``torch.distributed.autograd`` context. Timed: ``backward`` on rank 0 (for xgrad, until
-every rank finished its part); the two run alternately, pass by pass, in the same run. Also reported: the largest difference between the two
-implementations' gradients of every weight.
+every rank finished its part). The two alternate in blocks of passes, in the same
+processes; PyTorch's RPC agent is started for each of its blocks and shut down after,
+because while it lives a thread of every process polls its shared-memory transport (an
+idle agent made xgrad's pass 1.8 times slower). Also reported: the largest difference
+between the two implementations' gradients of every weight.
 """
 
 from __future__ import annotations
@@ -40,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=256, help="width of the square weights")
     parser.add_argument("--batch", type=int, default=64, help="rows of the input")
     parser.add_argument("--iters", type=int, default=20, help="timed backward passes each")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed passes first")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed passes at the start of each block"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="blocks per implementation (they alternate)"
+    )
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument(
@@ -113,6 +121,12 @@ def _torch_pass(world: int, x: Any, w: Any) -> tuple[float, list[Any]]:
         return seconds, grads
 
 
+def _blocks(iters: int, rounds: int) -> list[int]:
+    """Timed passes of each block: ``iters`` split over ``rounds`` blocks per side."""
+    rounds = max(1, min(rounds, iters))
+    return [iters // rounds + (1 if r < iters % rounds else 0) for r in range(rounds)]
+
+
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
@@ -126,26 +140,31 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     theirs: list[float] = []
     mine = None
     grads: list[Any] = []
-    opts = rpc.TensorPipeRpcBackendOptions(
-        init_method=cfg["rpc_init"], num_worker_threads=8, rpc_timeout=cfg["timeout"]
-    )
-    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
-    try:
-        # Alternate the two implementations pass by pass, so that a change of the
-        # machine's load during the run weighs on both alike (the ratio stays fair).
-        for i in range(cfg["warmup"] + cfg["iters"]):
+    # The two implementations alternate block by block, so that a change of the
+    # machine's load during the run weighs on both alike, and each runs with only its own
+    # machinery alive: PyTorch's RPC agent polls on a thread of every process while it
+    # lives (its shared-memory transport), which slows every other computation.
+    for r, n in enumerate(_blocks(cfg["iters"], cfg["rounds"])):
+        for i in range(cfg["warmup"] + n):
             seconds, mine = _xgrad_pass(rank, world, x, w)
             if i >= cfg["warmup"]:
                 ours.append(seconds)
-            if rank == 0:  # the others serve its calls on their RPC threads meanwhile
-                seconds, grads = _torch_pass(world, x, w)
-                if i >= cfg["warmup"]:
-                    theirs.append(seconds)
             dist.barrier()
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-    finally:
-        rpc.shutdown()
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"{cfg['rpc_init']}{r}", num_worker_threads=8, rpc_timeout=cfg["timeout"]
+        )
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+        try:
+            for i in range(cfg["warmup"] + n):
+                if rank == 0:  # the others serve its calls on their RPC threads meanwhile
+                    seconds, grads = _torch_pass(world, x, w)
+                    if i >= cfg["warmup"]:
+                        theirs.append(seconds)
+        finally:
+            rpc.shutdown()
+        dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
     if rank != 0:
         return None
     diff = max(float((a - b).abs().max()) for a, b in zip(gathered, grads, strict=True))
@@ -157,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.size, args.batch, args.iters, args.warmup = 8, 4, 2, 1
-    for label in ("world", "size", "batch", "iters"):
+    for label in ("world", "size", "batch", "iters", "rounds"):
         if getattr(args, label) < 1:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
@@ -172,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix="xgrad-bench-rpc-")
     cfg = {
         "size": args.size, "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
-        "dtype": args.dtype, "timeout": args.timeout,
+        "dtype": args.dtype, "timeout": args.timeout, "rounds": args.rounds,
         "rpc_init": "file://" + os.path.join(tmp, "rpc"),
     }  # fmt: skip
     try:
@@ -182,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     ratio = result["xgrad"] / result["torch"]
     text = (
         f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
-        f"batch {args.batch}, median of {args.iters} backward passes\n"
+        f"batch {args.batch}, median of {args.iters} backward passes each "
+        f"(in {len(_blocks(args.iters, args.rounds))} alternating blocks)\n"
         f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}\n"
         f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}\n"
         f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
