@@ -44,6 +44,7 @@ class _PeerThread:
         self.pg = link.pg
         self.group_peer = link.group_peer
         self.waiting = False
+        self.stream: Any = None
         self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         name = f"xgrad-inbox-{link.peer}"
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -58,13 +59,29 @@ class _PeerThread:
             for i, (work, buf) in enumerate(works):
                 self.waiting = True
                 try:
-                    work.wait()
+                    self._wait(work, buf)
                 except BaseException as exc:  # gloo: the peer died; the rest cannot come
                     out.put((peer, i, buf, exc))
                     break
                 finally:
                     self.waiting = False
                 out.put((peer, i, buf, None))
+
+    def _wait(self, work: Any, buf: torch.Tensor) -> None:
+        """Block until the receive into ``buf`` completed.
+
+        On NCCL ``wait()`` only orders the current CUDA stream after the receive, so the
+        thread waits on a stream of its own and then synchronizes it (the receives must be
+        seen in the order they land, whichever peer sent first).
+        """
+        if not buf.is_cuda:
+            work.wait()
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(buf.device)
+        with torch.cuda.stream(self.stream):
+            work.wait()
+        self.stream.synchronize()
 
 
 #: one waiting thread per (group, peer), reused by the passes of every context.
