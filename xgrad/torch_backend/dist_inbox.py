@@ -84,8 +84,10 @@ class _PeerThread:
         self.stream.synchronize()
 
 
-#: one waiting thread per (group, peer), reused by the passes of every context.
-_threads: dict[tuple[str, int], _PeerThread] = {}
+#: one waiting thread per (group, peer, calling thread), reused by the passes of every
+#: context: one caller's passes run one after the other, so their receives complete in
+#: the order they were posted; two callers' passes on one group may not.
+_threads: dict[tuple[str, int, int], _PeerThread] = {}
 #: every thread made, retired ones too (for :func:`_release_at_exit`).
 _made: list[_PeerThread] = []
 _lock = threading.Lock()
@@ -93,9 +95,10 @@ _lock = threading.Lock()
 
 def _thread(group: str, link: Link) -> _PeerThread:
     with _lock:
-        t = _threads.get((group, link.peer))
+        key = (group, link.peer, threading.get_ident())
+        t = _threads.get(key)
         if t is None:
-            t = _threads[(group, link.peer)] = _PeerThread(link)
+            t = _threads[key] = _PeerThread(link)
             _made.append(t)
         return t
 
@@ -103,7 +106,7 @@ def _thread(group: str, link: Link) -> _PeerThread:
 def _retire(group: str, peer: int) -> None:
     """Stop reusing ``peer``'s thread: it may still wait on a receive that never completes."""
     with _lock:
-        t = _threads.pop((group, peer), None)
+        t = _threads.pop((group, peer, threading.get_ident()), None)
     if t is not None:
         t.jobs.put(None)
 
