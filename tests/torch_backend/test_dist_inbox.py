@@ -90,6 +90,7 @@ def _messages(rank: int, world: int) -> dict[str, Any]:
         inbox = Inbox("test", links, {}, {0: sizes[:1]}, channel, timeout=20)
         time.sleep(1.5)
         inbox.poison()
+        inbox.close(failed=True)  # keeps the poison's send referenced until it is written
     deadline = time.monotonic() + 5
     while any(t.waiting for t in dist_inbox._made) and time.monotonic() < deadline:
         time.sleep(0.01)

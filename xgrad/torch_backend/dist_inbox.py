@@ -31,7 +31,12 @@ import torch
 from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
 from xgrad.torch_backend.dist_wire import POISON, SEVER, Link, tag
 
-__all__ = ["Inbox", "Message"]
+__all__ = ["GRAVEYARD", "Inbox", "Message"]
+
+#: sends and receives that may still be in flight when their pass or context ended (a
+#: failure, or sends nobody waited for): kept referenced with their buffers, because gloo
+#: drops a send whose buffer is freed and writes a receive into its buffer when it lands.
+GRAVEYARD: list[Any] = []
 
 #: (peer, index of the message from that peer, buffer, the wait's error or None)
 Message = tuple[int, int, torch.Tensor, BaseException | None]
@@ -261,10 +266,20 @@ class Inbox:
             self._owe[peer] = 0
 
     def close(self, failed: bool) -> None:
-        """After the pass: stop reusing the threads of peers whose receives may still be posted."""
-        if failed and self._armed:
-            for peer in self.waiting_for():
-                _retire(self._group, peer)
+        """After the pass: keep what may still be in flight; after a failure, stop reusing
+        the threads of peers whose receives may still be posted.
+
+        Sends nobody waited for (:attr:`sent` is cleared once they were) stay referenced,
+        and so do the receives' buffers after a failure.
+        """
+        if self.sent:
+            GRAVEYARD.append(self.sent)
+            self.sent = []
+        if failed:
+            GRAVEYARD.append(self.buffers)
+            if self._armed:
+                for peer in self.waiting_for():
+                    _retire(self._group, peer)
 
     def done_from_all(self) -> bool:
         return not self.waiting_for()

@@ -24,7 +24,7 @@ from xgrad.failure import (
     default_seconds,
     wait_until,
 )
-from xgrad.torch_backend.dist_inbox import Inbox
+from xgrad.torch_backend.dist_inbox import GRAVEYARD, Inbox
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
@@ -36,10 +36,6 @@ __all__ = [
     "barrier",
     "end",
 ]
-
-#: works abandoned by failed passes: kept referenced (with their buffers) so that
-#: nothing is freed under a transfer gloo may still complete.
-GRAVEYARD: list[Any] = []
 
 
 class DistBackwardError(_EngineDistBackwardError, RankError):  # type: ignore[misc]
@@ -204,6 +200,7 @@ class ProcessPass:
             for peer, (work, _) in self._inbox.sent:
                 what = f"backward, message to rank {peer}"
                 wait_posted(work, self._channel, timeout=self._inbox.timeout, what=what, peer=peer)
+            self._inbox.sent.clear()
 
     def release(self, worker: int) -> None:
         """After a failure: answer what this rank still owes with poison; keep the rest referenced."""
@@ -211,10 +208,9 @@ class ProcessPass:
 
 
 def end(inbox: Inbox, failed: bool) -> None:
-    """Close a pass's inbox; after a failure, poison what is owed and keep every buffer alive."""
+    """Close a pass's inbox; after a failure, poison what is owed first."""
     if failed:
         inbox.poison()
-        GRAVEYARD.append((inbox.sent, inbox.buffers))
     inbox.close(failed)
 
 
