@@ -34,11 +34,13 @@ from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import (
     GRAVEYARD,
+    Accumulate,
     DistBackwardError,
     DistBackwardUnresponsiveError,
     ProcessPass,
     barrier,
     end,
+    leaf_hooks,
 )
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import (
@@ -276,27 +278,6 @@ def recv(src: int) -> torch.Tensor:
     return buf
 
 
-class _Accumulate:
-    """How the engine adds a leaf's gradients: the first one is kept as it is, for now.
-
-    One gradient tensor may reach several leaves, so each leaf gets a private copy, made
-    after the pass (:meth:`private`): copying during the pass would delay the gradients
-    this rank still sends (the engine runs accumulators first).
-    """
-
-    def __init__(self) -> None:
-        self.shared: set[int] = set()
-
-    def __call__(self, old: Any, new: Any) -> Any:
-        if old is None:
-            self.shared.add(id(new))
-            return new
-        return old + new
-
-    def private(self, grad: Any) -> Any:
-        return grad.detach().clone() if id(grad) in self.shared else grad
-
-
 def backward(
     context_id: int,
     roots: Sequence[torch.Tensor],
@@ -341,11 +322,11 @@ def backward(
     recvs = {node: ctx.recvs[i] for node, i in rank_graph.recv_nodes.items()}
     reached = set(rank_graph.recv_nodes.values())
     unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
-    accumulate = _Accumulate()
+    accumulate = Accumulate()
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
         if leaf._backward_hooks:
-            engine.register_post_accumulate_hook(i, _leaf_hooks(engine, leaf))
+            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
     try:
         pass_ = ProcessPass(
             ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
@@ -366,19 +347,6 @@ def backward(
                 leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
     if not retain_graph:
         ctx.graph_freed = True
-
-
-def _leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
-    """Run the leaf's tensor hooks (``leaf.register_hook``) on its summed gradient."""
-
-    def run(param: int, grad: Any) -> None:
-        for hook in list((leaf._backward_hooks or {}).values()):
-            out = hook(grad)
-            if out is not None:
-                grad = out
-        engine.grads[param] = grad
-
-    return run
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

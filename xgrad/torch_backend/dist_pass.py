@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
+from xgrad.engine import Engine
 from xgrad.failure import (
     FailureChannel,
     RankError,
@@ -30,11 +31,13 @@ from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
 __all__ = [
     "GRAVEYARD",
+    "Accumulate",
     "DistBackwardError",
     "DistBackwardUnresponsiveError",
     "ProcessPass",
     "barrier",
     "end",
+    "leaf_hooks",
 ]
 
 
@@ -212,6 +215,40 @@ def end(inbox: Inbox, failed: bool) -> None:
     if failed:
         inbox.poison()
     inbox.close(failed)
+
+
+class Accumulate:
+    """How the engine adds a leaf's gradients: the first one is kept as it is, for now.
+
+    One gradient tensor may reach several leaves, so each leaf gets a private copy, made
+    after the pass (:meth:`private`): copying during the pass would delay the gradients
+    this rank still sends (the engine runs accumulators first).
+    """
+
+    def __init__(self) -> None:
+        self.shared: set[int] = set()
+
+    def __call__(self, old: Any, new: Any) -> Any:
+        if old is None:
+            self.shared.add(id(new))
+            return new
+        return old + new
+
+    def private(self, grad: Any) -> Any:
+        return grad.detach().clone() if id(grad) in self.shared else grad
+
+
+def leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
+    """Run the leaf's tensor hooks (``leaf.register_hook``) on its summed gradient."""
+
+    def run(param: int, grad: Any) -> None:
+        for hook in list((leaf._backward_hooks or {}).values()):
+            out = hook(grad)
+            if out is not None:
+                grad = out
+        engine.grads[param] = grad
+
+    return run
 
 
 def barrier(channel: FailureChannel, name: str, world: int, timeout: float) -> None:
