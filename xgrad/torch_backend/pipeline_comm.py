@@ -7,14 +7,15 @@ receives, in order), and after the first step its shapes too, so :class:`StepWir
 each receive a few actions before it is needed, as torch's own runtime does.
 
 Every message on an edge (source stage, consumer stage) and direction starts with a header
-of two int64, ``(code, microbatch)``, on that edge's main tag:
+of two int64, ``(code, microbatch)``, on that edge's main tag, packed with the leaves in
+one buffer when they are small (:mod:`~xgrad.torch_backend.pipeline_frame`):
 
-* ``code == 0``: the payload follows on the main tag, laid out as both ends expect: the
-  description the edge carried last in the previous step (forward), or the gradients of
-  the leaves that carried one (backward). The receiver posted those buffers ahead.
+* ``code == 0``: the leaves follow, laid out as both ends expect: the description the
+  edge carried last in the previous step (forward), or the gradients of the leaves that
+  carried one (backward). The receiver posted those buffers ahead.
 * ``code > 0`` (forward only): the description changed (or none is known yet, the first
-  step). Buffers the receiver posted ahead on the main tag get dummies; the description
-  (``code`` bytes of JSON) and the leaves follow on the edge's side tag.
+  step). The header comes alone (with dummies for leaf buffers posted apart from it); the
+  description (``code`` bytes of JSON) and the leaves follow on the edge's side tag.
 * ``code == POISON``: the sender failed while alive; the failure is in the channel.
 
 Waits run on the caller's thread, bounded by the runtime's timeout (no thread hand-off).
@@ -38,7 +39,8 @@ import torch
 from xgrad.failure import FailureChannel, RankError, error_for
 from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import transfer_failed
-from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming, header
+from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
+from xgrad.torch_backend.pipeline_frame import Frame
 from xgrad.torch_backend.pipeline_wire import (
     Description,
     EdgeCache,
@@ -129,10 +131,10 @@ class StepWire(EdgeBook):
 
     def _expect(self, edge: tuple[int, int, int], mb: int, shapes: Shapes) -> None:
         dev = self._local_device(edge)
-        header = torch.empty(2, dtype=torch.int64, device=dev)
-        buffers = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in shapes]
-        works = [self._recv_one(edge, header)] + [self._recv_one(edge, b) for b in buffers]
-        self._posted.setdefault(edge, []).append(Incoming(mb, header, works, buffers))
+        frame = Frame(shapes, dev)
+        buffers = frame.buffers()
+        works = [self._recv_one(edge, b) for b in buffers]
+        self._posted.setdefault(edge, []).append(Incoming(mb, frame, works, buffers))
 
     def ensure(self, action: Action) -> None:
         """Post the receive of ``action`` (and those before it) if not posted yet."""
@@ -160,7 +162,7 @@ class StepWire(EdgeBook):
         msg = queue.pop(0)
         peer = self._peer(edge)
         self._wait(msg.works[0], f"{what} (header)", peer)
-        code, got = (int(v) for v in msg.header.tolist())
+        code, got = msg.frame.header(msg.buffers)
         if code == POISON:
             raise self._poisoned(peer, what)
         if got != mb or msg.mb != mb:
@@ -195,7 +197,7 @@ class StepWire(EdgeBook):
             description = self._start.get((source, s))
             if description is None:
                 raise RuntimeError(f"{what}: a repeated description arrived before any")
-            tensors = msg.buffers
+            tensors = [t.detach() for t in msg.frame.leaves(msg.buffers)]
         else:
             raw = torch.empty(code, dtype=torch.uint8, device=self._device(s))
             peer = self._peer(edge)
@@ -220,7 +222,7 @@ class StepWire(EdgeBook):
             if sched.placement[t] == self.rank:
                 continue
             msg, _ = self._arrive((s, t, 1), mb, str(recv))
-            out.append(msg.buffers)
+            out.append([g.detach() for g in msg.frame.leaves(msg.buffers)])
             for key in self._forward_sends.pop((s, t, mb), []):
                 # Done: the consumer computed on what it carried (so it never blocks).
                 self._sends.pop(key)[0].wait(timedelta(seconds=self.timeout))
@@ -239,18 +241,15 @@ class StepWire(EdgeBook):
             start = self._start.get((s, t))
             works = []
             dev = self._device(s)
+            frame = Frame([] if start is None else layout(start), dev)
             if description == start:
-                works.append(self._send_one(edge, header(0, mb, dev)))
-                works += [self._send_one(edge, x.detach().contiguous()) for x in tensors]
+                works = [self._send_one(edge, x) for x in frame.pack(0, mb, tensors)]
             else:
+                # The receiver posted the frame of ``start``: it gets the header (and
+                # dummies for its leaf buffers); the description and leaves go aside.
                 raw = torch.frombuffer(bytearray(description.to_bytes()), dtype=torch.uint8)
                 raw = raw.to(dev)
-                works.append(self._send_one(edge, header(raw.numel(), mb, dev)))
-                if start is not None:  # the receiver posted buffers of that layout: dummies
-                    works += [
-                        self._send_one(edge, torch.empty(shape, dtype=dtype, device=dev))
-                        for shape, dtype in layout(start)
-                    ]
+                works = [self._send_one(edge, x) for x in frame.pack(raw.numel(), mb, None)]
                 works.append(self._send_one(edge, raw, side=True))
                 works += [self._send_one(edge, x.detach().contiguous(), True) for x in tensors]
             self._edges.remember(("out", s, t), description)
@@ -262,7 +261,7 @@ class StepWire(EdgeBook):
         s, mb = action.stage, action.microbatch
         for src, parts in grads.items():
             edge = (src, s, 1)
-            self._send_one(edge, header(0, mb, self._device(s)))
-            for g in parts:
-                self._send_one(edge, g.contiguous())
+            frame = Frame([(g.shape, g.dtype) for g in parts], self._device(s))
+            for x in frame.pack(0, mb, parts):
+                self._send_one(edge, x)
             self._remaining[edge] -= 1

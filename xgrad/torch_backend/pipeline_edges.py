@@ -18,8 +18,9 @@ import torch
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Kind, Schedule, expand
 from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.pipeline_frame import Frame
 
-__all__ = ["POISON", "EdgeBook", "Incoming", "header"]
+__all__ = ["POISON", "EdgeBook", "Incoming"]
 
 #: header code of a message whose sender failed (its failure is in the channel).
 POISON = -1
@@ -28,14 +29,14 @@ Edge = tuple[int, int, int]  # (source stage, consumer stage, 0 forward / 1 back
 
 
 class Incoming:
-    """One expected message: its header and the buffers posted ahead for its payload."""
+    """One expected message: its frame and the buffers (and receives) posted for it."""
 
-    __slots__ = ("buffers", "header", "mb", "works")
+    __slots__ = ("buffers", "frame", "mb", "works")
 
-    def __init__(self, mb: int, header: torch.Tensor, works: list[Any], buffers: list) -> None:
+    def __init__(self, mb: int, frame: Frame, works: list[Any], buffers: list) -> None:
         self.mb = mb
-        self.header = header
-        self.works = works  # the header's receive first, then the buffers'
+        self.frame = frame
+        self.works = works  # the header's receive first, then the leaves' (unpacked)
         self.buffers = buffers
 
 
@@ -132,7 +133,9 @@ class EdgeBook:
             if left > 0:
                 # The group may be closed already (a dead peer): nothing to tell then.
                 with contextlib.suppress(Exception):
-                    key = self._send_one(edge, header(POISON, -1, self._local_device(edge)))
+                    # A header alone: gloo completes a posted receive with a shorter message.
+                    poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
+                    key = self._send_one(edge, poison)
                     self._poison.append(self._sends[key][0])
                 self._remaining[edge] = 0
 
@@ -166,7 +169,3 @@ class _All:
     def wait(self) -> None:
         for work in self._works:
             work.wait()
-
-
-def header(code: int, mb: int, device: Any) -> torch.Tensor:
-    return torch.tensor([code, mb], dtype=torch.int64, device=device)
