@@ -216,7 +216,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             # The last timed step's actions on the shared monotonic clock, for the latency
             # of each message as the runtime saw it.
             "records": [(str(r.action), r.start, r.end, r.waited) for r in last_records],
-            "costs": {k: statistics.median(v) for k, v in stage_costs.items()},
+            "costs": {k: statistics.mean(v) for k, v in stage_costs.items()},
             "dispatch": statistics.median(dispatch),
             "pre": statistics.median(edges["pre"]),
             "post": statistics.median(edges["post"]),

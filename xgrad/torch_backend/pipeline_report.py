@@ -40,9 +40,9 @@ def report(
     message = per_rank[0]["message"]
     out.append(
         "\nsimulator fed measured costs: every action of each rank in order, sends and "
-        "receives included (median own time per stage and kind, time blocked on a message "
+        "receives included (mean own time per stage and kind, time blocked on a message "
         "left out), the runtime's time between actions (dispatch, per rank), per message "
-        "the median latency the runtime saw from a send's end to its receiver's wake-up "
+        "the mean latency the runtime saw from a send's end to its blocked receiver's wake-up "
         f"(else {message * 1e6:.0f} us from a ping-pong), and the step's fixed setup and "
         "teardown (before the first action and after the last, to the closing barrier); "
         "compared with the measured step time (within 10%) and bubble (idle share of "
@@ -119,10 +119,15 @@ def _tables(speed: list, simulated: list, memory: list) -> list[Table]:
 
 
 def _latency(schedule: Any, records: list[list[tuple[str, float, float, float]]]) -> float | None:
-    """Median seconds from the end of a message's send to its receiver's wake-up, over the
+    """Mean seconds from the end of a message's send to its receiver's wake-up, over the
     passes that were blocked on their input (``time.perf_counter`` is one clock for every
     process of a machine; a pass waits for its inputs first, so it woke at start + waited).
-    ``None`` when no pass was blocked."""
+    ``None`` when no pass was blocked.
+
+    The mean, not the median: on a machine with fewer cores than busy threads the samples
+    are two clusters (near zero, even below when the waking receiver preempted the sender
+    before its send action ended; and milliseconds, when no core was free), and the step
+    pays their average."""
     from xgrad.pipeline import Action
     from xgrad.pipeline.simulate import dependencies
 
@@ -142,8 +147,7 @@ def _latency(schedule: Any, records: list[list[tuple[str, float, float, float]]]
             known = [t for t in sent if t is not None]
             if known and len(known) == len(sent):
                 samples.append(start + waited - max(known))
-    samples = [x for x in samples if x > 0]
-    return statistics.median(samples) if samples else None
+    return statistics.mean(samples) if samples else None
 
 
 def _memory_legend(backend: str) -> str:
