@@ -54,3 +54,26 @@ def test_send_cost_latency_and_dispatch_land_where_the_runtime_spends_them() -> 
 def test_a_negative_cost_is_refused() -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
         xp.simulate_messages(xp.gpipe(2, 2), lambda a: -1.0)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_zb", "dualpipev"])
+def test_as_many_shared_cores_as_ranks_is_a_core_each(name: str) -> None:
+    schedule = xp.make(name, 2, 4)
+
+    def cost(a: Action) -> float:  # uneven, so that an ordering mistake would show
+        return (1.0 + 0.1 * a.stage + 0.01 * a.microbatch) * (2 if a.kind.is_compute else 0.1)
+
+    own = xp.simulate_messages(schedule, cost, latency=0.3, dispatch=0.05)
+    shared = xp.simulate_messages(schedule, cost, latency=0.3, dispatch=0.05, cores=2)
+    assert shared.makespan == pytest.approx(own.makespan)
+    assert shared.busy == pytest.approx(own.busy)
+
+
+def test_one_core_runs_the_ranks_one_at_a_time() -> None:
+    # 1F1B on 2 ranks, no latency: some rank always has work, so one core is never idle and
+    # the step is all the work; each pass is stretched while both ranks have work.
+    sim = xp.simulate_messages(xp.one_f_one_b(2, 4), _unit, cores=1)
+    assert sim.makespan == pytest.approx(2 * 4 * 3.0)
+    assert sum(sim.busy) > 2 * 4 * 3.0  # wall time of passes, slowed by the sharing
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        xp.simulate_messages(xp.gpipe(2, 2), _unit, cores=0)
