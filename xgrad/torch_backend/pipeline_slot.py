@@ -71,9 +71,22 @@ class Phony(torch.autograd.Function):
 
 def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:
     """Bytes of the activations and gradients the slots reference (inputs, outputs,
-    gradients waiting to be used or sent)."""
+    gradients waiting to be used or sent). Run after every action, so plain tensors,
+    lists, tuples and dicts are walked directly (a pytree flatten costs more)."""
     total = 0
     for slot in slots.values():
         for tree in (slot.input, slot.output, slot.grad_parts, slot.grad_output, slot.grad_input):
-            total += sum(t.numel() * t.element_size() for t in tensor_leaves(tree))
+            total += _nbytes(tree)
     return total
+
+
+def _nbytes(tree: Any) -> int:
+    if tree is None:
+        return 0
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if type(tree) in (list, tuple):
+        return sum(_nbytes(t) for t in tree)
+    if type(tree) is dict:
+        return sum(_nbytes(t) for t in tree.values())
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(tree))
