@@ -28,7 +28,7 @@ def simulate_messages(
     schedule: Schedule,
     cost: Callable[[Action], float],
     *,
-    latency: float = 0.0,
+    latency: float | Callable[[Action], float] = 0.0,
     dispatch: float | Callable[[int], float] = 0.0,
     cores: int | None = None,
 ) -> Simulation:
@@ -42,7 +42,8 @@ def simulate_messages(
     Args:
         schedule: any valid schedule.
         cost: seconds of every action, compute and comms (a receive's: posting it).
-        latency: seconds from the end of a send to its data being usable on the receiver.
+        latency: seconds from the end of a send to its data being usable on the receiver,
+            one figure or a function of the send.
         dispatch: seconds each action costs its rank before it starts (the event loop's
             own work), one figure or one per rank.
         cores: the ranks share this many cores (None: one each). Costs are then CPU
@@ -60,6 +61,7 @@ def simulate_messages(
     sched = schedule if schedule.has_comms else insert_comms(schedule)
     p = sched.num_ranks
     per_rank = dispatch if callable(dispatch) else (lambda r, d=float(dispatch): d)
+    lag = latency if callable(latency) else (lambda a, d=float(latency): d)
     queues = [list(expand(sched.actions[r])) for r in range(p)]
     where = {a: r for r, q in enumerate(queues) for a in q if a.kind.is_compute}
     for q in queues:
@@ -67,11 +69,11 @@ def simulate_messages(
             if cost(a) < 0:
                 raise ValueError(f"cost of {a} must be >= 0, got {cost(a)!r}")
     if cores is None:
-        spans, first, free = _dedicated(sched, queues, where, cost, latency, per_rank)
+        spans, first, free = _dedicated(sched, queues, where, cost, lag, per_rank)
     else:
         if cores < 1:
             raise ValueError(f"cores must be >= 1, got {cores!r}")
-        spans, first, free = _shared(sched, queues, where, cost, latency, per_rank, cores)
+        spans, first, free = _shared(sched, queues, where, cost, lag, per_rank, cores)
     busy = tuple(sum(s.end - s.start for s in sp) for sp in spans)
     starts = [f for f in first if f is not None]
     makespan = max(free) - min(starts) if starts else 0.0
@@ -93,7 +95,7 @@ def _ready(
     rank: int,
     where: dict[Action, int],
     end: dict[Action, float],
-    latency: float,
+    latency: Callable[[Action], float],
 ) -> float | None:
     """When compute ``a``'s inputs are usable on ``rank`` (None: not simulated yet)."""
     if not a.kind.is_compute:
@@ -109,7 +111,7 @@ def _ready(
         send = Action(d.stage, Kind.SEND_F if d.kind is Kind.FORWARD else Kind.SEND_B, d.microbatch)
         if send not in end:
             return None
-        ready = max(ready, end[send] + latency)
+        ready = max(ready, end[send] + latency(send))
     return ready
 
 
@@ -118,7 +120,7 @@ def _dedicated(
     queues: list[list[Action]],
     where: dict[Action, int],
     cost: Callable[[Action], float],
-    latency: float,
+    latency: Callable[[Action], float],
     per_rank: Callable[[int], float],
 ) -> tuple[list[list[Span]], list[float | None], list[float]]:
     """Each rank on its own core: an action starts when its rank is free and its inputs are
@@ -157,7 +159,7 @@ def _shared(
     queues: list[list[Action]],
     where: dict[Action, int],
     cost: Callable[[Action], float],
-    latency: float,
+    latency: Callable[[Action], float],
     per_rank: Callable[[int], float],
     cores: int,
 ) -> tuple[list[list[Span]], list[float | None], list[float]]:

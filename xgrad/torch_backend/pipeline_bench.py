@@ -161,7 +161,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         times: dict[str, list[float]] = {"torch": [], "xgrad": []}
         peaks: dict[str, int] = {}
         busy: list[float] = []
-        last_records: list[Any] = []
+        all_records: list[Any] = []  # per timed step, this rank's actions
         stage_costs: dict[tuple[int, str], list[float]] = {}
         # The runtime's own time per action (between actions: its loop, posting receives),
         # and before its first action and after its last (to the closing barrier).
@@ -183,7 +183,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 module.zero_grad(set_to_none=True)
                 if label == "xgrad":
                     recs = list(ours.records)
-                    last_records = recs
+                    all_records.append([(str(r.action), r.start, r.end, r.waited) for r in recs])
                     # Compute time without the time blocked on a message.
                     busy.append(
                         sum(r.end - r.start - r.waited for r in recs if r.action.kind.is_compute)
@@ -213,10 +213,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "torch": statistics.median(times["torch"]),
             "xgrad": statistics.median(times["xgrad"]),
             "busy": statistics.median(busy),
-            # The last timed step's actions on the shared monotonic clock, for the latency
-            # of each message as the runtime saw it.
-            "records": [(str(r.action), r.start, r.end, r.waited) for r in last_records],
+            # Every timed step's actions on the shared monotonic clock, for the latency of
+            # each message as the runtime saw it; each action's own times, as sampled.
+            "records": all_records,
             "costs": {k: statistics.mean(v) for k, v in stage_costs.items()},
+            "samples": stage_costs,
             "dispatch": statistics.median(dispatch),
             "pre": statistics.median(edges["pre"]),
             "post": statistics.median(edges["post"]),

@@ -7,6 +7,7 @@ results, feeds the measured costs to the simulator and formats what it finds.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 from typing import Any
 
@@ -14,6 +15,10 @@ import xgrad.pipeline as xp
 from xgrad.pipeline import Kind
 from xgrad.tables import Table
 from xgrad.torch_backend.memory import HeapMeter
+
+#: simulations per schedule, each with every (stage, kind)'s cost and the latency drawn
+#: from the measured samples; the prediction is their median step.
+_DRAWS = 25
 
 
 def report(
@@ -40,11 +45,12 @@ def report(
     message = per_rank[0]["message"]
     out.append(
         "\nsimulator fed measured costs: every action of each rank in order, sends and "
-        "receives included (mean own time per stage and kind, time blocked on a message "
-        "left out), the runtime's time between actions (dispatch, per rank), per message "
-        "the mean latency the runtime saw from a send's end to its blocked receiver's wake-up "
-        f"(else {message * 1e6:.0f} us from a ping-pong), and the step's fixed setup and "
-        "teardown (before the first action and after the last, to the closing barrier); "
+        "receives included (each action's own time, time blocked on a message left out, "
+        "drawn from what the runtime measured for its stage and kind; the median step of "
+        f"{_DRAWS} draws), per message the mean latency from a send's end to its blocked "
+        "receiver's wake-up as the runtime saw it"
+        f", else {message * 1e6:.0f} us from a ping-pong), the runtime's time between "
+        "actions (dispatch, per rank), and the step's fixed setup and teardown (before the first action and after the last, to the closing barrier); "
         "compared with the measured step time (within 10%) and bubble (idle share of "
         "compute, within 3 points)"
     )
@@ -56,23 +62,39 @@ def report(
     for name in names:
         step = max(r[name]["xgrad"] for r in per_rank)
         measured = 1.0 - sum(r[name]["busy"] for r in per_rank) / (p * step)
-        costs = {
-            (stage, Kind(kind)): c
-            for res in per_rank
-            for (stage, kind), c in res[name]["costs"].items()
-        }
         sched = xp.insert_comms(xp.make(name, p, m))
-
-        def cost(a: Any, costs: dict[tuple[int, Any], float] = costs) -> float:
-            return costs.get((a.stage, a.kind), 0.0)
-
-        records = [res[name]["records"] for res in per_rank]
-        latency = _latency(sched, records) or message
+        steps = [
+            [res[name]["records"][k] for res in per_rank] for k in range(_count(per_rank, name))
+        ]
+        lags = [x for recs in steps for x in _latencies(sched, recs)]
         dispatch = [res[name]["dispatch"] for res in per_rank]
         fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
-        sim = xp.simulate_messages(sched, cost, latency=latency, dispatch=dispatch.__getitem__)
-        predicted = sim.makespan + fixed
-        bubble = 1.0 - sum(sim.busy) / (p * predicted)
+        samples = {
+            (stage, Kind(kind)): c
+            for res in per_rank
+            for (stage, kind), c in res[name].get("samples", {}).items()
+        }
+        if not samples:  # results without samples: each mean, as one sample
+            samples = {
+                (stage, Kind(kind)): [c]
+                for res in per_rank
+                for (stage, kind), c in res[name]["costs"].items()
+            }
+        makespans, busies = [], []
+        rng = random.Random(0)
+        actions = [a for r in range(p) for a in xp.expand(sched.actions[r])]
+        latency = statistics.mean(lags) if lags else message
+        for _ in range(_DRAWS):
+            # Each action's own cost drawn apart; a message's latency is the mean (the
+            # samples come only from receivers that blocked, the slow messages' share).
+            drawn = {a: rng.choice(samples.get((a.stage, a.kind), [0.0])) for a in actions}
+            sim = xp.simulate_messages(
+                sched, drawn.__getitem__, latency=latency, dispatch=dispatch.__getitem__
+            )
+            makespans.append(sim.makespan)
+            busies.append(sum(sim.busy))
+        predicted = statistics.median(makespans) + fixed
+        bubble = 1.0 - statistics.mean(busies) / (p * predicted)
         equal = xp.simulate(sched)
         error = predicted / step - 1.0
         ok = abs(error) <= 0.10 and abs(bubble - measured) <= 0.03
@@ -118,16 +140,19 @@ def _tables(speed: list, simulated: list, memory: list) -> list[Table]:
     ]
 
 
-def _latency(schedule: Any, records: list[list[tuple[str, float, float, float]]]) -> float | None:
-    """Mean seconds from the end of a message's send to its receiver's wake-up, over the
-    passes that were blocked on their input (``time.perf_counter`` is one clock for every
-    process of a machine; a pass waits for its inputs first, so it woke at start + waited).
-    ``None`` when no pass was blocked.
+def _count(per_rank: list[dict[str, Any]], name: str) -> int:
+    """How many timed steps every rank recorded."""
+    return min(len(res[name]["records"]) for res in per_rank)
 
-    The mean, not the median: on a machine with fewer cores than busy threads the samples
-    are two clusters (near zero, even below when the waking receiver preempted the sender
-    before its send action ended; and milliseconds, when no core was free), and the step
-    pays their average."""
+
+def _latencies(schedule: Any, records: list[list[tuple[str, float, float, float]]]) -> list[float]:
+    """Seconds from the end of a message's send to its receiver's wake-up in one step, for
+    each pass that was blocked on its input (``time.perf_counter`` is one clock for every
+    process of a machine; a pass waits for its inputs first, so it woke at start + waited).
+
+    On a machine with fewer cores than busy threads the samples are two clusters: near
+    zero (even below, when the waking receiver preempted the sender before its send action
+    ended) and milliseconds (when no core was free); the simulator draws from them."""
     from xgrad.pipeline import Action
     from xgrad.pipeline.simulate import dependencies
 
@@ -147,7 +172,7 @@ def _latency(schedule: Any, records: list[list[tuple[str, float, float, float]]]
             known = [t for t in sent if t is not None]
             if known and len(known) == len(sent):
                 samples.append(start + waited - max(known))
-    return statistics.mean(samples) if samples else None
+    return samples
 
 
 def _memory_legend(backend: str) -> str:
