@@ -15,15 +15,18 @@ from typing import Any
 
 import torch
 
-from xgrad.failure import FailureChannel
+from xgrad.failure import FailureChannel, wait_until
 from xgrad.pipeline import Kind, Schedule, expand
-from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_frame import Frame
 
 __all__ = ["POISON", "EdgeBook", "Incoming"]
 
 #: header code of a message whose sender failed (its failure is in the channel).
 POISON = -1
+
+#: seconds the step's last sends are awaited before the wait also watches the channel.
+_QUICK = 0.05
 
 Edge = tuple[int, int, int]  # (source stage, consumer stage, 0 forward / 1 backward)
 
@@ -153,9 +156,13 @@ class EdgeBook:
         pending = [w for w, _ in self._sends.values()]
         self._forward_sends.clear()
         if pending:
-            wait_work(
-                _All(pending), self.channel, timeout=self.timeout, what="sends", waiter=waiter
-            )
+            # Usually done at once (the receives were posted ahead): then one look at the
+            # channel below is all; else the wait watches the channel.
+            done, error = waiter.submit(_All(pending))
+            if not done.wait(_QUICK):
+                wait_until(done, self.channel, timeout=self.timeout, what="sends")
+            if error:
+                raise transfer_failed(self.channel, "sends", error[0], None) from error[0]
         self._sends.clear()
         self.channel.check()
 
