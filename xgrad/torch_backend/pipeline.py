@@ -7,11 +7,9 @@ The event loop lives here; the wire format (pytrees of tensors) is
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,42 +31,16 @@ from xgrad.pipeline import (
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
 )
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
-from xgrad.torch_backend.pipeline_wire import EdgeCache, retire, split_batch
+from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
-
-#: gloo tags (one per step, edge and direction, so that the messages of a failed step,
-#: never received, cannot be taken for those of a later one) stay below this.
-_TAG_LIMIT = 1 << 30
-
-#: steps started per process group, in this process (every rank counts alike: the channel
-#: namespace and the tag of a step).
-_steps: dict[str, Iterator[int]] = {}
-
-
-#: private groups of failed steps not aborted yet (aborted at exit at the latest, so that
-#: their pending transfers cannot hold the process).
-_dying_groups: set[Any] = set()
-
-
-@atexit.register
-def _abort_dying() -> None:
-    for group in list(_dying_groups):
-        with contextlib.suppress(Exception):
-            retire(group)
-    _dying_groups.clear()
-
-
-def _next_step(group: Any) -> int:
-    pg: Any = dist.group.WORLD if group is None else group
-    name = str(dist.distributed_c10d._get_process_group_name(pg))
-    return next(_steps.setdefault(name, itertools.count(1)))
 
 
 class PipelineRuntime(StagePasses):
@@ -243,16 +215,15 @@ class PipelineRuntime(StagePasses):
             if last in mine
             else None
         )
-        index = _next_step(self.group)
+        index = next_step(self.group)
         n = sched.num_stages
-        self._tag = index % max(1, _TAG_LIMIT // (4 * n * n))
+        self._tag = step_tag(index, n)
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
         if self._dying is not None:
             # The failed step's group: its poison went out (or its peer is lost), abort it.
             if self._lost is None:
                 self._dying[1].wait_poison(self.timeout)
-            retire(self._dying[0])
-            _dying_groups.discard(self._dying[0])
+            abort_set_aside(self._dying[0])
             self._dying = None
         check_lost(self._channel, self._lost)  # before a new group waits on a lost rank
         self._lost = None
@@ -333,7 +304,7 @@ class PipelineRuntime(StagePasses):
         self._edges.clear()
         if self._p2p is not None:
             self._dying = (self._p2p, self._wire)
-            _dying_groups.add(self._p2p)
+            set_aside(self._p2p)
             self._p2p = None
         for waiter in self._waiters:
             waiter.close()

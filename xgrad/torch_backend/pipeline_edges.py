@@ -1,5 +1,6 @@
-"""The edges of one rank's pipeline step: who is at the other end, their tags, the
-framing header, the sends kept until done, and the poison a failed rank sends.
+"""The edges of one rank's pipeline step: who is at the other end, their tags, the sends
+kept until done, and the poison a failed rank sends; the steps' numbering and the failed
+steps' private groups, set aside until their poison went out.
 
 :class:`EdgeBook` is the part of :class:`~xgrad.torch_backend.pipeline_comm.StepWire`
 that knows the edges; the posting ahead and the waiting are in
@@ -8,19 +9,30 @@ that knows the edges; the posting ahead and the waiting are in
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, wait_until
 from xgrad.pipeline import Kind, Schedule, expand
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_wire import retire
 
-__all__ = ["POISON", "EdgeBook", "Incoming"]
+__all__ = [
+    "POISON",
+    "EdgeBook",
+    "Incoming",
+    "abort_set_aside",
+    "next_step",
+    "set_aside",
+    "step_tag",
+]
 
 #: header code of a message whose sender failed (its failure is in the channel).
 POISON = -1
@@ -176,3 +188,47 @@ class _All:
     def wait(self) -> None:
         for work in self._works:
             work.wait()
+
+
+#: gloo tags (one per step, edge, direction and side, so that the messages of a failed
+#: step, never received, cannot be taken for those of a later one) stay below this.
+_TAG_LIMIT = 1 << 30
+
+#: steps started per process group, in this process (every rank counts alike: the channel
+#: namespace and the tag of a step).
+_steps: dict[str, Iterator[int]] = {}
+
+#: private groups of failed steps not aborted yet (aborted at exit at the latest, so that
+#: their pending transfers cannot hold the process).
+_set_aside: set[Any] = set()
+
+
+def next_step(group: Any) -> int:
+    """The number of the step this process starts now on ``group`` (1, 2, ...)."""
+    pg: Any = dist.group.WORLD if group is None else group
+    name = str(dist.distributed_c10d._get_process_group_name(pg))
+    return next(_steps.setdefault(name, itertools.count(1)))
+
+
+def step_tag(index: int, stages: int) -> int:
+    """The tag base of step ``index`` (its edges' tags stay below the tag limit)."""
+    return index % max(1, _TAG_LIMIT // (4 * stages * stages))
+
+
+def set_aside(group: Any) -> None:
+    """Keep a failed step's private group until :func:`abort_set_aside` (or exit)."""
+    _set_aside.add(group)
+
+
+def abort_set_aside(group: Any) -> None:
+    """Abort a failed step's private group, keeping its name taken."""
+    retire(group)
+    _set_aside.discard(group)
+
+
+@atexit.register
+def _abort_all() -> None:
+    for group in list(_set_aside):
+        with contextlib.suppress(Exception):
+            retire(group)
+    _set_aside.clear()
