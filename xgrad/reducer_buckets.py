@@ -14,7 +14,7 @@ from typing import Any
 
 from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
-from xgrad.reducer_types import ArrayOps
+from xgrad.reducer_types import ArrayOps, Lender
 
 #: a bucket whose gradients average fewer elements than this is copied in one batched
 #: call and scaled in one pass; larger ones are scaled while copied (one pass each).
@@ -37,6 +37,7 @@ class BucketState:
         "index",
         "indices",
         "launched_at",
+        "lent",
         "pending",
         "result",
         "skipped",
@@ -66,6 +67,8 @@ class BucketState:
         self.skipped = False
         self.launched_at = 0.0
         self.finished_at = 0.0
+        #: members whose view was lent out as their gradient (kept across iterations).
+        self.lent: list[int] = []
 
     def reset(self) -> None:
         """Forget the last iteration (called when a synchronised backward pass is expected)."""
@@ -131,6 +134,38 @@ def build_buckets(
     return buckets, locate
 
 
+def reclaim(bucket: BucketState, lender: Lender, params: Sequence[Any], ops: ArrayOps) -> None:
+    """Before a bucket with lent views is filled again: keep its buffer if they came back.
+
+    A lent view that is still someone's gradient (``zero_grad(set_to_none=False)``) or
+    is held anywhere else keeps the values it was lent with: the bucket then gets a
+    fresh buffer (the old one belongs to its holders from now on).
+    """
+    if not lender.free(bucket.flat, bucket.in_views, bucket.lent):
+        members = [params[i] for i in bucket.indices]
+        bucket.flat = ops.new_flat(members, sum(ops.numel(p) for p in members))
+        bucket.in_views = views_of(bucket.flat, bucket, params, ops)
+    bucket.lent = []
+
+
+def write_back(
+    bucket: BucketState,
+    views: Sequence[Any],
+    skip: set[int] | frozenset[int],
+    set_grad: Any,
+    lender: Lender | None,
+) -> None:
+    """Give each member not in ``skip`` its reduced gradient: lent where the lender may."""
+    lend = lender is not None and views is bucket.in_views
+    for k, i in enumerate(bucket.indices):
+        if i in skip:
+            continue
+        if lend and lender.lendable[i] and lender.lend(i, views[k]):  # type: ignore[union-attr]
+            bucket.lent.append(k)
+        else:
+            set_grad(i, views[k])
+
+
 def fill_bucket(
     bucket: BucketState,
     ops: ArrayOps,
@@ -166,6 +201,8 @@ def fill_bucket(
         else:
             dst.append(views[k])
             src.append(grad)
+    # The copies are made: hold no gradient past them (a lender counts who holds one).
+    bucket.grads = [None] * len(grads)
     if batched_grad_copy:
         if dst:
             ops.copy_all(dst, src, None)
