@@ -18,10 +18,10 @@ from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
-    assign_buckets,
 )
 from xgrad.reducer_buckets import (
     BucketState,
+    arrive,
     build_buckets,
     fill_bucket,
     reclaim,
@@ -174,34 +174,6 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             return
         raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
 
-    def rebuild_buckets(self) -> bool:
-        """Rebuild the buckets once from the first observed ready order (call in forward).
-
-        As in DDP, this happens only when the plan can be trusted to repeat: without
-        ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
-        from its own order and adopts rank 0's, so all ranks launch the same buckets.
-
-        Returns:
-            True when rebuilt (gradient views must then be re-taken).
-        """
-        self._ensure_prior_reduction_finished()
-        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
-            return False
-        if self.find_unused_parameters and not self.static_graph:
-            return False
-        local = assign_buckets(
-            self.nbytes,
-            self.rebuild_limits,
-            keys=self.keys,
-            sparse=self.sparse,
-            order=self._rebuild_order,
-        )
-        plan = BucketPlan.from_json(self.comm.broadcast_object(local.to_json(), src=0))
-        self._set_plan(plan)
-        self.has_rebuilt_buckets = True
-        self._rebuild_order = None
-        return True
-
     def prepare_for_backward(
         self, unused: Iterable[int] = (), *, divisor: int | None = None
     ) -> None:
@@ -217,6 +189,10 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self._ensure_prior_reduction_finished()
         self._divisor = divisor or self.comm.size
         self._scale = None if self._hook else 1.0 / self._divisor
+        # Large gradients copied in as they arrive, with the scale of fill_bucket's copy.
+        self._early = (
+            None if self.gradient_as_bucket_view or self.batched_grad_copy else self._scale
+        )
         unused = sorted(set(unused))
         for i in unused:
             if not 0 <= i < len(self.params):
@@ -265,7 +241,9 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self._ready_times.append(now)
         self._require_finalize = True
         bucket, k = self._locate[index]
-        bucket.grads[k] = grad
+        if bucket.lent and bucket.pending == len(bucket.indices):  # before its first write
+            reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
+        arrive(bucket, k, grad, self.ops, self._early)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._fill(bucket)
@@ -275,8 +253,6 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
     def _fill(self, bucket: BucketState) -> None:
         if bucket.sparse and bucket.grads[0] is None:
             raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
-        if bucket.lent:
-            reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
         fill_bucket(
             bucket,
             self.ops,

@@ -20,6 +20,9 @@ from xgrad.reducer_types import ArrayOps, Lender
 #: call and scaled in one pass; larger ones are scaled while copied (one pass each).
 _ONE_PASS_NUMEL = 1 << 14
 
+#: stands in ``BucketState.grads`` for a gradient copied in (scaled) when it arrived.
+COPIED = object()
+
 
 class BucketState:
     """The mutable per-bucket state (plain attributes: this is the per-hook hot path).
@@ -30,6 +33,7 @@ class BucketState:
     """
 
     __slots__ = (
+        "big",
         "finished_at",
         "flat",
         "grads",
@@ -69,6 +73,8 @@ class BucketState:
         self.finished_at = 0.0
         #: members whose view was lent out as their gradient (kept across iterations).
         self.lent: list[int] = []
+        #: per member, whether it is copied in as soon as it arrives (see :func:`arrive`).
+        self.big = [False] * len(indices)
 
     def reset(self) -> None:
         """Forget the last iteration (called when a synchronised backward pass is expected)."""
@@ -128,10 +134,25 @@ def build_buckets(
             flat = ops.new_flat(members, total)
             views = [ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
             bucket = BucketState(b, indices, flat, views)
+            bucket.big = [ops.numel(p) >= _ONE_PASS_NUMEL for p in members]
         buckets.append(bucket)
         for k, i in enumerate(indices):
             locate[i] = (bucket, k)
     return buckets, locate
+
+
+def arrive(bucket: BucketState, k: int, grad: Any, ops: ArrayOps, scale: float | None) -> None:
+    """Member ``k``'s gradient arrived: a large one is copied in (scaled) now, else kept.
+
+    Copying a large gradient the moment autograd made it reads it while it is still in
+    cache (PyTorch's reducer copies each gradient in its hook too); small ones wait for
+    the bucket's one batched copy. ``scale`` ``None``: no early copy (a hook divides, or
+    the copy is of another kind); the arithmetic is :func:`fill_bucket`'s either way.
+    """
+    if scale is not None and grad is not None and bucket.big[k]:
+        ops.copy_to(bucket.in_views[k], grad, scale)
+        grad = COPIED
+    bucket.grads[k] = grad
 
 
 def reclaim(bucket: BucketState, lender: Lender, params: Sequence[Any], ops: ArrayOps) -> None:
@@ -193,8 +214,11 @@ def fill_bucket(
     dst: list[Any] = []
     src: list[Any] = []
     aliased: list[Any] = []
+    early = False
     for k, grad in enumerate(grads):
-        if grad is None:
+        if grad is COPIED:
+            early = True
+        elif grad is None:
             ops.zero_(views[k])
         elif gradient_as_bucket_view and ops.is_view_of(grad, views[k]):
             aliased.append(views[k])  # autograd accumulated straight into the bucket
@@ -209,7 +233,11 @@ def fill_bucket(
         if scale is not None:
             ops.div_(bucket.flat, world_size)
         return
-    if scale is not None and not aliased and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat):
+    if (
+        scale is not None
+        and not (aliased or early)
+        and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat)
+    ):
         # Many small gradients: copy them all in one batched call, then scale the whole
         # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
         ops.copy_all(dst, src, None)
