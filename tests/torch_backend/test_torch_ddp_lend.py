@@ -61,6 +61,16 @@ def test_views_free_until_a_lent_view_is_held() -> None:
     assert views_free(flat, views, [0, 1])
 
 
+def test_counts_are_taken_the_same_under_no_grad_and_inference_mode() -> None:
+    from xgrad.torch_backend.ddp_lend import _calibrate
+
+    expected = _calibrate()
+    with torch.no_grad():
+        assert _calibrate() == expected
+    with torch.inference_mode():
+        assert _calibrate() == expected
+
+
 def test_only_large_dense_contiguous_parameters_are_lendable() -> None:
     assert lendable(torch.zeros(LEND_NUMEL))
     assert not lendable(torch.zeros(LEND_NUMEL - 1))

@@ -16,8 +16,8 @@ So ``zero_grad(set_to_none=False)``, a kept ``g = p.grad`` or a failed pass see 
 what PyTorch's DDP would show them.
 
 "Seen by nothing else" is counted, not guessed: the tensor's C++ references, its storage's
-references and its Python references, each against a count taken at import from a
-tensor known to be held only as a parameter's gradient.
+references and its Python references, each against a count taken (once, at the first
+use) from a tensor known to be held only as a parameter's gradient.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def _view_counts(views: Sequence[torch.Tensor], k: int) -> tuple[int, int]:
 
 
 def _calibrate() -> tuple[tuple[int, int, int], tuple[int, int]]:
-    param = torch.nn.Parameter(torch.zeros(2))
-    (param * 2).sum().backward()  # a gradient autograd made: held by the parameter only
+    """The counts of a gradient held by its parameter only, and of a view held by a list."""
+    with torch.inference_mode(False), torch.enable_grad():  # whatever the caller's mode
+        param = torch.nn.Parameter(torch.zeros(2))
+        (param * 2).sum().backward()  # a gradient autograd made: held by the parameter only
     g = param.grad
     assert g is not None
     grad_counts = _grad_counts(g)
@@ -61,7 +63,14 @@ def _calibrate() -> tuple[tuple[int, int, int], tuple[int, int]]:
     return grad_counts, _view_counts(views, 0)
 
 
-_SOLE_GRAD, _FREE_VIEW = _calibrate()
+_counts: list[tuple[tuple[int, int, int], tuple[int, int]]] = []
+
+
+def _baseline() -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """:func:`_calibrate`'s counts, taken at the first use (not at import)."""
+    if not _counts:
+        _counts.append(_calibrate())
+    return _counts[0]
 
 
 def lendable(param: torch.Tensor) -> bool:
@@ -76,7 +85,7 @@ def sole_grad(param: torch.Tensor) -> bool:
         return True
     if g._is_view():
         return False
-    return _grad_counts(g) == _SOLE_GRAD
+    return _grad_counts(g) == _baseline()[0]
 
 
 def views_free(flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence[int]) -> bool:
@@ -88,4 +97,5 @@ def views_free(flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence
     """
     if _storage_uses(flat) != len(views) + 2:  # the flat, its views, the storage object
         return False
-    return all(_view_counts(views, k) == _FREE_VIEW for k in lent)
+    free = _baseline()[1]
+    return all(_view_counts(views, k) == free for k in lent)
