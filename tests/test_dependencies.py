@@ -144,3 +144,16 @@ def test_python_walk_matches_scipy_walk(case: tuple) -> None:
     py = deps_mod._reach_python(g.indptr, g.dst, g.num_nodes, seeds)
     sp = deps_mod._reach_scipy(g.indptr, g.dst, g.num_nodes, seeds)
     assert py.tolist() == sp.tolist() == reachable_from(g, seeds.tolist()).tolist()
+
+
+@settings(max_examples=80, deadline=None)
+@given(random_graphs())
+def test_list_walk_matches_array_walk(case: tuple) -> None:
+    """Small graphs take the Python-list path; it must give the array path's result."""
+    g, roots, sends, outputs = case
+    seeds = tuple(roots) + tuple(sends)
+    for out in (None, tuple(outputs)):
+        small = deps_mod._dependencies_lists(g, seeds, out)
+        big = deps_mod._dependencies_arrays(g, seeds, out)
+        for a, b in zip(small, big, strict=True):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist()

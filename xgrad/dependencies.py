@@ -173,8 +173,30 @@ def compute_dependencies(
     for u in send_t:
         if graph.kinds[u] != NodeKind.SEND:
             raise ValueError(f"sends contains node {u} ({graph.name(u)!r}), not a send node")
+    out_t = None if outputs is None else _check_nodes(graph, outputs, "outputs")
+    small = graph.num_nodes + graph.num_edges <= _SMALL
+    walk = _dependencies_lists if small else _dependencies_arrays
+    reachable, counts, leaves, needed = walk(graph, root_t + send_t, out_t)
+    for a in (reachable, counts, leaves, needed):
+        a.setflags(write=False)
+    return Dependencies(
+        roots=root_t, sends=send_t, reachable=reachable, counts=counts, leaves=leaves, needed=needed
+    )
+
+
+def _bad_leaf(graph: BackwardGraph, u: int) -> ValueError:
+    return ValueError(
+        f"node {u} ({graph.name(u)!r}, kind {graph.kind(u).name.lower()}) is reached but "
+        "has no outgoing edges; only accumulators and recv nodes may be leaves"
+    )
+
+
+def _dependencies_arrays(
+    graph: BackwardGraph, seeds_t: tuple[int, ...], out_t: tuple[int, ...] | None
+) -> tuple[Any, Any, Any, Any]:
+    """The computation with whole-array operations (graphs of thousands of nodes)."""
     n = graph.num_nodes
-    seeds = np.unique(np.asarray(root_t + send_t, dtype=np.int64))
+    seeds = np.unique(np.asarray(seeds_t, dtype=np.int64))
     reachable = _reach(graph.indptr, graph.dst, n, seeds)
     src = graph.src
     counts = np.bincount(graph.dst[reachable[src]], minlength=n).astype(np.int64)
@@ -183,24 +205,74 @@ def compute_dependencies(
     ends = np.flatnonzero(reachable & (outdeg == 0) & (kinds != NodeKind.SEND))
     bad = ends[(kinds[ends] != NodeKind.ACCUMULATE) & (kinds[ends] != NodeKind.RECV)]
     if bad.size:
-        u = int(bad[0])
-        raise ValueError(
-            f"node {u} ({graph.name(u)!r}, kind {graph.kind(u).name.lower()}) is reached but "
-            "has no outgoing edges; only accumulators and recv nodes may be leaves"
-        )
+        raise _bad_leaf(graph, int(bad[0]))
     leaves = ends.astype(np.int64)
-    if outputs is None:
-        wanted = leaves
-    else:
-        wanted = np.asarray(_check_nodes(graph, outputs, "outputs"), dtype=np.int64)
+    wanted = leaves if out_t is None else np.asarray(out_t, dtype=np.int64)
     recvs = np.flatnonzero(reachable & (kinds == NodeKind.RECV))
     targets = np.unique(np.concatenate([wanted, recvs]).astype(np.int64))
     rptr, rsrc = _reverse_csr(graph)
     needed = reachable & _reach(rptr, rsrc, n, targets)
-    for a in (reachable, counts, leaves, needed):
-        a.setflags(write=False)
-    return Dependencies(
-        roots=root_t, sends=send_t, reachable=reachable, counts=counts, leaves=leaves, needed=needed
+    return reachable, counts, leaves, needed
+
+
+def _lists(graph: BackwardGraph) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """``indptr, dst, kinds`` and the reverse CSR as Python lists (cached on the graph)."""
+    if "lists" not in graph._cache:
+        rptr, rsrc = _reverse_csr(graph)
+        graph._cache["lists"] = (
+            graph.indptr.tolist(),
+            graph.dst.tolist(),
+            graph.kinds.tolist(),
+            rptr.tolist(),
+            rsrc.tolist(),
+        )
+    return graph._cache["lists"]  # type: ignore[no-any-return]
+
+
+def _walk(ptr: list[int], nxt: list[int], seen: list[bool], seeds: Iterable[int]) -> None:
+    stack = [s for s in seeds if not seen[s]]
+    for s in stack:
+        seen[s] = True
+    while stack:
+        u = stack.pop()
+        for v in nxt[ptr[u] : ptr[u + 1]]:
+            if not seen[v]:
+                seen[v] = True
+                stack.append(v)
+
+
+def _dependencies_lists(
+    graph: BackwardGraph, seeds_t: tuple[int, ...], out_t: tuple[int, ...] | None
+) -> tuple[Any, Any, Any, Any]:
+    """The same computation on Python lists: a small graph's numpy calls cost more than the
+    walk itself (a distributed backward computes each rank's small graph on every pass)."""
+    indptr, dst, kinds, rptr, rsrc = _lists(graph)
+    n = len(kinds)
+    reach = [False] * n
+    _walk(indptr, dst, reach, seeds_t)
+    counts = [0] * n
+    leaves = []
+    send, acc, recv = int(NodeKind.SEND), int(NodeKind.ACCUMULATE), int(NodeKind.RECV)
+    for u in range(n):
+        if not reach[u]:
+            continue
+        lo, hi = indptr[u], indptr[u + 1]
+        for v in dst[lo:hi]:
+            counts[v] += 1
+        if lo == hi and kinds[u] != send:
+            if kinds[u] != acc and kinds[u] != recv:
+                raise _bad_leaf(graph, u)
+            leaves.append(u)
+    wanted = leaves if out_t is None else list(out_t)
+    targets = wanted + [u for u in range(n) if reach[u] and kinds[u] == recv]
+    back = [False] * n
+    _walk(rptr, rsrc, back, targets)
+    needed = [r and b for r, b in zip(reach, back, strict=True)]
+    return (
+        np.array(reach, dtype=bool),
+        np.array(counts, dtype=np.int64),
+        np.array(leaves, dtype=np.int64),
+        np.array(needed, dtype=bool),
     )
 
 

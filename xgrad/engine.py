@@ -173,9 +173,8 @@ class Engine:
     ) -> tuple[int, ...]:
         sends = ctx.sends_of(worker) if ctx is not None and worker is not None else ()
         deps = compute_dependencies(graph, grad_roots.keys(), sends, outputs=outputs)
-        kinds = graph.kinds
         recvs_here = ctx.recvs_of(worker) if ctx is not None and worker is not None else {}
-        reached_recvs = np.flatnonzero(deps.reachable & (kinds == NodeKind.RECV)).tolist()
+        reached_recvs = np.flatnonzero(deps.reachable & (graph.kinds == NodeKind.RECV)).tolist()
         for r in reached_recvs:
             if r not in recvs_here:
                 raise ValueError(
@@ -184,8 +183,14 @@ class Engine:
                 )
         counts = deps.counts.tolist()
         needed = deps.needed.tolist()
-        n_in = graph.num_inputs()
-        indptr = graph.indptr
+        # Python ints, not numpy scalars, in the per-node loop: comparing a numpy integer
+        # with a NodeKind costs microseconds, and a small graph's pass is mostly this loop.
+        kinds = graph.kinds.tolist()
+        n_in = graph.num_inputs().tolist()
+        indptr = graph.indptr.tolist()
+        dst = graph.dst.tolist()
+        input_nr = graph.input_nr.tolist()
+        params = graph.params.tolist()
         n = graph.num_nodes
         buffers: dict[int, list[Any]] = {}
         ready: list[int] = []
@@ -197,7 +202,7 @@ class Engine:
 
         def buffer(u: int) -> list[Any]:
             if u not in buffers:
-                buffers[u] = [None] * max(1, int(n_in[u]))
+                buffers[u] = [None] * max(1, n_in[u])
             return buffers[u]
 
         def add_into(u: int, nr: int, g: Any) -> None:
@@ -226,19 +231,19 @@ class Engine:
                 ctx.raise_if_failed(worker)
             u = -heapq.heappop(ready)
             u = u - n if u >= n else u
-            inputs = buffers.pop(u, None) or [None] * max(1, int(n_in[u]))
+            inputs = buffers.pop(u, None) or [None] * max(1, n_in[u])
             order.append(u)
             kind = kinds[u]
             try:
                 if kind == NodeKind.ACCUMULATE:
-                    self._accumulate_param(int(graph.params[u]), inputs[0])
+                    self._accumulate_param(int(params[u]), inputs[0])
                     continue
                 if kind == NodeKind.RECV:
                     assert ctx is not None and worker is not None
                     ctx.deliver(worker, u, inputs[0])
                     ran_recvs.add(u)
                     continue
-                lo, hi = int(indptr[u]), int(indptr[u + 1])
+                lo, hi = indptr[u], indptr[u + 1]
                 fn = functions.get(u)
                 if fn is None and kind != NodeKind.SEND:
                     raise KeyError(f"no backward function was given for node {u}")
@@ -258,9 +263,9 @@ class Engine:
                     u, graph.name(u), f"{type(exc).__name__}: {exc}", worker
                 ) from exc
             for e, g in zip(range(lo, hi), outs, strict=True):
-                v = int(graph.dst[e])
+                v = dst[e]
                 if g is not None:
-                    add_into(v, int(graph.input_nr[e]), g)
+                    add_into(v, input_nr[e], g)
                 counts[v] -= 1
                 if counts[v] == 0 and needed[v]:
                     heapq.heappush(ready, priority(v))

@@ -31,14 +31,16 @@ import torch.distributed as dist
 from xgrad.engine import Engine
 from xgrad.failure import RankError, check_seconds, wait_until
 from xgrad.torch_backend.dist_graph import build_rank_graph
+from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import (
     GRAVEYARD,
     DistBackwardError,
     DistBackwardUnresponsiveError,
     ProcessPass,
     barrier,
+    end,
 )
-from xgrad.torch_backend.dist_wire import Link, header_device
+from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import (
     failure_channel,
     group_ranks,
@@ -61,9 +63,10 @@ def _error(context_id: int, exc: RankError) -> DistBackwardError:
 class _Context:
     """The state of one open context on this rank (dropped when it closes)."""
 
-    def __init__(self, context_id: int, pg: Any, seq: int, timeout: float) -> None:
+    def __init__(self, context_id: int, pg: Any, name: str, seq: int, timeout: float) -> None:
         self.id = context_id
         self.pg = pg
+        self.name = name
         self.seq = seq
         self.timeout = timeout
         self.ranks = group_ranks(pg)
@@ -96,6 +99,37 @@ class _Context:
                 self.seq, self.device,
             )  # fmt: skip
         return self.links[peer]
+
+    def inbox(self) -> Inbox:
+        """Post the receives of a backward pass: from every peer, its gradients, its "done"."""
+        for peer in self.ranks:
+            if peer != self.me:
+                self.link(peer, "peer")
+        expect: dict[int, list[int]] = {}
+        for peer, _, t in self.sends:
+            expect.setdefault(peer, []).append(t.numel() * t.element_size())
+        return Inbox(self.name, self.links, expect, self.owed(), self.channel, self.timeout)
+
+    def owed(self) -> dict[int, list[int]]:
+        """Peer -> byte sizes of the gradients this rank answers it with in each pass."""
+        owe: dict[int, list[int]] = {}
+        for peer, _, t in self.recvs:
+            owe.setdefault(peer, []).append(t.numel() * t.element_size())
+        return owe
+
+    def poison(self) -> None:
+        """A failure outside backward: answer every message a peer's pass would wait for."""
+        owe = self.owed()
+        for peer in self.ranks:
+            if peer == self.me:
+                continue
+            link = self.link(peer, "peer")
+            link.start_backward(owe.get(peer, ()))
+            try:
+                for _ in range(len(owe.get(peer, ())) + 1):
+                    GRAVEYARD.append(link.send_backward(POISON, 0, None))
+            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                continue
 
     def number(self, what: str, peer: int) -> int:
         k = self.counts.get((what, peer), 0)
@@ -185,7 +219,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     with _lock:
         seq = _seqs[name] = _seqs.get(name, 0) + 1
-        ctx = _Context(next(_ids), pg, seq, timeout)
+        ctx = _Context(next(_ids), pg, name, seq, timeout)
         _open[ctx.id] = ctx
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(ctx)
@@ -197,6 +231,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     except BaseException as exc:
         if not isinstance(exc, RankError):
             ctx.channel.post("forward", f"{type(exc).__name__}: {exc}")
+            ctx.poison()
         raise
     finally:
         stack.remove(ctx)
@@ -241,9 +276,25 @@ def recv(src: int) -> torch.Tensor:
     return buf
 
 
-def _accumulate(old: Any, new: Any) -> Any:
-    # A private copy first: one gradient tensor may reach several leaves.
-    return new.detach().clone() if old is None else old + new
+class _Accumulate:
+    """How the engine adds a leaf's gradients: the first one is kept as it is, for now.
+
+    One gradient tensor may reach several leaves, so each leaf gets a private copy, made
+    after the pass (:meth:`private`): copying during the pass would delay the gradients
+    this rank still sends (the engine runs accumulators first).
+    """
+
+    def __init__(self) -> None:
+        self.shared: set[int] = set()
+
+    def __call__(self, old: Any, new: Any) -> Any:
+        if old is None:
+            self.shared.add(id(new))
+            return new
+        return old + new
+
+    def private(self, grad: Any) -> Any:
+        return grad.detach().clone() if id(grad) in self.shared else grad
 
 
 def backward(
@@ -273,6 +324,7 @@ def backward(
         )
     roots = list(roots)
     ctx.passes += 1
+    inbox = ctx.inbox()
     try:
         rank_graph = build_rank_graph(
             roots,
@@ -281,6 +333,7 @@ def backward(
         )
     except Exception as exc:  # bad roots: the others must not wait for this rank
         failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")
+        end(inbox, failed=True)
         raise _error(ctx.id, RankError(failure, ctx.me)) from exc
     sends = [
         (p, k, t, node) for (p, k, t), node in zip(ctx.sends, rank_graph.send_nodes, strict=True)
@@ -288,14 +341,19 @@ def backward(
     recvs = {node: ctx.recvs[i] for node, i in rank_graph.recv_nodes.items()}
     reached = set(rank_graph.recv_nodes.values())
     unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
-    engine = Engine(accumulate=_accumulate)
+    accumulate = _Accumulate()
+    engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
         if leaf._backward_hooks:
             engine.register_post_accumulate_hook(i, _leaf_hooks(engine, leaf))
-    pass_ = ProcessPass(
-        ctx.id, ctx.ranks, ctx.me, ctx.links, sends, recvs, ctx.channel, ctx.passes,
-        ctx.timeout, lambda exc: _error(ctx.id, exc), unreached,
-    )  # fmt: skip
+    try:
+        pass_ = ProcessPass(
+            ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
+            lambda exc: _error(ctx.id, exc), unreached,
+        )  # fmt: skip
+    except BaseException:
+        end(inbox, failed=True)
+        raise
     with torch.no_grad():
         engine.backward_distributed(
             cast(Any, pass_), ctx.me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
@@ -303,7 +361,7 @@ def backward(
         for i, grad in engine.grads.items():
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
-            ctx.grads[id(leaf)] = (leaf, grad if old is None else old[1] + grad)
+            ctx.grads[id(leaf)] = (leaf, accumulate.private(grad) if old is None else old[1] + grad)
             if accumulate_grad:
                 leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
     if not retain_graph:

@@ -89,6 +89,27 @@ def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
     return run
 
 
+#: graphs by structure: a training loop walks a new torch graph of the same shape on
+#: every pass, and building (validating) a BackwardGraph costs more than walking it.
+_GRAPHS: dict[tuple[tuple[Any, ...], ...], BackwardGraph] = {}
+_GRAPHS_MAX = 64
+
+
+def _graph(*arrays: list[Any]) -> BackwardGraph:
+    """The BackwardGraph of these arrays; the same (immutable) object for the same structure."""
+    key = tuple(tuple(a) for a in arrays)
+    graph = _GRAPHS.get(key)
+    if graph is None:
+        kinds, src, dst, input_nr, params, names = arrays
+        graph = BackwardGraph.from_arrays(
+            kinds, src, dst, input_nr=input_nr, params=params, names=names
+        )
+        if len(_GRAPHS) >= _GRAPHS_MAX:
+            _GRAPHS.clear()
+        _GRAPHS[key] = graph
+    return graph
+
+
 def build_rank_graph(
     roots: Sequence[torch.Tensor],
     sends: Sequence[tuple[torch.Tensor, str]],
@@ -176,7 +197,5 @@ def build_rank_graph(
                 wants.append(child._input_metadata[nr])
                 edge(u, child, nr)
         functions[u] = _caller(fn, keep, wants)
-    graph = BackwardGraph.from_arrays(
-        kinds, src, dst, input_nr=input_nr, params=params, names=names
-    )
+    graph = _graph(kinds, src, dst, input_nr, params, names)
     return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)

@@ -24,7 +24,8 @@ from xgrad.failure import (
     default_seconds,
     wait_until,
 )
-from xgrad.torch_backend.dist_wire import Link
+from xgrad.torch_backend.dist_inbox import Inbox
+from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "DistBackwardUnresponsiveError",
     "ProcessPass",
     "barrier",
+    "end",
 ]
 
 #: works abandoned by failed passes: kept referenced (with their buffers) so that
@@ -71,12 +73,10 @@ class ProcessPass:
         context_id: the user-facing context id.
         ranks: the group's ranks (global).
         me: this rank (global).
-        links: peer (global rank) -> :class:`Link`.
+        inbox: the pass's messages (:class:`Inbox`: receives already posted).
         sends: ``(peer, k, tensor, node)`` of this rank's sends that require grad.
         recvs: recv node -> ``(peer, k, tensor)``.
         channel: the context's failure channel.
-        number: this pass's number in the context (the gradients' store keys).
-        timeout: bound of every wait (seconds).
         make_error: turns a :class:`RankError` into the error the user sees.
         unreached: ``(peer, k)`` of received tensors that require grad but that no root
             or send of this rank leads to.
@@ -87,38 +87,36 @@ class ProcessPass:
         context_id: int,
         ranks: Sequence[int],
         me: int,
-        links: dict[int, Link],
+        inbox: Inbox,
         sends: Sequence[tuple[int, int, torch.Tensor, int]],
         recvs: dict[int, tuple[int, int, torch.Tensor]],
         channel: FailureChannel,
-        number: int,
-        timeout: float,
         make_error: Callable[[RankError], Exception],
         unreached: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.context_id = context_id
         self.workers = tuple(ranks)
         self.me = me
-        self._links = links
+        self._inbox = inbox
         self._sent: dict[int, dict[int, torch.Tensor]] = {}
         self._node: dict[tuple[int, int], int] = {}
         for p, k, t, node in sends:
             self._sent.setdefault(p, {})[k] = t
             self._node[(p, k)] = node
-        self._left = {p: len(ks) for p, ks in self._sent.items()}
         self._recvs = recvs
         self._channel = channel
-        self._number = number
-        self._timeout = timeout
         self._make_error = make_error
         self._poll = default_seconds("poll_interval")
-        self._next_poll = 0.0
-        self._out: list[Any] = []
+        # The channel was read when the context began and is read by every wait; between
+        # nodes it is read once per poll interval, not at the start of each pass (a store
+        # round trip and the peers' heartbeats, on the pass's critical path).
+        self._next_poll = time.monotonic() + self._poll
         self.failed = False
         # Received tensors the graph does not reach: their senders learn at once that
         # no gradient comes.
-        for peer, k in unreached:
-            links[peer].send_grad(number, k, None, torch.empty(0))
+        with self._named():
+            for peer, k in unreached:
+                self._send(peer, NO_GRAD, k, None, None)
 
     @contextlib.contextmanager
     def _named(self) -> Iterator[None]:
@@ -127,6 +125,25 @@ class ProcessPass:
         except RankError as exc:
             self.failed = True
             raise self._make_error(exc) from None
+
+    def _send(
+        self, peer: int, kind: int, k: int, grad: torch.Tensor | None, like: torch.Tensor | None
+    ) -> None:
+        try:
+            self._inbox.send(peer, kind, k, grad, like)
+        except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
+            what = f"backward, message to rank {peer}"
+            raise transfer_failed(self._channel, what, exc, peer) from exc
+
+    def _next(self, what: str) -> tuple[int, int, int, torch.Tensor]:
+        """The next message from any peer: ``(peer, kind, k, buffer)``; raises a poison's failure."""
+        peer, _, buf, error = self._inbox.next(what)
+        if error is not None:
+            raise transfer_failed(self._channel, f"{what}, from rank {peer}", error, peer)
+        kind, k = header(buf)
+        if kind == POISON:
+            raise self._inbox.poisoned(peer)
+        return peer, kind, k, buf
 
     def sends_of(self, worker: int) -> tuple[int, ...]:
         return tuple(self._node.values())
@@ -137,46 +154,27 @@ class ProcessPass:
     def deliver(self, worker: int, recv_node: int, grad: Any) -> None:
         """Send the gradient of a received tensor back to its sender (None: no gradient)."""
         peer, k, like = self._recvs[recv_node]
-        try:
-            work = self._links[peer].send_grad(self._number, k, grad, like)
-        except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
-            with self._named():
-                what = f"backward, gradient send to rank {peer}"
-                raise transfer_failed(self._channel, what, exc, peer) from exc
-        if work is not None:
-            self._out.append((peer, work))
+        with self._named():
+            if grad is None:
+                self._send(peer, NO_GRAD, k, None, None)
+            else:
+                self._send(peer, GRAD, k, grad, like)
 
     def receive(self, worker: int) -> tuple[int, Any]:
         """The next ``(send node, gradient)`` from any peer (bounded, watching the channel)."""
         with self._named():
-            found: list[int] = []
-            waiting = [p for p, n in self._left.items() if n]
-
-            def arrived() -> bool:
-                for p in waiting:
-                    if self._links[p].grad_ready(self._number):
-                        found.append(p)
-                        return True
-                return False
-
-            wait_until(
-                arrived,
-                self._channel,
-                timeout=self._timeout,
-                what=f"backward, gradients from ranks {waiting}",
-            )
-            peer = found[0]
-            self._left[peer] -= 1
-            try:
-                k, work, grad = self._links[peer].recv_grad(self._number, self._sent[peer])
-            except RuntimeError as exc:
-                what = f"backward, gradient from rank {peer}"
-                raise transfer_failed(self._channel, what, exc, peer) from exc
-            if work is not None:
-                what = f"backward, gradient from rank {peer}"
-                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
-                grad = grad.to(self._sent[peer][k].device)  # type: ignore[union-attr]
-            return self._node[(peer, k)], grad
+            while True:
+                what = f"backward, gradients from ranks {self._inbox.waiting_for()}"
+                peer, kind, k, buf = self._next(what)
+                if kind == DONE:  # a peer that finished early: counted by the inbox
+                    continue
+                like = self._sent.get(peer, {}).get(k)
+                if like is None:
+                    raise RuntimeError(
+                        f"rank {peer} sent a gradient for send {k}, which was not made"
+                    )
+                grad = None if kind == NO_GRAD else payload(buf, like).to(like.device)
+                return self._node[(peer, k)], grad
 
     def raise_if_failed(self, worker: int) -> None:
         """Raise another rank's failure; reads the channel at most every poll interval."""
@@ -193,18 +191,31 @@ class ProcessPass:
         return self._make_error(RankError(failure, self.me))
 
     def finish(self, worker: int) -> None:
-        """Wait until every rank of the group finished; then this rank's sends are received."""
+        """Tell every rank this one finished, wait until they all did; then every send arrived."""
         with self._named():
-            barrier(self._channel, f"backward/{self._number}", len(self.workers), self._timeout)
-            for peer, (work, _) in self._out:
-                what = f"backward, gradient send to rank {peer}"
-                wait_posted(work, self._channel, timeout=self._timeout, what=what, peer=peer)
+            for peer in self.workers:
+                if peer != self.me:
+                    self._send(peer, DONE, 0, None, None)
+            while not self._inbox.done_from_all():
+                what = f"backward, waiting for ranks {self._inbox.waiting_for()} to finish"
+                peer, kind, _, _ = self._next(what)
+                if kind != DONE:
+                    raise RuntimeError(f"rank {peer} sent a gradient (kind {kind}) after the pass")
+            for peer, (work, _) in self._inbox.sent:
+                what = f"backward, message to rank {peer}"
+                wait_posted(work, self._channel, timeout=self._inbox.timeout, what=what, peer=peer)
 
     def release(self, worker: int) -> None:
-        """Keep what a failed pass left pending referenced; nothing else stays."""
-        if self.failed:
-            GRAVEYARD.extend(self._out)
-        self._out = []
+        """After a failure: answer what this rank still owes with poison; keep the rest referenced."""
+        end(self._inbox, self.failed)
+
+
+def end(inbox: Inbox, failed: bool) -> None:
+    """Close a pass's inbox; after a failure, poison what is owed and keep every buffer alive."""
+    if failed:
+        inbox.poison()
+        GRAVEYARD.append((inbox.sent, inbox.buffers))
+    inbox.close(failed)
 
 
 def barrier(channel: FailureChannel, name: str, world: int, timeout: float) -> None:

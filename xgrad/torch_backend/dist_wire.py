@@ -1,29 +1,50 @@
 """How tensors and their gradients travel between the ranks of a distributed autograd context.
 
-A message is a small header in the group's c10d store and, unless it carries no data,
-the tensor by c10d point-to-point on the group (gloo or NCCL, the same code)::
+Forward, a tensor's header goes through the group's c10d store (its shape is not known
+to the receiver) and the tensor by c10d point-to-point (gloo or NCCL, the same code)::
 
-    forward   A -> B, i-th tensor:    key .../A>B/f/i   = dtype, requires_grad, shape
-    backward  B -> A, j-th gradient:  key .../B>A/b<p>/j = k, has_gradient   (pass p)
+    forward   A -> B, i-th tensor:    key .../A>B/f/i = dtype, requires_grad, shape
 
-``k`` numbers A's sends to B that require grad, so gradients may come back in any order,
-and a ``recv`` whose gradient is not needed still answers ("no gradient") so that its
-sender does not wait. The receiver posts its receive only once the header shows the send
-was posted: no receive is ever left waiting for a send that a failed rank never made
-(gloo can neither cancel one nor time one out without closing the group's connections).
-Keys and tags carry the context's sequence number, so nothing of a failed context
-matches a message of a later one.
+The receiver posts its receive only once the header shows the send was posted, so no
+receive waits for a send that a failed rank never made.
+
+Backward, everything goes by point-to-point, on the context's backward tag. At the start
+of a pass both sides know every message between them: for each tensor A sent B that
+requires grad, one message B -> A (in the order B's engine answers), then B's "done"::
+
+    message = int64 header (kind, k) + payload
+    kind GRAD: the gradient of A's k-th grad-requiring send to B (the payload, the sent
+               tensor's shape and dtype); NO_GRAD: none flows back (not needed, or zero);
+    DONE: B finished the pass; POISON: B failed, read the failure channel.
+
+So A posts its receives first (:class:`xgrad.torch_backend.dist_inbox.Inbox`) and
+gloo writes B's message the moment B sends it. Tags carry the context's sequence number,
+so nothing of a failed context matches a message of a later one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from xgrad.failure import KeyValueStore
 
-__all__ = ["DTYPES", "Link", "header_device", "tag"]
+__all__ = [
+    "DONE",
+    "DTYPES",
+    "GRAD",
+    "HEADER_BYTES",
+    "NO_GRAD",
+    "POISON",
+    "SEVER",
+    "Link",
+    "header",
+    "header_device",
+    "payload",
+    "tag",
+]
 
 #: dtypes that may travel, by code.
 DTYPES: tuple[torch.dtype, ...] = (
@@ -44,7 +65,11 @@ _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 #: tags live above 2**30, clear of the small tags other users of the group pick.
 _TAG_BASE = 1 << 30
 _SEQ_MOD = 1 << 25
-FORWARD, BACKWARD = 0, 1
+#: streams of a context's tags; SEVER only ever times out (closes a lost group at exit).
+FORWARD, BACKWARD, SEVER = 0, 1, 3
+#: kinds of backward messages, and the size of their header (two int64).
+GRAD, NO_GRAD, DONE, POISON = 0, 1, 2, 3
+HEADER_BYTES = 16
 
 
 def tag(seq: int, stream: int) -> int:
@@ -94,6 +119,10 @@ class Link:
         self._in = f"{prefix}/{peer}>{me}"
         self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD))
         self._count: dict[str, int] = {}
+        # NCCL receives only a message of the posted size; gloo one up to it.
+        self._exact = device.type != "cpu"
+        self._reply_slot = HEADER_BYTES
+        self._replies_left = 0
 
     def _next(self, stream: str) -> int:
         i = self._count.get(stream, 0)
@@ -131,44 +160,68 @@ class Link:
         buf = torch.empty(shape, dtype=DTYPES[code], device=self.device)
         return self.pg.recv([buf], self.group_peer, self._tags[FORWARD]), buf, requires_grad
 
-    # backward: gradients
+    # backward: gradients, "done", poison (see the module docstring)
 
-    def send_grad(self, p: int, k: int, grad: torch.Tensor | None, like: torch.Tensor) -> Any:
-        """Post the gradient for the peer's ``k``-th grad-requiring send in pass ``p``.
+    def start_backward(self, replies: Sequence[int]) -> None:
+        """Begin a pass: ``replies`` are the payload bytes of the gradients owed to the peer."""
+        self._reply_slot = HEADER_BYTES + max(replies, default=0)
+        self._replies_left = len(replies)
 
-        ``grad`` None tells the peer no gradient comes. Returns the send's work (or None).
+    def post_backward(self, sizes: Sequence[int]) -> list[tuple[Any, torch.Tensor]]:
+        """Post a pass's receives from the peer: one per expected gradient, then its "done".
+
+        ``sizes``: payload bytes of each expected gradient (the tensors this rank sent the
+        peer that require grad). Returns ``(work, buffer)`` in the order they will complete.
         """
-        work = None
-        if grad is not None:
+        slot = HEADER_BYTES + max(sizes, default=0)
+        posted = [self._post(slot) for _ in sizes]
+        posted.append(self._post(HEADER_BYTES))
+        return posted
+
+    def _post(self, nbytes: int) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.pg.recv([buf], self.group_peer, self._tags[BACKWARD]), buf
+
+    def send_backward(
+        self, kind: int, k: int, grad: torch.Tensor | None, like: torch.Tensor | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """Send one message of a pass: ``(work, buffer)``.
+
+        A gradient (``kind`` GRAD, for the peer's ``k``-th send, received here as ``like``),
+        "no gradient" (NO_GRAD), POISON, or DONE after every gradient. On NCCL every
+        message fills the receive the peer posted for it exactly (NCCL cannot receive a
+        shorter message); gloo sends only the bytes used.
+        """
+        reply = self._replies_left > 0 and kind != DONE
+        if reply:
+            self._replies_left -= 1
+        payload = 0
+        if kind == GRAD:
+            assert grad is not None and like is not None
             if grad.shape != like.shape:
                 raise RuntimeError(
                     f"the gradient for rank {self.peer} has shape {tuple(grad.shape)}, "
                     f"the received tensor {tuple(like.shape)}"
                 )
-            data = grad.to(dtype=like.dtype, device=self.device).contiguous()
-            work = (self.pg.send([data], self.group_peer, self._tags[BACKWARD]), data)
-        stream = f"b{p}"
-        self.store.set(
-            f"{self._out}/{stream}/{self._next(stream)}", f"{k},{int(work is not None)}".encode()
-        )
-        return work
+            payload = like.numel() * like.element_size()
+        size = self._reply_slot if reply and self._exact else HEADER_BYTES + payload
+        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        head = torch.tensor([kind, k], dtype=torch.int64)
+        buf[:HEADER_BYTES].copy_(head.view(torch.uint8))
+        if kind == GRAD:
+            assert grad is not None and like is not None
+            body = buf[HEADER_BYTES : HEADER_BYTES + payload]
+            body.view(like.dtype).view(like.shape).copy_(grad)
+        return self.pg.send([buf], self.group_peer, self._tags[BACKWARD]), buf
 
-    def grad_ready(self, p: int) -> bool:
-        """Whether the peer posted its next gradient message of pass ``p``."""
-        return self.store.check([self._peek(f"b{p}")])
 
-    def recv_grad(
-        self, p: int, sent: dict[int, torch.Tensor]
-    ) -> tuple[int, Any, torch.Tensor | None]:
-        """Take the next gradient message (call once ready): ``(k, work or None, buffer)``.
+def header(buf: torch.Tensor) -> tuple[int, int]:
+    """``(kind, k)`` of a received backward message."""
+    kind, k = buf[:HEADER_BYTES].view(torch.int64).tolist()
+    return int(kind), int(k)
 
-        ``sent`` maps ``k`` to the tensor this rank sent, whose shape the gradient has.
-        """
-        k, has_grad = (int(v) for v in self._take(f"b{p}").decode().split(","))
-        if k not in sent:
-            raise RuntimeError(f"rank {self.peer} sent a gradient for send {k}, which was not made")
-        if not has_grad:
-            return k, None, None
-        like = sent[k]
-        buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        return k, self.pg.recv([buf], self.group_peer, self._tags[BACKWARD]), buf
+
+def payload(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gradient in a received GRAD message, for sent tensor ``like`` (a view, no copy)."""
+    n = like.numel() * like.element_size()
+    return buf[HEADER_BYTES : HEADER_BYTES + n].view(like.dtype).view(like.shape)

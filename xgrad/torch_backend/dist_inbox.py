@@ -1,0 +1,250 @@
+"""The backward messages one rank expects in a pass: receives posted up front, first in first out.
+
+At the start of a pass a rank knows everything it will receive: from each peer ``q`` one
+gradient message per tensor it sent ``q`` that requires grad (its shape is the sent
+tensor's), then ``q``'s "done". So every receive is posted before the peer sends, and
+gloo writes the peer's message the moment it is sent (no ready round trip, no header in
+the store). One daemon thread per peer waits those receives in order and hands each
+completion to one queue; the caller takes whichever peer's message lands first (a
+gradient from one peer may be what lets this rank answer another), sleeping in the
+queue, not spinning, and reading the failure channel every poll interval, so every wait
+is bounded and a failure posted anywhere is raised here.
+
+A rank whose pass fails while it is alive answers every message it still owes with a
+"poison" header (:meth:`Inbox.poison`): its peers' receives all complete, they read the
+failure channel and raise the origin's error, and nothing is left posted on the group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
+from xgrad.torch_backend.dist_wire import POISON, SEVER, Link, tag
+
+__all__ = ["Inbox", "Message"]
+
+#: (peer, index of the message from that peer, buffer, the wait's error or None)
+Message = tuple[int, int, torch.Tensor, BaseException | None]
+
+
+class _PeerThread:
+    """A daemon thread that waits one peer's posted receives, in order, for pass after pass."""
+
+    def __init__(self, link: Link) -> None:
+        self.pg = link.pg
+        self.group_peer = link.group_peer
+        self.waiting = False
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        name = f"xgrad-inbox-{link.peer}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            peer, works, out = job
+            for i, (work, buf) in enumerate(works):
+                self.waiting = True
+                try:
+                    work.wait()
+                except BaseException as exc:  # gloo: the peer died; the rest cannot come
+                    out.put((peer, i, buf, exc))
+                    break
+                finally:
+                    self.waiting = False
+                out.put((peer, i, buf, None))
+
+
+#: one waiting thread per (group, peer), reused by the passes of every context.
+_threads: dict[tuple[str, int], _PeerThread] = {}
+#: every thread made, retired ones too (for :func:`_release_at_exit`).
+_made: list[_PeerThread] = []
+_lock = threading.Lock()
+
+
+def _thread(group: str, link: Link) -> _PeerThread:
+    with _lock:
+        t = _threads.get((group, link.peer))
+        if t is None:
+            t = _threads[(group, link.peer)] = _PeerThread(link)
+            _made.append(t)
+        return t
+
+
+def _retire(group: str, peer: int) -> None:
+    """Stop reusing ``peer``'s thread: it may still wait on a receive that never completes."""
+    with _lock:
+        t = _threads.pop((group, peer), None)
+    if t is not None:
+        t.jobs.put(None)
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Free threads still blocked on a receive (from a rank that froze) before the process exits.
+
+    A thread inside gloo's ``wait()`` when the interpreter finalizes aborts the process, and
+    nothing but the peer or gloo itself ends such a wait: a receive that times out closes the
+    group's connections, which ends every wait on the group with an error. Only a group
+    that still has such a wait is closed, at exit, when nothing else will use it.
+    """
+    with _lock:
+        made = list(_made)
+    severed: set[int] = set()
+    for t in made:
+        if t.waiting and id(t.pg) not in severed:
+            severed.add(id(t.pg))
+            _sever(t.pg, t.group_peer)
+    for t in made:
+        t.jobs.put(None)
+    for t in made:
+        t.thread.join(0.5)
+
+
+def _sever(pg: Any, group_peer: int) -> None:
+    buf = torch.empty(1, dtype=torch.uint8)
+    # It raises: the timeout, which closed the connections; or they already were closed.
+    with contextlib.suppress(RuntimeError):
+        pg.recv([buf], group_peer, tag(0, SEVER)).wait(timedelta(milliseconds=1))
+
+
+class Inbox:
+    """The receives of one rank's pass, posted together; :meth:`next` returns the first to land.
+
+    Args:
+        group: the process group's name (the waiting threads are kept per group and peer).
+        links: peer -> :class:`Link`, for every other rank of the group.
+        expect: peer -> byte sizes of the gradient messages expected from it (one per
+            tensor sent to it that requires grad, in the order sent).
+        owe: peer -> byte sizes of the gradient messages this rank will send it (one per
+            tensor received from it that requires grad).
+        channel: the context's failure channel.
+        timeout: seconds a single :meth:`next` may wait.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        links: dict[int, Link],
+        expect: Mapping[int, Sequence[int]],
+        owe: Mapping[int, Sequence[int]],
+        channel: FailureChannel,
+        timeout: float,
+    ) -> None:
+        self._group = group
+        self._links = links
+        self._channel = channel
+        self.timeout = check_seconds("timeout", timeout)
+        self._poll = default_seconds("poll_interval")
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._expected = {p: len(expect.get(p, ())) + 1 for p in links}
+        self._got = dict.fromkeys(links, 0)
+        self._owe = {p: len(owe.get(p, ())) + 1 for p in links}  # gradients, then "done"
+        self.sent: list[tuple[int, Any]] = []
+        self.buffers: list[torch.Tensor] = []
+        self._expect = expect
+        self._armed = False
+        for peer, link in links.items():
+            link.start_backward(owe.get(peer, ()))
+
+    def arm(self) -> None:
+        """Post the pass's receives and start waiting on them (once; before the first wait).
+
+        Not at the start of the pass: posting costs a message to each peer, and the first
+        gradients this rank sends should not wait for that. A message that comes before its
+        receive is posted waits in gloo, and is matched when the receive is posted.
+        """
+        if self._armed:
+            return
+        self._armed = True
+        for peer, link in self._links.items():
+            works = link.post_backward(self._expect.get(peer, ()))
+            self.buffers += [buf for _, buf in works]
+            _thread(self._group, link).jobs.put((peer, works, self._queue))
+
+    def send(
+        self,
+        peer: int,
+        kind: int,
+        k: int = 0,
+        grad: torch.Tensor | None = None,
+        like: torch.Tensor | None = None,
+    ) -> None:
+        """Send message ``kind`` to ``peer`` (see :meth:`Link.send_backward`)."""
+        work = self._links[peer].send_backward(kind, k, grad, like)
+        self._owe[peer] -= 1
+        self.sent.append((peer, work))
+
+    def next(self, what: str) -> Message:
+        """The next message from any peer, bounded by the timeout, watching the channel.
+
+        Raises:
+            RankError: a failure posted on the channel, a peer that stopped beating, or the
+                timeout (posted first, so every rank stops).
+        """
+        self.arm()
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            item = self._wait(what)
+        self._got[item[0]] += 1
+        return item
+
+    def _wait(self, what: str) -> Message:
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while True:
+            now = time.monotonic()
+            try:
+                return self._queue.get(timeout=max(0.0, min(self._poll, deadline - now)))
+            except queue.Empty:
+                pass
+            self._channel.check()
+            if time.monotonic() >= deadline:
+                raise self._channel.timed_out(what, self.timeout)
+
+    def waiting_for(self) -> list[int]:
+        """The peers some message of this pass is still expected from."""
+        return [p for p, n in self._expected.items() if self._got[p] < n]
+
+    def poisoned(self, peer: int) -> RankError:
+        """The failure behind a poison header from ``peer`` (posted before the poison was sent)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            self._channel.check()
+            time.sleep(0.001)
+        failure = self._channel.post(
+            "backward", f"rank {peer} sent a poison header, but no failure was posted"
+        )
+        return RankError(failure, self._channel.rank)
+
+    def poison(self) -> None:
+        """Answer every message still owed with a poison header, so no peer waits for it."""
+        for peer, n in self._owe.items():
+            for _ in range(n):
+                try:
+                    self.sent.append((peer, self._links[peer].send_backward(POISON, 0, None)))
+                except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                    break
+            self._owe[peer] = 0
+
+    def close(self, failed: bool) -> None:
+        """After the pass: stop reusing the threads of peers whose receives may still be posted."""
+        if failed and self._armed:
+            for peer in self.waiting_for():
+                _retire(self._group, peer)
+
+    def done_from_all(self) -> bool:
+        return not self.waiting_for()
