@@ -23,6 +23,7 @@ from typing import Any
 from xgrad.backend import Comm
 from xgrad.buckets import NO_LIMIT, BucketPlan, assign_buckets, ddp_bucket_caps
 from xgrad.reducer import ArrayOps, Hook, Reducer
+from xgrad.reducer_types import Lender
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ def ddp_reducer(
     batched_grad_copy: bool = False,
     hook: Hook | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    lender: Lender | None = None,
 ) -> Reducer:
     """A reducer set up as DDP sets up its own: the initial plan, or ``plan`` used as given.
 
@@ -146,4 +148,5 @@ def ddp_reducer(
         nbytes=nbytes,
         keys=keys,
         clock=clock,
+        lender=lender,
     )

@@ -18,9 +18,16 @@ from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
-    assign_buckets,
 )
-from xgrad.reducer_buckets import BucketState, build_buckets, fill_bucket, reduced_views
+from xgrad.reducer_buckets import (
+    BucketState,
+    arrive,
+    build_buckets,
+    fill_bucket,
+    reclaim,
+    reduced_views,
+    write_back,
+)
 from xgrad.reducer_errors import (
     buckets_never_reduced,
     marked_ready_twice,
@@ -29,7 +36,7 @@ from xgrad.reducer_errors import (
 )
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
-from xgrad.reducer_types import A
+from xgrad.reducer_types import A, Lender
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
@@ -54,9 +61,8 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             case the view is the gradient from then on.
         find_unused_parameters: some parameters may get no gradient (the caller passes
             them to :meth:`prepare_for_backward`).
-        static_graph: the same parameters are used (and unused) in every iteration: the
-            first iteration finds them and reduces at its end; later ones mark the unused
-            ones ready at the first gradient hook.
+        static_graph: the same parameters are used (and unused) in every iteration (the
+            first finds them and reduces at its end).
         gradient_as_bucket_view: gradients are views into the buckets (no copy back).
         hook: a communication hook with its state bound; default: allreduce of the
             pre-divided gradients (PyTorch's default arithmetic, bit for bit).
@@ -70,6 +76,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             for a bucket unused on this rank; one division per bucket after the copies).
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the records' time source (the reference backend's is virtual).
+        lender: lends bucket views out as gradients instead of ``set_grad`` copies.
     """
 
     def __init__(
@@ -94,8 +101,10 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         nbytes: Sequence[int] | None = None,
         keys: Sequence[Hashable] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        lender: Lender[A] | None = None,
     ) -> None:
         self.params = list(params)
+        self.lender = None if gradient_as_bucket_view else lender
         n = len(self.params)
         if plan.num_params != n:
             raise ValueError(f"the plan covers {plan.num_params} parameters, the model has {n}")
@@ -165,34 +174,6 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             return
         raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
 
-    def rebuild_buckets(self) -> bool:
-        """Rebuild the buckets once from the first observed ready order (call in forward).
-
-        As in DDP, this happens only when the plan can be trusted to repeat: without
-        ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
-        from its own order and adopts rank 0's, so all ranks launch the same buckets.
-
-        Returns:
-            True when rebuilt (gradient views must then be re-taken).
-        """
-        self._ensure_prior_reduction_finished()
-        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
-            return False
-        if self.find_unused_parameters and not self.static_graph:
-            return False
-        local = assign_buckets(
-            self.nbytes,
-            self.rebuild_limits,
-            keys=self.keys,
-            sparse=self.sparse,
-            order=self._rebuild_order,
-        )
-        plan = BucketPlan.from_json(self.comm.broadcast_object(local.to_json(), src=0))
-        self._set_plan(plan)
-        self.has_rebuilt_buckets = True
-        self._rebuild_order = None
-        return True
-
     def prepare_for_backward(
         self, unused: Iterable[int] = (), *, divisor: int | None = None
     ) -> None:
@@ -208,6 +189,10 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self._ensure_prior_reduction_finished()
         self._divisor = divisor or self.comm.size
         self._scale = None if self._hook else 1.0 / self._divisor
+        # Large gradients copied in as they arrive, with the scale of fill_bucket's copy.
+        self._early = (
+            None if self.gradient_as_bucket_view or self.batched_grad_copy else self._scale
+        )
         unused = sorted(set(unused))
         for i in unused:
             if not 0 <= i < len(self.params):
@@ -256,7 +241,9 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self._ready_times.append(now)
         self._require_finalize = True
         bucket, k = self._locate[index]
-        bucket.grads[k] = grad
+        if bucket.lent and bucket.pending == len(bucket.indices):  # before its first write
+            reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
+        arrive(bucket, k, grad, self.ops, self._early)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._fill(bucket)
@@ -315,10 +302,10 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
     def finalize(self) -> None:
         """End of the backward pass: wait for every bucket and write gradients back.
 
-        Unlike DDP, which notices only at the next iteration, a backward pass that ended
-        with parameters still waiting for a gradient raises here (and again at the next
-        forward, as DDP does), so no step is ever taken on half-reduced gradients.
-        Parameters no rank used keep their gradient untouched, as in DDP.
+        Unlike DDP (which notices at the next iteration), a pass that ended with
+        parameters still waiting for a gradient raises here (and again at the next
+        forward), so no step is taken on half-reduced gradients. Parameters no rank
+        used keep their gradient untouched, as in DDP.
         """
         if not self._expect_hooks:
             return
@@ -347,23 +334,19 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
                 self.ops,
                 gradient_as_bucket_view=self.gradient_as_bucket_view,
             )
-            for k, i in enumerate(bucket.indices):
-                if i not in globally_unused:
-                    self.set_grad(i, views[k])
+            write_back(bucket, views, globally_unused, self.set_grad, self.lender)
         end = self.clock()
         if self._rebuild_order is None and not self.has_rebuilt_buckets:
             self._rebuild_order = list(self._ready_order)
         self.records.append(
-            IterationRecord(
-                iteration=self.num_iterations,
-                plan_digest=self._plan_digest,
-                ready_order=tuple(self._ready_order),
-                ready_times=tuple(self._ready_times),
-                launch_times=tuple(b.launched_at for b in self._buckets),
-                finish_times=tuple(b.finished_at for b in self._buckets),
-                backward_start=self._backward_start,
-                backward_end=end,
-                unused=tuple(self._unused.current),
+            IterationRecord.of(
+                self.num_iterations,
+                self._plan_digest,
+                self._ready_order,
+                self._ready_times,
+                self._buckets,
+                (self._backward_start, end),
+                self._unused.current,
             )
         )
         self.num_iterations += 1

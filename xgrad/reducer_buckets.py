@@ -14,11 +14,14 @@ from typing import Any
 
 from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
-from xgrad.reducer_types import ArrayOps
+from xgrad.reducer_types import ArrayOps, Lender
 
 #: a bucket whose gradients average fewer elements than this is copied in one batched
 #: call and scaled in one pass; larger ones are scaled while copied (one pass each).
 _ONE_PASS_NUMEL = 1 << 14
+
+#: stands in ``BucketState.grads`` for a gradient copied in (scaled) when it arrived.
+COPIED = object()
 
 
 class BucketState:
@@ -30,6 +33,7 @@ class BucketState:
     """
 
     __slots__ = (
+        "big",
         "finished_at",
         "flat",
         "grads",
@@ -37,6 +41,7 @@ class BucketState:
         "index",
         "indices",
         "launched_at",
+        "lent",
         "pending",
         "result",
         "skipped",
@@ -66,6 +71,10 @@ class BucketState:
         self.skipped = False
         self.launched_at = 0.0
         self.finished_at = 0.0
+        #: members whose view was lent out as their gradient (kept across iterations).
+        self.lent: list[int] = []
+        #: per member, whether it is copied in as soon as it arrives (see :func:`arrive`).
+        self.big = [False] * len(indices)
 
     def reset(self) -> None:
         """Forget the last iteration (called when a synchronised backward pass is expected)."""
@@ -125,10 +134,57 @@ def build_buckets(
             flat = ops.new_flat(members, total)
             views = [ops.view(flat, off, p) for off, p in zip(offsets, members, strict=True)]
             bucket = BucketState(b, indices, flat, views)
+            bucket.big = [ops.numel(p) >= _ONE_PASS_NUMEL for p in members]
         buckets.append(bucket)
         for k, i in enumerate(indices):
             locate[i] = (bucket, k)
     return buckets, locate
+
+
+def arrive(bucket: BucketState, k: int, grad: Any, ops: ArrayOps, scale: float | None) -> None:
+    """Member ``k``'s gradient arrived: a large one is copied in (scaled) now, else kept.
+
+    Copying a large gradient the moment autograd made it reads it while it is still in
+    cache (PyTorch's reducer copies each gradient in its hook too); small ones wait for
+    the bucket's one batched copy. ``scale`` ``None``: no early copy (a hook divides, or
+    the copy is of another kind); the arithmetic is :func:`fill_bucket`'s either way.
+    """
+    if scale is not None and grad is not None and bucket.big[k]:
+        ops.copy_to(bucket.in_views[k], grad, scale)
+        grad = COPIED
+    bucket.grads[k] = grad
+
+
+def reclaim(bucket: BucketState, lender: Lender, params: Sequence[Any], ops: ArrayOps) -> None:
+    """Before a bucket with lent views is filled again: keep its buffer if they came back.
+
+    A lent view that is still someone's gradient (``zero_grad(set_to_none=False)``) or
+    is held anywhere else keeps the values it was lent with: the bucket then gets a
+    fresh buffer (the old one belongs to its holders from now on).
+    """
+    if not lender.free(bucket.flat, bucket.in_views, bucket.lent):
+        members = [params[i] for i in bucket.indices]
+        bucket.flat = ops.new_flat(members, sum(ops.numel(p) for p in members))
+        bucket.in_views = views_of(bucket.flat, bucket, params, ops)
+    bucket.lent = []
+
+
+def write_back(
+    bucket: BucketState,
+    views: Sequence[Any],
+    skip: set[int] | frozenset[int],
+    set_grad: Any,
+    lender: Lender | None,
+) -> None:
+    """Give each member not in ``skip`` its reduced gradient: lent where the lender may."""
+    lend = lender is not None and views is bucket.in_views
+    for k, i in enumerate(bucket.indices):
+        if i in skip:
+            continue
+        if lend and lender.lendable[i] and lender.lend(i, views[k]):  # type: ignore[union-attr]
+            bucket.lent.append(k)
+        else:
+            set_grad(i, views[k])
 
 
 def fill_bucket(
@@ -158,21 +214,30 @@ def fill_bucket(
     dst: list[Any] = []
     src: list[Any] = []
     aliased: list[Any] = []
+    early = False
     for k, grad in enumerate(grads):
-        if grad is None:
+        if grad is COPIED:
+            early = True
+        elif grad is None:
             ops.zero_(views[k])
         elif gradient_as_bucket_view and ops.is_view_of(grad, views[k]):
             aliased.append(views[k])  # autograd accumulated straight into the bucket
         else:
             dst.append(views[k])
             src.append(grad)
+    # The copies are made: hold no gradient past them (a lender counts who holds one).
+    bucket.grads = [None] * len(grads)
     if batched_grad_copy:
         if dst:
             ops.copy_all(dst, src, None)
         if scale is not None:
             ops.div_(bucket.flat, world_size)
         return
-    if scale is not None and not aliased and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat):
+    if (
+        scale is not None
+        and not (aliased or early)
+        and len(dst) * _ONE_PASS_NUMEL > ops.numel(bucket.flat)
+    ):
         # Many small gradients: copy them all in one batched call, then scale the whole
         # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
         ops.copy_all(dst, src, None)

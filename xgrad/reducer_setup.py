@@ -1,15 +1,19 @@
-"""What may change on a reducer after construction, and only before its first iteration.
+"""What may change on a reducer after construction: its hook, static graph flag and plan.
 
 PyTorch's DDP lets a communication hook be registered and a static graph be declared
 after the wrapper is built (``register_comm_hook``, ``_set_static_graph``), as long as no
-iteration has started. Those two doors are here, kept apart from the per-gradient state
+iteration has started, and rebuilds its buckets once, from the first ready order. Those
+doors are here, kept apart from the per-gradient state
 machine in :mod:`xgrad.reducer` (whose class mixes this in); nothing outside the reducer
 sets its hook or flags.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
+
+from xgrad.buckets import BucketPlan, assign_buckets
 
 if TYPE_CHECKING:
     from xgrad.backend import Comm
@@ -27,6 +31,18 @@ class LateSetup:
     _serial_hooks: bool
     _divisor: int
     _scale: float | None
+    rebuild: bool
+    has_rebuilt_buckets: bool
+    find_unused_parameters: bool
+    nbytes: list[int]
+    keys: list[Hashable]
+    sparse: list[bool]
+    rebuild_limits: Sequence[int]
+    _rebuild_order: list[int] | None
+
+    def _ensure_prior_reduction_finished(self) -> None: ...  # defined by the reducer
+
+    def _set_plan(self, plan: BucketPlan) -> None: ...  # defined by the reducer
 
     @property
     def hook(self) -> Hook | None:
@@ -74,3 +90,31 @@ class LateSetup:
                 f"(rank {self.comm.rank})"
             )
         self.static_graph = True
+
+    def rebuild_buckets(self) -> bool:
+        """Rebuild the buckets once from the first observed ready order (call in forward).
+
+        As in DDP, this happens only when the plan can be trusted to repeat: without
+        ``find_unused_parameters`` or with ``static_graph``. Every rank computes the plan
+        from its own order and adopts rank 0's, so all ranks launch the same buckets.
+
+        Returns:
+            True when rebuilt (gradient views must then be re-taken).
+        """
+        self._ensure_prior_reduction_finished()
+        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
+            return False
+        if self.find_unused_parameters and not self.static_graph:
+            return False
+        local = assign_buckets(
+            self.nbytes,
+            self.rebuild_limits,
+            keys=self.keys,
+            sparse=self.sparse,
+            order=self._rebuild_order,
+        )
+        plan = BucketPlan.from_json(self.comm.broadcast_object(local.to_json(), src=0))
+        self._set_plan(plan)
+        self.has_rebuilt_buckets = True
+        self._rebuild_order = None
+        return True

@@ -72,6 +72,35 @@ class ArrayOps(Protocol[A]):
     def to_numpy(self, x: A) -> np.ndarray: ...
 
 
+#: an array a lender takes (contravariant: a protocol's argument type).
+A_in = TypeVar("A_in", contravariant=True)
+
+
+class Lender(Protocol[A_in]):
+    """Hands bucket views out as gradients instead of copying them back (optional).
+
+    Lending saves the copy out of the bucket after the reduction; the reducer then
+    must not write into a lent view while anyone but itself can still see it, so it
+    asks :meth:`free` before filling the bucket again, and fills a fresh buffer when not.
+    """
+
+    @property
+    def lendable(self) -> Sequence[bool]:
+        """Per parameter, whether its gradient may be lent (large, laid out as its view)."""
+        ...
+
+    def lend(self, index: int, view: A_in) -> bool:
+        """Make ``view`` parameter ``index``'s gradient if nothing else sees the old one.
+
+        Returns False when the gradient must be written back as usual instead.
+        """
+        ...
+
+    def free(self, flat: A_in, views: Sequence[A_in], lent: Sequence[int]) -> bool:
+        """Whether no one but the reducer holds ``flat`` or the lent ``views`` any more."""
+        ...
+
+
 class GradBucket(Generic[A]):
     """A bucket as a communication hook sees it: PyTorch ``GradBucket``'s methods.
 
@@ -143,6 +172,30 @@ class IterationRecord:
     backward_start: float
     backward_end: float
     unused: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls,
+        iteration: int,
+        plan_digest: str,
+        ready_order: Sequence[int],
+        ready_times: Sequence[float],
+        buckets: Sequence[Any],
+        span: tuple[float, float],
+        unused: Sequence[int],
+    ) -> IterationRecord:
+        """The record of a finished pass (``buckets``: the reducer's, with their times)."""
+        return cls(
+            iteration=iteration,
+            plan_digest=plan_digest,
+            ready_order=tuple(ready_order),
+            ready_times=tuple(ready_times),
+            launch_times=tuple(b.launched_at for b in buckets),
+            finish_times=tuple(b.finished_at for b in buckets),
+            backward_start=span[0],
+            backward_end=span[1],
+            unused=tuple(unused),
+        )
 
     @property
     def compute_seconds(self) -> float:

@@ -14,12 +14,16 @@ pytest.importorskip("torch")
 
 def _results(step: float, busy: float) -> list[dict]:
     """Per-rank results as the bench's workers return them: gpipe, 2 stages, 2 microbatches,
-    every forward 1 ms and every backward 2 ms, no message records (the ping-pong is used)."""
+    every forward 1 ms and every backward 2 ms, each send 0.5 ms, 50 us between actions,
+    0.2 ms before the first action and 0.3 ms after the last, no message records (the
+    ping-pong is used)."""
     per_rank = []
     for rank in range(2):
-        costs = {(rank, "F"): 1e-3, (rank, "B"): 2e-3}
+        costs = {(rank, "F"): 1e-3, (rank, "B"): 2e-3, (rank, "SEND_F"): 5e-4}
+        costs[(rank, "SEND_B")] = 5e-4
         peaks = {"torch_heap_bytes": 2**20, "xgrad_heap_bytes": 2**19, "xgrad_activation_bytes": 0}
         gpipe = {"torch": 2 * step, "xgrad": step, "busy": busy, "records": [], "costs": costs}
+        gpipe |= {"dispatch": 5e-5, "pre": 2e-4, "post": 3e-4}
         per_rank.append({"message": 1e-4, "gpipe": gpipe | {"peaks": peaks}})
     return per_rank
 
@@ -35,15 +39,20 @@ def test_the_text_and_the_tables_hold_the_same_figures() -> None:
         {"schedule": "gpipe", "torch_s": 0.02, "xgrad_s": 0.01, "ratio": 0.5, "ok": True}
     ]
 
-    def cost(action: xp.Action) -> float:
-        return 1e-3 if action.kind is xp.Kind.FORWARD else 2e-3
+    kinds = {xp.Kind.FORWARD: 1e-3, xp.Kind.BACKWARD: 2e-3}
+    kinds[xp.Kind.SEND_F] = kinds[xp.Kind.SEND_B] = 5e-4
 
-    sim = xp.simulate(xp.make("gpipe", 2, 2), cost, comm_cost=1e-4)
+    def cost(action: xp.Action) -> float:
+        return kinds.get(action.kind, 0.0)
+
+    sim = xp.simulate_messages(xp.make("gpipe", 2, 2), cost, latency=1e-4, dispatch=5e-5)
+    predicted = sim.makespan + 2e-4 + 3e-4
     (row,) = simulated
-    assert row["simulated_s"] == pytest.approx(sim.step_time)
-    assert row["error"] == pytest.approx(sim.step_time / 0.01 - 1)
+    assert row["simulated_s"] == pytest.approx(predicted)
+    assert row["error"] == pytest.approx(predicted / 0.01 - 1)
     assert row["bubble_measured"] == pytest.approx(1 - 2 * 0.006 / (2 * 0.01))
-    assert row["message_us"] == pytest.approx(100)
+    assert row["bubble_simulated"] == pytest.approx(1 - 2 * 6e-3 / (2 * predicted))
+    assert (row["message_us"], row["dispatch_us"], row["fixed_us"]) == pytest.approx((100, 50, 500))
     assert [(r["stage"], r["figure"], r["bytes"]) for r in memory[:2]] == [
         (0, "torch_heap", 2**20),
         (0, "xgrad_heap", 2**19),

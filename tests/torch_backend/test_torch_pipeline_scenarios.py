@@ -205,6 +205,14 @@ def _scenario(rank: int, world: int, path: str) -> dict[str, Any]:
     for n, seed in ((8, 1), (12, 2)):
         step(n, seed)
         out[f"ok{n}"] = _err(part, _want(n, seed)[rank])
+    # The same with every message's leaves sent apart from its header (as large ones are).
+    from xgrad.torch_backend import pipeline_frame
+
+    pipeline_frame.PACK_LIMIT = 0
+    for n, seed in ((8, 11), (12, 12)):
+        step(n, seed)
+        out[f"apart{n}"] = _err(part, _want(n, seed)[rank])
+    pipeline_frame.PACK_LIMIT = 1 << 20
     # The middle stage raises in its fourth forward (1F3) and stays alive.
     if isinstance(part, Middle):
         part.fail_at = 4
@@ -249,7 +257,7 @@ def _scenario(rank: int, world: int, path: str) -> dict[str, Any]:
 def test_pytrees_failure_agreement_dag_and_torch_csv(tmp_path: Any) -> None:
     results = spawn(_scenario, 3, args=(str(tmp_path / "torch"),), timeout=150)
     for rank, res in enumerate(results):
-        for key in ("ok8", "ok12", "after8", "after4", "last"):
+        for key in ("ok8", "ok12", "apart8", "apart12", "after8", "after4", "last"):
             assert res[key] <= 1e-12, (rank, key, res[key])
         message, origin, _ = res["error"]
         assert message.startswith("rank 1: 1F3 failed: ValueError: boom in the middle stage"), (

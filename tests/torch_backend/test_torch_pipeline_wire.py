@@ -16,6 +16,7 @@ from xgrad.torch_backend.pipeline_wire import (  # noqa: E402
     detach_tree,
     differentiable,
     empty_leaves,
+    layout,
     mark_gradients,
     rebuild,
     split_batch,
@@ -53,23 +54,16 @@ def test_checkpointed_outputs_carry_gradients_and_detach_marks_them() -> None:
     assert differentiable(cut) == [cut[0]]
 
 
-def test_repeated_description_costs_one_header() -> None:
+def test_edge_cache_reuses_a_description_and_remembers_the_last() -> None:
     cache = EdgeCache()
-    posted: list[Any] = []
-
-    def post(t: Any) -> Any:
-        posted.append(t)
-        return None
-
-    tree = (torch.randn(2, 2),)
-    cache.send("e", tree, [False], post, "0SEND_F0", "cpu")
-    assert [int(posted[0].item()), posted[1].dtype] == [posted[1].numel(), torch.uint8]
-    posted.clear()
-    cache.send("e", (torch.randn(2, 2),), [False], post, "0SEND_F1", "cpu")
-    assert int(posted[0].item()) == 0 and len(posted) == 2  # header "same", then the leaf
-    posted.clear()
-    cache.send("e", (torch.randn(3, 2),), [False], post, "0SEND_F2", "cpu")  # a new shape
-    assert int(posted[0].item()) > 0 and len(posted) == 3
+    first, tensors = cache.describe("e", (torch.randn(2, 2),), [False], "0SEND_F0")
+    again, _ = cache.describe("e", (torch.randn(2, 2),), [False], "0SEND_F1")
+    assert again is first and len(tensors) == 1  # same structure and layout: not redone
+    other, _ = cache.describe("e", (torch.randn(3, 2),), [False], "0SEND_F2")  # a new shape
+    assert other != first and layout(other) == [(torch.Size([3, 2]), torch.float32)]
+    assert cache.last("e") is None
+    cache.remember("e", other)
+    assert cache.last("e") == other
     cache.clear()
     assert cache.last("e") is None
 

@@ -22,6 +22,7 @@ from xgrad.pipeline.invocation import dag as dag
 from xgrad.pipeline.invocation import partitions_of as partitions_of
 from xgrad.pipeline.invocation import placement_of as placement_of
 from xgrad.pipeline.invocation import sources_of as sources_of
+from xgrad.pipeline.messages import simulate_messages as simulate_messages
 from xgrad.pipeline.multistage import dualpipev as dualpipev
 from xgrad.pipeline.multistage import interleaved_1f1b as interleaved_1f1b
 from xgrad.pipeline.multistage import interleaved_zb as interleaved_zb

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import itertools
 import statistics
 import time
@@ -242,6 +243,9 @@ class _Side:
 
     def __init__(self, wrap: Callable[[Any], Any], base: Any, meter: HeapMeter) -> None:
         self.model = copy.deepcopy(base)
+        # Garbage of the last case is freed now, not by a collection that happens to run
+        # inside one side's construction (which read as that side taking less).
+        gc.collect()
         before = meter.live()
         self.ddp = wrap(self.model)
         # Construction can free more than it takes (a collection, the allocator trimming):
@@ -260,6 +264,10 @@ class _Side:
         if sample is not None:
             sample()
         self.opt.step()
+
+
+#: the order of the sides in even and odd steps (see ``_bench``).
+_TURNS = (("xgrad", "torch", "local"), ("torch", "xgrad", "local"))
 
 
 def _factories(find_unused: bool) -> dict[str, Callable[[Any], Any]]:
@@ -294,9 +302,11 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                     side.step(x, y)
             dist.barrier()
             # Alternate step by step (each step is synchronised across ranks by its
-            # allreduce), flipping who goes first, so load on the machine hits both alike.
+            # allreduce), so load on the machine hits both alike: x t l, t x l, x t l...
+            # No side ever follows itself (a side right after its own step finds its
+            # tensors still in cache), and each follows each other side equally often.
             for i in range(settings["rounds"] * settings["iters"]):
-                for key in order if i % 2 == 0 else order[::-1]:
+                for key in _TURNS[i % 2]:
                     side = sides[key]
                     start = time.perf_counter()
                     side.step(x, y)

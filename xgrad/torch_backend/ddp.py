@@ -212,7 +212,9 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             else MixedPrecisionCasts(mixed_precision, module, ignore)
         )
         flat_dtype = None if self._casts is None else self._casts.param_dtype
-        self._grad_hooks = GradientHooks(self._params, gradient_as_bucket_view)
+        self._grad_hooks = GradientHooks(
+            self._params, gradient_as_bucket_view, lend=flat_dtype is None
+        )
         limits = DDPLimits.of(
             bucket_cap_bytes=cap_bytes,
             first_bucket_cap_bytes=first_cap_bytes,
@@ -237,6 +239,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
             hook=None if self._casts is None else self._casts.hook(self.comm),
+            lender=self._grad_hooks,
         )
         self.initial_plan = self.reducer.initial_plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}

@@ -30,12 +30,19 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
-from xgrad.torch_backend.failure import check_lost, failure_channel, transfer_failed
+from xgrad.torch_backend.failure import (
+    check_lost,
+    failure_channel,
+    start_heartbeat,
+    transfer_failed,
+)
 
 __all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
 
 #: per process: DDP instances in construction order (the same on every rank).
 _instances = itertools.count()
+
+_SUM = dist.AllreduceOptions()  # ReduceOp.SUM
 
 
 def _describe(exc: BaseException) -> str:
@@ -59,7 +66,8 @@ class StepWatch:
         self.group: Any = self._private_group()
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
-        self.channel: FailureChannel = failure_channel(group, self._namespace())
+        self._last_namespace = self._namespace()
+        self.channel: FailureChannel = failure_channel(group, self._last_namespace)
 
     def current_group(self) -> Any:
         """The private group; the failure that lost it if it was dropped (never WORLD)."""
@@ -70,6 +78,19 @@ class StepWatch:
 
     def _namespace(self) -> str:
         return f"ddp/{self.instance}/step/{self.step}"
+
+    def _next_channel(self) -> FailureChannel:
+        """The channel of the step just begun: a new namespace on the same store.
+
+        The store, this rank and the peers' heartbeats stay the same from step to step,
+        so they are shared with the last step's channel rather than looked up again
+        (that took more than the rest of DDP's per-step bookkeeping together).
+        """
+        start_heartbeat(self.user_group)  # restarted if it stopped, as failure_channel does
+        old = self.channel
+        base = old.prefix[: len(old.prefix) - len(self._last_namespace)]
+        self._last_namespace = self._namespace()
+        return FailureChannel(old.store, base + self._last_namespace, old.rank, old.liveness)
 
     def _private_group(self) -> Any:
         ranks = dist.get_process_group_ranks(self.user_group or dist.group.WORLD)
@@ -91,7 +112,7 @@ class StepWatch:
         failed = self.channel.poll()
         check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
         self.step += 1
-        self.channel = failure_channel(self.user_group, self._namespace())
+        self.channel = self._next_channel()
         if failed is not None or self.group is None:
             self.group = self._private_group()
             self.lost = None
@@ -135,8 +156,10 @@ class StepWatch:
     def wait_work(self, work: Any, what: str) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise."""
         if not work.is_completed():
-            done = threading.Event()
-            work.get_future().add_done_callback(lambda _: done.set())
+            # A held lock the completion releases: half the cost of an Event's wait.
+            done = threading.Lock()
+            done.acquire()
+            work.get_future().add_done_callback(lambda _: done.release())
             self.wait_event(done, what)
         try:
             work.wait()
@@ -145,11 +168,13 @@ class StepWatch:
             self.drop_group(error, abort=True)
             raise error from exc
 
-    def wait_event(self, done: threading.Event, what: str) -> None:
-        """Wait for ``done``, checking the channel between naps, never past the timeout."""
+    def wait_event(self, done: threading.Event | threading.Lock, what: str) -> None:
+        """Wait for ``done`` (set, or released), checking the channel between naps, never
+        past the timeout."""
+        wait = done.wait if isinstance(done, threading.Event) else done.acquire
         try:
             waited = 0.0
-            while not done.wait(self.poll):
+            while not wait(timeout=self.poll):
                 waited += self.poll
                 self.channel.check()
                 if waited >= self.timeout:
@@ -262,7 +287,13 @@ class WatchedComm(TorchComm):
         self.watch.wait_work(work, what)
 
     def allreduce(self, buffer: torch.Tensor) -> WatchedWork:  # type: ignore[override]
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        group = self.group
+        if buffer.is_complex():  # c10d reduces complex numbers as pairs of reals
+            work = dist.all_reduce(buffer, group=group, async_op=True)
+        else:
+            # The group's own call: what PyTorch's C++ reducer calls, without the checks
+            # of ``dist.all_reduce`` (which cost as much again, and hold for a bucket).
+            work = group.allreduce([buffer], _SUM)
         return WatchedWork(work, buffer, self.watch, f"allreduce of {buffer.numel()} elements")
 
     def _sizes(self, n: int) -> list[int]:

@@ -22,6 +22,7 @@ from torch import nn
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
 from xgrad.torch_backend.ddp_failure import StepWatch, WatchedFuture
+from xgrad.torch_backend.ddp_lend import lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 
 
@@ -31,13 +32,19 @@ class GradientHooks:
     Args:
         params: the reduced parameters, in the reducer's order.
         gradient_as_bucket_view: make each ``.grad`` its bucket view instead of copying.
+        lend: lend bucket views as gradients where no one can tell (:mod:`.ddp_lend`);
+            off when the buckets' dtype differs from the parameters' (mixed precision).
 
-    Call :meth:`attach` once the reducer (which needs :meth:`set_grad`) exists.
+    Call :meth:`attach` once the reducer (which needs :meth:`set_grad`) exists. It is
+    also the reducer's :class:`~xgrad.reducer_types.Lender`.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], gradient_as_bucket_view: bool) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], gradient_as_bucket_view: bool, lend: bool = True
+    ) -> None:
         self.params = list(params)
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.lendable = [lend and lendable(p) for p in self.params]
         self.reducer: Reducer | None = None
         #: set by forward: the next gradient hook starts a synchronised backward pass.
         self.sync_pending = False
@@ -135,6 +142,18 @@ class GradientHooks:
                 RuntimeWarning,
                 stacklevel=5,
             )
+
+    def lend(self, index: int, view: torch.Tensor) -> bool:
+        """Make ``view`` the gradient when the old one is seen by its parameter only."""
+        p = self.params[index]
+        if not sole_grad(p):
+            return False
+        p.grad = view
+        return True
+
+    def free(self, flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence[int]) -> bool:
+        """Whether every lent view of ``flat`` came back (see :func:`.ddp_lend.views_free`)."""
+        return views_free(flat, views, lent)
 
     def set_grad(self, index: int, view: torch.Tensor) -> None:
         """The reducer's write-back of parameter ``index``'s reduced gradient."""

@@ -80,9 +80,10 @@ def pipeline_worker(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str
             step()
             times.append(time.perf_counter() - start)
             recs = [r for r in rt.records if r.action.kind.is_compute]
-            busy.append(sum(r.end - r.start for r in recs))
+            # A pass waits for its inputs first: that time is not its cost.
+            busy.append(sum(r.end - r.start - r.waited for r in recs))
             for r in recs:
-                costs.setdefault(r.action.kind.value, []).append(r.end - r.start)
+                costs.setdefault(r.action.kind.value, []).append(r.end - r.start - r.waited)
         with meter.hooks():
             dist.barrier()
             step()

@@ -8,16 +8,15 @@ The event loop lives here; the wire format (pytrees of tensors) is
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from xgrad.failure import Failure, FailureChannel, RankError, error_for, wait_until
+from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.pipeline import (
     Action,
     Invocation,
@@ -31,41 +30,26 @@ from xgrad.pipeline import (
 )
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
 )
-from xgrad.torch_backend.pipeline_slot import ActionRecord, Send, Slot, held_bytes
+from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
-from xgrad.torch_backend.pipeline_wire import (
-    EdgeCache,
-    retire,
-    split_batch,
-)
+from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
-
-#: gloo tags (one per step, edge and direction, so that the messages of a failed step,
-#: never received, cannot be taken for those of a later one) stay below this.
-_TAG_LIMIT = 1 << 30
-
-#: steps started per process group, in this process (every rank counts alike: the channel
-#: namespace and the tag of a step).
-_steps: dict[str, Iterator[int]] = {}
-
-
-def _next_step(group: Any) -> int:
-    pg: Any = dist.group.WORLD if group is None else group
-    name = str(dist.distributed_c10d._get_process_group_name(pg))
-    return next(_steps.setdefault(name, itertools.count(1)))
 
 
 class PipelineRuntime(StagePasses):
     """Runs this rank's part of a pipeline schedule, as an event loop over its actions.
 
     The first stage reads microbatches of the input, the last computes the loss on
-    microbatches of the target, the middle ones receive and send; activations move with
-    ``isend``/``irecv`` (gloo on CPU, NCCL on GPU) and are dropped once sent. Gradients
+    microbatches of the target, the middle ones receive and send; activations move as
+    point-to-point messages whose receives are posted ahead (gloo on CPU, NCCL on GPU;
+    see :mod:`~xgrad.torch_backend.pipeline_comm`) and are dropped once sent. Gradients
     accumulate into the partitions' ``.grad`` and equal those of the whole model run on the
     whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean over
     the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default).
@@ -77,15 +61,17 @@ class PipelineRuntime(StagePasses):
 
     Failures: an exception in any action on any rank makes every rank raise
     :class:`xgrad.failure.RankError` naming where it started (``"rank 1: 1F3 failed:
-    ValueError: ..."``) within the failure channel's poll interval, even when the failing
-    process stays alive; a rank that dies or freezes is named after its heartbeat stops, and
-    no wait lasts longer than ``timeout``. The next :meth:`step` starts clean (its messages
-    are tagged apart from the failed step's); gradients the failed step had accumulated stay
+    ValueError: ..."``) at once, even when the failing process stays alive (it poisons the
+    messages its peers wait for, see :mod:`~xgrad.torch_backend.pipeline_comm`); a rank
+    that dies is named after its heartbeat stops (about a second), one that freezes after
+    ``timeout``, and no wait lasts longer than that. The next :meth:`step` starts clean, on
+    a fresh private group; gradients the failed step had accumulated stay
     in ``.grad``, so zero them before retrying. Before the first step, every rank checks
     that all run the same schedule (one all-gather of its digest).
 
     Attributes:
-        records: the last step's actions with their wall-clock start and end.
+        records: the last step's actions with their wall-clock start and end (and the time
+            each spent blocked on a message).
         peak_held_bytes: the most bytes of activations and gradients held at once so far.
 
     Args:
@@ -100,7 +86,8 @@ class PipelineRuntime(StagePasses):
         group: the pipeline process group (default: the default group); schedule rank r is
             group rank r.
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``.
-        timeout: seconds any receive or send may take before an error names it.
+        timeout: seconds any receive or send may take before an error names it (a frozen
+            peer is named after it).
         no_sync: for data parallelism, a context factory ``no_sync(partition_index)`` under
             which forwards that must not reduce gradients run (DDP's ``no_sync``); only the
             last microbatch's forward with gradients runs outside it.
@@ -193,10 +180,15 @@ class PipelineRuntime(StagePasses):
         self._channel: FailureChannel | None = None
         self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
-        # Gloo's sends and receives complete only inside ``wait()``: receives are awaited on
-        # one thread while this one watches the failure channel, sends drain on another (a
-        # send completes when its peer receives; its tensor is freed then).
-        self._waiters = (Waiter("xgrad-pipeline-recv"), Waiter("xgrad-pipeline-send"))
+        self._p2p_ranks: list[int] = []
+        self._dying: tuple[Any, StepWire] | None = None  # a failed step's group and wire
+        self._actions = list(expand(self.schedule.actions[self.rank]))
+        #: receives are posted this many actions ahead of the action that runs them (A/B at
+        #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
+        self.post_ahead = 8
+        # Receives are awaited on this thread (see pipeline_comm); waits that must watch
+        # the failure channel (a collective, the step's last sends) hand off to these.
+        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
 
@@ -226,16 +218,23 @@ class PipelineRuntime(StagePasses):
             if last in mine
             else None
         )
-        index = _next_step(self.group)
+        index = next_step(self.group)
         n = sched.num_stages
-        self._tag = index % max(1, _TAG_LIMIT // (2 * n * n))
+        self._tag = step_tag(index, n)
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
+        if self._dying is not None:
+            # The failed step's group: its poison went out (or its peer is lost), abort it.
+            if self._lost is None:
+                self._dying[1].wait_poison(self.timeout)
+            abort_set_aside(self._dying[0])
+            self._dying = None
         check_lost(self._channel, self._lost)  # before a new group waits on a lost rank
         self._lost = None
         if self._p2p is None:
             # Sends and receives go through a private group of the pipeline's ranks.
             members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             self._p2p = dist.new_group(members, use_local_synchronization=True)
+            self._p2p_ranks = [dist.get_group_rank(self._p2p, g) for g in members]
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
             # everywhere; a hang on a schedule one rank does not share is ruled out.
@@ -250,89 +249,66 @@ class PipelineRuntime(StagePasses):
                 device=self._device(min(mine)) if mine else "cpu",
             )
             self._agreed = True
+        slots: dict[tuple[int, int], Slot] = {}
+
+        def grad_shapes(stage: int, mb: int) -> Any:
+            slot = slots.get((stage, mb))
+            return None if slot is None else slot.grad_shapes
+
+        self._wire = StepWire(
+            sched,
+            self.rank,
+            self._p2p,
+            self._p2p_ranks,
+            self._tag,
+            self._edges,
+            self._channel,
+            self.timeout,
+            self._device,
+            grad_shapes,
+            self.post_ahead,
+        )
         action: Action | None = None
+        wire = self._wire
         try:
-            slots: dict[tuple[int, int], Slot] = {}
-            sends: list[Send] = []
             loss = None
             self.records = []
-            for action in expand(sched.actions[self.rank]):
+            for i, action in enumerate(self._actions):
+                wire.advance(i)
                 start = time.perf_counter()
-                loss = self._perform(action, slots, sends, xs, ys, loss)
-                self.records.append(ActionRecord(action, start, time.perf_counter()))
+                wire.waited = 0.0
+                loss = self._perform(action, slots, xs, ys, loss)
+                self.records.append(ActionRecord(action, start, time.perf_counter(), wire.waited))
                 self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
-            for send in sends:
-                wait_until(
-                    send.done,
-                    self._channel,
-                    timeout=self.timeout,
-                    what=f"{send.action} (send)",
-                )
-                if send.error:
-                    raise send.error[0]
             action = None
+            wire.finish(self._waiters[1])
             return loss
         except RankError as error:
+            wire.poison()  # the failure is posted: peers waiting on this rank stop now
             self._reset(error)
             raise
         except Exception as exc:
-            self._reset(None)
             where = f"{action} failed" if action is not None else "step failed"
             failure = self._channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+            wire.poison()
+            self._reset(None)
             raise error_for(failure, self._channel.rank) from exc
 
     def _reset(self, error: RankError | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
-        last), abort the private group of the failed step's transfers (its pending sends and
-        receives would otherwise abort the process at exit; every rank saw the failure and
-        makes a fresh one next step), and leave waiter threads parked on those transfers.
+        last), set the private group of the failed step's transfers aside (receives posted
+        ahead that gloo cannot cancel, sends never received; every rank saw the failure and
+        makes a fresh one next step) to be aborted once its poison went out (next step, or
+        at exit), and leave waiter threads parked on those transfers.
         A rank that stopped answering is remembered: the next step checks it first."""
         self._lost = (
             error.failure if error is not None and error.failure.kind == "unresponsive" else None
         )
         self._edges.clear()
         if self._p2p is not None:
-            retire(self._p2p)
+            self._dying = (self._p2p, self._wire)
+            set_aside(self._p2p)
             self._p2p = None
         for waiter in self._waiters:
             waiter.close()
-        self._waiters = (Waiter("xgrad-pipeline-recv"), Waiter("xgrad-pipeline-send"))
-
-    def _perform(
-        self,
-        action: Action,
-        slots: dict[tuple[int, int], Slot],
-        sends: list[Send],
-        xs: list[Any] | None,
-        ys: list[Any] | None,
-        loss: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        kind = action.kind
-        if kind.is_stage_op:
-            slot_index = self._slot_of[action.stage]
-            if kind is Kind.REDUCE_GRAD and self._reduce_at.get(slot_index) == action.stage:
-                if self._reduce_grad is not None:
-                    self._reduce_grad(slot_index)
-                elif self._dp_group is not None:
-                    self._average_grads(action)
-            return loss  # UNSHARD / RESHARD: nothing is sharded here
-        key = (action.stage, action.microbatch)
-        slot = slots.setdefault(key, Slot())
-        if kind is Kind.FORWARD:
-            out = self._forward(action, slot, slots, xs, ys)
-            if action.stage == self.schedule.num_stages - 1:
-                loss = out.detach() if loss is None else loss + out.detach()
-        elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
-        elif kind is Kind.BACKWARD_WEIGHT:
-            self._backward_weight(action, slot)
-        elif kind in (Kind.SEND_F, Kind.SEND_B):
-            sends[:] = [s for s in sends if not s.done.is_set() or s.error]
-            for work, tensor in self._send(action, slot):
-                done, error = self._waiters[1].submit(work)
-                sends.append(Send(action, tensor, done, error))
-        else:
-            self._recv(action, slot)
-        if slot.empty():
-            slots.pop(key, None)
-        return loss
+        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))

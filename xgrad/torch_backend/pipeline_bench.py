@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -160,8 +161,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         times: dict[str, list[float]] = {"torch": [], "xgrad": []}
         peaks: dict[str, int] = {}
         busy: list[float] = []
-        last_records: list[Any] = []
+        all_records: list[Any] = []  # per timed step, this rank's actions
         stage_costs: dict[tuple[int, str], list[float]] = {}
+        # The runtime's own time per action (between actions: its loop, posting receives),
+        # and before its first action and after its last (to the closing barrier).
+        dispatch: list[float] = []
+        edges: dict[str, list[float]] = {"pre": [], "post": []}
         for _ in range(cfg["warmup"]):
             for fn in (run_theirs, run_ours):
                 fn()
@@ -173,17 +178,24 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 start = time.perf_counter()
                 fn()
                 _sync(device)
-                times[label].append(time.perf_counter() - start)
+                stop = time.perf_counter()
+                times[label].append(stop - start)
                 module.zero_grad(set_to_none=True)
                 if label == "xgrad":
-                    last_records = list(ours.records)
-                    recs = [r for r in ours.records if r.action.kind.is_compute]
-                    busy.append(sum(r.end - r.start for r in recs))
-                    # Compute passes, and the sender's side of each message (posting it).
-                    for r in ours.records:
-                        if r.action.kind.is_compute or r.action.kind.name.startswith("SEND"):
-                            key = (r.action.stage, r.action.kind.value)
-                            stage_costs.setdefault(key, []).append(r.end - r.start)
+                    recs = list(ours.records)
+                    all_records.append([(str(r.action), r.start, r.end, r.waited) for r in recs])
+                    # Compute time without the time blocked on a message.
+                    busy.append(
+                        sum(r.end - r.start - r.waited for r in recs if r.action.kind.is_compute)
+                    )
+                    # Every action's own time (compute, posting sends and receives) per stage.
+                    for r in recs:
+                        key = (r.action.stage, r.action.kind.value)
+                        stage_costs.setdefault(key, []).append(r.end - r.start - r.waited)
+                    gaps = sum(b.start - a.end for a, b in itertools.pairwise(recs))
+                    dispatch.append(gaps / max(1, len(recs) - 1))
+                    edges["pre"].append(recs[0].start - start)
+                    edges["post"].append(stop - recs[-1].end)
         if device.type == "cuda":
             for label, fn in (("torch", run_theirs), ("xgrad", run_ours)):
                 torch.cuda.reset_peak_memory_stats(device)
@@ -201,10 +213,14 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "torch": statistics.median(times["torch"]),
             "xgrad": statistics.median(times["xgrad"]),
             "busy": statistics.median(busy),
-            # The last timed step's actions on the shared monotonic clock, for the latency
-            # of each message as the runtime saw it.
-            "records": [(str(r.action), r.start, r.end) for r in last_records],
-            "costs": {k: statistics.median(v) for k, v in stage_costs.items()},
+            # Every timed step's actions on the shared monotonic clock, for the latency of
+            # each message as the runtime saw it; each action's own times, as sampled.
+            "records": all_records,
+            "costs": {k: statistics.mean(v) for k, v in stage_costs.items()},
+            "samples": stage_costs,
+            "dispatch": statistics.median(dispatch),
+            "pre": statistics.median(edges["pre"]),
+            "post": statistics.median(edges["post"]),
             "peaks": peaks,
         }
     dist.barrier()

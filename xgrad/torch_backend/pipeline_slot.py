@@ -1,9 +1,8 @@
 """What the pipeline runtime keeps: per (stage, microbatch) between its forward and its
-backward, posted sends, and the record of each executed action."""
+backward, and the record of each executed action."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,28 +10,20 @@ import torch
 
 from xgrad.pipeline import Action
 from xgrad.torch_backend.pipeline_recompute import RngState
-from xgrad.torch_backend.pipeline_wire import Description, tensor_leaves
+from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["ActionRecord", "Phony", "Send", "Slot", "held_bytes"]
+__all__ = ["ActionRecord", "Phony", "Slot", "held_bytes"]
 
 
 @dataclass
 class ActionRecord:
-    """One executed action's wall-clock interval (seconds, ``time.perf_counter``)."""
+    """One executed action's wall-clock interval (seconds, ``time.perf_counter``) and the
+    seconds of it spent blocked on a message from another rank (``waited``)."""
 
     action: Action
     start: float
     end: float
-
-
-@dataclass
-class Send:
-    """A posted send: its tensor stays referenced until the send completes."""
-
-    action: Action
-    tensor: torch.Tensor
-    done: threading.Event
-    error: list[BaseException]
+    waited: float = 0.0
 
 
 @dataclass
@@ -52,12 +43,7 @@ class Slot:
     grad_parts: list[list[torch.Tensor]] = field(default_factory=list)  # summed at backward
     grad_output: list[torch.Tensor] | None = None  # the sum, kept between I and W
     grad_input: dict[int, list[torch.Tensor]] | None = None  # per remote source, for SEND_B
-    # forward messages being received, per remote source: description, buffers, receives
-    header: dict[int, tuple[Description, list[torch.Tensor], list[Any]]] = field(
-        default_factory=dict
-    )
     rng: RngState | None = None  # for the recomputation
-    pending: list[Any] = field(default_factory=list)  # gradient receives not yet waited
 
     def empty(self) -> bool:
         return (
@@ -67,8 +53,6 @@ class Slot:
             and not self.grad_parts
             and self.grad_output is None
             and self.grad_input is None
-            and not self.header
-            and not self.pending
         )
 
 
@@ -87,9 +71,22 @@ class Phony(torch.autograd.Function):
 
 def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:
     """Bytes of the activations and gradients the slots reference (inputs, outputs,
-    gradients waiting to be used or sent)."""
+    gradients waiting to be used or sent). Run after every action, so plain tensors,
+    lists, tuples and dicts are walked directly (a pytree flatten costs more)."""
     total = 0
     for slot in slots.values():
         for tree in (slot.input, slot.output, slot.grad_parts, slot.grad_output, slot.grad_input):
-            total += sum(t.numel() * t.element_size() for t in tensor_leaves(tree))
+            total += _nbytes(tree)
     return total
+
+
+def _nbytes(tree: Any) -> int:
+    if tree is None:
+        return 0
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if type(tree) in (list, tuple):
+        return sum(_nbytes(t) for t in tree)
+    if type(tree) is dict:
+        return sum(_nbytes(t) for t in tree.values())
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(tree))

@@ -18,18 +18,13 @@ from torch import nn
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
 from xgrad.torch_backend.pipeline_slot import Phony, Slot
 from xgrad.torch_backend.pipeline_wire import (
-    EdgeCache,
     carried,
     detach_tree,
     differentiable,
-    empty_leaves,
-    mark_gradients,
-    p2p,
-    rebuild,
-    send_header_recv,
     tensor_leaves,
 )
 
@@ -49,12 +44,12 @@ class StagePasses:
     device: torch.device | None
     _slot_of: dict[int, int]
     _no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None
-    _edges: EdgeCache
     _channel: FailureChannel | None
-    _tag: int
     _waiters: tuple[Waiter, Waiter]
     _dp_group: Any
-    _p2p: Any  # the private group of the step's sends and receives
+    _reduce_grad: Callable[[int], None] | None
+    _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
+    _wire: StepWire  # the step's sends and receives
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -66,18 +61,6 @@ class StagePasses:
             return self.device
         param = next(self._module(stage).parameters(), None)
         return param.device if param is not None else torch.device("cpu")
-
-    def _peer(self, rank: int) -> int:
-        return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-    def _post(
-        self, op: Callable[..., Any], peer_rank: int, edge: tuple[int, int], *, forward: bool
-    ) -> Callable[[torch.Tensor], Any]:
-        """Send or receive on one edge (source stage, consumer stage) in one direction: each
-        has its own tag, so its messages pair up in order whatever else the peers exchange."""
-        n = self.schedule.num_stages
-        tag = ((self._tag * n + edge[0]) * n + edge[1]) * 2 + (0 if forward else 1)
-        return p2p(op, self._peer(peer_rank), self._p2p, tag)
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
@@ -173,14 +156,7 @@ class StagePasses:
             slot.output = None
 
     def _receive_forward(self, action: Action, slot: Slot, source: int) -> Any:
-        recv = Action(action.stage, Kind.RECV_F, action.microbatch)
-        if source not in slot.header:
-            raise RuntimeError(f"{action} runs before {recv}")
-        description, tensors, works = slot.header.pop(source)
-        for w in works:
-            self._wait(w, str(recv))
-        mark_gradients(description, tensors)
-        return rebuild(description, tensors)
+        return self._wire.receive_forward(action, source)
 
     def _recompute(self, action: Action, slot: Slot, ys: list[Any] | None) -> None:
         """Redo the forward with the random state it first ran with (same dropout masks)."""
@@ -192,12 +168,11 @@ class StagePasses:
 
     def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor] | None:
         """The gradient of the output: the sum over every consumer's contribution."""
-        s, mb = action.stage, action.microbatch
+        s = action.stage
         if s == self.schedule.num_stages - 1:
             return None
-        for work in slot.pending:
-            self._wait(work, str(Action(s, Kind.RECV_B, mb)))
-        slot.pending = []
+        if any(self.schedule.placement[t] != self.rank for t in self.schedule.consumers(s)):
+            slot.grad_parts += self._wire.receive_backward(action)
         if len(slot.grad_parts) < len(self.schedule.consumers(s)):
             raise RuntimeError(f"{action} has no gradient for its output from every consumer")
         total = [
@@ -285,61 +260,53 @@ class StagePasses:
             torch.autograd.backward(outs, grads, inputs=params)
         slot.output = slot.input = slot.phony = slot.grad_output = None
 
-    def _send(self, action: Action, slot: Slot) -> list[tuple[Any, torch.Tensor]]:
-        s = action.stage
-        sched = self.schedule
+    def _send(self, action: Action, slot: Slot) -> None:
         if action.kind is Kind.SEND_F:
             if slot.output is None or slot.carry is None:
                 raise RuntimeError(f"{action} has nothing to send")
-            works = []
-            for t in sched.consumers(s):
-                if sched.placement[t] == self.rank:
-                    continue
-                post = self._post(dist.isend, sched.placement[t], (s, t), forward=True)
-                works += self._edges.send(
-                    ("out", s, t), slot.output, slot.carry, post, str(action), self._device(s)
-                )
+            self._wire.send_forward(action, slot.output, slot.carry)
             self._read(slot)  # the sent copies are all the consumers see
-            return works
+            return
         if slot.grad_input is None:
             raise RuntimeError(f"{action} has nothing to send")
-        works = []
-        for src, grads in slot.grad_input.items():
-            post = self._post(dist.isend, sched.placement[src], (src, s), forward=False)
-            works += [(post(g.contiguous()), g) for g in grads]
+        self._wire.send_backward(action, slot.grad_input)
         slot.grad_input = None  # freed once sent
-        return works
 
-    def _recv(self, action: Action, slot: Slot) -> None:
-        s = action.stage
-        sched = self.schedule
-        dev = self._device(s)
-        if action.kind is Kind.RECV_F:
-            # The header (and a changed description) is awaited here, where the schedule
-            # receives; the leaves' receives are posted and awaited by the forward.
-            for src in sched.sources(s):
-                if sched.placement[src] == self.rank:
-                    continue
-                post = self._post(dist.irecv, sched.placement[src], (src, s), forward=True)
-                header = send_header_recv(dev)
-                self._wait(post(header), f"{action} (header)")
-                description = self._edges.receive_description(
-                    ("in", src, s),
-                    header,
-                    post,
-                    lambda w, what: self._wait(w, f"{action} ({what})"),
-                )
-                tensors = empty_leaves(description, dev)
-                slot.header[src] = (description, tensors, [post(t) for t in tensors])
-            return
-        if slot.grad_shapes is None:
-            raise RuntimeError(f"{action} before the forward of its stage")
-        for t in sched.consumers(s):
-            if sched.placement[t] == self.rank:
-                continue
-            post = self._post(dist.irecv, sched.placement[t], (s, t), forward=False)
-            bufs = [
-                torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in slot.grad_shapes
-            ]
-            slot.grad_parts.append(bufs)
-            slot.pending.extend(post(b) for b in bufs)
+    def _recv(self, action: Action) -> None:
+        """Post the receive if it is not posted yet; its data is awaited where it is used."""
+        self._wire.ensure(action)
+
+    def _perform(  # one action of the event loop (PipelineRuntime.step)
+        self,
+        action: Action,
+        slots: dict[tuple[int, int], Slot],
+        xs: list[Any] | None,
+        ys: list[Any] | None,
+        loss: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        kind = action.kind
+        if kind.is_stage_op:
+            slot_index = self._slot_of[action.stage]
+            if kind is Kind.REDUCE_GRAD and self._reduce_at.get(slot_index) == action.stage:
+                if self._reduce_grad is not None:
+                    self._reduce_grad(slot_index)
+                elif self._dp_group is not None:
+                    self._average_grads(action)
+            return loss  # UNSHARD / RESHARD: nothing is sharded here
+        key = (action.stage, action.microbatch)
+        slot = slots.setdefault(key, Slot())
+        if kind is Kind.FORWARD:
+            out = self._forward(action, slot, slots, xs, ys)
+            if action.stage == self.schedule.num_stages - 1:
+                loss = out.detach() if loss is None else loss + out.detach()
+        elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
+            self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
+        elif kind is Kind.BACKWARD_WEIGHT:
+            self._backward_weight(action, slot)
+        elif kind in (Kind.SEND_F, Kind.SEND_B):
+            self._send(action, slot)
+        else:
+            self._recv(action)
+        if slot.empty():
+            slots.pop(key, None)
+        return loss

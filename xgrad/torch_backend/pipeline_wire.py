@@ -3,22 +3,18 @@
 A stage may take and return any pytree torch's ``torch.utils._pytree`` flattens (tensors,
 tuples, lists, dicts, named tuples) with tensors that need no gradient (integer masks,
 constants) and plain Python constants (None, numbers, strings) among its leaves, and the
-shapes may change from step to step. A forward message is:
-
-1. a header, one int64: the length of the description that follows, or 0 for "the same
-   description as the last message on this edge" (the steady state: one small message);
-2. the description (when it changed): JSON in a uint8 tensor, the tree's structure and per
-   leaf its shape, dtype and whether it carries a gradient, or its constant value;
-3. each tensor leaf, in flattening order.
-
-A backward message carries one gradient per leaf that carried a gradient forward, in the
-same order; both ends know their shapes already, so it has no header.
+shapes may change from step to step. A forward message carries its tree's description
+(JSON: the structure and per leaf its shape, dtype and whether it carries a gradient, or
+its constant value) only when it differs from the last one on its edge, then each tensor
+leaf in flattening order; how messages are framed and posted is
+:mod:`~xgrad.torch_backend.pipeline_comm`. A backward message carries one gradient per
+leaf that carried a gradient forward, in the same order.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +32,7 @@ __all__ = [
     "describe",
     "detach_tree",
     "differentiable",
+    "layout",
     "retire",
     "split_batch",
     "tensor_leaves",
@@ -100,6 +97,13 @@ def describe(
         TypeError: a leaf is neither a tensor nor a constant (naming ``where`` and the leaf).
     """
     leaves, spec = pytree.tree_flatten(tree)
+    described, tensors = _describe_leaves(leaves, where, carry)
+    return Description(pytree.treespec_dumps(spec), described), tensors
+
+
+def _describe_leaves(
+    leaves: list[Any], where: str, carry: Sequence[bool] | None
+) -> tuple[tuple[tuple[Any, ...], ...], list[torch.Tensor]]:
     described: list[tuple[Any, ...]] = []
     tensors: list[torch.Tensor] = []
     for i, leaf in enumerate(leaves):
@@ -116,7 +120,7 @@ def describe(
                 f"{where}: leaf {i} is a {type(leaf).__name__}; stage inputs and outputs are "
                 "pytrees of tensors and constants (None, bool, int, float, str)"
             )
-    return Description(pytree.treespec_dumps(spec), tuple(described)), tensors
+    return tuple(described), tensors
 
 
 def rebuild(description: Description, tensors: Sequence[torch.Tensor]) -> Any:
@@ -180,60 +184,51 @@ def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
     return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(m)]
 
 
-Post = Callable[[torch.Tensor], Any]  # isend/irecv of one tensor to/from the edge's peer
-
-
 class EdgeCache:
-    """The last description sent or received on each edge, so a repeated one costs nothing.
+    """Per edge, the description of the last message sent or received on it.
 
-    Both ends of an edge must drop it together after a failed step (:meth:`clear`), since
-    the other end may not have seen the last message.
+    Both ends update it with every message, so they agree on it after a step; the next
+    step posts its receives for those layouts. Both ends must drop it together after a
+    failed step (:meth:`clear`), since the other end may not have seen the last message.
+    :meth:`describe` also keeps the tree structure it last flattened per edge, so an
+    unchanged message is described without serialising its structure again.
     """
 
     def __init__(self) -> None:
         self._last: dict[Any, Description] = {}
+        self._specs: dict[Any, tuple[Any, Description]] = {}
 
     def clear(self) -> None:
         self._last.clear()
+        self._specs.clear()
 
     def last(self, edge: Any) -> Description | None:
         """The description last sent or received on ``edge``."""
         return self._last.get(edge)
 
-    def send(
-        self, edge: Any, tree: Any, carry: Sequence[bool], post: Post, where: str, device: Any
-    ) -> list[Any]:
-        """Post the sends of one forward message; returns the works and what they hold."""
-        description, tensors = describe(tree, where, carry)
-        works = []
-        if self._last.get(edge) == description:
-            header = torch.zeros(1, dtype=torch.int64, device=device)
-            works.append((post(header), header))
-        else:
-            raw = torch.frombuffer(bytearray(description.to_bytes()), dtype=torch.uint8)
-            raw = raw.to(device)
-            header = torch.tensor([raw.numel()], dtype=torch.int64, device=device)
-            works += [(post(header), header), (post(raw), raw)]
-            self._last[edge] = description
-        for t in tensors:
-            payload = t.detach().contiguous()
-            works.append((post(payload), payload))
-        return works
-
-    def receive_description(
-        self, edge: Any, header: torch.Tensor, post: Post, wait: Callable[[Any, str], None]
-    ) -> Description:
-        """The description of a message whose header arrived (receiving it if it changed)."""
-        length = int(header.item())
-        if length == 0:
-            if edge not in self._last:
-                raise RuntimeError(f"{edge}: a repeated description arrived before any")
-            return self._last[edge]
-        raw = torch.empty(length, dtype=torch.uint8, device=header.device)
-        wait(post(raw), "description")
-        description = Description.from_bytes(raw.cpu().numpy().tobytes())
+    def remember(self, edge: Any, description: Description) -> None:
+        """``description`` went over ``edge``."""
         self._last[edge] = description
-        return description
+
+    def describe(
+        self, edge: Any, tree: Any, carry: Sequence[bool], where: str
+    ) -> tuple[Description, list[torch.Tensor]]:
+        """:func:`describe` of a message sent on ``edge``, reusing the last one's structure."""
+        leaves, spec = pytree.tree_flatten(tree)
+        described, tensors = _describe_leaves(leaves, where, carry)
+        hit = self._specs.get(edge)
+        if hit is not None and hit[1].leaves == described and hit[0] == spec:
+            return hit[1], tensors
+        description = Description(pytree.treespec_dumps(spec), described)
+        self._specs[edge] = (spec, description)
+        return description, tensors
+
+
+def layout(description: Description) -> list[tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of each tensor leaf of a message (the buffers it arrives in)."""
+    return [
+        (torch.Size(leaf[1]), _DTYPES[leaf[2]]) for leaf in description.leaves if leaf[0] == "t"
+    ]
 
 
 def empty_leaves(description: Description, device: Any) -> list[torch.Tensor]:
@@ -250,20 +245,6 @@ def mark_gradients(description: Description, tensors: Sequence[torch.Tensor]) ->
     flags = [leaf[3] for leaf in description.leaves if leaf[0] == "t"]
     for t, flag in zip(tensors, flags, strict=True):
         t.requires_grad_(flag)
-
-
-def send_header_recv(device: Any) -> torch.Tensor:
-    """The buffer a forward message's header arrives in."""
-    return torch.empty(1, dtype=torch.int64, device=device)
-
-
-def p2p(op: Callable[..., Any], peer: int, group: Any, tag: int) -> Callable[[torch.Tensor], Any]:
-    """``dist.isend``/``dist.irecv`` bound to one peer, group and tag."""
-
-    def post(t: torch.Tensor) -> Any:
-        return op(t, peer, group=group, tag=tag)
-
-    return post
 
 
 class _Retired:

@@ -1,0 +1,39 @@
+"""A pipeline message's frame without processes: packed small, apart when large."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from xgrad.torch_backend.pipeline_frame import HEADER_BYTES, PACK_LIMIT, Frame  # noqa: E402
+
+
+def test_small_leaves_travel_in_the_header_buffer_and_come_back_as_views() -> None:
+    leaves = [torch.randn(3, 5), torch.arange(7), torch.tensor([True, False, True])]
+    frame = Frame([(t.shape, t.dtype) for t in leaves], "cpu")
+    assert frame.packed and frame.offsets[0] == HEADER_BYTES
+    assert all(o % 16 == 0 for o in frame.offsets)
+    sent = frame.pack(0, 4, leaves)
+    assert len(sent) == 1 and sent[0].numel() == frame.total
+    received = frame.buffers()
+    received[0].copy_(sent[0])
+    assert frame.header(received) == (0, 4)
+    back = frame.leaves(received)
+    for a, b in zip(back, leaves, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_large_leaves_go_apart_and_a_bare_header_is_sixteen_bytes() -> None:
+    big = torch.zeros(PACK_LIMIT // 4 + 1)  # float32: just over the limit
+    frame = Frame([(big.shape, big.dtype)], "cpu")
+    assert not frame.packed and frame.total == HEADER_BYTES
+    sent = frame.pack(0, 1, [big])
+    assert len(sent) == 2 and sent[1].shape == big.shape
+    assert [b.numel() for b in frame.buffers()] == [HEADER_BYTES, big.numel()]
+    bare = Frame([], "cpu").pack(-1, -1, None)
+    assert len(bare) == 1 and bare[0].numel() == HEADER_BYTES
+    assert Frame([], "cpu").header(bare) == (-1, -1)
+    # A changed description over a frame posted apart: header, then dummies for its leaves.
+    changed = frame.pack(120, 2, None)
+    assert changed[0].numel() == HEADER_BYTES and changed[1].shape == big.shape

@@ -1,0 +1,267 @@
+"""The messages of one pipeline step: receives posted ahead, bounded waits on this thread.
+
+Gloo moves a message only once its receive is posted (the receiver tells the sender it is
+ready), so a receive posted when its data is needed costs a round trip through a peer that
+is busy computing. The runtime knows every message of its step in advance (the schedule's
+receives, in order), and after the first step its shapes too, so :class:`StepWire` posts
+each receive a few actions before it is needed, as torch's own runtime does.
+
+Every message on an edge (source stage, consumer stage) and direction starts with a header
+of two int64, ``(code, microbatch)``, on that edge's main tag, packed with the leaves in
+one buffer when they are small (:mod:`~xgrad.torch_backend.pipeline_frame`):
+
+* ``code == 0``: the leaves follow, laid out as both ends expect: the description the
+  edge carried last in the previous step (forward), or the gradients of the leaves that
+  carried one (backward). The receiver posted those buffers ahead.
+* ``code > 0`` (forward only): the description changed (or none is known yet, the first
+  step). The header comes alone (with dummies for leaf buffers posted apart from it); the
+  description (``code`` bytes of JSON) and the leaves follow on the edge's side tag.
+* ``code == POISON``: the sender failed while alive; the failure is in the channel.
+
+Waits run on the caller's thread, bounded by the runtime's timeout (no thread hand-off).
+A rank that fails while alive posts its failure, then poisons every edge on which a peer
+still expects a message from it: a peer blocked on a header wakes, reads the channel and
+raises the origin's error, then poisons its own edges in turn. A killed peer fails a wait
+at once (gloo closes the connection); a frozen one fails it after the timeout, named from
+the heartbeats. A failed step leaves receives posted that gloo cannot cancel, so the runtime
+moves the next step to a fresh private group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from xgrad.failure import FailureChannel, RankError, error_for
+from xgrad.pipeline import Action, Kind, Schedule, expand
+from xgrad.torch_backend.failure import transfer_failed
+from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
+from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_wire import (
+    Description,
+    EdgeCache,
+    empty_leaves,
+    layout,
+    mark_gradients,
+    rebuild,
+)
+
+__all__ = ["POISON", "StepWire"]
+
+
+Shapes = list[tuple[torch.Size, torch.dtype]]
+
+
+class StepWire(EdgeBook):
+    """The sends and receives of one rank in one step (made fresh for every step).
+
+    Args:
+        schedule: the validated schedule (with comms); ``rank`` this rank.
+        group: the private group of the step's transfers; ``ranks[r]`` is schedule rank
+            r's rank in it.
+        tag: this step's tag base; ``edges`` the descriptions carried last per edge (from
+            the previous step: what receives are posted for).
+        channel: the step's failure channel; ``timeout`` bounds every wait.
+        device: ``device(stage)``, where a stage's received tensors go.
+        grad_shapes: ``grad_shapes(stage, mb)``, the shapes of the gradients that come back
+            for an output this rank computed, or None before its forward ran.
+        window: receives are posted for the next ``window`` actions of the rank.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        group: Any,
+        ranks: Sequence[int],
+        tag: int,
+        edges: EdgeCache,
+        channel: FailureChannel,
+        timeout: float,
+        device: Callable[[int], torch.device],
+        grad_shapes: Callable[[int, int], Shapes | None],
+        window: int,
+    ) -> None:
+        super().__init__(schedule, rank, group, ranks, tag, channel, timeout, device)
+        self._edges, self._grad_shapes, self._window = edges, grad_shapes, window
+        self._start = {e: edges.last(("in", *e)) for e in self._in_edges()}
+        self._start.update({e: edges.last(("out", *e)) for e in self._out_edges()})
+        self._actions = list(expand(schedule.actions[rank]))
+        self._recvs = [(i, a) for i, a in enumerate(self._actions) if a.kind.is_comm]
+        self._recvs = [(i, a) for i, a in self._recvs if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        self._next = 0  # next receive action to post
+        self._posted: dict[tuple[int, int, int], list[Incoming]] = {}  # (s, t, dir) -> FIFO
+        self._posted_actions: set[Action] = set()
+        self.waited = 0.0  # seconds spent blocked in receives (for the action records)
+
+    # -- posting ahead -----------------------------------------------------------------
+
+    def advance(self, index: int) -> None:
+        """Post, in schedule order, the receives of the actions before ``index + window``
+        (a gradient's receive once its forward ran: its shapes are known then)."""
+        limit = index + self._window
+        while self._next < len(self._recvs) and self._recvs[self._next][0] < limit:
+            if not self._post(self._recvs[self._next][1]):
+                return
+            self._next += 1
+
+    def _post(self, action: Action) -> bool:
+        sched, s, mb = self.schedule, action.stage, action.microbatch
+        if action in self._posted_actions:
+            return True
+        if action.kind is Kind.RECV_B:
+            shapes = self._grad_shapes(s, mb)
+            if shapes is None:
+                return False
+            for t in sched.consumers(s):
+                if sched.placement[t] != self.rank:
+                    self._expect((s, t, 1), mb, shapes)
+        else:
+            for src in sched.sources(s):
+                if sched.placement[src] != self.rank:
+                    known = self._start.get((src, s))
+                    shapes = [] if known is None else layout(known)
+                    self._expect((src, s, 0), mb, shapes)
+        self._posted_actions.add(action)
+        return True
+
+    def _expect(self, edge: tuple[int, int, int], mb: int, shapes: Shapes) -> None:
+        dev = self._local_device(edge)
+        frame = Frame(shapes, dev)
+        buffers = frame.buffers()
+        works = [self._recv_one(edge, b) for b in buffers]
+        self._posted.setdefault(edge, []).append(Incoming(mb, frame, works, buffers))
+
+    def ensure(self, action: Action) -> None:
+        """Post the receive of ``action`` (and those before it) if not posted yet."""
+        while action not in self._posted_actions and self._next < len(self._recvs):
+            if not self._post(self._recvs[self._next][1]):
+                raise RuntimeError(f"{self._recvs[self._next][1]} before the forward of its stage")
+            self._next += 1
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as exc:
+            raise transfer_failed(self.channel, what, exc, peer) from exc
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def _arrive(self, edge: tuple[int, int, int], mb: int, what: str) -> tuple[Incoming, int]:
+        """Wait for the next message on ``edge`` (microbatch ``mb``): ``(message, code)``."""
+        queue = self._posted.get(edge)
+        if not queue:
+            raise RuntimeError(f"{what}: no receive was posted")
+        msg = queue.pop(0)
+        peer = self._peer(edge)
+        self._wait(msg.works[0], f"{what} (header)", peer)
+        code, got = msg.frame.header(msg.buffers)
+        if code == POISON:
+            raise self._poisoned(peer, what)
+        if got != mb or msg.mb != mb:
+            raise RuntimeError(
+                f"{what}: rank {peer} sent microbatch {got} where {mb} was expected; the "
+                "ranks' schedules order this edge's messages differently"
+            )
+        for work in msg.works[1:]:
+            self._wait(work, what, peer)
+        return msg, code
+
+    def _poisoned(self, peer: int, what: str) -> RankError:
+        """The error of a step whose peer sent poison: its failure, read from the channel."""
+        deadline = time.monotonic() + min(self.timeout, 2.0)
+        while time.monotonic() < deadline:
+            failure = self.channel.poll()
+            if failure is not None:
+                return error_for(failure, self.channel.rank)
+            time.sleep(0.002)
+        failure = self.channel.post(what, f"rank {peer} failed without saying why")
+        return error_for(failure, self.channel.rank)
+
+    def receive_forward(self, action: Action, source: int) -> Any:
+        """The input of ``action`` (a forward) from stage ``source`` on another rank."""
+        s, mb = action.stage, action.microbatch
+        what = str(Action(s, Kind.RECV_F, mb))
+        self.ensure(Action(s, Kind.RECV_F, mb))
+        edge = (source, s, 0)
+        msg, code = self._arrive(edge, mb, what)
+        cache_key = ("in", source, s)
+        if code == 0:
+            description = self._start.get((source, s))
+            if description is None:
+                raise RuntimeError(f"{what}: a repeated description arrived before any")
+            tensors = [t.detach() for t in msg.frame.leaves(msg.buffers)]
+        else:
+            raw = torch.empty(code, dtype=torch.uint8, device=self._device(s))
+            peer = self._peer(edge)
+            self._wait(self._recv_one(edge, raw, side=True), f"{what} (description)", peer)
+            description = Description.from_bytes(raw.cpu().numpy().tobytes())
+            tensors = empty_leaves(description, self._device(s))
+            works = [self._recv_one(edge, t, side=True) for t in tensors]
+            for work in works:
+                self._wait(work, what, peer)
+        self._edges.remember(cache_key, description)
+        mark_gradients(description, tensors)
+        return rebuild(description, tensors)
+
+    def receive_backward(self, action: Action) -> list[list[torch.Tensor]]:
+        """The gradients of stage ``action.stage``'s output from each consumer on another
+        rank; the forward sends to those consumers are then complete (they were used)."""
+        sched, s, mb = self.schedule, action.stage, action.microbatch
+        recv = Action(s, Kind.RECV_B, mb)
+        self.ensure(recv)
+        out = []
+        for t in sched.consumers(s):
+            if sched.placement[t] == self.rank:
+                continue
+            msg, _ = self._arrive((s, t, 1), mb, str(recv))
+            out.append([g.detach() for g in msg.frame.leaves(msg.buffers)])
+            for key in self._forward_sends.pop((s, t, mb), []):
+                # Done: the consumer computed on what it carried (so it never blocks).
+                self._sends.pop(key)[0].wait(timedelta(seconds=self.timeout))
+        return out
+
+    # -- sending -----------------------------------------------------------------------
+
+    def send_forward(self, action: Action, tree: Any, carry: Sequence[bool]) -> None:
+        """Post ``tree`` (stage ``action.stage``'s output) to every consumer on another rank."""
+        sched, s, mb = self.schedule, action.stage, action.microbatch
+        for t in sched.consumers(s):
+            if sched.placement[t] == self.rank:
+                continue
+            edge = (s, t, 0)
+            description, tensors = self._edges.describe(("out", s, t), tree, carry, str(action))
+            start = self._start.get((s, t))
+            works = []
+            dev = self._device(s)
+            frame = Frame([] if start is None else layout(start), dev)
+            if description == start:
+                works = [self._send_one(edge, x) for x in frame.pack(0, mb, tensors)]
+            else:
+                # The receiver posted the frame of ``start``: it gets the header (and
+                # dummies for its leaf buffers); the description and leaves go aside.
+                raw = torch.frombuffer(bytearray(description.to_bytes()), dtype=torch.uint8)
+                raw = raw.to(dev)
+                works = [self._send_one(edge, x) for x in frame.pack(raw.numel(), mb, None)]
+                works.append(self._send_one(edge, raw, side=True))
+                works += [self._send_one(edge, x.detach().contiguous(), True) for x in tensors]
+            self._edges.remember(("out", s, t), description)
+            self._remaining[edge] -= 1
+            self._forward_sends[(s, t, mb)] = works
+
+    def send_backward(self, action: Action, grads: dict[int, list[torch.Tensor]]) -> None:
+        """Post the gradients of stage ``action.stage``'s inputs, per source stage."""
+        s, mb = action.stage, action.microbatch
+        for src, parts in grads.items():
+            edge = (src, s, 1)
+            frame = Frame([(g.shape, g.dtype) for g in parts], self._device(s))
+            for x in frame.pack(0, mb, parts):
+                self._send_one(edge, x)
+            self._remaining[edge] -= 1

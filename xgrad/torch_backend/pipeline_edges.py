@@ -1,0 +1,234 @@
+"""The edges of one rank's pipeline step: who is at the other end, their tags, the sends
+kept until done, and the poison a failed rank sends; the steps' numbering and the failed
+steps' private groups, set aside until their poison went out.
+
+:class:`EdgeBook` is the part of :class:`~xgrad.torch_backend.pipeline_comm.StepWire`
+that knows the edges; the posting ahead and the waiting are in
+:mod:`~xgrad.torch_backend.pipeline_comm`, whose docstring describes the protocol.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xgrad.failure import FailureChannel, wait_until
+from xgrad.pipeline import Kind, Schedule, expand
+from xgrad.torch_backend.failure import Waiter, transfer_failed
+from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_wire import retire
+
+__all__ = [
+    "POISON",
+    "EdgeBook",
+    "Incoming",
+    "abort_set_aside",
+    "next_step",
+    "set_aside",
+    "step_tag",
+]
+
+#: header code of a message whose sender failed (its failure is in the channel).
+POISON = -1
+
+#: seconds the step's last sends are awaited before the wait also watches the channel.
+_QUICK = 0.05
+
+Edge = tuple[int, int, int]  # (source stage, consumer stage, 0 forward / 1 backward)
+
+
+class Incoming:
+    """One expected message: its frame and the buffers (and receives) posted for it."""
+
+    __slots__ = ("buffers", "frame", "mb", "works")
+
+    def __init__(self, mb: int, frame: Frame, works: list[Any], buffers: list) -> None:
+        self.mb = mb
+        self.frame = frame
+        self.works = works  # the header's receive first, then the leaves' (unpacked)
+        self.buffers = buffers
+
+
+class EdgeBook:
+    """The edges of this rank in one step, and its sends until they are done."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        group: Any,
+        ranks: Sequence[int],
+        tag: int,
+        channel: FailureChannel,
+        timeout: float,
+        device: Callable[[int], torch.device],
+    ) -> None:
+        self.schedule, self.rank, self.group, self._ranks = schedule, rank, group, list(ranks)
+        self.channel, self.timeout = channel, timeout
+        self._tag, self._device = tag, device
+        self._remaining = self._count_sends()  # (s, t, dir) -> messages still to send
+        # Posted sends not yet waited, with their tensors (a gloo send must be waited once:
+        # a second wait blocks for a next send); per (stage, consumer, mb) a forward's.
+        self._sends: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._forward_sends: dict[tuple[int, int, int], list[int]] = {}
+        self._keys = itertools.count()
+        self._poison: list[Any] = []  # poison sends (after a failure)
+
+    def _in_edges(self) -> list[tuple[int, int]]:
+        sched, out = self.schedule, []
+        for t in sched.stages_of(self.rank):
+            out += [(s, t) for s in sched.sources(t) if sched.placement[s] != self.rank]
+        return out
+
+    def _out_edges(self) -> list[tuple[int, int]]:
+        sched, out = self.schedule, []
+        for s in sched.stages_of(self.rank):
+            out += [(s, t) for t in sched.consumers(s) if sched.placement[t] != self.rank]
+        return out
+
+    def _count_sends(self) -> dict[tuple[int, int, int], int]:
+        sched = self.schedule
+        counts: dict[tuple[int, int, int], int] = {}
+        for a in expand(self.schedule.actions[self.rank]):
+            if a.kind is Kind.SEND_F:
+                edges = [(a.stage, t, 0) for t in sched.consumers(a.stage)]
+            elif a.kind is Kind.SEND_B:
+                edges = [(s, a.stage, 1) for s in sched.sources(a.stage)]
+            else:
+                continue
+            for s, t, d in edges:
+                if sched.placement[s] != sched.placement[t]:
+                    counts[(s, t, d)] = counts.get((s, t, d), 0) + 1
+        return counts
+
+    def _peer(self, edge: tuple[int, int, int]) -> int:
+        """The schedule rank at the other end of ``edge``."""
+        a, b = self.schedule.placement[edge[0]], self.schedule.placement[edge[1]]
+        return b if a == self.rank else a
+
+    def _local_device(self, edge: tuple[int, int, int]) -> torch.device:
+        """The device of this rank's end of ``edge``."""
+        s, t, _ = edge
+        return self._device(s if self.schedule.placement[s] == self.rank else t)
+
+    def _tag_of(self, edge: tuple[int, int, int], side: bool) -> int:
+        n = self.schedule.num_stages
+        s, t, d = edge
+        return (((self._tag * n + s) * n + t) * 2 + d) * 2 + int(side)
+
+    def _send_one(
+        self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
+    ) -> int:
+        work = self.group.send([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+        key = next(self._keys)
+        self._sends[key] = (work, tensor)
+        return key
+
+    def _recv_one(
+        self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
+    ) -> Any:
+        return self.group.recv([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+
+    def poison(self) -> None:
+        """After this rank failed (its failure posted first): tell every peer that still
+        expects a message from it, so the peer stops waiting and reads the channel.
+
+        The sends complete when the peers take them (a peer behind may post its receive
+        later): the runtime keeps the group until its next step, then
+        :meth:`wait_poison` before aborting it.
+        """
+        self._poison = []
+        for edge, left in self._remaining.items():
+            if left > 0:
+                # The group may be closed already (a dead peer): nothing to tell then.
+                with contextlib.suppress(Exception):
+                    # A header alone: gloo completes a posted receive with a shorter message.
+                    poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
+                    key = self._send_one(edge, poison)
+                    self._poison.append(self._sends[key][0])
+                self._remaining[edge] = 0
+
+    def wait_poison(self, seconds: float) -> None:
+        """Wait (on a thread, at most ``seconds``) until the peers took the poison."""
+        if self._poison:
+            waiter = Waiter("xgrad-pipeline-poison")
+            done, _ = waiter.submit(_All(self._poison))
+            waiter.close()
+            done.wait(seconds)
+
+    def finish(self, waiter: Waiter) -> None:
+        """Wait until every send of the step is done (watching the channel: a peer that
+        failed may never receive), then check that no rank failed meanwhile."""
+        pending = [w for w, _ in self._sends.values()]
+        self._forward_sends.clear()
+        if pending:
+            # Usually done at once (the receives were posted ahead): then one look at the
+            # channel below is all; else the wait watches the channel.
+            done, error = waiter.submit(_All(pending))
+            if not done.wait(_QUICK):
+                wait_until(done, self.channel, timeout=self.timeout, what="sends")
+            if error:
+                raise transfer_failed(self.channel, "sends", error[0], None) from error[0]
+        self._sends.clear()
+        self.channel.check()
+
+
+class _All:
+    """The works of a step's sends as one work for a :class:`Waiter`."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+#: gloo tags (one per step, edge, direction and side, so that the messages of a failed
+#: step, never received, cannot be taken for those of a later one) stay below this.
+_TAG_LIMIT = 1 << 30
+
+#: steps started per process group, in this process (every rank counts alike: the channel
+#: namespace and the tag of a step).
+_steps: dict[str, Iterator[int]] = {}
+
+#: private groups of failed steps not aborted yet (aborted at exit at the latest, so that
+#: their pending transfers cannot hold the process).
+_set_aside: set[Any] = set()
+
+
+def next_step(group: Any) -> int:
+    """The number of the step this process starts now on ``group`` (1, 2, ...)."""
+    pg: Any = dist.group.WORLD if group is None else group
+    name = str(dist.distributed_c10d._get_process_group_name(pg))
+    return next(_steps.setdefault(name, itertools.count(1)))
+
+
+def step_tag(index: int, stages: int) -> int:
+    """The tag base of step ``index`` (its edges' tags stay below the tag limit)."""
+    return index % max(1, _TAG_LIMIT // (4 * stages * stages))
+
+
+def set_aside(group: Any) -> None:
+    """Keep a failed step's private group until :func:`abort_set_aside` (or exit)."""
+    _set_aside.add(group)
+
+
+def abort_set_aside(group: Any) -> None:
+    """Abort a failed step's private group, keeping its name taken."""
+    retire(group)
+    _set_aside.discard(group)
+
+
+@atexit.register
+def _abort_all() -> None:
+    for group in list(_set_aside):
+        with contextlib.suppress(Exception):
+            retire(group)
+    _set_aside.clear()
