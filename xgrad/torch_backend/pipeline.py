@@ -189,8 +189,13 @@ class PipelineRuntime(StagePasses):
         # Receives are awaited on this thread (see pipeline_comm); waits that must watch
         # the failure channel (a collective, the step's last sends) hand off to these.
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+        #: sends are waited on a thread as they are posted, so their packed copies are
+        #: freed once written, not when the gradient returns (see pipeline_edges).
+        self.release_sends = True
+        self._releaser = Waiter("xgrad-pipeline-release")
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
+        self._devices = {}
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -210,6 +215,7 @@ class PipelineRuntime(StagePasses):
                 or a peer stopped answering, or a wait ran past ``timeout``.
         """
         sched = self.schedule
+        self._devices = {}
         mine = set(sched.stages_of(self.rank))
         xs = split_batch(inputs, sched.num_microbatches, "inputs", self.rank) if 0 in mine else None
         last = sched.num_stages - 1
@@ -268,6 +274,8 @@ class PipelineRuntime(StagePasses):
             grad_shapes,
             self.post_ahead,
         )
+        if self.release_sends:
+            self._wire.releaser = self._releaser
         action: Action | None = None
         wire = self._wire
         try:
@@ -279,7 +287,8 @@ class PipelineRuntime(StagePasses):
                 wire.waited = 0.0
                 loss = self._perform(action, slots, xs, ys, loss)
                 self.records.append(ActionRecord(action, start, time.perf_counter(), wire.waited))
-                self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
+                if action.kind.is_compute:  # only a pass adds to what is held
+                    self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
             action = None
             wire.finish(self._waiters[1])
             return loss
@@ -309,6 +318,7 @@ class PipelineRuntime(StagePasses):
             self._dying = (self._p2p, self._wire)
             set_aside(self._p2p)
             self._p2p = None
-        for waiter in self._waiters:
+        for waiter in (*self._waiters, self._releaser):
             waiter.close()
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+        self._releaser = Waiter("xgrad-pipeline-release")

@@ -224,8 +224,9 @@ class StepWire(EdgeBook):
             msg, _ = self._arrive((s, t, 1), mb, str(recv))
             out.append([g.detach() for g in msg.frame.leaves(msg.buffers)])
             for key in self._forward_sends.pop((s, t, mb), []):
-                # Done: the consumer computed on what it carried (so it never blocks).
-                self._sends.pop(key)[0].wait(timedelta(seconds=self.timeout))
+                if key >= 0:  # else the releaser waits on it
+                    # Done: the consumer computed on what it carried (so it never blocks).
+                    self._sends.pop(key)[0].wait(timedelta(seconds=self.timeout))
         return out
 
     # -- sending -----------------------------------------------------------------------

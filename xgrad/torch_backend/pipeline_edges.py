@@ -79,6 +79,11 @@ class EdgeBook:
         self._forward_sends: dict[tuple[int, int, int], list[int]] = {}
         self._keys = itertools.count()
         self._poison: list[Any] = []  # poison sends (after a failure)
+        #: when set, every send (but poison) is handed to this thread as it is posted: it
+        #: waits on them in order, each once, and drops each once done, so its packed copy
+        #: is freed as soon as gloo wrote it (not when its gradient returns).
+        self.releaser: Waiter | None = None
+        self._released: list[tuple[Any, list[BaseException]]] = []  # (done, error) each
 
     def _in_edges(self) -> list[tuple[int, int]]:
         sched, out = self.schedule, []
@@ -123,9 +128,18 @@ class EdgeBook:
         return (((self._tag * n + s) * n + t) * 2 + d) * 2 + int(side)
 
     def _send_one(
-        self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
+        self,
+        edge: tuple[int, int, int],
+        tensor: torch.Tensor,
+        side: bool = False,
+        release: bool = True,
     ) -> int:
+        """Post one send: its key in ``_sends``, or -1 when handed to the releaser."""
         work = self.group.send([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+        if release and self.releaser is not None:
+            # The work holds the tensor: the releaser drops both once the send is done.
+            self._released.append(self.releaser.submit(work))
+            return -1
         key = next(self._keys)
         self._sends[key] = (work, tensor)
         return key
@@ -150,7 +164,7 @@ class EdgeBook:
                 with contextlib.suppress(Exception):
                     # A header alone: gloo completes a posted receive with a shorter message.
                     poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
-                    key = self._send_one(edge, poison)
+                    key = self._send_one(edge, poison, release=False)
                     self._poison.append(self._sends[key][0])
                 self._remaining[edge] = 0
 
@@ -167,15 +181,19 @@ class EdgeBook:
         failed may never receive), then check that no rank failed meanwhile."""
         pending = [w for w, _ in self._sends.values()]
         self._forward_sends.clear()
-        if pending:
+        if pending or self._released:
             # Usually done at once (the receives were posted ahead): then one look at the
-            # channel below is all; else the wait watches the channel.
-            done, error = waiter.submit(_All(pending))
+            # channel below is all; else the wait watches the channel. The releaser waits
+            # in order, so this last item is done once every send handed to it is.
+            done, error = (self.releaser or waiter).submit(_All(pending))
             if not done.wait(_QUICK):
                 wait_until(done, self.channel, timeout=self.timeout, what="sends")
+            for _, failed in self._released:
+                error += failed
             if error:
                 raise transfer_failed(self.channel, "sends", error[0], None) from error[0]
         self._sends.clear()
+        self._released.clear()
         self.channel.check()
 
 
