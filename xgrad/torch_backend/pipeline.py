@@ -32,6 +32,7 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
+from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
@@ -189,10 +190,11 @@ class PipelineRuntime(StagePasses):
         # Receives are awaited on this thread (see pipeline_comm); waits that must watch
         # the failure channel (a collective, the step's last sends) hand off to these.
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
-        #: sends are waited on a thread as they are posted, so their packed copies are
-        #: freed once written, not when the gradient returns (see pipeline_edges).
-        self.release_sends = True
-        self._releaser = Waiter("xgrad-pipeline-release")
+        #: when a send's packed copy is freed: "posted" (once a message from its peer
+        #: proves the receive was posted, see pipeline_posted) or "gradient" (when its
+        #: gradient returns).
+        self.release_sends = "posted"
+        self._plan: PostedPlan | None = None
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
         self._devices = {}
@@ -274,8 +276,10 @@ class PipelineRuntime(StagePasses):
             grad_shapes,
             self.post_ahead,
         )
-        if self.release_sends:
-            self._wire.releaser = self._releaser
+        if self.release_sends == "posted":
+            if self._plan is None or self._plan.window != self.post_ahead:
+                self._plan = PostedPlan(sched, self.post_ahead)
+            self._wire.posted = self._plan
         action: Action | None = None
         wire = self._wire
         try:
@@ -318,7 +322,6 @@ class PipelineRuntime(StagePasses):
             self._dying = (self._p2p, self._wire)
             set_aside(self._p2p)
             self._p2p = None
-        for waiter in (*self._waiters, self._releaser):
+        for waiter in self._waiters:
             waiter.close()
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
-        self._releaser = Waiter("xgrad-pipeline-release")
