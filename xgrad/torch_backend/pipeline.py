@@ -74,6 +74,8 @@ class PipelineRuntime(StagePasses):
         records: the last step's actions with their wall-clock start and end (and the time
             each spent blocked on a message).
         peak_held_bytes: the most bytes of activations and gradients held at once so far.
+        release_sends: ``"posted"`` (default; a sent buffer is freed once a message from
+            its peer proves the receive posted, see ``pipeline_posted``) or ``"gradient"``.
 
     Args:
         schedule: a schedule (compute-only ones get :func:`~xgrad.pipeline.insert_comms`);
@@ -190,9 +192,6 @@ class PipelineRuntime(StagePasses):
         # Receives are awaited on this thread (see pipeline_comm); waits that must watch
         # the failure channel (a collective, the step's last sends) hand off to these.
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
-        #: when a send's packed copy is freed: "posted" (once a message from its peer
-        #: proves the receive was posted, see pipeline_posted) or "gradient" (when its
-        #: gradient returns).
         self.release_sends = "posted"
         self._plan: PostedPlan | None = None
         self.records: list[ActionRecord] = []
