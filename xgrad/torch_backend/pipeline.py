@@ -32,7 +32,7 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
-from xgrad.torch_backend.pipeline_posted import PostedPlan
+from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
@@ -216,6 +216,7 @@ class PipelineRuntime(StagePasses):
                 or a peer stopped answering, or a wait ran past ``timeout``.
         """
         sched = self.schedule
+        check_release(self.release_sends, self.post_ahead)
         self._devices = {}
         mine = set(sched.stages_of(self.rank))
         xs = split_batch(inputs, sched.num_microbatches, "inputs", self.rank) if 0 in mine else None

@@ -21,7 +21,22 @@ from __future__ import annotations
 
 from xgrad.pipeline import Action, Kind, Schedule, expand
 
-__all__ = ["PostedPlan"]
+__all__ = ["PostedPlan", "check_release"]
+
+#: what ``PipelineRuntime.release_sends`` may be.
+RELEASES = ("posted", "gradient")
+
+
+def check_release(release_sends: object, post_ahead: object) -> None:
+    """Refuse a ``release_sends`` or ``post_ahead`` the runtime cannot honour, by name.
+
+    Both are plain attributes a user may set between steps; a misspelt release mode must
+    not quietly fall back to holding every sent copy, nor a window of 0 post nothing.
+    """
+    if release_sends not in RELEASES:
+        raise ValueError(f"release_sends must be one of {RELEASES}, got {release_sends!r}")
+    if isinstance(post_ahead, bool) or not isinstance(post_ahead, int) or post_ahead < 1:
+        raise ValueError(f"post_ahead must be an integer >= 1, got {post_ahead!r}")
 
 
 class PostedPlan:
