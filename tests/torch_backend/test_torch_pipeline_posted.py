@@ -46,3 +46,18 @@ def test_the_frontier_never_counts_a_receive_its_rank_would_not_have_posted(name
                     assert actions.index(Action(a.stage, Kind.FORWARD, a.microbatch)) < k
         for n, (_, a) in enumerate(recvs):
             assert plan.position[a] == n
+
+
+@pytest.mark.parametrize(
+    ("release", "ahead", "named"),
+    [("eager", 8, "release_sends"), ("posted", 0, "post_ahead"), ("gradient", True, "post_ahead")],
+)
+def test_release_mode_and_window_are_checked_by_name(
+    release: object, ahead: object, named: str
+) -> None:
+    from xgrad.torch_backend.pipeline_posted import check_release
+
+    with pytest.raises(ValueError, match=named):
+        check_release(release, ahead)
+    check_release("posted", 8)
+    check_release("gradient", 1)
