@@ -139,6 +139,9 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
 
     os.environ.update(FAST_HEARTBEAT)
     out: dict[str, Any] = {"good": [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]}
+    da.EXECUTE = "nodes"  # xgrad's node engine, as passes whose leaves have hooks run
+    out["good"] += [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]
+    da.EXECUTE = "waves"
     out["bad"] = _bad_input(rank, da)
     # Two passes through one graph with retain_graph: the context accumulates both.
     P = _params()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
@@ -42,6 +43,7 @@ from xgrad.torch_backend.dist_pass import (
     end,
     leaf_hooks,
 )
+from xgrad.torch_backend.dist_waves import backward_waves, hooked
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import (
     failure_channel,
@@ -51,6 +53,11 @@ from xgrad.torch_backend.failure import (
 )
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
+
+#: how a rank's local graph runs: "waves" (torch's engine, one call per set of outputs
+#: whose gradients are there, :mod:`.dist_waves`) or "nodes" (xgrad's engine calling each
+#: ``grad_fn``; also used for passes whose leaves have tensor hooks).
+EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "waves")
 
 
 def _error(context_id: int, exc: RankError) -> DistBackwardError:
@@ -323,10 +330,6 @@ def backward(
     reached = set(rank_graph.recv_nodes.values())
     unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
     accumulate = Accumulate()
-    engine = Engine(accumulate=accumulate)
-    for i, leaf in enumerate(rank_graph.leaves):
-        if leaf._backward_hooks:
-            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
     try:
         pass_ = ProcessPass(
             ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
@@ -335,11 +338,23 @@ def backward(
     except BaseException:
         end(inbox, failed=True)
         raise
+    received = [t for _, _, t in ctx.recvs]
+    if EXECUTE == "waves" and not hooked(rank_graph, received):
+        sent = [t for _, _, t in ctx.sends]
+        grads = backward_waves(pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
+    else:
+        engine = Engine(accumulate=accumulate)
+        for i, leaf in enumerate(rank_graph.leaves):
+            if leaf._backward_hooks:
+                engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
+        with torch.no_grad():
+            engine.backward_distributed(
+                cast(Any, pass_), ctx.me, rank_graph.graph, rank_graph.functions,
+                rank_graph.grad_roots,
+            )  # fmt: skip
+        grads = engine.grads
     with torch.no_grad():
-        engine.backward_distributed(
-            cast(Any, pass_), ctx.me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
-        )
-        for i, grad in engine.grads.items():
+        for i, grad in grads.items():
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
             ctx.grads[id(leaf)] = (leaf, accumulate.private(grad) if old is None else old[1] + grad)
