@@ -139,9 +139,10 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
 
     os.environ.update(FAST_HEARTBEAT)
     out: dict[str, Any] = {"good": [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]}
-    da.EXECUTE = "nodes"  # xgrad's node engine, as passes whose leaves have hooks run
+    # The waves in torch's engine (the default runs the node engine), the failures too;
+    # a pass whose leaves have hooks (below) runs on the node engine either way.
+    default, da.EXECUTE = da.EXECUTE, "waves" if da.EXECUTE == "nodes" else "nodes"
     out["good"] += [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]
-    da.EXECUTE = "waves"
     out["bad"] = _bad_input(rank, da)
     # Two passes through one graph with retain_graph: the context accumulates both.
     P = _params()
@@ -216,6 +217,7 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
     ]:
         attempt(name, body)
         out[f"after_{name}"] = [_run_graph(rank, "fan") for _ in range(3 if name == "node" else 1)]
+    da.EXECUTE = default
     # The same tensor in .grad, for ordinary optimizers.
     P = _params()
     with da.context() as cid:

@@ -24,12 +24,11 @@ import itertools
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xgrad.engine import Engine
 from xgrad.failure import RankError, check_seconds, wait_until
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_inbox import Inbox
@@ -41,9 +40,8 @@ from xgrad.torch_backend.dist_pass import (
     ProcessPass,
     barrier,
     end,
-    leaf_hooks,
 )
-from xgrad.torch_backend.dist_waves import backward_waves, hooked
+from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import (
     failure_channel,
@@ -54,10 +52,11 @@ from xgrad.torch_backend.failure import (
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
 
-#: how a rank's local graph runs: "waves" (torch's engine, one call per set of outputs
-#: whose gradients are there, :mod:`.dist_waves`) or "nodes" (xgrad's engine calling each
-#: ``grad_fn``; also used for passes whose leaves have tensor hooks).
-EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "waves")
+#: how a rank's local graph runs: "nodes" (xgrad's engine calling each ``grad_fn``) or
+#: "waves" (torch's engine, one call per set of outputs whose gradients are there,
+#: :mod:`.dist_waves`; passes whose leaves have tensor hooks still run on nodes). They
+#: measured alike on ``bench dist-autograd`` (waves/nodes 0.95-1.06 A/B).
+EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
 
 
 def _error(context_id: int, exc: RankError) -> DistBackwardError:
@@ -338,21 +337,8 @@ def backward(
     except BaseException:
         end(inbox, failed=True)
         raise
-    received = [t for _, _, t in ctx.recvs]
-    if EXECUTE == "waves" and not hooked(rank_graph, received):
-        sent = [t for _, _, t in ctx.sends]
-        grads = backward_waves(pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
-    else:
-        engine = Engine(accumulate=accumulate)
-        for i, leaf in enumerate(rank_graph.leaves):
-            if leaf._backward_hooks:
-                engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
-        with torch.no_grad():
-            engine.backward_distributed(
-                cast(Any, pass_), ctx.me, rank_graph.graph, rank_graph.functions,
-                rank_graph.grad_roots,
-            )  # fmt: skip
-        grads = engine.grads
+    sent, received = [t for _, _, t in ctx.sends], [t for _, _, t in ctx.recvs]
+    grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
     with torch.no_grad():
         for i, grad in grads.items():
             leaf = rank_graph.leaves[i]

@@ -51,10 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument(
-        "--ab-nodes",
+        "--ab",
         action="store_true",
-        help="also time xgrad's node engine (each grad_fn called from Python), alternating "
-        "pass by pass with the default wave execution in the same blocks",
+        help="also time xgrad's other way to run a rank's graph (waves in torch's engine, or "
+        "the node engine calling each grad_fn), pass by pass with the default in the same blocks",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument(
@@ -154,18 +154,18 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     # machine's load during the run weighs on both alike, and each runs with only its own
     # machinery alive: PyTorch's RPC agent polls on a thread of every process while it
     # lives (its shared-memory transport), which slows every other computation.
-    nodes: list[float] = []
-    nodes_grad = None
+    other: list[float] = []
+    other_grad = None
     for r, n in enumerate(_blocks(cfg["iters"], cfg["rounds"])):
         for i in range(cfg["warmup"] + n):
-            seconds, mine = _xgrad_pass(rank, world, x, w, "waves" if cfg["ab"] else None)
+            seconds, mine = _xgrad_pass(rank, world, x, w, cfg["execute"])
             if i >= cfg["warmup"]:
                 ours.append(seconds)
             dist.barrier()
-            if cfg["ab"]:  # the node engine, pass by pass between the waves' passes
-                seconds, nodes_grad = _xgrad_pass(rank, world, x, w, "nodes")
+            if cfg["ab"]:  # the other execution, pass by pass between the default's passes
+                seconds, other_grad = _xgrad_pass(rank, world, x, w, cfg["ab"])
                 if i >= cfg["warmup"]:
-                    nodes.append(seconds)
+                    other.append(seconds)
                 dist.barrier()
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"{cfg['rpc_init']}{r}", num_worker_threads=8, rpc_timeout=cfg["timeout"]
@@ -181,15 +181,15 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             rpc.shutdown()
         dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (mine, nodes_grad))
+    dist.all_gather_object(gathered, (mine, other_grad))
     if rank != 0:
         return None
     pairs = list(zip(gathered, grads, strict=True))
     diff = max(float((a - b).abs().max()) for (a, _), b in pairs)
     result = {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
-    if nodes:
-        result["nodes"] = statistics.median(nodes)
-        result["nodes_diff"] = max(float((a - b).abs().max()) for (_, a), b in pairs)
+    if other:
+        result["other"] = statistics.median(other)
+        result["other_diff"] = max(float((a - b).abs().max()) for (_, a), b in pairs)
     return result
 
 
@@ -210,11 +210,15 @@ def run(args: argparse.Namespace) -> int:
     if not rpc.is_available():
         print("skipped: torch.distributed.rpc is not available in this build of torch")
         return 0
+    from xgrad.torch_backend import dist_autograd
+
+    execute = dist_autograd.EXECUTE
     tmp = tempfile.mkdtemp(prefix="xgrad-bench-rpc-")
     cfg = {
         "size": args.size, "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
         "dtype": args.dtype, "timeout": args.timeout, "rounds": args.rounds,
-        "rpc_init": "file://" + os.path.join(tmp, "rpc"), "ab": args.ab_nodes,
+        "rpc_init": "file://" + os.path.join(tmp, "rpc"), "execute": execute,
+        "ab": args.ab and ("nodes" if execute == "waves" else "waves"),
     }  # fmt: skip
     try:
         result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
@@ -233,14 +237,15 @@ def run(args: argparse.Namespace) -> int:
     setup = (args.world, args.size, args.batch, args.dtype, args.iters)
     row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
     tables = [Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")]
-    if "nodes" in result:
-        ab = result["xgrad"] / result["nodes"]
+    if "other" in result:
+        ms = {execute: result["xgrad"], cfg["ab"]: result["other"]}
         text += (
-            f"\nnode engine (A/B, same blocks): {result['nodes'] * 1e3:.3f} ms, "
-            f"ratio to torch rpc {result['nodes'] / result['torch']:.3f}; "
-            f"waves/nodes {ab:.3f}; gradient difference {result['nodes_diff']:.3e}"
+            f"\nA/B, same blocks: xgrad {execute} (default) {ms[execute] * 1e3:.3f} ms, "
+            f"{cfg['ab']} {result['other'] * 1e3:.3f} ms (ratio to torch rpc "
+            f"{result['other'] / result['torch']:.3f}, gradient difference "
+            f"{result['other_diff']:.3e}); waves/nodes {ms['waves'] / ms['nodes']:.3f}"
         )
-        ab_row = (*setup, result["nodes"] * 1e3, result["xgrad"] * 1e3, ab)
+        ab_row = (*setup, ms["nodes"] * 1e3, ms["waves"] * 1e3, ms["waves"] / ms["nodes"])
         ab_columns = ("world", "size", "batch", "dtype", "iters", "nodes_ms", "waves_ms", "ratio")
         tables.append(Table(ab_columns, (ab_row,), "bench dist-autograd waves vs nodes"))
     print_tables(args, tables, text)

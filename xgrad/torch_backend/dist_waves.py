@@ -23,18 +23,18 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from xgrad.dependencies import compute_dependencies
-from xgrad.engine import BackwardError
+from xgrad.engine import BackwardError, Engine
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_graph import RankGraph
-from xgrad.torch_backend.dist_pass import ProcessPass
+from xgrad.torch_backend.dist_pass import ProcessPass, leaf_hooks
 
-__all__ = ["WavePlan", "plan_waves", "run_waves"]
+__all__ = ["WavePlan", "plan_waves", "run_pass", "run_waves"]
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,8 @@ class _Waves:
         self.pass_ = pass_
         self.me = me
         self.plan = plan
-        self.recv_tensor = {r: recv_tensors[i] for r, i in rank_graph.recv_nodes.items()}
+        self.recv_index = rank_graph.recv_nodes
+        self.recv_tensor = {r: recv_tensors[i] for r, i in self.recv_index.items()}
         self.leaf = rank_graph.leaves
         self.accumulate = accumulate
         self.recv_waits = dict(plan.recv_waits)
@@ -196,8 +197,9 @@ class _Waves:
                 if self.leaf_waits[p] == 0:
                     leaves.append(p)
         if recvs:
-            # The recvs first: their senders wait for these gradients, the leaves do not.
-            recvs.sort()
+            # The recvs first: their senders wait for these gradients, the leaves do not;
+            # answered in the order they were received (a chain's next rank first).
+            recvs.sort(key=self.recv_index.__getitem__)
             outs, gs = self._from(plan.recvs, recvs)
             got: Sequence[Any] = [None] * len(recvs)
             if outs:
@@ -276,3 +278,37 @@ def backward_waves(
 def hooked(rank_graph: RankGraph, recv_tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a leaf or a received tensor has tensor hooks (they must see the sum once)."""
     return any(t._backward_hooks for t in (*rank_graph.leaves, *recv_tensors))
+
+
+def run_pass(
+    execute: str,
+    pass_: ProcessPass,
+    me: int,
+    rank_graph: RankGraph,
+    roots: Sequence[torch.Tensor],
+    send_tensors: Sequence[torch.Tensor],
+    recv_tensors: Sequence[torch.Tensor],
+    accumulate: Any,
+) -> dict[int, Any]:
+    """This rank's pass on ``execute`` ("nodes": xgrad's engine; "waves": torch's engine).
+
+    Returns leaf index -> summed gradient. A pass whose leaves or received tensors have
+    tensor hooks runs on the node engine, which calls them once on the summed gradient.
+    """
+    if execute not in ("nodes", "waves"):  # failed as a pass, so no peer waits for this rank
+        try:
+            message = f"ValueError: dist_autograd.EXECUTE={execute!r} must be 'nodes' or 'waves'"
+            raise pass_.fail(me, -1, "backward", message)
+        finally:
+            pass_.release(me)
+    if execute == "waves" and not hooked(rank_graph, recv_tensors):
+        return backward_waves(pass_, me, rank_graph, roots, send_tensors, recv_tensors, accumulate)
+    engine = Engine(accumulate=accumulate)
+    for i, leaf in enumerate(rank_graph.leaves):
+        if leaf._backward_hooks:
+            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
+    with torch.no_grad():
+        engine.backward_distributed(
+            cast(Any, pass_), me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
+        )
+    return engine.grads
