@@ -36,7 +36,15 @@ def test_the_text_and_the_tables_hold_the_same_figures() -> None:
     text, tables = report(args, _results(step=0.01, busy=0.006), ["gpipe"])
     speed, simulated, memory = (t.records() for t in tables)
     assert speed == [
-        {"schedule": "gpipe", "torch_s": 0.02, "xgrad_s": 0.01, "ratio": 0.5, "ok": True}
+        {
+            "schedule": "gpipe",
+            "torch_s": 0.02,
+            "xgrad_s": 0.01,
+            "ratio": 0.5,
+            "ratio_q1": 0.5,
+            "ratio_q3": 0.5,
+            "ok": True,
+        }
     ]
 
     kinds = {xp.Kind.FORWARD: 1e-3, xp.Kind.BACKWARD: 2e-3}
@@ -57,7 +65,33 @@ def test_the_text_and_the_tables_hold_the_same_figures() -> None:
         (0, "torch_heap", 2**20),
         (0, "xgrad_heap", 2**19),
     ]
-    assert "gpipe       0.02000       0.01000   0.500  ok" in text
+    assert "gpipe       0.02000       0.01000   0.500  0.500  0.500  ok" in text
     assert row["ok"] is False and text.rstrip().count("MISSED") == 1  # bubble off by 5 points
     assert "stage 1: gpipe torch_heap=1.00 MiB, xgrad_heap=0.50 MiB" in text
-    assert to_csv(tables).splitlines()[0].startswith("table,schedule,torch_s,xgrad_s,ratio,ok")
+    assert (
+        to_csv(tables)
+        .splitlines()[0]
+        .startswith("table,schedule,torch_s,xgrad_s,ratio,ratio_q1,ratio_q3,ok")
+    )
+
+
+def test_the_ratio_is_the_median_of_per_step_pairs() -> None:
+    """Each step's xgrad time over the same pair's torch time (the slowest rank's), the
+    median of those with their quartiles: one slow step on either side moves it little."""
+    from xgrad.torch_backend.pipeline_report import paired
+
+    per_rank = _results(step=0.01, busy=0.006)
+    per_rank[0]["gpipe"] |= {
+        "torch_steps": [0.020, 0.020, 0.090, 0.020, 0.020],
+        "xgrad_steps": [0.010, 0.030, 0.010, 0.010, 0.012],
+    }
+    per_rank[1]["gpipe"] |= {
+        "torch_steps": [0.021, 0.019, 0.019, 0.019, 0.019],
+        "xgrad_steps": [0.009, 0.009, 0.009, 0.011, 0.009],
+    }
+    torch_s, xgrad_s, ratio, q1, q3 = paired(per_rank, "gpipe")
+    # per step, the slowest rank: torch .021 .020 .090 .020 .020, xgrad .010 .030 .010 .011 .012
+    assert (torch_s, xgrad_s) == pytest.approx((0.020, 0.011))
+    ratios = sorted([0.010 / 0.021, 0.030 / 0.020, 0.010 / 0.090, 0.011 / 0.020, 0.012 / 0.020])
+    assert ratio == pytest.approx(ratios[2])
+    assert (q1, q3) == pytest.approx((ratios[1], ratios[3]))

@@ -10,7 +10,12 @@ from torch import nn
 
 from xgrad.dependencies import compute_dependencies, unused_parameters
 from xgrad.graph import NodeKind
-from xgrad.torch_backend.autograd_graph import backward_graph, find_tensors, find_unused_parameters
+from xgrad.torch_backend.autograd_graph import (
+    backward_graph,
+    find_tensors,
+    find_unused_parameters,
+    grad_accumulators,
+)
 
 
 class Net(nn.Module):
@@ -57,6 +62,25 @@ def test_fast_unused_search_equals_the_graph_computation(use_spare: bool) -> Non
     found = find_unused_parameters(out, index, len(names))
     assert found == expected
     assert [names[i] for i in found] == ([] if use_spare else ["spare.weight", "spare.bias"])
+
+
+@pytest.mark.parametrize("use_spare", [False, True])
+def test_held_accumulators_give_the_same_answer_pass_after_pass(use_spare: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    names, index = _index(model)
+    params = list(model.parameters())
+    accumulators = grad_accumulators(params)
+    assert sorted(accumulators.values()) == list(range(len(params)))
+    # Only some held: the others are recognised the old way (by their variable).
+    some = {node: i for node, i in accumulators.items() if i % 2 == 0}
+    for _ in range(3):  # every forward pass links the same (held) nodes
+        out = model(torch.randn(5, 3), use_spare)
+        expected = find_unused_parameters(out, index, len(names))
+        assert find_unused_parameters(out, index, len(names), accumulators) == expected
+        assert find_unused_parameters(out, index, len(names), some) == expected
+        nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]  # type: ignore[union-attr]
+        assert [accumulators.get(node) for node in nodes] == list(range(len(params)))
 
 
 def test_unused_search_through_nested_outputs_and_parameters_as_outputs() -> None:

@@ -41,6 +41,9 @@ def test_bench_prints_one_row_per_case(
     ]
     assert all(r["xgrad_step"] > 0 and r["torch_step"] > 0 and r["local_step"] > 0 for r in rows)
     assert all(r["steps"] == 6 and r["world"] == 2 for r in rows)
+    # The time ratio is the median of the paired per-turn ratios, inside its interval.
+    assert all(0 < r["ratio_low"] <= r["paired_ratio"] <= r["ratio_high"] for r in rows)
+    assert all(r["verdict"] in ("met", "noise", "missed") for r in csv_rows)
     # Memory is what DDP holds: never negative, whatever the heap did meanwhile.
     assert all(r["xgrad_memory"] >= 0 and r["torch_memory"] >= 0 for r in rows)
     assert rows[2]["tensors"] > 200  # the many-small-tensors model
@@ -50,9 +53,24 @@ def test_table_shows_ratios() -> None:
     row = CaseResult("mlp", True, 6, 100, 0.0021, 0.002, 3 * 2**20, 2 * 2**20, 5e-6, 4, 48, 0.0015)
     text = table([row])
     assert (
-        "| mlp | 4 | yes | 6 | 2.10 | 2.00 | 1.050 | 3.00 | 2.00 | 1.500 | 5.0 | 100.0 | 83.3 |"
-        in text
+        "| mlp | 4 | yes | 6 | 2.10 | 2.00 | 1.050 | missed | 3.00 | 2.00 | 1.500 | 5.0 | 100.0 "
+        "| 83.3 |" in text
     )
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "verdict"),
+    [(0.97, 0.999, "met"), (0.98, 1.02, "noise"), (1.001, 1.1, "missed")],
+)
+def test_table_shows_the_paired_ratio_its_interval_and_the_verdict(
+    low: float, high: float, verdict: str
+) -> None:
+    # The ratio of the medians would read 1.050: the paired median is what the row shows.
+    row = CaseResult(
+        "mlp", False, 6, 100, 0.0021, 0.002, 1, 1, 5e-6, 2, 120, 0.0015, 0.99, low, high
+    )
+    assert row.time_ratio == 0.99 and row.verdict == verdict
+    assert f"| 2.10 | 2.00 | 0.990 [{low:.3f}, {high:.3f}] | {verdict} |" in table([row])
 
 
 def test_table_shows_no_memory_ratio_without_torch_memory() -> None:

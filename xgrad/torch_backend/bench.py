@@ -2,10 +2,11 @@
 
 Both run in the same processes of one gloo group, alternating step by step so that
 load on the machine hits both alike. Reported per model and per
-``find_unused_parameters`` setting: median step time (zero_grad, forward, backward,
-optimizer step), memory (bytes allocated by DDP's construction plus the peak of one
-step above its start, from the C allocator, polled by a thread during the step), and xgrad's Python cost per gradient hook.
-"""
+``find_unused_parameters`` setting: median step time of each side (zero_grad, forward,
+backward, optimizer step); the time ratio, the median of the per-turn ratios xgrad step
+/ PyTorch step with its 95% interval (``ddp_bench_stats``); memory (bytes allocated by
+DDP's construction plus the peak of one step above its start, from the C allocator,
+polled by a thread during the step), and xgrad's Python cost per gradient hook."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import argparse
 import copy
 import functools
 import gc
-import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -22,41 +22,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from xgrad.tables import Table, add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
+from xgrad.torch_backend.ddp_bench_models import MODELS, SCALES, build
+from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios
 from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 from xgrad.torch_backend.spawn import spawn
 
 HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
 
-MODELS = ("mlp", "transformer", "many", "many1000")
-
-#: model -> (description for the table, sizes at "full" and "tiny" scale).
-_SCALES: dict[str, dict[str, dict[str, int]]] = {
-    "mlp": {
-        "full": {"width": 1024, "depth": 3, "inputs": 512, "batch": 32},
-        "tiny": {"width": 32, "depth": 2, "inputs": 16, "batch": 4},
-    },
-    "transformer": {
-        "full": {"dim": 128, "layers": 2, "heads": 4, "seq": 32, "vocab": 2000, "batch": 8},
-        "tiny": {"dim": 16, "layers": 1, "heads": 2, "seq": 4, "vocab": 50, "batch": 2},
-    },
-    "many": {
-        "full": {"blocks": 110, "width": 32, "batch": 32},
-        "tiny": {"blocks": 101, "width": 4, "batch": 2},
-    },
-    # 1,000 parameter tensors: where the per-gradient hook cost decides the step time.
-    "many1000": {
-        "full": {"blocks": 500, "width": 16, "batch": 16},
-        "tiny": {"blocks": 500, "width": 2, "batch": 2},
-    },
-}
-
 #: timed (rounds, iterations per round) and warm-up steps when not given, per scale.
-_STEPS = {"full": (6, 8, 4), "tiny": (2, 3, 1)}
+_STEPS = {"full": (12, 10, 4), "tiny": (2, 3, 1)}
 
 
 @dataclass
@@ -75,6 +53,11 @@ class CaseResult:
     world: int = 2
     steps: int = 0
     local_step: float = 0.0
+    #: the median of the per-turn ratios xgrad step / PyTorch step, and its 95% interval
+    #: (0.0 when not measured: the ratio of the medians stands in).
+    paired_ratio: float = 0.0
+    ratio_low: float = 0.0
+    ratio_high: float = 0.0
 
     @property
     def xgrad_per_grad(self) -> float:
@@ -87,7 +70,17 @@ class CaseResult:
 
     @property
     def time_ratio(self) -> float:
-        return self.xgrad_step / self.torch_step
+        """The median of the paired per-turn ratios (of the medians when not measured)."""
+        return self.paired_ratio or self.xgrad_step / self.torch_step
+
+    @property
+    def verdict(self) -> str:
+        """Against the target (at most 1.00): met, missed, or 1.00 inside the interval."""
+        if not self.paired_ratio:
+            return "met" if self.time_ratio <= 1.0 else "missed"
+        if self.ratio_high <= 1.0:
+            return "met"
+        return "missed" if self.ratio_low > 1.0 else "noise"
 
     @property
     def memory_ratio(self) -> float:
@@ -105,11 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
     )
-    parser.add_argument("--rounds", type=int, help="alternations per case (full 6, tiny 2)")
-    parser.add_argument("--iters", type=int, help="timed steps per round and side (full 8, tiny 3)")
+    parser.add_argument("--rounds", type=int, help="alternations per case (full 12, tiny 2)")
+    parser.add_argument(
+        "--iters", type=int, help="timed steps per round and side (full 10, tiny 3)"
+    )
     parser.add_argument("--warmup", type=int, help="untimed steps per side (full 4, tiny 1)")
     parser.add_argument(
         "--scale", choices=("full", "tiny"), default="full", help="tiny: a smoke run"
+    )
+    parser.add_argument(
+        "--find-unused",
+        choices=("both", "no", "yes"),
+        default="both",
+        help="the find_unused_parameters settings to run (the wide row: no)",
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the run")
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "iters": iters if args.iters is None else args.iters,
         "warmup": warmup if args.warmup is None else args.warmup,
         "scale": args.scale,
-        "find_unused": (False, True),
+        "find_unused": {"both": (False, True), "no": (False,), "yes": (True,)}[args.find_unused],
     }
     rows = spawn(
         _bench, args.world_size, args=(settings,), timeout=args.timeout, num_threads=args.threads
@@ -153,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
     head = (
         f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
         f"{'/'.join(map(str, steps))} timed steps per side (each alternated with the other "
-        "side and with the bare model); µs/grad = (DDP step - bare step) / tensors"
+        "side and with the bare model); time ratio = median over those turns of xgrad step "
+        "/ torch step in the same turn [95% interval of that median]; target: ratio <= 1.00 "
+        "(met: the whole interval is; noise: 1.00 is inside it); "
+        "µs/grad = (DDP step - bare step) / tensors"
     )
     print_tables(args, [rows_table(results)], head + "\n" + table(results))
     return 0
@@ -161,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
 
 def rows_table(results: list[CaseResult]) -> Table:
     """Every figure of every row, unformatted (times in seconds, memory in bytes)."""
-    extra = ("time_ratio", "memory_ratio", "xgrad_per_grad", "torch_per_grad")
+    extra = ("time_ratio", "verdict", "memory_ratio", "xgrad_per_grad", "torch_per_grad")
     rows = [(*asdict(r).values(), *(getattr(r, k) for k in extra)) for r in results]
     columns = tuple(f.name for f in fields(CaseResult)) + extra
     return Table(columns, tuple(rows), "bench ddp")
@@ -170,16 +174,18 @@ def rows_table(results: list[CaseResult]) -> Table:
 def table(results: list[CaseResult]) -> str:
     """The benchmark's table, as the README shows it (Markdown)."""
     lines = [
-        "| model | world | find_unused | tensors | xgrad ms | torch ms | time ratio "
-        "| xgrad MiB | torch MiB | memory ratio | xgrad µs/hook "
+        "| model | world | find_unused | tensors | xgrad ms | torch ms | time ratio [95%] "
+        "| target | xgrad MiB | torch MiB | memory ratio | xgrad µs/hook "
         "| xgrad µs/grad | torch µs/grad |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         ratio = "-" if r.torch_memory <= 0 else f"{r.memory_ratio:.3f}"
+        spread = f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]" if r.paired_ratio else ""
         lines.append(
             f"| {r.model} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
-            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f} "
+            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f}{spread} "
+            f"| {r.verdict} "
             f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
             f"| {ratio} | {r.hook_seconds * 1e6:.1f} "
             f"| {r.xgrad_per_grad * 1e6:.1f} | {r.torch_per_grad * 1e6:.1f} |"
@@ -188,54 +194,6 @@ def table(results: list[CaseResult]) -> str:
 
 
 # ---------------------------------------------------------------------- inside each rank
-
-
-def _build(name: str, sizes: dict[str, int]) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The model, one input batch and its targets, seeded the same on every rank."""
-    torch.manual_seed(0)
-    if name == "mlp":
-        dims = [sizes["inputs"]] + [sizes["width"]] * sizes["depth"] + [10]
-        layers: list[nn.Module] = []
-        for a, b in itertools.pairwise(dims):
-            layers += [nn.Linear(a, b), nn.Tanh()]
-        model: nn.Module = nn.Sequential(*layers[:-1])
-        x = torch.randn(sizes["batch"], sizes["inputs"])
-        return model, x, torch.randn(sizes["batch"], 10)
-    if name == "transformer":
-        model = _TinyTransformer(sizes)
-        x = torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq"]))
-        return model, x, torch.randn(sizes["batch"], sizes["seq"], sizes["dim"])
-    model = _ManySmall(sizes["blocks"], sizes["width"])  # many, many1000
-    x = torch.randn(sizes["batch"], sizes["width"])
-    return model, x, torch.randn(sizes["batch"], sizes["width"])
-
-
-class _TinyTransformer(nn.Module):
-    """Token embedding and a few pre-norm encoder layers (training mode: no fast path)."""
-
-    def __init__(self, s: dict[str, int]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(s["vocab"], s["dim"])
-        layer = nn.TransformerEncoderLayer(
-            s["dim"], s["heads"], 4 * s["dim"], dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.encoder = nn.TransformerEncoder(layer, s["layers"], enable_nested_tensor=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.encoder(self.embed(tokens))  # type: ignore[no-any-return]
-
-
-class _ManySmall(nn.Module):
-    """A residual chain of small linear layers: two parameter tensors per block."""
-
-    def __init__(self, blocks: int, width: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + 0.1 * torch.tanh(block(x))
-        return x
 
 
 class _Side:
@@ -282,7 +240,7 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
     meter = HeapMeter()
     # Both implementations allocate once per process on first use (gloo's pair buffers,
     # PyTorch's logger, pickling tables): pay that here, outside every measurement.
-    base, x, y = _build("mlp", _SCALES["mlp"]["tiny"])
+    base, x, y = build("mlp", SCALES["mlp"]["tiny"])
     for key, make in _factories(True).items():
         if key == "local":
             continue
@@ -291,7 +249,7 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
     case = 0
     for name in settings["models"]:
         for find_unused in settings["find_unused"]:
-            base, x, y = _build(name, _SCALES[name][settings["scale"]])
+            base, x, y = build(name, SCALES[name][settings["scale"]])
             factories = _factories(find_unused)
             # Constructed in alternating order, so neither is always first on a fresh heap.
             order = ["xgrad", "torch", "local"] if case % 2 == 0 else ["torch", "xgrad", "local"]
@@ -314,6 +272,10 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             for key in ("xgrad", "torch"):
                 _measure_peak(sides[key], x, y, meter)
             hook = _hook_seconds(sides["xgrad"], x, y)
+            # Turn i timed both DDP steps under the same load: their ratio, then the median.
+            low, mid, high = median_interval(
+                paired_ratios(sides["xgrad"].times, sides["torch"].times)
+            )
             params = list(base.parameters())
             rows.append(
                 asdict(
@@ -330,6 +292,9 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                         world=world,
                         steps=len(sides["xgrad"].times),
                         local_step=statistics.median(sides["local"].times),
+                        paired_ratio=mid,
+                        ratio_low=low,
+                        ratio_high=high,
                     )
                 )
             )

@@ -10,6 +10,7 @@ these through ``torch._dynamo.disable``-d methods, so no collective here is trac
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +18,16 @@ import torch
 from torch.utils._pytree import tree_map
 
 from xgrad.agreement import check_agreement
-from xgrad.torch_backend.autograd_graph import find_unused_parameters
+from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
+
+#: per DDP searching for unused parameters: its parameters' accumulators (see
+#: :func:`~xgrad.torch_backend.autograd_graph.grad_accumulators`), held while it lives.
+_ACCUMULATORS: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
 
 
 def pre_forward(
@@ -59,7 +64,12 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
         ddp.require_forward_param_sync = True
         unused: Sequence[int] = ()
         if ddp.find_unused_parameters and not ddp.static_graph:
-            unused = find_unused_parameters(output, ddp._param_index, len(ddp._params))
+            accumulators = _ACCUMULATORS.get(ddp)
+            if accumulators is None:  # held from the first search on, as PyTorch's reducer does
+                accumulators = _ACCUMULATORS[ddp] = grad_accumulators(ddp._params)
+            unused = find_unused_parameters(
+                output, ddp._param_index, len(ddp._params), accumulators
+            )
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
         ddp._grad_hooks.sync_pending = True
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started

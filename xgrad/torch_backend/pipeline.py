@@ -32,6 +32,7 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
+from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
@@ -73,6 +74,8 @@ class PipelineRuntime(StagePasses):
         records: the last step's actions with their wall-clock start and end (and the time
             each spent blocked on a message).
         peak_held_bytes: the most bytes of activations and gradients held at once so far.
+        release_sends: ``"posted"`` (default; a sent buffer is freed once a message from
+            its peer proves the receive posted, see ``pipeline_posted``) or ``"gradient"``.
 
     Args:
         schedule: a schedule (compute-only ones get :func:`~xgrad.pipeline.insert_comms`);
@@ -189,8 +192,11 @@ class PipelineRuntime(StagePasses):
         # Receives are awaited on this thread (see pipeline_comm); waits that must watch
         # the failure channel (a collective, the step's last sends) hand off to these.
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+        self.release_sends = "posted"
+        self._plan: PostedPlan | None = None
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
+        self._devices = {}
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -210,6 +216,8 @@ class PipelineRuntime(StagePasses):
                 or a peer stopped answering, or a wait ran past ``timeout``.
         """
         sched = self.schedule
+        check_release(self.release_sends, self.post_ahead)
+        self._devices = {}
         mine = set(sched.stages_of(self.rank))
         xs = split_batch(inputs, sched.num_microbatches, "inputs", self.rank) if 0 in mine else None
         last = sched.num_stages - 1
@@ -268,6 +276,10 @@ class PipelineRuntime(StagePasses):
             grad_shapes,
             self.post_ahead,
         )
+        if self.release_sends == "posted":
+            if self._plan is None or self._plan.window != self.post_ahead:
+                self._plan = PostedPlan(sched, self.post_ahead)
+            self._wire.posted = self._plan
         action: Action | None = None
         wire = self._wire
         try:
@@ -279,7 +291,8 @@ class PipelineRuntime(StagePasses):
                 wire.waited = 0.0
                 loss = self._perform(action, slots, xs, ys, loss)
                 self.records.append(ActionRecord(action, start, time.perf_counter(), wire.waited))
-                self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
+                if action.kind.is_compute:  # only a pass adds to what is held
+                    self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
             action = None
             wire.finish(self._waiters[1])
             return loss

@@ -171,9 +171,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             for fn in (run_theirs, run_ours):
                 fn()
                 module.zero_grad(set_to_none=True)
-        for _ in range(cfg["steps"]):
-            # Alternate the two so drift in the machine's load hits both alike.
-            for label, fn in (("torch", run_theirs), ("xgrad", run_ours)):
+        pair = (("torch", run_theirs), ("xgrad", run_ours))
+        for k in range(cfg["steps"]):
+            # Alternate the two so drift in the machine's load hits both alike, and which
+            # runs first in a pair too (torch first on even steps, xgrad on odd ones).
+            for label, fn in pair if k % 2 == 0 else pair[::-1]:
                 _sync(device)
                 start = time.perf_counter()
                 fn()
@@ -212,6 +214,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         out[name] = {
             "torch": statistics.median(times["torch"]),
             "xgrad": statistics.median(times["xgrad"]),
+            # Every timed step of both, in order: the report pairs them step by step.
+            "torch_steps": times["torch"],
+            "xgrad_steps": times["xgrad"],
             "busy": statistics.median(busy),
             # Every timed step's actions on the shared monotonic clock, for the latency of
             # each message as the runtime saw it; each action's own times, as sampled.

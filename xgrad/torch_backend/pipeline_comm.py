@@ -172,6 +172,7 @@ class StepWire(EdgeBook):
             )
         for work in msg.works[1:]:
             self._wait(work, what, peer)
+        self._proven(edge, mb, peer)
         return msg, code
 
     def _poisoned(self, peer: int, what: str) -> RankError:
@@ -224,8 +225,10 @@ class StepWire(EdgeBook):
             msg, _ = self._arrive((s, t, 1), mb, str(recv))
             out.append([g.detach() for g in msg.frame.leaves(msg.buffers)])
             for key in self._forward_sends.pop((s, t, mb), []):
-                # Done: the consumer computed on what it carried (so it never blocks).
-                self._sends.pop(key)[0].wait(timedelta(seconds=self.timeout))
+                entry = self._sends.pop(key, None)  # else awaited already (pipeline_posted)
+                if entry is not None:
+                    # Done: the consumer computed on what it carried (so it never blocks).
+                    entry[0].wait(timedelta(seconds=self.timeout))
         return out
 
     # -- sending -----------------------------------------------------------------------
@@ -244,6 +247,7 @@ class StepWire(EdgeBook):
             frame = Frame([] if start is None else layout(start), dev)
             if description == start:
                 works = [self._send_one(edge, x) for x in frame.pack(0, mb, tensors)]
+                self._expecting(self._peer(edge), Action(t, Kind.RECV_F, mb), works)
             else:
                 # The receiver posted the frame of ``start``: it gets the header (and
                 # dummies for its leaf buffers); the description and leaves go aside.
@@ -262,6 +266,6 @@ class StepWire(EdgeBook):
         for src, parts in grads.items():
             edge = (src, s, 1)
             frame = Frame([(g.shape, g.dtype) for g in parts], self._device(s))
-            for x in frame.pack(0, mb, parts):
-                self._send_one(edge, x)
+            keys = [self._send_one(edge, x) for x in frame.pack(0, mb, parts)]
+            self._expecting(self._peer(edge), Action(src, Kind.RECV_B, mb), keys)
             self._remaining[edge] -= 1

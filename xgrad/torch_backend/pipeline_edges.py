@@ -13,15 +13,17 @@ import atexit
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, wait_until
-from xgrad.pipeline import Kind, Schedule, expand
+from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_wire import retire
 
 __all__ = [
@@ -79,6 +81,10 @@ class EdgeBook:
         self._forward_sends: dict[tuple[int, int, int], list[int]] = {}
         self._keys = itertools.count()
         self._poison: list[Any] = []  # poison sends (after a failure)
+        #: when set, a message from a peer that proves it posted the receives of some of
+        #: this rank's sends lets those sends be awaited at once (see pipeline_posted).
+        self.posted: PostedPlan | None = None
+        self._unproven: list[tuple[int, int, list[int]]] = []  # (peer, its receive, keys)
 
     def _in_edges(self) -> list[tuple[int, int]]:
         sched, out = self.schedule, []
@@ -125,6 +131,7 @@ class EdgeBook:
     def _send_one(
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> int:
+        """Post one send: its key in ``_sends`` (whose work holds the tensor until done)."""
         work = self.group.send([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
         key = next(self._keys)
         self._sends[key] = (work, tensor)
@@ -134,6 +141,33 @@ class EdgeBook:
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> Any:
         return self.group.recv([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+
+    def _expecting(self, peer: int, receive: Action, keys: list[int]) -> None:
+        """Sends ``keys`` are matched by ``peer``'s ``receive`` (posted ahead by it)."""
+        if self.posted is not None:
+            self._unproven.append((peer, self.posted.position[receive], keys))
+
+    def _proven(self, edge: tuple[int, int, int], mb: int, peer: int) -> None:
+        """A message of ``edge`` for ``mb`` came from ``peer``: await (and drop) the sends
+        whose receives it had posted when it sent it; gloo writes them without the peer."""
+        if self.posted is None or not self._unproven:
+            return
+        s, t, d = edge
+        sent = Action(s, Kind.SEND_F, mb) if d == 0 else Action(t, Kind.SEND_B, mb)
+        frontier = self.posted.proven(peer, sent)
+        left = []
+        for item in self._unproven:
+            if item[0] != peer or item[1] >= frontier:
+                left.append(item)
+                continue
+            for key in item[2]:
+                entry = self._sends.pop(key, None)
+                if entry is not None:
+                    try:
+                        entry[0].wait(timedelta(seconds=self.timeout))
+                    except Exception as exc:
+                        raise transfer_failed(self.channel, "send", exc, peer) from exc
+        self._unproven = left
 
     def poison(self) -> None:
         """After this rank failed (its failure posted first): tell every peer that still
@@ -176,6 +210,7 @@ class EdgeBook:
             if error:
                 raise transfer_failed(self.channel, "sends", error[0], None) from error[0]
         self._sends.clear()
+        self._unproven.clear()
         self.channel.check()
 
 

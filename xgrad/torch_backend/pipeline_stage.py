@@ -50,6 +50,7 @@ class StagePasses:
     _reduce_grad: Callable[[int], None] | None
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
     _wire: StepWire  # the step's sends and receives
+    _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -59,8 +60,12 @@ class StagePasses:
     def _device(self, stage: int) -> torch.device:
         if self.device is not None:
             return self.device
-        param = next(self._module(stage).parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
+        found = self._devices.get(stage)
+        if found is None:  # once per stage and step (the modules may move between steps)
+            param = next(self._module(stage).parameters(), None)
+            found = param.device if param is not None else torch.device("cpu")
+            self._devices[stage] = found
+        return found
 
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])

@@ -1,0 +1,54 @@
+"""The bench's statistic: paired ratios, and a distribution-free interval for their median."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios
+
+
+def test_paired_ratios_pair_by_turn() -> None:
+    assert paired_ratios([2.0, 3.0, 1.0], [1.0, 6.0, 1.0]) == [2.0, 0.5, 1.0]
+
+
+def test_paired_ratios_refuse_unpaired_or_non_positive_times() -> None:
+    with pytest.raises(ValueError, match="3 numerator times but 2 denominator"):
+        paired_ratios([1.0, 1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"must be positive, got 0\.0"):
+        paired_ratios([1.0], [0.0])
+
+
+def test_interval_is_the_order_statistics_of_the_binomial() -> None:
+    # n = 120: the 95% interval of the median is [x_49, x_72] (1-based).
+    low, mid, high = median_interval([float(i) for i in range(1, 121)])
+    assert (low, mid, high) == (49.0, 60.5, 72.0)
+    # Too few values for 95%: the whole range.
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 2.0, 3.0)
+
+
+def test_interval_covers_the_true_median_about_95_percent_of_the_time() -> None:
+    rng = random.Random(0)
+    trials, covered = 2000, 0
+    for _ in range(trials):
+        low, _, high = median_interval([rng.lognormvariate(0.0, 0.3) for _ in range(60)])
+        covered += low <= 1.0 <= high  # the lognormal's median is exp(0) = 1
+    assert 0.93 <= covered / trials <= 0.99
+
+
+def test_median_of_ratios_is_symmetric_in_the_two_sides() -> None:
+    rng = random.Random(1)
+    a = [rng.uniform(0.9, 1.2) for _ in range(41)]
+    b = [rng.uniform(0.9, 1.2) for _ in range(41)]
+    _, forward, _ = median_interval(paired_ratios(a, b))
+    _, backward, _ = median_interval(paired_ratios(b, a))
+    assert math.isclose(forward * backward, 1.0)
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="values is empty"):
+        median_interval([])
+    with pytest.raises(ValueError, match="confidence must be in"):
+        median_interval([1.0], confidence=1.5)

@@ -1,0 +1,62 @@
+"""The statistic of ``xgrad bench ddp``: paired step-time ratios and how sure their median is.
+
+Each timed step of the bench runs xgrad, PyTorch and the bare model back to back (turns
+x-t-l, t-x-l), so the two DDP steps of one turn saw the same load on the machine. The
+ratio of those two steps cancels what the turn shared (another process waking up, the
+allocator trimming, the clock); the median of the per-turn ratios is what a row reports.
+The median of ratios is symmetric: it treats ``xgrad / torch`` and ``torch / xgrad``
+alike (the median of the reciprocals is the reciprocal of the median), so neither side
+is favoured by the choice of numerator. Its 95% interval comes from order statistics
+(distribution-free: no assumption about how step times spread, no random resampling),
+so a reader sees whether 1.00 lies inside the noise of one run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+__all__ = ["median_interval", "paired_ratios"]
+
+
+def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
+    """``numerator[i] / denominator[i]`` for every turn ``i`` (the lists pair up by turn)."""
+    if len(numerator) != len(denominator):
+        raise ValueError(
+            f"paired_ratios: {len(numerator)} numerator times but {len(denominator)} "
+            "denominator times; each turn needs one of each"
+        )
+    bad = [t for t in denominator if t <= 0]
+    if bad:
+        raise ValueError(f"paired_ratios: denominator times must be positive, got {bad[0]}")
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]
+
+
+def median_interval(
+    values: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """``(low, median, high)``: the median and a distribution-free interval around it.
+
+    The interval is ``[x_(k), x_(n+1-k)]`` of the sorted values, with the largest ``k``
+    for which it covers the true median with at least ``confidence`` (the number of
+    values below the median is Binomial(n, 1/2)). With too few values for that level
+    (n < 6 at 95%) it is the whole range.
+    """
+    if not values:
+        raise ValueError("median_interval: values is empty")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"median_interval: confidence must be in (0, 1), got {confidence}")
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1.0 - confidence) / 2.0
+    # k = how many values each end may drop: P(Binomial(n, 1/2) < k) <= tail.
+    k, below = 0, 0.0
+    while k < n // 2:
+        below_next = below + math.comb(n, k) / 2.0**n
+        if below_next > tail:
+            break
+        below = below_next
+        k += 1
+    low, high = ordered[max(k - 1, 0)], ordered[n - max(k, 1)]
+    return low, statistics.median(ordered), high
