@@ -1,7 +1,7 @@
 """The wave plan of a rank's graph, and a failing wave named by its node (one process).
 
-The passes themselves run across real processes in ``test_torch_dist_autograd.py`` (waves
-by default, the node engine there too); here: which recvs and leaves each output reaches
+The passes themselves run across real processes in ``test_torch_dist_autograd.py`` (on
+both executions, the failures on waves); here: which recvs and leaves each output reaches
 and how many outputs each waits for, and the anomaly-mode rerun that names a failing node.
 """
 
