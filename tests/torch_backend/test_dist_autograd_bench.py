@@ -26,7 +26,7 @@ def test_bench_reports_a_ratio_and_equal_gradients(
 
     if not rpc.is_available():
         pytest.skip("torch.distributed.rpc is not available in this build of torch")
-    argv = ["bench", "dist-autograd", "--quick", "--world", "3", "--dtype", "float64"]
+    argv = ["bench", "dist-autograd", "--quick", "--world", "3", "--dtype", "float64", "--ab"]
     files = ["--json", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv")]
     assert main([*argv, "--timeout", "180", *files]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -36,12 +36,20 @@ def test_bench_reports_a_ratio_and_equal_gradients(
     assert ratio == pytest.approx(xgrad_ms / torch_ms, rel=1e-2)
     diff = next(line for line in lines if line.startswith("largest gradient difference"))
     assert float(diff.rsplit(" ", 1)[1]) < 1e-12
+    # The other execution (waves or nodes), timed in the same blocks: figure and gradients.
+    ab = next(line for line in lines if line.startswith("A/B, same blocks"))
+    assert float(ab.split("gradient difference ")[1].split(")")[0]) < 1e-12
+    (ab_record,) = json.loads((tmp_path / "r.json").read_text())[
+        "bench dist-autograd waves vs nodes"
+    ]
+    assert ab_record["ratio"] == pytest.approx(ab_record["waves_ms"] / ab_record["nodes_ms"])
     # The same figures as JSON and CSV, unrounded.
     (record,) = json.loads((tmp_path / "r.json").read_text())["bench dist-autograd"]
     assert record["world"] == 3 and record["dtype"] == "float64"
     assert record["ratio"] == pytest.approx(record["xgrad_ms"] / record["torch_rpc_ms"])
     assert record["torch_rpc_ms"] == pytest.approx(torch_ms, abs=1e-3)
-    (csv_row,) = csv.DictReader((tmp_path / "r.csv").open())
+    rows = list(csv.DictReader((tmp_path / "r.csv").open()))
+    (csv_row,) = [row for row in rows if row["table"] == "bench dist-autograd"]
     assert float(csv_row["max_grad_diff"]) == record["max_grad_diff"] < 1e-12
 
 

@@ -93,7 +93,29 @@ def _round_trip_reference(P: dict[str, Any]) -> Any:
     return (c * P["w0"]).sum() + (a * a).sum() + (a * a).sum()
 
 
-GRAPHS = {"fan": (_fan, _fan_reference), "round_trip": (_round_trip, _round_trip_reference)}
+def _relay(rank: int, P: dict[str, Any], da: Any, cid: int) -> None:
+    """A leaf sent as it is (0 to 1), a received tensor passed on as it is (1 to 2)."""
+    roots = []
+    if rank == 0:
+        da.send(P["w0"], 1)
+    elif rank == 1:
+        r = da.recv(0)
+        da.send(r, 2)
+        roots = [(r * P["w1"]).sum()]
+    elif rank == 2:
+        roots = [(da.recv(1) * P["w2"]).sum() * 3]
+    da.backward(cid, roots)
+
+
+def _relay_reference(P: dict[str, Any]) -> Any:
+    return (P["w0"] * P["w1"]).sum() + (P["w0"] * P["w2"]).sum() * 3
+
+
+GRAPHS = {
+    "fan": (_fan, _fan_reference),
+    "round_trip": (_round_trip, _round_trip_reference),
+    "relay": (_relay, _relay_reference),
+}
 
 
 def _run_graph(rank: int, name: str, **context: Any) -> float:
@@ -138,7 +160,11 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
     from xgrad.torch_backend import dist_autograd as da
 
     os.environ.update(FAST_HEARTBEAT)
-    out: dict[str, Any] = {"good": [_run_graph(rank, "fan"), _run_graph(rank, "round_trip")]}
+    out: dict[str, Any] = {"good": [_run_graph(rank, name) for name in GRAPHS]}
+    # The waves in torch's engine (the default runs the node engine), the failures too;
+    # a pass whose leaves have hooks (below) runs on the node engine either way.
+    default, da.EXECUTE = da.EXECUTE, "waves" if da.EXECUTE == "nodes" else "nodes"
+    out["good"] += [_run_graph(rank, name) for name in GRAPHS]
     out["bad"] = _bad_input(rank, da)
     # Two passes through one graph with retain_graph: the context accumulates both.
     P = _params()
@@ -213,6 +239,7 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
     ]:
         attempt(name, body)
         out[f"after_{name}"] = [_run_graph(rank, "fan") for _ in range(3 if name == "node" else 1)]
+    da.EXECUTE = default
     # The same tensor in .grad, for ordinary optimizers.
     P = _params()
     with da.context() as cid:

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xgrad.engine import Engine
 from xgrad.failure import RankError, check_seconds, wait_until
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_inbox import Inbox
@@ -40,8 +40,8 @@ from xgrad.torch_backend.dist_pass import (
     ProcessPass,
     barrier,
     end,
-    leaf_hooks,
 )
+from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import (
     failure_channel,
@@ -51,6 +51,12 @@ from xgrad.torch_backend.failure import (
 )
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
+
+#: how a rank's local graph runs: "nodes" (xgrad's engine calling each ``grad_fn``) or
+#: "waves" (torch's engine, one call per set of outputs whose gradients are there,
+#: :mod:`.dist_waves`; passes whose leaves have tensor hooks still run on nodes). They
+#: measured alike on ``bench dist-autograd`` (waves/nodes 0.95-1.06 A/B).
+EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
 
 
 def _error(context_id: int, exc: RankError) -> DistBackwardError:
@@ -323,10 +329,6 @@ def backward(
     reached = set(rank_graph.recv_nodes.values())
     unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
     accumulate = Accumulate()
-    engine = Engine(accumulate=accumulate)
-    for i, leaf in enumerate(rank_graph.leaves):
-        if leaf._backward_hooks:
-            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
     try:
         pass_ = ProcessPass(
             ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
@@ -335,11 +337,10 @@ def backward(
     except BaseException:
         end(inbox, failed=True)
         raise
+    sent, received = [t for _, _, t in ctx.sends], [t for _, _, t in ctx.recvs]
+    grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
     with torch.no_grad():
-        engine.backward_distributed(
-            cast(Any, pass_), ctx.me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
-        )
-        for i, grad in engine.grads.items():
+        for i, grad in grads.items():
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
             ctx.grads[id(leaf)] = (leaf, accumulate.private(grad) if old is None else old[1] + grad)

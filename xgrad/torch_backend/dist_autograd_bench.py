@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=4, help="blocks per implementation (they alternate)"
     )
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument(
+        "--ab",
+        action="store_true",
+        help="also time xgrad's other way to run a rank's graph (waves in torch's engine, or "
+        "the node engine calling each grad_fn), pass by pass with the default in the same blocks",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes and 2 passes (for the tests)"
@@ -82,11 +88,15 @@ def _rpc_grad(context_id: int) -> Any:
     return torch_da.get_gradients(context_id)[_STATE["w"]]
 
 
-def _xgrad_pass(rank: int, world: int, x: Any, w: Any) -> tuple[float, Any]:
+def _xgrad_pass(
+    rank: int, world: int, x: Any, w: Any, execute: str | None = None
+) -> tuple[float, Any]:
     import torch
 
     from xgrad.torch_backend import dist_autograd as da
 
+    if execute is not None:
+        da.EXECUTE = execute
     with da.context() as cid:
         if rank == 0:
             h0 = torch.tanh(x @ w)
@@ -144,12 +154,19 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     # machine's load during the run weighs on both alike, and each runs with only its own
     # machinery alive: PyTorch's RPC agent polls on a thread of every process while it
     # lives (its shared-memory transport), which slows every other computation.
+    other: list[float] = []
+    other_grad = None
     for r, n in enumerate(_blocks(cfg["iters"], cfg["rounds"])):
         for i in range(cfg["warmup"] + n):
-            seconds, mine = _xgrad_pass(rank, world, x, w)
+            seconds, mine = _xgrad_pass(rank, world, x, w, cfg["execute"])
             if i >= cfg["warmup"]:
                 ours.append(seconds)
             dist.barrier()
+            if cfg["ab"]:  # the other execution, pass by pass between the default's passes
+                seconds, other_grad = _xgrad_pass(rank, world, x, w, cfg["ab"])
+                if i >= cfg["warmup"]:
+                    other.append(seconds)
+                dist.barrier()
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"{cfg['rpc_init']}{r}", num_worker_threads=8, rpc_timeout=cfg["timeout"]
         )
@@ -164,11 +181,16 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             rpc.shutdown()
         dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, (mine, other_grad))
     if rank != 0:
         return None
-    diff = max(float((a - b).abs().max()) for a, b in zip(gathered, grads, strict=True))
-    return {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
+    pairs = list(zip(gathered, grads, strict=True))
+    diff = max(float((a - b).abs().max()) for (a, _), b in pairs)
+    result = {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
+    if other:
+        result["other"] = statistics.median(other)
+        result["other_diff"] = max(float((a - b).abs().max()) for (_, a), b in pairs)
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,11 +210,15 @@ def run(args: argparse.Namespace) -> int:
     if not rpc.is_available():
         print("skipped: torch.distributed.rpc is not available in this build of torch")
         return 0
+    from xgrad.torch_backend import dist_autograd
+
+    execute = dist_autograd.EXECUTE
     tmp = tempfile.mkdtemp(prefix="xgrad-bench-rpc-")
     cfg = {
         "size": args.size, "batch": args.batch, "iters": args.iters, "warmup": args.warmup,
         "dtype": args.dtype, "timeout": args.timeout, "rounds": args.rounds,
-        "rpc_init": "file://" + os.path.join(tmp, "rpc"),
+        "rpc_init": "file://" + os.path.join(tmp, "rpc"), "execute": execute,
+        "ab": args.ab and ("nodes" if execute == "waves" else "waves"),
     }  # fmt: skip
     try:
         result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
@@ -210,6 +236,17 @@ def run(args: argparse.Namespace) -> int:
     columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
     setup = (args.world, args.size, args.batch, args.dtype, args.iters)
     row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
-    figures = Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")
-    print_tables(args, [figures], text)
+    tables = [Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")]
+    if "other" in result:
+        ms = {execute: result["xgrad"], cfg["ab"]: result["other"]}
+        text += (
+            f"\nA/B, same blocks: xgrad {execute} (default) {ms[execute] * 1e3:.3f} ms, "
+            f"{cfg['ab']} {result['other'] * 1e3:.3f} ms (ratio to torch rpc "
+            f"{result['other'] / result['torch']:.3f}, gradient difference "
+            f"{result['other_diff']:.3e}); waves/nodes {ms['waves'] / ms['nodes']:.3f}"
+        )
+        ab_row = (*setup, ms["nodes"] * 1e3, ms["waves"] * 1e3, ms["waves"] / ms["nodes"])
+        ab_columns = ("world", "size", "batch", "dtype", "iters", "nodes_ms", "waves_ms", "ratio")
+        tables.append(Table(ab_columns, (ab_row,), "bench dist-autograd waves vs nodes"))
+    print_tables(args, tables, text)
     return 0

@@ -227,6 +227,16 @@ class Inbox:
         self._got[item[0]] += 1
         return item
 
+    def ready(self) -> Message | None:
+        """The next message that already landed, or None (never waits)."""
+        self.arm()
+        try:
+            item = self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        self._got[item[0]] += 1
+        return item
+
     def _wait(self, what: str) -> Message:
         start = time.monotonic()
         deadline = start + self.timeout

@@ -25,7 +25,7 @@ from xgrad.failure import (
     default_seconds,
     wait_until,
 )
-from xgrad.torch_backend.dist_inbox import GRAVEYARD, Inbox
+from xgrad.torch_backend.dist_inbox import GRAVEYARD, Inbox, Message
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
@@ -134,9 +134,9 @@ class ProcessPass:
             what = f"backward, message to rank {peer}"
             raise transfer_failed(self._channel, what, exc, peer) from exc
 
-    def _next(self, what: str) -> tuple[int, int, int, torch.Tensor]:
+    def _next(self, what: str, item: Message | None = None) -> tuple[int, int, int, torch.Tensor]:
         """The next message from any peer: ``(peer, kind, k, buffer)``; raises a poison's failure."""
-        peer, _, buf, error = self._inbox.next(what)
+        peer, _, buf, error = self._inbox.next(what) if item is None else item
         if error is not None:
             raise transfer_failed(self._channel, f"{what}, from rank {peer}", error, peer)
         kind, k = header(buf)
@@ -167,13 +167,24 @@ class ProcessPass:
                 peer, kind, k, buf = self._next(what)
                 if kind == DONE:  # a peer that finished early: counted by the inbox
                     continue
-                like = self._sent.get(peer, {}).get(k)
-                if like is None:
-                    raise RuntimeError(
-                        f"rank {peer} sent a gradient for send {k}, which was not made"
-                    )
-                grad = None if kind == NO_GRAD else payload(buf, like).to(like.device)
-                return self._node[(peer, k)], grad
+                return self._gradient(peer, kind, k, buf)
+
+    def receive_landed(self, worker: int) -> list[tuple[int, Any]]:
+        """Every ``(send node, gradient)`` that already landed (never waits)."""
+        out = []
+        with self._named():
+            while (item := self._inbox.ready()) is not None:
+                peer, kind, k, buf = self._next("backward", item)
+                if kind != DONE:
+                    out.append(self._gradient(peer, kind, k, buf))
+        return out
+
+    def _gradient(self, peer: int, kind: int, k: int, buf: torch.Tensor) -> tuple[int, Any]:
+        like = self._sent.get(peer, {}).get(k)
+        if like is None:
+            raise RuntimeError(f"rank {peer} sent a gradient for send {k}, which was not made")
+        grad = None if kind == NO_GRAD else payload(buf, like).to(like.device)
+        return self._node[(peer, k)], grad
 
     def raise_if_failed(self, worker: int) -> None:
         """Raise another rank's failure; reads the channel at most every poll interval."""
