@@ -25,6 +25,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from typing import Any
 
 from xgrad.tables import Table, add_table_outputs, print_tables
@@ -170,7 +171,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"{cfg['rpc_init']}{r}", num_worker_threads=8, rpc_timeout=cfg["timeout"]
         )
-        rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+        with warnings.catch_warnings():
+            # RPC's own start-up gathers device maps on a Backend object and warns about
+            # it, once per rank and block: PyTorch's deprecation, nothing the bench did.
+            warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
+            rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
         try:
             for i in range(cfg["warmup"] + n):
                 if rank == 0:  # the others serve its calls on their RPC threads meanwhile
