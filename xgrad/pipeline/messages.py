@@ -19,7 +19,7 @@ from typing import Any
 from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.passes import insert_comms
 from xgrad.pipeline.schedule import Schedule
-from xgrad.pipeline.simulate import Simulation, Span, dependencies, peak_held
+from xgrad.pipeline.simulate import Simulation, Span, dependencies, summarize
 
 __all__ = ["simulate_messages"]
 
@@ -74,19 +74,10 @@ def simulate_messages(
         if cores < 1:
             raise ValueError(f"cores must be >= 1, got {cores!r}")
         spans, first, free = _shared(sched, queues, where, cost, lag, per_rank, cores)
-    busy = tuple(sum(s.end - s.start for s in sp) for sp in spans)
     starts = [f for f in first if f is not None]
     makespan = max(free) - min(starts) if starts else 0.0
     step_time = max((free[r] - f for r, f in enumerate(first) if f is not None), default=0.0)
-    bubble = 1.0 - sum(busy) / (p * step_time) if step_time > 0 else 0.0
-    return Simulation(
-        spans=tuple(tuple(sp) for sp in spans),
-        makespan=makespan,
-        step_time=step_time,
-        busy=busy,
-        bubble_fraction=bubble,
-        peak_held=peak_held(sched),
-    )
+    return summarize(sched, spans, makespan, step_time)
 
 
 def _ready(

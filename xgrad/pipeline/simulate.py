@@ -8,7 +8,15 @@ from dataclasses import dataclass
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.schedule import Schedule, format_grid
 
-__all__ = ["DEFAULT_COSTS", "Simulation", "Span", "dependencies", "peak_held", "simulate"]
+__all__ = [
+    "DEFAULT_COSTS",
+    "Simulation",
+    "Span",
+    "dependencies",
+    "peak_held",
+    "simulate",
+    "summarize",
+]
 
 #: Equal costs in the zero-bubble paper's sense: forward, input-backward and weight-backward
 #: take one unit each, so a full backward (input and weight together) takes two.
@@ -181,11 +189,20 @@ def simulate(
             raise ValueError(
                 f"schedule {schedule.name!r} cannot finish; stuck heads per rank: {stuck}"
             )
-    busy = tuple(sum(s.end - s.start for s in sp) for sp in spans)
     firsts = [sp[0].start for sp in spans if sp]
     lasts = [sp[-1].end for sp in spans if sp]
     makespan = max(lasts) - min(firsts) if lasts else 0.0
     step_time = max((sp[-1].end - sp[0].start for sp in spans if sp), default=0.0)
+    return summarize(schedule, spans, makespan, step_time)
+
+
+def summarize(
+    schedule: Schedule, spans: list[list[Span]], makespan: float, step_time: float
+) -> Simulation:
+    """The :class:`Simulation` of per-rank ``spans``: busy time per rank and the bubble
+    (the idle share of ``p`` ranks over ``step_time``), shared by every simulator."""
+    busy = tuple(sum(s.end - s.start for s in sp) for sp in spans)
+    p = len(spans)
     bubble = 1.0 - sum(busy) / (p * step_time) if step_time > 0 else 0.0
     return Simulation(
         spans=tuple(tuple(sp) for sp in spans),
