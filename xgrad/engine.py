@@ -23,7 +23,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,7 @@ NodeFunction = Callable[[list[Any]], Sequence[Any]]
 #: Called after a parameter's gradient was accumulated: ``hook(param_index, accumulated)``;
 #: the reducer's ``mark_ready`` has exactly this signature.
 PostAccumulateHook = Callable[[int, Any], None]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -147,18 +148,13 @@ class Engine:
         with self._lock:
             self.contexts.add(ctx.context_id)
         try:
-            try:
-                order = self._run(graph, functions, grad_roots or {}, None, ctx, worker)
-            except DistBackwardError:
-                raise
-            except BackwardError as exc:
-                raise ctx.fail(worker, exc.node, exc.node_name, exc.message) from exc
-            except Exception as exc:  # a bad graph or link: the others must not wait for us
-                raise ctx.fail(worker, -1, "", f"{type(exc).__name__}: {exc}") from exc
-            ctx.finish(worker)
+            order = run_worker_part(
+                ctx,
+                worker,
+                lambda: self._run(graph, functions, grad_roots or {}, None, ctx, worker),
+            )
             return PassResult(order, ctx.context_id)
         finally:
-            ctx.release(worker)
             with self._lock:
                 self.contexts.discard(ctx.context_id)
 
@@ -280,3 +276,26 @@ class Engine:
             self.grads[param] = self._accumulate(self.grads.get(param), grad)
         for hook in list(self._hooks.get(param, {}).values()):
             hook(param, self.grads.get(param))
+
+
+def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
+    """Run one worker's part of a distributed pass with the pass's ending, whatever runs it.
+
+    ``ctx`` is a :class:`DistContext` or anything with its ``fail``/``finish``/``release``
+    (the torch backend's per-process pass). A node's error is posted named by its node, any
+    other error as the worker's (a bad graph or link: the others must not wait for this
+    worker); a success finishes the part (every worker done); the part is released either way.
+    """
+    try:
+        try:
+            out = body()
+        except DistBackwardError:
+            raise
+        except BackwardError as exc:
+            raise ctx.fail(worker, exc.node, exc.node_name, exc.message) from exc
+        except Exception as exc:
+            raise ctx.fail(worker, -1, "", f"{type(exc).__name__}: {exc}") from exc
+        ctx.finish(worker)
+        return out
+    finally:
+        ctx.release(worker)

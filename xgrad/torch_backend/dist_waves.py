@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from xgrad.dependencies import compute_dependencies
-from xgrad.engine import BackwardError, Engine
+from xgrad.engine import BackwardError, Engine, run_worker_part
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_graph import RankGraph
@@ -262,19 +262,11 @@ def backward_waves(
     Every rank raises the first failure posted (named by rank and node); the pass is
     finished (every rank done, every send received) or released (poison what is owed).
     """
-    try:
-        try:
-            grads = run_waves(pass_, me, rank_graph, roots, send_tensors, recv_tensors, accumulate)
-        except _EngineDistBackwardError:
-            raise
-        except BackwardError as exc:
-            raise pass_.fail(me, exc.node, exc.node_name, exc.message) from exc
-        except Exception as exc:  # a bad graph or link: the others must not wait for us
-            raise pass_.fail(me, -1, "", f"{type(exc).__name__}: {exc}") from exc
-        pass_.finish(me)
-        return grads
-    finally:
-        pass_.release(me)
+    return run_worker_part(
+        pass_,
+        me,
+        lambda: run_waves(pass_, me, rank_graph, roots, send_tensors, recv_tensors, accumulate),
+    )
 
 
 def hooked(rank_graph: RankGraph, recv_tensors: Sequence[torch.Tensor]) -> bool:
