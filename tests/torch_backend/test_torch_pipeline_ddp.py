@@ -16,6 +16,21 @@ from xgrad.torch_backend.spawn import spawn  # noqa: E402
 WIDTH, BATCH, M = 6, 16, 4
 
 
+def _unpipelined_grads(
+    blocks: list[nn.Module], x: torch.Tensor, y: torch.Tensor
+) -> dict[int, list[Any]]:
+    """Each block's parameter gradients from the whole batch through the chain, unpipelined
+    (then set to None again, for the pipelined run to fill)."""
+    out = x
+    for b in blocks:
+        out = b(out)
+    nn.functional.mse_loss(out, y).backward()
+    want = {s: [_grad(p).clone() for p in blocks[s].parameters()] for s in range(len(blocks))}
+    for b in blocks:
+        b.zero_grad(set_to_none=True)
+    return want
+
+
 def _blocks(n: int) -> list[nn.Module]:
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(n)]
@@ -47,13 +62,7 @@ def _dp_pp(rank: int, world: int) -> tuple[dict[str, float], str]:
     for name in ("gpipe", "1f1b", "interleaved_1f1b"):
         schedule = xp.make(name, 2, M, chunks=2)
         blocks = _blocks(schedule.num_stages)
-        out = x
-        for b in blocks:
-            out = b(out)
-        nn.functional.mse_loss(out, y).backward()
-        want = {s: [_grad(p).clone() for p in blocks[s].parameters()] for s in range(len(blocks))}
-        for b in blocks:
-            b.zero_grad(set_to_none=True)
+        want = _unpipelined_grads(blocks, x, y)
         stages = schedule.stages_of(pp_rank)
         ddps = [DistributedDataParallel(blocks[s], process_group=dp, timeout=60) for s in stages]
         rt = PipelineRuntime(
@@ -74,13 +83,7 @@ def _dp_pp(rank: int, world: int) -> tuple[dict[str, float], str]:
     for name in ("zb_h1", "interleaved_zb", "dualpipev"):
         schedule = xp.add_stage_ops(xp.make(name, 2, M, chunks=2))
         blocks = _blocks(schedule.num_stages)
-        out = x
-        for b in blocks:
-            out = b(out)
-        nn.functional.mse_loss(out, y).backward()
-        want = {s: [_grad(p).clone() for p in blocks[s].parameters()] for s in range(len(blocks))}
-        for b in blocks:
-            b.zero_grad(set_to_none=True)
+        want = _unpipelined_grads(blocks, x, y)
         stages = schedule.stages_of(pp_rank)
         rt = PipelineRuntime(
             schedule,
