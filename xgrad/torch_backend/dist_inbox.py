@@ -55,9 +55,10 @@ Message = tuple[int, int, torch.Tensor, BaseException | None]
 class _PeerThread:
     """A daemon thread that waits one peer's posted receives, in order, for pass after pass."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, *, drain: bool = False) -> None:
         self.pg = link.pg
         self.group_peer = link.group_peer
+        self.drain = drain
         self.waiting = False
         self.stream: Any = None
         self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -77,6 +78,8 @@ class _PeerThread:
                     self._wait(work, buf)
                 except BaseException as exc:  # gloo: the peer died; the rest cannot come
                     out.put((peer, i, buf, exc))
+                    if self.drain:  # each fails at once then, and is done with
+                        continue
                     break
                 finally:
                     self.waiting = False
@@ -116,6 +119,20 @@ def _thread(group: str, link: Link) -> _PeerThread:
             t = _threads[key] = _PeerThread(link)
             _made.append(t)
         return t
+
+
+def _drain(link: Link, works: list[tuple[Any, torch.Tensor]]) -> None:
+    """Wait out the receives a failed pass left posted, on a thread of their own.
+
+    Each will complete (a peer's poison, or gloo's error for a lost peer), and a receive
+    must not be freed while it is posted: a thread waits for each, then drops it. One
+    that never completes (a frozen peer) is freed at exit (:func:`_release_at_exit`).
+    """
+    t = _PeerThread(link, drain=True)
+    with _lock:
+        _made.append(t)
+    t.jobs.put((link.peer, works, queue.SimpleQueue()))
+    t.jobs.put(None)
 
 
 def _retire(group: str, peer: int) -> None:
@@ -336,9 +353,13 @@ class Inbox:
             self.sent = []
         if failed:
             GRAVEYARD.append(self.buffers)
-            if self._here or self._dones:
-                GRAVEYARD.append([*self._here, *self._dones])
-                self._here, self._dones = deque(), deque()
+            left: dict[int | None, list[tuple[Any, torch.Tensor]]] = {}
+            for peer, work, buf in (*self._here, *self._dones):
+                left.setdefault(peer, []).append((work, buf))
+            self._here, self._dones = deque(), deque()
+            for peer, works in left.items():
+                any_link = next(iter(self._links.values()))
+                _drain(any_link if peer is None else self._links[peer], works)
             if self._armed and self.mode == "threads":
                 for peer in self.waiting_for():
                     _retire(self._group, peer)

@@ -218,7 +218,8 @@ class Link:
         reply = self._replies_left > 0 and not final
         if reply:
             self._replies_left -= 1
-        payload = 0
+        parts = [_head(kind, k, self.device)]
+        used = HEADER_BYTES
         if kind == GRAD:
             assert grad is not None and like is not None
             if grad.shape != like.shape:
@@ -226,17 +227,32 @@ class Link:
                     f"the gradient for rank {self.peer} has shape {tuple(grad.shape)}, "
                     f"the received tensor {tuple(like.shape)}"
                 )
-            payload = like.numel() * like.element_size()
-        size = self._reply_slot if reply and self._exact else HEADER_BYTES + payload
-        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        head = torch.tensor([kind, k], dtype=torch.int64)
-        buf[:HEADER_BYTES].copy_(head.view(torch.uint8))
-        if kind == GRAD:
-            assert grad is not None and like is not None
-            body = buf[HEADER_BYTES : HEADER_BYTES + payload]
-            body.view(like.dtype).view(like.shape).copy_(grad)
+            if grad.dtype != like.dtype or grad.device != self.device:
+                grad = grad.to(self.device, like.dtype)
+            parts.append(grad.contiguous().view(-1).view(torch.uint8))
+            used += like.numel() * like.element_size()
+        if reply and self._exact and self._reply_slot > used:
+            parts.append(
+                torch.zeros(self._reply_slot - used, dtype=torch.uint8, device=self.device)
+            )
+        # One copy into a fresh buffer (a header alone is a shared constant: sends only read).
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts)
         stream = BACKWARD if final else GRADIENTS
         return self.pg.send([buf], self.group_peer, self._tags[stream]), buf
+
+
+#: the header bytes of each (kind, k, device), made once: sends only read their buffer.
+_HEADS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _head(kind: int, k: int, device: torch.device) -> torch.Tensor:
+    head = _HEADS.get((kind, k, device))
+    if head is None:
+        if len(_HEADS) >= 4096:
+            _HEADS.clear()
+        head = torch.tensor([kind, k], dtype=torch.int64).view(torch.uint8).to(device)
+        _HEADS[(kind, k, device)] = head
+    return head
 
 
 def post_any(
