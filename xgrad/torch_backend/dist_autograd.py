@@ -57,6 +57,9 @@ __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", 
 #: :mod:`.dist_waves`; passes whose leaves have tensor hooks still run on nodes). They
 #: measured alike on ``bench dist-autograd`` (waves/nodes 0.95-1.06 A/B).
 EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
+#: how a pass ends: "leader" (every rank tells the group's lowest rank it is done, which
+#: tells each once all are) or "all" (every rank tells every other).
+DONE_VIA = os.environ.get("XGRAD_DIST_DONE", "leader")
 
 
 def _error(context_id: int, exc: RankError) -> DistBackwardError:
@@ -118,7 +121,21 @@ class _Context:
         expect: dict[int, list[int]] = {}
         for peer, _, t in self.sends:
             expect.setdefault(peer, []).append(t.numel() * t.element_size())
-        return Inbox(self.name, self.links, expect, self.owed(), self.channel, self.timeout)
+        return Inbox(
+            self.name, self.links, expect, self.owed(), self.channel, self.timeout,
+            dones=self.dones(),
+        )  # fmt: skip
+
+    def leader(self) -> int | None:
+        """The rank that collects the others' "done" (None: every rank tells every other)."""
+        return min(self.ranks) if DONE_VIA == "leader" else None
+
+    def dones(self) -> list[int]:
+        """The peers this rank exchanges "done" with."""
+        leader = self.leader()
+        if leader is None or leader == self.me:
+            return [p for p in self.ranks if p != self.me]
+        return [leader]
 
     def owed(self) -> dict[int, list[int]]:
         """Peer -> byte sizes of the gradients this rank answers it with in each pass."""
@@ -138,7 +155,8 @@ class _Context:
             try:
                 for _ in owe.get(peer, ()):
                     GRAVEYARD.append(link.send_backward(POISON, 0, None))
-                GRAVEYARD.append(link.send_backward(POISON, 0, None, final=True))
+                if peer in self.dones():
+                    GRAVEYARD.append(link.send_backward(POISON, 0, None, final=True))
             except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
                 continue
 
@@ -353,7 +371,7 @@ def _run(
     try:
         pass_ = ProcessPass(
             ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
-            lambda exc: _error(ctx.id, exc), unreached,
+            lambda exc: _error(ctx.id, exc), unreached, leader=ctx.leader(), keep=ctx.works,
         )  # fmt: skip
     except BaseException:
         end(inbox, failed=True)

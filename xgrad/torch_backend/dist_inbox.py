@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -177,6 +177,7 @@ class Inbox:
             tensor received from it that requires grad).
         channel: the context's failure channel.
         timeout: seconds a single :meth:`next` may wait.
+        dones: the peers this rank exchanges "done" with (default: every peer).
     """
 
     def __init__(
@@ -187,6 +188,8 @@ class Inbox:
         owe: Mapping[int, Sequence[int]],
         channel: FailureChannel,
         timeout: float,
+        *,
+        dones: Collection[int] | None = None,
     ) -> None:
         self._group = group
         self._links = links
@@ -194,10 +197,11 @@ class Inbox:
         self.timeout = check_seconds("timeout", timeout)
         self._poll = default_seconds("poll_interval")
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self._expected = {p: len(expect.get(p, ())) + 1 for p in links}
+        self._done_peers = set(links if dones is None else dones)
+        self._expected = {p: len(expect.get(p, ())) + (p in self._done_peers) for p in links}
         self._got = dict.fromkeys(links, 0)
         self._owe = {p: len(owe.get(p, ())) for p in links}  # gradients
-        self._owe_done = dict.fromkeys(links, 1)
+        self._owe_done = {p: int(p in self._done_peers) for p in links}
         self.sent: list[tuple[int, Any]] = []
         self.buffers: list[torch.Tensor] = []
         self._expect = expect
@@ -227,7 +231,9 @@ class Inbox:
         self._armed = True
         if self.mode == "threads":
             for peer, link in self._links.items():
-                works = link.post_backward(self._expect.get(peer, ()))
+                works = link.post_gradients(self._expect.get(peer, ()))
+                if peer in self._done_peers:
+                    works.append(link.post_done())
                 self.buffers += [buf for _, buf in works]
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
             return
@@ -241,7 +247,8 @@ class Inbox:
             if self.mode == "one":
                 works = link.post_gradients(self._expect.get(peer, ()))
                 self._here.extend((peer, w, b) for w, b in works)
-            self._dones.append((peer, *link.post_done()))
+            if peer in self._done_peers:
+                self._dones.append((peer, *link.post_done()))
         self.buffers += [b for _, _, b in (*self._here, *self._dones)]
 
     def send(

@@ -79,6 +79,10 @@ class ProcessPass:
         make_error: turns a :class:`RankError` into the error the user sees.
         unreached: ``(peer, k)`` of received tensors that require grad but that no root
             or send of this rank leads to.
+        leader: the rank that collects every other rank's "done" and then tells each
+            that all are done (None: every rank tells every other).
+        keep: where the pass's sends go once it finished, to be waited for later (at the
+            context's exit); None: :meth:`finish` waits for them.
     """
 
     def __init__(
@@ -92,7 +96,12 @@ class ProcessPass:
         channel: FailureChannel,
         make_error: Callable[[RankError], Exception],
         unreached: Sequence[tuple[int, int]] = (),
+        *,
+        leader: int | None = None,
+        keep: list[Any] | None = None,
     ) -> None:
+        self._leader = leader
+        self._keep = keep
         self.context_id = context_id
         self.workers = tuple(ranks)
         self.me = me
@@ -201,19 +210,35 @@ class ProcessPass:
         return self._make_error(RankError(failure, self.me))
 
     def finish(self, worker: int) -> None:
-        """Tell every rank this one finished, wait until they all did; then every send arrived."""
+        """Tell the other ranks this one finished, wait until they all did.
+
+        With a leader, the others tell the leader, and the leader, once it heard from
+        all, tells each of them (a rank failing meanwhile poisons its "done", so the
+        leader poisons every rank's); otherwise every rank tells every other. Then every
+        send arrived but the leader's last ones, which are kept (``keep``) or waited for.
+        """
+        leader = self._leader
         with self._named():
             for peer in self.workers:
-                if peer != self.me:
+                if peer != self.me and leader in (None, peer):
                     self._send(peer, DONE, 0, None, None)
             while not self._inbox.done_from_all():
                 what = f"backward, waiting for ranks {self._inbox.waiting_for()} to finish"
                 peer, kind, _, _ = self._next(what)
                 if kind != DONE:
                     raise RuntimeError(f"rank {peer} sent a gradient (kind {kind}) after the pass")
-            for peer, (work, _) in self._inbox.sent:
-                what = f"backward, message to rank {peer}"
-                wait_posted(work, self._channel, timeout=self._inbox.timeout, what=what, peer=peer)
+            if leader == self.me:
+                for peer in self.workers:
+                    if peer != self.me:
+                        self._send(peer, DONE, 0, None, None)
+            if self._keep is not None:
+                self._keep.extend(self._inbox.sent)
+            else:
+                for peer, (work, _) in self._inbox.sent:
+                    what = f"backward, message to rank {peer}"
+                    wait_posted(
+                        work, self._channel, timeout=self._inbox.timeout, what=what, peer=peer
+                    )
             self._inbox.sent.clear()
 
     def release(self, worker: int) -> None:
