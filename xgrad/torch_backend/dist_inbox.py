@@ -6,19 +6,17 @@ tensor's), then ``q``'s "done". So every receive is posted before the peer sends
 gloo writes the peer's message the moment it is sent (no ready round trip, no header in
 the store).
 
-The rank waits for them on its own thread (``WAIT = "caller"``, :mod:`.dist_watch`):
-when its gradients come from one peer, on that peer's receives in order; from several
-peers (gloo), on receives from any peer, which complete in the order the messages land
-(a gradient from one peer may be what lets this rank answer another); the "done"s, peer
-by peer. Each wait is bounded by the context's timeout and watched for a peer that
-stopped. Where receives from any peer do not exist (NCCL), or with ``WAIT = "threads"``,
-one daemon thread per peer waits that peer's receives in order and hands each
-completion to one queue, which the caller reads, watching the failure channel every
-poll interval. The caller's thread saves the hand-off, a second wake-up per message.
-
-A rank whose pass fails while it is alive answers every message it still owes with a
-"poison" header (:meth:`Inbox.poison`): its peers' receives all complete, they read the
-failure channel and raise the origin's error, and nothing is left posted on the group.
+The rank waits for them on its own thread (``WAIT = "caller"``, :mod:`.dist_watch`)
+when its gradients come from at most one peer (a chain, a leaf rank: the common case):
+on that peer's receives in order, then on the "done"s, each wait bounded by the
+context's timeout and watched for a peer that stopped; no thread hand-off, which costs a
+second wake-up per message. When gradients may come from several peers first (a
+gradient from one may be what lets this rank answer another), or with ``WAIT =
+"threads"``, one daemon thread per peer waits that peer's receives in order and hands
+each completion to one queue; the caller takes whichever lands first, sleeping in the
+queue and reading the failure channel every poll interval. (Gloo's receives from any
+peer would do it on one thread, but a dead peer does not fail them: only their timeout
+would end them.)
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import torch
 
 from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
 from xgrad.torch_backend.dist_watch import sever, wait_here
-from xgrad.torch_backend.dist_wire import DONE, POISON, Link, post_any
+from xgrad.torch_backend.dist_wire import DONE, POISON, Link
 
 __all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message"]
 
@@ -207,15 +205,11 @@ class Inbox:
         self._expect = expect
         self._armed = False
         senders = [p for p in links if expect.get(p)]
-        cpu = all(link.device.type == "cpu" for link in links.values())
-        #: "one" (gradients from at most one peer), "any" (from several, gloo), "threads"
-        self.mode = "threads" if WAIT == "threads" else "one" if len(senders) <= 1 else "any"
-        if self.mode == "any" and not cpu:
-            self.mode = "threads"
-        # Receives waited on this thread: gradients (peer None: from any), then the dones.
-        self._here: deque[tuple[int | None, Any, torch.Tensor]] = deque()
-        self._dones: deque[tuple[int | None, Any, torch.Tensor]] = deque()
-        self._peer_of = {link.group_peer: p for p, link in links.items()}
+        #: "one" (gradients from at most one peer: waited here) or "threads"
+        self.mode = "one" if WAIT == "caller" and len(senders) <= 1 else "threads"
+        # Receives waited on this thread: the gradients, then the dones.
+        self._here: deque[tuple[int, Any, torch.Tensor]] = deque()
+        self._dones: deque[tuple[int, Any, torch.Tensor]] = deque()
         for peer, link in links.items():
             link.start_backward(owe.get(peer, ()))
 
@@ -237,16 +231,9 @@ class Inbox:
                 self.buffers += [buf for _, buf in works]
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
             return
-        if self.mode == "any":
-            sizes = [n for p in self._links for n in self._expect.get(p, ())]
-            link = next(iter(self._links.values()))
-            self._here.extend(
-                (None, w, b) for w, b in post_any(link.pg, link.seq, sizes, link.device)
-            )
         for peer, link in self._links.items():
-            if self.mode == "one":
-                works = link.post_gradients(self._expect.get(peer, ()))
-                self._here.extend((peer, w, b) for w, b in works)
+            works = link.post_gradients(self._expect.get(peer, ()))
+            self._here.extend((peer, w, b) for w, b in works)
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))
         self.buffers += [b for _, _, b in (*self._here, *self._dones)]
@@ -288,11 +275,9 @@ class Inbox:
     def _wait_here(self, what: str) -> Message:
         fifo = self._here or self._dones
         peer, work, buf = fifo[0]
-        link = self._links[peer] if peer is not None else next(iter(self._links.values()))
+        link = self._links[peer]
         wait_here(work, self._channel, link.pg, link.group_peer, self.timeout, what, peer)
         fifo.popleft()
-        if peer is None:
-            peer = self._peer_of[work._source_rank()]
         i = self._got[peer]
         self._got[peer] = i + 1
         return peer, i, buf, None
@@ -360,13 +345,12 @@ class Inbox:
             self.sent = []
         if failed:
             GRAVEYARD.append(self.buffers)
-            left: dict[int | None, list[tuple[Any, torch.Tensor]]] = {}
+            left: dict[int, list[tuple[Any, torch.Tensor]]] = {}
             for peer, work, buf in (*self._here, *self._dones):
                 left.setdefault(peer, []).append((work, buf))
             self._here, self._dones = deque(), deque()
             for peer, works in left.items():
-                any_link = next(iter(self._links.values()))
-                _drain(any_link if peer is None else self._links[peer], works)
+                _drain(self._links[peer], works)
             if self._armed and self.mode == "threads":
                 for peer in self.waiting_for():
                     _retire(self._group, peer)

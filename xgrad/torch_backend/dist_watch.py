@@ -10,12 +10,15 @@ group's connections, and a ``wait(timeout)`` that runs out closes them itself. S
   (``Inbox.poison``), so a receive from it completes at once; every rank that owes this
   one something is poisoned in turn, so a wait on any peer ends;
 * a peer that died makes a receive from it fail at once (gloo: "Connection closed");
-* a peer that froze, or died while this rank waits on a receive from any peer, is seen
-  by :class:`_Watchdog`, a daemon thread that, while a wait lasts longer than the poll
-  interval, reads the failure channel (its heartbeats) every poll interval and, when a
-  peer stopped beating, closes the group's connections (a receive of its own that times
-  out at once), which ends the wait with an error; the caller then raises the
-  watchdog's named failure. The group is lost then, as it is with a peer gone.
+* a peer that froze is seen by :class:`_Watchdog`, a daemon thread that, while a wait
+  lasts longer than the poll interval, reads the failure channel (its heartbeats) every
+  poll interval and, when a peer stopped beating, closes the group's connections (a
+  receive of its own from that peer that times out at once), which ends the wait with
+  an error; the caller then raises the watchdog's named failure. The group is lost
+  then, as it is with a peer gone.
+
+Only a receive from one known peer is waited for so: a gloo receive from any peer is
+not failed by a peer's death, nor by closing a connection, only by its own timeout.
 """
 
 from __future__ import annotations
@@ -122,8 +125,8 @@ def wait_here(
 ) -> None:
     """Wait for a posted receive on this thread, bounded by ``timeout`` and watched.
 
-    ``group_peer`` is any peer of ``pg`` (used only to close the group's connections);
-    ``peer`` the global rank the receive is from (None for a receive from any peer).
+    ``group_peer`` is the peer's rank within ``pg`` (to close the group's connections);
+    ``peer`` its global rank.
 
     Raises:
         RankError: posted first, naming the rank that stopped answering (a dead or

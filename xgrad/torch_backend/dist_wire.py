@@ -19,10 +19,10 @@ on its backward tag::
     DONE: B finished the pass; POISON: B failed, read the failure channel.
 
 So A posts its receives first (:class:`xgrad.torch_backend.dist_inbox.Inbox`) and
-gloo writes B's message the moment B sends it. The gradients have a tag of their own so
-that a rank that expects gradients from several peers can post receives from any of
-them (:func:`post_any`, gloo) and take them in the order they land; a poison goes on the
-tag of the message it stands for. Tags carry the context's sequence number,
+gloo writes B's message the moment B sends it. The gradients and the "done"s have tags of
+their own, so that a rank waits for each kind separately (the gradients while its
+engine runs, the dones at the end); a poison goes on the tag of the message it stands
+for. Tags carry the context's sequence number,
 so nothing of a failed context matches a message of a later one.
 """
 
@@ -49,7 +49,6 @@ __all__ = [
     "header",
     "header_device",
     "payload",
-    "post_any",
     "tag",
 ]
 
@@ -123,7 +122,6 @@ class Link:
         self.peer = peer
         self.group_peer = group_peer
         self.device = device
-        self.seq = seq
         self._out = f"{prefix}/{me}>{peer}"
         self._in = f"{prefix}/{peer}>{me}"
         self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD), tag(seq, GRADIENTS))
@@ -253,19 +251,6 @@ def _head(kind: int, k: int, device: torch.device) -> torch.Tensor:
         head = torch.tensor([kind, k], dtype=torch.int64).view(torch.uint8).to(device)
         _HEADS[(kind, k, device)] = head
     return head
-
-
-def post_any(
-    pg: Any, seq: int, sizes: Sequence[int], device: torch.device
-) -> list[tuple[Any, torch.Tensor]]:
-    """Post receives of gradient messages from any peer (gloo): they complete in the order
-    the messages land; ``work._source_rank()`` is the sender's rank within ``pg``."""
-    slot = HEADER_BYTES + max(sizes, default=0)
-    out = []
-    for _ in sizes:
-        buf = torch.empty(slot, dtype=torch.uint8, device=device)
-        out.append((pg.recv_anysource([buf], tag(seq, GRADIENTS)), buf))
-    return out
 
 
 def header(buf: torch.Tensor) -> tuple[int, int]:

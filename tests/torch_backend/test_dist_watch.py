@@ -1,0 +1,132 @@
+"""Every way to wait for a pass's messages and to end it; a peer lost while others wait.
+
+Rank 0 sends one tensor to each other rank, so its gradients come from several peers
+(a thread per peer) and it leads the end of the pass; the others wait for rank 0 on
+their own thread. Each way to wait (the caller's thread, or a thread per peer) and to
+end a pass (through the leader, or every rank telling every other) gives the same
+gradients, and a failure in a node reaches every rank with the next pass working; a
+peer that dies or freezes while rank 0 waits on it and rank 1 on rank 0 is named within
+its heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+from ranks import run_ranks
+
+FAST_HEARTBEAT = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
+MODES = [("caller", "leader"), ("caller", "all"), ("threads", "leader"), ("threads", "all")]
+
+
+class Boom(__import__("torch").autograd.Function):
+    """A node whose backward fails on purpose."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        raise ZeroDivisionError("boom")
+
+
+def _star(rank: int, world: int, da: Any, fail: bool = False) -> list[float]:
+    """0 -> every rank -> back to 0; returns rank 0's weight's gradient (others: [])."""
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    w = torch.randn(3, dtype=torch.float64, generator=g).requires_grad_()
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            h = torch.tanh(w * 2)
+            for peer in range(1, world):
+                da.send(h, peer)
+            loss = sum((da.recv(peer) * h).sum() for peer in range(1, world))
+            da.backward(cid, [loss])
+            return da.get_gradients(cid)[w].tolist()
+        y = da.recv(0) * w
+        if fail and rank == 1:
+            y = Boom.apply(y)
+        da.send(y, 0)
+        da.backward(cid, [])
+        return []
+
+
+def _modes(rank: int, world: int) -> dict[str, Any]:
+    from xgrad.torch_backend import dist_autograd as da
+    from xgrad.torch_backend import dist_inbox
+
+    os.environ.update(FAST_HEARTBEAT)
+    out: dict[str, Any] = {}
+    for wait, done in MODES:
+        dist_inbox.WAIT, da.DONE_VIA = wait, done
+        out[f"{wait}/{done}"] = _star(rank, world, da)
+        try:
+            _star(rank, world, da, fail=True)
+            out[f"{wait}/{done}/fail"] = "no error"
+        except da.DistBackwardError as exc:
+            out[f"{wait}/{done}/fail"] = (str(exc), exc.rank)
+        out[f"{wait}/{done}/after"] = _star(rank, world, da)
+    return out
+
+
+def test_every_way_to_wait_and_end_gives_the_same_gradients_and_errors() -> None:
+    results, codes = run_ranks(_modes, 3, timeout=120)
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, results)
+    outs = {rank: value for rank, (status, value) in results.items() if status == "ok"}
+    assert len(outs) == 3, results
+    first = outs[0]["caller/leader"]
+    assert len(first) == 3
+    for wait, done in MODES:
+        key = f"{wait}/{done}"
+        # Equal up to the order the two peers' gradients landed in (summed as they come).
+        assert outs[0][key] == pytest.approx(first, rel=1e-12, abs=1e-12), key
+        assert outs[0][f"{key}/after"] == pytest.approx(first, rel=1e-12, abs=1e-12), key
+        for rank in range(3):
+            msg, origin = outs[rank][f"{key}/fail"]
+            assert origin == 1, (key, rank, msg)
+            assert msg.startswith("Error on rank 1 in BoomBackward: ZeroDivisionError"), msg
+
+
+def _lost(rank: int, world: int, how: str) -> tuple[str, int, float]:
+    """Rank 2 dies or freezes after the forward pass while rank 0 waits on both peers."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    os.environ.update(FAST_HEARTBEAT)
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            h = w * 2
+            da.send(h, 1)
+            da.send(h, 2)
+        else:
+            y = da.recv(0)
+        start = time.monotonic()
+        if rank == 2:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        try:
+            da.backward(cid, [] if rank == 0 else [(y * w).sum()])
+        except da.DistBackwardError as exc:
+            return str(exc), exc.rank, time.monotonic() - start
+    return "no error", -1, time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_peer_lost_during_a_wait_on_several_is_named(how: str) -> None:
+    results, codes = run_ranks(_lost, 3, args=(how,), timeout=90, frozen=[2])
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        msg, origin, elapsed = value
+        assert msg.startswith("Error on rank 2: stopped answering"), msg
+        assert origin == 2
+        assert elapsed < 2.0 + 8.0  # heartbeat timeout 2 s, on a loaded machine
+        assert codes[rank] == 0
