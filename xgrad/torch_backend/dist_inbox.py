@@ -88,8 +88,11 @@ class Inbox:
         self._expect = expect
         self._armed = False
         senders = [p for p in links if expect.get(p)]
+        # On NCCL ``wait()`` does not block the caller (it orders the current stream), so
+        # only a thread of its own can bound the wait: the per-peer threads do.
+        cpu = all(link.device.type == "cpu" for link in links.values())
         #: "one" (gradients from at most one peer: waited here) or "threads"
-        self.mode = "one" if WAIT == "caller" and len(senders) <= 1 else "threads"
+        self.mode = "one" if WAIT == "caller" and cpu and len(senders) <= 1 else "threads"
         # Receives waited on this thread: the gradients, then the dones.
         self._here: deque[tuple[int, Any, torch.Tensor]] = deque()
         self._dones: deque[tuple[int, Any, torch.Tensor]] = deque()
