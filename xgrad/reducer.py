@@ -78,6 +78,8 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the records' time source (the reference backend's is virtual).
         lender: lends bucket views out as gradients instead of ``set_grad`` copies.
+        set_grads: ``set_grad`` for a whole bucket at once (indices, views), used where
+            nothing in the bucket is lent or skipped.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         keys: Sequence[Hashable] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         lender: Lender[A] | None = None,
+        set_grads: Callable[[Sequence[int], Sequence[A]], None] | None = None,
     ) -> None:
         self.params = list(params)
         self.lender = None if gradient_as_bucket_view else lender
@@ -115,6 +118,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         self.comm = comm
         self.ops = ops
         self.set_grad = set_grad
+        self.set_grads = set_grads
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -255,10 +259,33 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             self._backward_start = now
             for i in self._unused.local:
                 self._mark(i, None, now)
-        mark = self._mark
+        # _mark, written out (this runs once per logged gradient).
+        ready, order, times, locate = (
+            self._ready,
+            self._ready_order,
+            self._ready_times,
+            self._locate,
+        )
+        self._require_finalize = True
         for index, grad in zip(indices, grads, strict=True):
             self.marking = index
-            mark(index, grad, now)
+            if ready[index]:
+                raise marked_ready_twice(index, self.names, self.comm.rank)
+            ready[index] = 1
+            order.append(index)
+            times.append(now)
+            bucket, k = locate[index]
+            if bucket.lent and bucket.pending == len(bucket.indices):
+                reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
+            if bucket.big[k]:
+                arrive(bucket, k, grad, self.ops, self._early)
+            else:
+                bucket.grads[k] = grad
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._fill(bucket)
+                if not self._delay_launch:
+                    self._launch_ready_buckets()
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
@@ -324,7 +351,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
                 self.ops,
                 gradient_as_bucket_view=self.gradient_as_bucket_view,
             )
-            write_back(bucket, views, globally_unused, self.set_grad, self.lender)
+            write_back(bucket, views, globally_unused, self.set_grad, self.lender, self.set_grads)
         end = self.clock()
         if self._rebuild_order is None and not self.has_rebuilt_buckets:
             self._rebuild_order = list(self._ready_order)

@@ -10,6 +10,8 @@ return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.bac
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 import warnings
 from collections import deque
@@ -226,6 +228,21 @@ class GradientHooks:
         else:
             self._copy_dst.append(grad)
             self._copy_src.append(view)
+
+    def set_grads(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> None:
+        """:meth:`set_grad` for a bucket's members: one list operation when all are copies."""
+        params = self.params
+        grads = [params[i].grad for i in indices]
+        if (
+            self.gradient_as_bucket_view
+            or views[0].layout is not torch.strided
+            or any(map(operator.is_, grads, itertools.repeat(None)))
+        ):
+            for i, view in zip(indices, views, strict=True):
+                self.set_grad(i, view)
+            return
+        self._copy_dst += grads  # type: ignore[arg-type]
+        self._copy_src += views
 
     def alias_grads_to_buckets(self) -> None:
         """Make existing gradients views into the (new) buckets, keeping their values."""
