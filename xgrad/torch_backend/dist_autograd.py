@@ -91,6 +91,8 @@ class _Context:
         self.graph_freed = False
         # Whether this rank already raised the context's failure to the user.
         self.reported = False
+        # Whether a failed pass already answered what its peers wait for (with poison).
+        self.answered = False
 
     def link(self, peer: Any, arg: str) -> Link:
         if not isinstance(peer, int) or isinstance(peer, bool):
@@ -134,8 +136,9 @@ class _Context:
             link = self.link(peer, "peer")
             link.start_backward(owe.get(peer, ()))
             try:
-                for _ in range(len(owe.get(peer, ())) + 1):
+                for _ in owe.get(peer, ()):
                     GRAVEYARD.append(link.send_backward(POISON, 0, None))
+                GRAVEYARD.append(link.send_backward(POISON, 0, None, final=True))
             except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
                 continue
 
@@ -239,6 +242,10 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     except BaseException as exc:
         if not isinstance(exc, RankError):
             ctx.channel.post("forward", f"{type(exc).__name__}: {exc}")
+        if not ctx.answered:
+            # Peers in a backward pass wait on this rank's own thread-free receives,
+            # which only a message ends: a failure outside a pass (this rank's, or
+            # another's seen in a forward recv) answers the next pass's messages.
             ctx.poison()
         raise
     finally:
@@ -312,6 +319,20 @@ def backward(
     roots = list(roots)
     ctx.passes += 1
     inbox = ctx.inbox()
+    try:
+        _run(ctx, inbox, roots, retain_graph, accumulate_grad)
+    except BaseException:
+        ctx.answered = True  # the pass's inbox poisoned what this rank owed
+        raise
+
+
+def _run(
+    ctx: _Context,
+    inbox: Inbox,
+    roots: list[torch.Tensor],
+    retain_graph: bool,
+    accumulate_grad: bool,
+) -> None:
     try:
         rank_graph = build_rank_graph(
             roots,

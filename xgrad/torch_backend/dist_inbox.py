@@ -4,11 +4,17 @@ At the start of a pass a rank knows everything it will receive: from each peer `
 gradient message per tensor it sent ``q`` that requires grad (its shape is the sent
 tensor's), then ``q``'s "done". So every receive is posted before the peer sends, and
 gloo writes the peer's message the moment it is sent (no ready round trip, no header in
-the store). One daemon thread per peer waits those receives in order and hands each
-completion to one queue; the caller takes whichever peer's message lands first (a
-gradient from one peer may be what lets this rank answer another), sleeping in the
-queue, not spinning, and reading the failure channel every poll interval, so every wait
-is bounded and a failure posted anywhere is raised here.
+the store).
+
+The rank waits for them on its own thread (``WAIT = "caller"``, :mod:`.dist_watch`):
+when its gradients come from one peer, on that peer's receives in order; from several
+peers (gloo), on receives from any peer, which complete in the order the messages land
+(a gradient from one peer may be what lets this rank answer another); the "done"s, peer
+by peer. Each wait is bounded by the context's timeout and watched for a peer that
+stopped. Where receives from any peer do not exist (NCCL), or with ``WAIT = "threads"``,
+one daemon thread per peer waits that peer's receives in order and hands each
+completion to one queue, which the caller reads, watching the failure channel every
+poll interval. The caller's thread saves the hand-off, a second wake-up per message.
 
 A rank whose pass fails while it is alive answers every message it still owes with a
 "poison" header (:meth:`Inbox.poison`): its peers' receives all complete, they read the
@@ -18,20 +24,24 @@ failure channel and raise the origin's error, and nothing is left posted on the 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
-from xgrad.torch_backend.dist_wire import POISON, SEVER, Link, tag
+from xgrad.torch_backend.dist_watch import sever, wait_here
+from xgrad.torch_backend.dist_wire import DONE, POISON, Link, post_any
 
-__all__ = ["GRAVEYARD", "Inbox", "Message"]
+__all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message"]
+
+#: where a pass waits for its messages: "caller" (its own thread) or "threads" (one per peer).
+WAIT = os.environ.get("XGRAD_DIST_WAIT", "caller")
 
 #: sends and receives that may still be in flight when their pass or context ended (a
 #: failure, or sends nobody waited for): kept referenced with their buffers, because gloo
@@ -131,18 +141,11 @@ def _release_at_exit() -> None:
     for t in made:
         if t.waiting and id(t.pg) not in severed:
             severed.add(id(t.pg))
-            _sever(t.pg, t.group_peer)
+            sever(t.pg, t.group_peer)
     for t in made:
         t.jobs.put(None)
     for t in made:
         t.thread.join(0.5)
-
-
-def _sever(pg: Any, group_peer: int) -> None:
-    buf = torch.empty(1, dtype=torch.uint8)
-    # It raises: the timeout, which closed the connections; or they already were closed.
-    with contextlib.suppress(RuntimeError):
-        pg.recv([buf], group_peer, tag(0, SEVER)).wait(timedelta(milliseconds=1))
 
 
 class Inbox:
@@ -176,16 +179,27 @@ class Inbox:
         self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._expected = {p: len(expect.get(p, ())) + 1 for p in links}
         self._got = dict.fromkeys(links, 0)
-        self._owe = {p: len(owe.get(p, ())) + 1 for p in links}  # gradients, then "done"
+        self._owe = {p: len(owe.get(p, ())) for p in links}  # gradients
+        self._owe_done = dict.fromkeys(links, 1)
         self.sent: list[tuple[int, Any]] = []
         self.buffers: list[torch.Tensor] = []
         self._expect = expect
         self._armed = False
+        senders = [p for p in links if expect.get(p)]
+        cpu = all(link.device.type == "cpu" for link in links.values())
+        #: "one" (gradients from at most one peer), "any" (from several, gloo), "threads"
+        self.mode = "threads" if WAIT == "threads" else "one" if len(senders) <= 1 else "any"
+        if self.mode == "any" and not cpu:
+            self.mode = "threads"
+        # Receives waited on this thread: gradients (peer None: from any), then the dones.
+        self._here: deque[tuple[int | None, Any, torch.Tensor]] = deque()
+        self._dones: deque[tuple[int | None, Any, torch.Tensor]] = deque()
+        self._peer_of = {link.group_peer: p for p, link in links.items()}
         for peer, link in links.items():
             link.start_backward(owe.get(peer, ()))
 
     def arm(self) -> None:
-        """Post the pass's receives and start waiting on them (once; before the first wait).
+        """Post the pass's receives (once; before the first wait).
 
         Not at the start of the pass: posting costs a message to each peer, and the first
         gradients this rank sends should not wait for that. A message that comes before its
@@ -194,10 +208,24 @@ class Inbox:
         if self._armed:
             return
         self._armed = True
+        if self.mode == "threads":
+            for peer, link in self._links.items():
+                works = link.post_backward(self._expect.get(peer, ()))
+                self.buffers += [buf for _, buf in works]
+                _thread(self._group, link).jobs.put((peer, works, self._queue))
+            return
+        if self.mode == "any":
+            sizes = [n for p in self._links for n in self._expect.get(p, ())]
+            link = next(iter(self._links.values()))
+            self._here.extend(
+                (None, w, b) for w, b in post_any(link.pg, link.seq, sizes, link.device)
+            )
         for peer, link in self._links.items():
-            works = link.post_backward(self._expect.get(peer, ()))
-            self.buffers += [buf for _, buf in works]
-            _thread(self._group, link).jobs.put((peer, works, self._queue))
+            if self.mode == "one":
+                works = link.post_gradients(self._expect.get(peer, ()))
+                self._here.extend((peer, w, b) for w, b in works)
+            self._dones.append((peer, *link.post_done()))
+        self.buffers += [b for _, _, b in (*self._here, *self._dones)]
 
     def send(
         self,
@@ -209,17 +237,23 @@ class Inbox:
     ) -> None:
         """Send message ``kind`` to ``peer`` (see :meth:`Link.send_backward`)."""
         work = self._links[peer].send_backward(kind, k, grad, like)
-        self._owe[peer] -= 1
+        if kind == DONE:
+            self._owe_done[peer] = 0
+        else:
+            self._owe[peer] -= 1
         self.sent.append((peer, work))
 
     def next(self, what: str) -> Message:
-        """The next message from any peer, bounded by the timeout, watching the channel.
+        """The next message: a gradient while any is expected (from whichever peer sends
+        first), then the peers' "done"s; bounded by the timeout, watching for failures.
 
         Raises:
             RankError: a failure posted on the channel, a peer that stopped beating, or the
                 timeout (posted first, so every rank stops).
         """
         self.arm()
+        if self.mode != "threads":
+            return self._wait_here(what)
         try:
             item = self._queue.get_nowait()
         except queue.Empty:
@@ -227,8 +261,21 @@ class Inbox:
         self._got[item[0]] += 1
         return item
 
+    def _wait_here(self, what: str) -> Message:
+        fifo = self._here or self._dones
+        peer, work, buf = fifo[0]
+        link = self._links[peer] if peer is not None else next(iter(self._links.values()))
+        wait_here(work, self._channel, link.pg, link.group_peer, self.timeout, what, peer)
+        fifo.popleft()
+        if peer is None:
+            peer = self._peer_of[work._source_rank()]
+        i = self._got[peer]
+        self._got[peer] = i + 1
+        return peer, i, buf, None
+
     def ready(self) -> Message | None:
-        """The next message that already landed, or None (never waits)."""
+        """The next message that already landed, or None (never waits; on this thread, a
+        receive is not known to have landed before it is waited for: always None)."""
         self.arm()
         try:
             item = self._queue.get_nowait()
@@ -267,13 +314,15 @@ class Inbox:
 
     def poison(self) -> None:
         """Answer every message still owed with a poison header, so no peer waits for it."""
-        for peer, n in self._owe.items():
-            for _ in range(n):
-                try:
-                    self.sent.append((peer, self._links[peer].send_backward(POISON, 0, None)))
-                except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
-                    break
-            self._owe[peer] = 0
+        for peer, link in self._links.items():
+            try:
+                for _ in range(self._owe[peer]):
+                    self.sent.append((peer, link.send_backward(POISON, 0, None)))
+                if self._owe_done[peer]:
+                    self.sent.append((peer, link.send_backward(POISON, 0, None, final=True)))
+            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                pass
+            self._owe[peer] = self._owe_done[peer] = 0
 
     def close(self, failed: bool) -> None:
         """After the pass: keep what may still be in flight; after a failure, stop reusing
@@ -287,7 +336,10 @@ class Inbox:
             self.sent = []
         if failed:
             GRAVEYARD.append(self.buffers)
-            if self._armed:
+            if self._here or self._dones:
+                GRAVEYARD.append([*self._here, *self._dones])
+                self._here, self._dones = deque(), deque()
+            if self._armed and self.mode == "threads":
                 for peer in self.waiting_for():
                     _retire(self._group, peer)
 

@@ -8,9 +8,10 @@ to the receiver) and the tensor by c10d point-to-point (gloo or NCCL, the same c
 The receiver posts its receive only once the header shows the send was posted, so no
 receive waits for a send that a failed rank never made.
 
-Backward, everything goes by point-to-point, on the context's backward tag. At the start
-of a pass both sides know every message between them: for each tensor A sent B that
-requires grad, one message B -> A (in the order B's engine answers), then B's "done"::
+Backward, everything goes by point-to-point. At the start of a pass both sides know
+every message between them: for each tensor A sent B that requires grad, one message
+B -> A on the context's gradient tag (in the order B's engine answers), then B's "done"
+on its backward tag::
 
     message = int64 header (kind, k) + payload
     kind GRAD: the gradient of A's k-th grad-requiring send to B (the payload, the sent
@@ -18,7 +19,10 @@ requires grad, one message B -> A (in the order B's engine answers), then B's "d
     DONE: B finished the pass; POISON: B failed, read the failure channel.
 
 So A posts its receives first (:class:`xgrad.torch_backend.dist_inbox.Inbox`) and
-gloo writes B's message the moment B sends it. Tags carry the context's sequence number,
+gloo writes B's message the moment B sends it. The gradients have a tag of their own so
+that a rank that expects gradients from several peers can post receives from any of
+them (:func:`post_any`, gloo) and take them in the order they land; a poison goes on the
+tag of the message it stands for. Tags carry the context's sequence number,
 so nothing of a failed context matches a message of a later one.
 """
 
@@ -32,9 +36,11 @@ import torch
 from xgrad.failure import KeyValueStore
 
 __all__ = [
+    "BACKWARD",
     "DONE",
     "DTYPES",
     "GRAD",
+    "GRADIENTS",
     "HEADER_BYTES",
     "NO_GRAD",
     "POISON",
@@ -43,6 +49,7 @@ __all__ = [
     "header",
     "header_device",
     "payload",
+    "post_any",
     "tag",
 ]
 
@@ -65,8 +72,9 @@ _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 #: tags live above 2**30, clear of the small tags other users of the group pick.
 _TAG_BASE = 1 << 30
 _SEQ_MOD = 1 << 25
-#: streams of a context's tags; SEVER only ever times out (closes a lost group at exit).
-FORWARD, BACKWARD, SEVER = 0, 1, 3
+#: streams of a context's tags: forward tensors, "done", gradients; SEVER only ever times
+#: out (closes a lost group's connections).
+FORWARD, BACKWARD, GRADIENTS, SEVER = 0, 1, 2, 3
 #: kinds of backward messages, and the size of their header (two int64).
 GRAD, NO_GRAD, DONE, POISON = 0, 1, 2, 3
 HEADER_BYTES = 16
@@ -115,9 +123,10 @@ class Link:
         self.peer = peer
         self.group_peer = group_peer
         self.device = device
+        self.seq = seq
         self._out = f"{prefix}/{me}>{peer}"
         self._in = f"{prefix}/{peer}>{me}"
-        self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD))
+        self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD), tag(seq, GRADIENTS))
         self._count: dict[str, int] = {}
         # NCCL receives only a message of the posted size; gloo one up to it.
         self._exact = device.type != "cpu"
@@ -173,26 +182,40 @@ class Link:
         ``sizes``: payload bytes of each expected gradient (the tensors this rank sent the
         peer that require grad). Returns ``(work, buffer)`` in the order they will complete.
         """
-        slot = HEADER_BYTES + max(sizes, default=0)
-        posted = [self._post(slot) for _ in sizes]
-        posted.append(self._post(HEADER_BYTES))
-        return posted
+        return [*self.post_gradients(sizes), self.post_done()]
 
-    def _post(self, nbytes: int) -> tuple[Any, torch.Tensor]:
+    def post_gradients(self, sizes: Sequence[int]) -> list[tuple[Any, torch.Tensor]]:
+        """Post the receives of the peer's gradient messages (see :meth:`post_backward`)."""
+        slot = HEADER_BYTES + max(sizes, default=0)
+        return [self._post(slot, GRADIENTS) for _ in sizes]
+
+    def post_done(self) -> tuple[Any, torch.Tensor]:
+        """Post the receive of the peer's "done" (or its poison)."""
+        return self._post(HEADER_BYTES, BACKWARD)
+
+    def _post(self, nbytes: int, stream: int) -> tuple[Any, torch.Tensor]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.pg.recv([buf], self.group_peer, self._tags[BACKWARD]), buf
+        return self.pg.recv([buf], self.group_peer, self._tags[stream]), buf
 
     def send_backward(
-        self, kind: int, k: int, grad: torch.Tensor | None, like: torch.Tensor | None = None
+        self,
+        kind: int,
+        k: int,
+        grad: torch.Tensor | None,
+        like: torch.Tensor | None = None,
+        *,
+        final: bool = False,
     ) -> tuple[Any, torch.Tensor]:
         """Send one message of a pass: ``(work, buffer)``.
 
         A gradient (``kind`` GRAD, for the peer's ``k``-th send, received here as ``like``),
-        "no gradient" (NO_GRAD), POISON, or DONE after every gradient. On NCCL every
-        message fills the receive the peer posted for it exactly (NCCL cannot receive a
-        shorter message); gloo sends only the bytes used.
+        "no gradient" (NO_GRAD), POISON, or DONE after every gradient. A POISON stands for
+        the next gradient owed, or with ``final`` for the "done" (DONE always is). On NCCL
+        every message fills the receive the peer posted for it exactly (NCCL cannot receive
+        a shorter message); gloo sends only the bytes used.
         """
-        reply = self._replies_left > 0 and kind != DONE
+        final = final or kind == DONE
+        reply = self._replies_left > 0 and not final
         if reply:
             self._replies_left -= 1
         payload = 0
@@ -212,7 +235,21 @@ class Link:
             assert grad is not None and like is not None
             body = buf[HEADER_BYTES : HEADER_BYTES + payload]
             body.view(like.dtype).view(like.shape).copy_(grad)
-        return self.pg.send([buf], self.group_peer, self._tags[BACKWARD]), buf
+        stream = BACKWARD if final else GRADIENTS
+        return self.pg.send([buf], self.group_peer, self._tags[stream]), buf
+
+
+def post_any(
+    pg: Any, seq: int, sizes: Sequence[int], device: torch.device
+) -> list[tuple[Any, torch.Tensor]]:
+    """Post receives of gradient messages from any peer (gloo): they complete in the order
+    the messages land; ``work._source_rank()`` is the sender's rank within ``pg``."""
+    slot = HEADER_BYTES + max(sizes, default=0)
+    out = []
+    for _ in sizes:
+        buf = torch.empty(slot, dtype=torch.uint8, device=device)
+        out.append((pg.recv_anysource([buf], tag(seq, GRADIENTS)), buf))
+    return out
 
 
 def header(buf: torch.Tensor) -> tuple[int, int]:
