@@ -110,7 +110,6 @@ class ArrivalLog:
         """The logged parameters' indices and gradients, in arrival order; the log empties."""
         index = self.index
         log = self.log
-        indices = [index[id(p)] for p in log]
-        grads = [p.grad for p in log]
-        log.clear()
-        return indices, grads
+        taken = log[:]  # one C call: an append from another thread is kept for the next take
+        del log[: len(taken)]
+        return [index[id(p)] for p in taken], [p.grad for p in taken]
