@@ -425,3 +425,67 @@ def test_sparse_parameter_cannot_share_a_bucket() -> None:
     assert "bucket 0 of the plan holds [2, 3]: a parameter with a sparse gradient" in str(
         err.value.__cause__
     )
+
+
+def test_mark_many_makes_the_marks_of_one_mark_ready_each() -> None:
+    """Logged arrivals marked in one call: same order, results and errors."""
+
+    def body(comm: ReferenceComm) -> tuple[list[Any], list[dict[int, np.ndarray]], str]:
+        results: list[dict[int, np.ndarray]] = [{}, {}]
+        records = []
+        g = grads_for(comm.rank)
+        order = (1, 0, 2) if comm.rank == 0 else (1, 0, 3, 2)
+        for got, batched in zip(results, (False, True), strict=True):
+            reducer = make_reducer(comm, TWO_BUCKETS, got, find_unused_parameters=True)
+            reducer.prepare_for_backward([3] if comm.rank == 0 else [])
+            if batched:
+                reducer.mark_many(order[:-1], [g[i] for i in order[:-1]])
+                reducer.mark_ready(order[-1], g[order[-1]])
+            else:
+                for i in order:
+                    reducer.mark_ready(i, g[i])
+            reducer.finalize()
+            records.append(reducer.records[-1])
+        reducer.prepare_for_backward()
+        reducer.mark_many([2], [g[2]])
+        try:
+            reducer.mark_many([0, 2], [g[0], g[2]])
+            error = ""
+        except RuntimeError as exc:
+            error = f"{reducer.marking}: {exc}"
+        return records, results, error
+
+    for records, (one, many), error in spawn(body, 2):
+        assert records[0].ready_order == records[1].ready_order
+        assert records[0].unused == records[1].unused
+        assert sorted(one) == sorted(many)
+        for i in one:
+            np.testing.assert_array_equal(many[i], one[i])
+        assert error.startswith("2: ") and "marked as ready twice" in error
+
+
+def test_set_grads_writes_a_whole_bucket_unless_a_member_is_left_alone() -> None:
+    def body(comm: ReferenceComm) -> tuple[list[tuple[int, ...]], dict[int, np.ndarray]]:
+        got: dict[int, np.ndarray] = {}
+        calls: list[tuple[int, ...]] = []
+
+        def set_grads(indices: Sequence[int], views: Sequence[np.ndarray]) -> None:
+            calls.append(tuple(indices))
+            for i, v in zip(indices, views, strict=True):
+                got[i] = np.array(v)
+
+        reducer = make_reducer(
+            comm, TWO_BUCKETS, got, find_unused_parameters=True, set_grads=set_grads
+        )
+        reducer.prepare_for_backward([3])  # no rank uses 3: bucket (2, 3) member by member
+        for i in (2, 1, 0):
+            reducer.mark_ready(i, grads_for(comm.rank)[i])
+        reducer.finalize()
+        return calls, got
+
+    want = expected_mean(2)
+    for calls, got in spawn(body, 2):
+        assert calls == [(0, 1)]
+        assert sorted(got) == [0, 1, 2]
+        for i in got:
+            np.testing.assert_array_equal(got[i], want[i])

@@ -110,6 +110,7 @@ def ddp_reducer(
     hook: Hook | None = None,
     clock: Callable[[], float] = time.perf_counter,
     lender: Lender | None = None,
+    set_grads: Callable[[Sequence[int], Sequence[Any]], None] | None = None,
 ) -> Reducer:
     """A reducer set up as DDP sets up its own: the initial plan, or ``plan`` used as given.
 
@@ -149,4 +150,5 @@ def ddp_reducer(
         keys=keys,
         clock=clock,
         lender=lender,
+        set_grads=set_grads,
     )

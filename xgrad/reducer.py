@@ -34,6 +34,7 @@ from xgrad.reducer_errors import (
     prior_reduction_unfinished,
     sparse_gradient_missing,
 )
+from xgrad.reducer_launch import BucketLaunches
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
 from xgrad.reducer_types import A, Lender
@@ -47,7 +48,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
+class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -77,6 +78,8 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         nbytes, keys: per-parameter byte sizes and bucket keys; default from ``ops``.
         clock: the records' time source (the reference backend's is virtual).
         lender: lends bucket views out as gradients instead of ``set_grad`` copies.
+        set_grads: ``set_grad`` for a whole bucket at once (indices, views), used where
+            nothing in the bucket is lent or skipped.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         keys: Sequence[Hashable] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         lender: Lender[A] | None = None,
+        set_grads: Callable[[Sequence[int], Sequence[A]], None] | None = None,
     ) -> None:
         self.params = list(params)
         self.lender = None if gradient_as_bucket_view else lender
@@ -114,6 +118,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self.comm = comm
         self.ops = ops
         self.set_grad = set_grad
+        self.set_grads = set_grads
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -141,6 +146,8 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
         self._ready_times: list[float] = []
         self._backward_start = 0.0
         self._next_bucket = 0
+        #: the index :meth:`mark_many` was marking (names a gradient that raised).
+        self.marking = 0
         # The first complete ready order, kept for the one rebuild.
         self._rebuild_order: list[int] | None = None
         self._set_plan(plan)
@@ -233,6 +240,53 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
                 self._mark(i, None, now)
         self._mark(index, grad, now)
 
+    @property
+    def expecting(self) -> bool:
+        """Whether a synchronised backward pass is prepared and its hooks still count."""
+        return self._expect_hooks
+
+    def mark_many(self, indices: Sequence[int], grads: Sequence[Any]) -> None:
+        """:meth:`mark_ready` for gradients that arrived in this order, in one call.
+
+        The same marks, in the same order, as one :meth:`mark_ready` per gradient; they
+        share one timestamp. When one raises, :attr:`marking` is the index it raised on.
+        """
+        if not self._expect_hooks or not indices:
+            return
+        now = self.clock()
+        if not self._marked_unused:
+            self._marked_unused = True
+            self._backward_start = now
+            for i in self._unused.local:
+                self._mark(i, None, now)
+        # _mark, written out (this runs once per logged gradient).
+        ready, order, times, locate = (
+            self._ready,
+            self._ready_order,
+            self._ready_times,
+            self._locate,
+        )
+        self._require_finalize = True
+        for index, grad in zip(indices, grads, strict=True):
+            self.marking = index
+            if ready[index]:
+                raise marked_ready_twice(index, self.names, self.comm.rank)
+            ready[index] = 1
+            order.append(index)
+            times.append(now)
+            bucket, k = locate[index]
+            if bucket.lent and bucket.pending == len(bucket.indices):
+                reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
+            if bucket.big[k]:
+                arrive(bucket, k, grad, self.ops, self._early)
+            else:
+                bucket.grads[k] = grad
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._fill(bucket)
+                if not self._delay_launch:
+                    self._launch_ready_buckets()
+
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
             raise marked_ready_twice(index, self.names, self.comm.rank)
@@ -261,43 +315,6 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             batched_grad_copy=self.batched_grad_copy,
         )
-
-    def _launch_ready_buckets(self) -> None:
-        """Launch buckets in bucket order: a ready bucket waits for all before it."""
-        buckets = self._buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
-            bucket = buckets[self._next_bucket]
-            if self.skip_all_reduce_unused_params and self._all_unused(bucket):
-                bucket.skipped = True
-            else:
-                self._launch(bucket)
-            self._next_bucket += 1
-        if self._next_bucket == len(buckets):
-            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
-
-    @property
-    def _search(self) -> dict[str, bool]:
-        return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
-
-    def _all_unused(self, bucket: BucketState) -> bool:
-        return set(bucket.indices) <= set(self._unused.current)
-
-    def _launch(self, bucket: BucketState) -> None:
-        if self.serial_hooks and self.hook is not None and bucket.index > 0:
-            self._buckets[bucket.index - 1].wait(self.clock)
-        bucket.launched_at = self.clock()
-        if self.hook is None:
-            bucket.work = self.comm.allreduce(bucket.flat)
-        else:
-            members = [self.params[i] for i in bucket.indices]
-            view = GradBucket(
-                bucket.index,
-                bucket.flat,
-                list(bucket.in_views),
-                members,
-                bucket.index == len(self._buckets) - 1,
-            )
-            bucket.work = self.hook(view)
 
     def finalize(self) -> None:
         """End of the backward pass: wait for every bucket and write gradients back.
@@ -334,7 +351,7 @@ class Reducer(JoinAndRecovery, LateSetup, Generic[A]):
                 self.ops,
                 gradient_as_bucket_view=self.gradient_as_bucket_view,
             )
-            write_back(bucket, views, globally_unused, self.set_grad, self.lender)
+            write_back(bucket, views, globally_unused, self.set_grad, self.lender, self.set_grads)
         end = self.clock()
         if self._rebuild_order is None and not self.has_rebuilt_buckets:
             self._rebuild_order = list(self._ready_order)

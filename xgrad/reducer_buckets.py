@@ -175,9 +175,21 @@ def write_back(
     skip: set[int] | frozenset[int],
     set_grad: Any,
     lender: Lender | None,
+    set_grads: Any = None,
 ) -> None:
-    """Give each member not in ``skip`` its reduced gradient: lent where the lender may."""
+    """Give each member not in ``skip`` its reduced gradient: lent where the lender may.
+
+    ``set_grads`` (``set_grad`` for the whole bucket in one call) is used when no member
+    is skipped or may be lent.
+    """
     lend = lender is not None and views is bucket.in_views
+    if (
+        set_grads is not None
+        and skip.isdisjoint(bucket.indices)
+        and not (lend and any(map(lender.lendable.__getitem__, bucket.indices)))  # type: ignore[union-attr]
+    ):
+        set_grads(bucket.indices, views)
+        return
     for k, i in enumerate(bucket.indices):
         if i in skip:
             continue

@@ -77,3 +77,16 @@ def test_one_core_runs_the_ranks_one_at_a_time() -> None:
     assert sum(sim.busy) > 2 * 4 * 3.0  # wall time of passes, slowed by the sharing
     with pytest.raises(ValueError, match="cores must be >= 1"):
         xp.simulate_messages(xp.gpipe(2, 2), _unit, cores=0)
+
+
+def test_a_latency_per_message_delays_only_its_own_receiver() -> None:
+    # gpipe, 2 ranks, 2 microbatches, unit costs: only 0SEND_F1 is late, by 3.
+    late = Action(0, Kind.SEND_F, 1)
+    base = xp.simulate_messages(xp.gpipe(2, 2), _unit)
+    sim = xp.simulate_messages(xp.gpipe(2, 2), _unit, latency=lambda s: 3.0 * (s == late))
+    start = {s.action: s.start for spans in sim.spans for s in spans}
+    before = {s.action: s.start for spans in base.spans for s in spans}
+    assert start[Action(1, Kind.FORWARD, 0)] == before[Action(1, Kind.FORWARD, 0)]
+    assert start[Action(1, Kind.FORWARD, 1)] == pytest.approx(
+        before[Action(1, Kind.FORWARD, 1)] + 3.0
+    )

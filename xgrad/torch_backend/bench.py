@@ -320,24 +320,32 @@ def _measure_peak(side: _Side, x: Any, y: Any, meter: HeapMeter, steps: int = 3)
 
 
 def _hook_seconds(side: _Side, x: Any, y: Any) -> float:
-    """Median wall time of xgrad's per-parameter hook work (``Reducer.mark_ready``).
+    """Wall time of xgrad's reducer work per gradient, from its hooks, over three steps.
 
-    The median, not the mean: the one call per bucket that launches its allreduce, and
-    calls stalled by other processes, would otherwise hide the typical cost.
+    Gradients whose hooks only log their arrival (:mod:`.ddp_arrivals`) are marked in
+    one ``mark_many`` call from the next Python hook: the total time in ``mark_ready``
+    and ``mark_many`` (launches included) divided by the gradients they marked.
     """
     reducer = side.ddp.reducer
-    original = reducer.mark_ready
-    calls: list[float] = []
+    single, many = reducer.mark_ready, reducer.mark_many
+    spent = [0.0, 0]
 
-    def timed(index: int, grad: Any) -> None:
+    def timed_single(index: int, grad: Any) -> None:
         start = time.perf_counter()
-        original(index, grad)
-        calls.append(time.perf_counter() - start)
+        single(index, grad)
+        spent[0] += time.perf_counter() - start
+        spent[1] += 1
 
-    reducer.mark_ready = timed
+    def timed_many(indices: Any, grads: Any) -> None:
+        start = time.perf_counter()
+        many(indices, grads)
+        spent[0] += time.perf_counter() - start
+        spent[1] += len(indices)
+
+    reducer.mark_ready, reducer.mark_many = timed_single, timed_many
     try:
         for _ in range(3):
             side.step(x, y)
     finally:
-        del reducer.mark_ready
-    return statistics.median(calls)
+        del reducer.mark_ready, reducer.mark_many
+    return spent[0] / max(spent[1], 1)

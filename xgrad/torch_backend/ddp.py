@@ -13,10 +13,9 @@ One training step, as PyTorch's DDP does it::
                sync buffers from rank 0, run the module,
                walk the grad_fn graph for unused parameters (find_unused_parameters)
                reducer.prepare_for_backward(unused)
-    backward   post-accumulate hook of parameter i -> reducer.mark_ready(i, grad)
-               (the first one also queues finalize on the autograd engine and marks the
-               unused parameters ready); a full bucket is copied in and launched in
-               bucket order
+    backward   post-accumulate hook of parameter i -> reducer.mark_ready(i, grad), or
+               only logged (ddp_arrivals) and marked by the next Python hook; the first
+               queues finalize; a full bucket is copied in and launched in bucket order
     end        engine's final callback: reducer.finalize() waits for every bucket and
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
@@ -229,6 +228,7 @@ class DistributedDataParallel(JoinableDDP, _TorchDDP):
             self.comm,
             TorchArrayOps(flat_dtype=flat_dtype),
             set_grad=self._grad_hooks.set_grad,
+            set_grads=self._grad_hooks.set_grads,
             limits=limits,
             plan=plan,
             names=self.parameter_names,

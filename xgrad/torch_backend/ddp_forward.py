@@ -71,7 +71,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
                 output, ddp._param_index, len(ddp._params), accumulators
             )
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
-        ddp._grad_hooks.sync_pending = True
+        ddp._grad_hooks.expect_backward()
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
     else:
         ddp.require_forward_param_sync = False

@@ -10,6 +10,8 @@ return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.bac
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 import warnings
 from collections import deque
@@ -21,9 +23,12 @@ from torch import nn
 
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch, WatchedFuture
 from xgrad.torch_backend.ddp_lend import lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+
+current_graph_task = torch._C._current_graph_task_id
 
 
 class GradientHooks:
@@ -59,14 +64,25 @@ class GradientHooks:
         self.after_backward: Callable[[], None] | None = None
         self._copy_dst: list[torch.Tensor] = []
         self._copy_src: list[torch.Tensor] = []
+        self.arrivals: ArrivalLog  # set by attach
+        #: the autograd graph task of the synchronised pass under way.
+        self._task = -1
 
-    def attach(self, reducer: Reducer) -> None:
-        """Register the autograd hooks that feed ``reducer``."""
+    def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
+        """Register the autograd hooks that feed ``reducer``.
+
+        ``log_arrivals``: let small parameters' hooks only log their arrival once the
+        order is known (:mod:`.ddp_arrivals`); off, every hook is a Python one.
+        """
         self.reducer = reducer
+        python_hooks = [self._make_hook(i) for i in range(len(self.params))]
         self.handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.params)
+            p.register_post_accumulate_grad_hook(h)
+            for p, h in zip(self.params, python_hooks, strict=True)
         ]
+        self.arrivals = ArrivalLog(self.params, self.handles, python_hooks)
+        if not log_arrivals:
+            self.arrivals.enabled = False
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         reducer = self.reducer
@@ -80,6 +96,13 @@ class GradientHooks:
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
                 self.finalize_queued = True
+                if self.arrivals.enabled:
+                    self._task = current_graph_task()
+            elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
+                # Reentrant backward: the pass's first hook must stay a Python one.
+                self.arrivals.disable()
+            if self.arrivals.log:
+                self._drain()
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
@@ -89,12 +112,41 @@ class GradientHooks:
 
         return hook
 
+    def _drain(self) -> None:
+        """Mark the gradients whose hooks only logged them, in the order they arrived."""
+        reducer = self.reducer
+        assert reducer is not None
+        if not reducer.expecting:
+            self.arrivals.log.clear()
+            return
+        indices, grads = self.arrivals.take()
+        try:
+            reducer.mark_many(indices, grads)
+        except Exception as exc:
+            name = reducer.names[reducer.marking]
+            error = self.watch.post(f"gradient hook of {name}", exc)
+            reducer.fail(str(error))
+            raise error from exc
+
+    def expect_backward(self) -> None:
+        """A synchronised forward pass ended: its backward pass starts at the next hook."""
+        self.sync_pending = True
+        arrivals = self.arrivals
+        if arrivals.any_logged and not arrivals.hooks_unchanged():
+            arrivals.disable()  # another hook could change .grad before the log is read
+
     def _finalize(self) -> None:
         reducer = self.reducer
         assert reducer is not None
+        if self.arrivals.log:
+            self._drain()
         self.finalize_queued = False
+        done = reducer.num_iterations
         try:
             reducer.finalize()
+            if self.arrivals.enabled and reducer.num_iterations > done:
+                record = reducer.records[-1]
+                self.arrivals.relayout(record.ready_order, record.unused, reducer.plan)
             if self._copy_dst:
                 # One fused copy for every gradient instead of one call per parameter.
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
@@ -128,6 +180,10 @@ class GradientHooks:
         reducer = self.reducer
         assert reducer is not None
         rank = reducer.comm.rank
+        if self.arrivals.log:
+            # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
+            # reduction is reported by the next prepare_for_backward.
+            self._drain()
         if self.finalize_queued:
             self.finalize_queued = False
             error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
@@ -172,6 +228,21 @@ class GradientHooks:
         else:
             self._copy_dst.append(grad)
             self._copy_src.append(view)
+
+    def set_grads(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> None:
+        """:meth:`set_grad` for a bucket's members: one list operation when all are copies."""
+        params = self.params
+        grads = [params[i].grad for i in indices]
+        if (
+            self.gradient_as_bucket_view
+            or views[0].layout is not torch.strided
+            or any(map(operator.is_, grads, itertools.repeat(None)))
+        ):
+            for i, view in zip(indices, views, strict=True):
+                self.set_grad(i, view)
+            return
+        self._copy_dst += grads  # type: ignore[arg-type]
+        self._copy_src += views
 
     def alias_grads_to_buckets(self) -> None:
         """Make existing gradients views into the (new) buckets, keeping their values."""

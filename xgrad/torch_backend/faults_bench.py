@@ -12,18 +12,13 @@ The reference backend's ranks are threads of one process: its cells raise only.
 from __future__ import annotations
 
 import argparse
-import os
-import queue as queue_module
-import shutil
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from xgrad.tables import Table, add_table_outputs, print_tables
 from xgrad.torch_backend.faults_cells import FAULTY, HEARTBEAT_ENV, named_origin, run_cell
+from xgrad.torch_backend.gather import OK, gather_ranks
 
 HELP = "the fault matrix: raise, kill and freeze a rank of the DDP, the pipeline, the reference"
 
@@ -44,63 +39,15 @@ QUICK_CELLS = (CELLS[2], CELLS[3], CELLS[5], CELLS[8])
 COLUMNS = ("every rank raised", "origin named", "time to error s", "exited", "next step ok")
 
 
-def _child(rank: int, world: int, cell: tuple[Any, ...], init: str, out: Any) -> None:
-    os.environ.update(HEARTBEAT_ENV)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        out.put((rank, run_cell(rank, world, *cell)))
-    except BaseException as exc:
-        out.put((rank, {"crash": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _launch(world: int, cell: tuple[Any, ...], limit: float) -> tuple[dict[int, dict], dict]:
     """Run one cell on ``world`` processes; per-rank reports and exit codes (None: killed here)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="xgrad-faults-")
-    out = ctx.Queue()
-    init = "file://" + os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(target=_child, args=(r, world, cell, init, out), daemon=True)
-        for r in range(world)
-    ]
-    reports: dict[int, dict] = {}
-    codes: dict[int, int | None] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + limit
-        survivors = [p for r, p in enumerate(procs) if r != FAULTY]
-        while time.monotonic() < deadline:
-            try:
-                rank, report = out.get(timeout=0.1)
-                reports[rank] = report
-            except queue_module.Empty:
-                if all(p.exitcode is not None for p in survivors):
-                    break
-        while True:
-            try:
-                rank, report = out.get(timeout=0.2)
-                reports[rank] = report
-            except queue_module.Empty:
-                break
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-        out.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    survivors = [r for r in range(world) if r != FAULTY]
+    results, codes = gather_ranks(
+        run_cell, world, cell, limit=limit, wait_for=survivors, env=HEARTBEAT_ENV
+    )
+    reports = {
+        r: value if status == OK else {"crash": value} for r, (status, value) in results.items()
+    }
     return reports, codes
 
 

@@ -15,9 +15,10 @@ import xgrad.pipeline as xp
 from xgrad.pipeline import Kind
 from xgrad.tables import Table
 from xgrad.torch_backend.memory import HeapMeter
+from xgrad.torch_backend.pipeline_replay import message_latencies, replay_steps
 
-#: simulations per schedule, each with every (stage, kind)'s cost and the latency drawn
-#: from the measured samples; the prediction is their median step.
+#: simulations per schedule of the pooled model, each with every (stage, kind)'s cost drawn
+#: from the measured samples; its prediction is their median step.
 _DRAWS = 25
 
 
@@ -52,66 +53,55 @@ def report(
     message = per_rank[0]["message"]
     out.append(
         "\nsimulator fed measured costs: every action of each rank in order, sends and "
-        "receives included (each action's own time, time blocked on a message left out, "
-        "drawn from what the runtime measured for its stage and kind; the median step of "
-        f"{_DRAWS} draws), per message the mean latency from a send's end to its blocked "
-        "receiver's wake-up as the runtime saw it"
-        f", else {message * 1e6:.0f} us from a ping-pong), the runtime's time between "
-        "actions (dispatch, per rank), and the step's fixed setup and teardown (before the first action and after the last, to the closing barrier); "
-        "compared with the measured step time (within 10%) and bubble (idle share of "
-        "compute, within 3 points)"
+        "receives included; each timed step run again from its own measured costs (every "
+        "action's own time, time blocked on a message left out; every message's latency "
+        "from its send's end to the wake-up of the receiver that blocked on it, none when "
+        "none blocked; each rank's time between actions) plus the step's fixed setup and "
+        "teardown (before the first action and after the last, to the closing barrier); "
+        "the median over steps, compared with the median measured step (within 10%) and "
+        "the median bubble (idle share of compute, the same compute on both sides, within "
+        f"3 points). pooled: the step predicted from costs pooled over all steps instead "
+        f"(drawn per action, median of {_DRAWS} draws, one mean latency per message, else "
+        f"{message * 1e6:.0f} us from a ping-pong)"
     )
     out.append(
         f"{'schedule':<{w}} {'measured s':>11} {'simulated s':>12} {'error':>7}  "
         f"{'bubble measured':>15} {'simulated':>9} {'equal-cost':>10} {'msg us':>7}"
-        f" {'dispatch us':>11} {'fixed us':>8}"
+        f" {'dispatch us':>11} {'fixed us':>8} {'pooled':>7}"
     )
     for name in names:
-        step = max(r[name]["xgrad"] for r in per_rank)
-        measured = 1.0 - sum(r[name]["busy"] for r in per_rank) / (p * step)
         sched = xp.insert_comms(xp.make(name, p, m))
+        fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
         steps = [
             [res[name]["records"][k] for res in per_rank] for k in range(_count(per_rank, name))
         ]
-        lags = [x for recs in steps for x in _latencies(sched, recs)]
-        dispatch = [res[name]["dispatch"] for res in per_rank]
-        fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
-        samples = {
-            (stage, Kind(kind)): c
-            for res in per_rank
-            for (stage, kind), c in res[name].get("samples", {}).items()
-        }
-        if not samples:  # results without samples: each mean, as one sample
-            samples = {
-                (stage, Kind(kind)): [c]
-                for res in per_rank
-                for (stage, kind), c in res[name]["costs"].items()
-            }
-        makespans, busies = [], []
-        rng = random.Random(0)
-        actions = [a for r in range(p) for a in xp.expand(sched.actions[r])]
+        lags = [x for recs in steps for x in message_latencies(sched, recs).values()]
         latency = statistics.mean(lags) if lags else message
-        for _ in range(_DRAWS):
-            # Each action's own cost drawn apart; a message's latency is the mean (the
-            # samples come only from receivers that blocked, the slow messages' share).
-            drawn = {a: rng.choice(samples.get((a.stage, a.kind), [0.0])) for a in actions}
-            sim = xp.simulate_messages(
-                sched, drawn.__getitem__, latency=latency, dispatch=dispatch.__getitem__
-            )
-            makespans.append(sim.makespan)
-            busies.append(sum(sim.busy))
-        predicted = statistics.median(makespans) + fixed
-        bubble = 1.0 - statistics.mean(busies) / (p * predicted)
+        pooled_step, pooled_bubble = _pooled(per_rank, name, sched, latency, fixed)
+        times = [
+            max(ts) for ts in zip(*(r[name].get("xgrad_steps", []) for r in per_rank), strict=True)
+        ]
+        if steps and len(times) == len(steps):
+            replayed = replay_steps(sched, steps, times, fixed)
+            step, predicted = replayed.measured, replayed.simulated
+            measured, bubble = replayed.bubble_measured, replayed.bubble_simulated
+        else:  # results without per-step records: each side's medians, the pooled model
+            step = max(r[name]["xgrad"] for r in per_rank)
+            measured = 1.0 - sum(r[name]["busy"] for r in per_rank) / (p * step)
+            predicted, bubble = pooled_step, pooled_bubble
         equal = xp.simulate(sched)
         error = predicted / step - 1.0
+        pooled_error = pooled_step / step - 1.0
         ok = abs(error) <= 0.10 and abs(bubble - measured) <= 0.03
         figures = (step, predicted, error, measured, bubble, equal.bubble_fraction)
+        dispatch = [res[name]["dispatch"] for res in per_rank]
         us = (latency * 1e6, statistics.median(dispatch) * 1e6, fixed * 1e6)
-        simulated.append((name, *figures, *us, ok))
+        simulated.append((name, *figures, *us, pooled_error, ok))
         out.append(
             f"{name:<{w}} {step:>11.5f} {predicted:>12.5f} {error:>+7.1%}  "
             f"{measured:>15.3f} {bubble:>9.3f} {equal.bubble_fraction:>10.3f}"
-            f" {us[0]:>7.0f} {us[1]:>11.0f} {us[2]:>8.0f}  {'ok' if ok else 'MISSED'}"
+            f" {us[0]:>7.0f} {us[1]:>11.0f} {us[2]:>8.0f} {pooled_error:>+7.1%}"
+            f"  {'ok' if ok else 'MISSED'}"
         )
     out.append(f"\npeak memory per stage, MiB ({_memory_legend(args.backend)})")
     for r, res in enumerate(per_rank):
@@ -128,6 +118,39 @@ def report(
             )
         out.append(f"stage {r}: " + " | ".join(cells))
     return "\n".join(out), _tables(speed, simulated, memory)
+
+
+def _pooled(
+    per_rank: list[dict[str, Any]], name: str, sched: Any, latency: float, fixed: float
+) -> tuple[float, float]:
+    """``(step, bubble)`` predicted from costs pooled over every timed step: each action's
+    cost drawn from the samples of its stage and kind, one mean latency for every message,
+    each rank's median time between actions; the median step of the draws."""
+    p = sched.num_ranks
+    dispatch = [res[name]["dispatch"] for res in per_rank]
+    samples = {
+        (stage, Kind(kind)): c
+        for res in per_rank
+        for (stage, kind), c in res[name].get("samples", {}).items()
+    }
+    if not samples:  # results without samples: each mean, as one sample
+        samples = {
+            (stage, Kind(kind)): [c]
+            for res in per_rank
+            for (stage, kind), c in res[name]["costs"].items()
+        }
+    makespans, busies = [], []
+    rng = random.Random(0)
+    actions = [a for r in range(p) for a in xp.expand(sched.actions[r])]
+    for _ in range(_DRAWS):
+        drawn = {a: rng.choice(samples.get((a.stage, a.kind), [0.0])) for a in actions}
+        sim = xp.simulate_messages(
+            sched, drawn.__getitem__, latency=latency, dispatch=dispatch.__getitem__
+        )
+        makespans.append(sim.makespan)
+        busies.append(sum(sim.busy))
+    predicted = statistics.median(makespans) + fixed
+    return predicted, 1.0 - statistics.mean(busies) / (p * predicted)
 
 
 def paired(per_rank: list[dict[str, Any]], name: str) -> tuple[float, ...]:
@@ -154,7 +177,8 @@ def paired(per_rank: list[dict[str, Any]], name: str) -> tuple[float, ...]:
 _SPEED = ("schedule", "torch_s", "xgrad_s", "ratio", "ratio_q1", "ratio_q3", "ok")
 _SIMULATED = (
     *("schedule", "measured_s", "simulated_s", "error", "bubble_measured"),
-    *("bubble_simulated", "bubble_equal_cost", "message_us", "dispatch_us", "fixed_us", "ok"),
+    *("bubble_simulated", "bubble_equal_cost", "message_us", "dispatch_us", "fixed_us"),
+    *("pooled_error", "ok"),
 )
 
 
@@ -170,36 +194,6 @@ def _tables(speed: list, simulated: list, memory: list) -> list[Table]:
 def _count(per_rank: list[dict[str, Any]], name: str) -> int:
     """How many timed steps every rank recorded."""
     return min(len(res[name]["records"]) for res in per_rank)
-
-
-def _latencies(schedule: Any, records: list[list[tuple[str, float, float, float]]]) -> list[float]:
-    """Seconds from the end of a message's send to its receiver's wake-up in one step, for
-    each pass that was blocked on its input (``time.perf_counter`` is one clock for every
-    process of a machine; a pass waits for its inputs first, so it woke at start + waited).
-
-    On a machine with fewer cores than busy threads the samples are two clusters: near
-    zero (even below, when the waking receiver preempted the sender before its send action
-    ended) and milliseconds (when no core was free); the simulator draws from them."""
-    from xgrad.pipeline import Action
-    from xgrad.pipeline.simulate import dependencies
-
-    placement = schedule.placement
-    ends = {text: end for recs in records for text, _, end, _ in recs}
-    samples = []
-    for recs in records:
-        for text, start, _, waited in recs:
-            action = Action.parse(text)
-            if not action.kind.is_compute or waited < 20e-6:
-                continue
-            sent = []
-            for d in dependencies(schedule, action):
-                if placement[d.stage] != placement[action.stage]:
-                    kind = Kind.SEND_F if d.kind is Kind.FORWARD else Kind.SEND_B
-                    sent.append(ends.get(str(Action(d.stage, kind, d.microbatch))))
-            known = [t for t in sent if t is not None]
-            if known and len(known) == len(sent):
-                samples.append(start + waited - max(known))
-    return samples
 
 
 def _memory_legend(backend: str) -> str:

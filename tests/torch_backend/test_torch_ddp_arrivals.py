@@ -1,0 +1,224 @@
+"""Logged arrivals: gradients equal PyTorch's DDP bit for bit whatever order they come in.
+
+The layout (which hooks only log) is checked in this process; the DDP scenarios run in
+one spawned gloo group of 3 ranks (an odd world size: the pre-division by 3 is not
+exact), each step compared with PyTorch's DDP on the same model and data.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from xgrad.buckets import BucketPlan
+from xgrad.torch_backend.ddp_arrivals import LOGGED_NUMEL, ArrivalLog
+from xgrad.torch_backend.spawn import spawn
+
+# ----------------------------------------------------------------- in process
+
+
+def _plan(*buckets: tuple[int, ...]) -> BucketPlan:
+    return BucketPlan(buckets=buckets, limits=(1 << 20,) * len(buckets))
+
+
+def _log(sizes: list[int]) -> tuple[ArrivalLog, list[nn.Parameter], list[list[str]]]:
+    params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+    calls: list[list[str]] = [[] for _ in params]
+
+    def python(i: int) -> Any:
+        return lambda p: calls[i].append("python")
+
+    hooks = [python(i) for i in range(len(params))]
+    handles = [p.register_post_accumulate_grad_hook(h) for p, h in zip(params, hooks, strict=True)]
+    return ArrivalLog(params, handles, hooks), params, calls
+
+
+def test_first_and_each_buckets_last_keep_python_hooks() -> None:
+    log, params, calls = _log([4, 4, 4, 4, LOGGED_NUMEL, 4])
+    plan = _plan((0, 1, 2), (3, 4, 5))
+    log.relayout((5, 4, 3, 2, 1, 0), (), plan)
+    # 5 arrives first; 0 is last of (0, 1, 2), 3 last of (3, 4, 5); 4 is large.
+    assert log.logged == [False, True, True, False, False, False]
+    sum(p.sum() for p in params).backward()
+    assert [len(c) for c in calls] == [1, 0, 0, 1, 1, 1]
+    assert sorted(map(id, log.log)) == sorted(map(id, params[1:3]))
+    indices, grads = log.take()
+    assert sorted(indices) == [1, 2] and all(g is not None for g in grads)
+    assert log.log == []
+
+
+def test_unused_parameters_are_not_taken_for_the_first_or_last() -> None:
+    log, _, _ = _log([4, 4, 4])
+    log.relayout((2, 1, 0), (2,), _plan((0, 1, 2)))
+    assert log.logged == [False, False, True]  # 1 arrived first, 0 last; 2 was unused
+
+
+def test_a_parameter_with_another_hook_is_never_logged() -> None:
+    params = [nn.Parameter(torch.zeros(4)) for _ in range(3)]
+    params[1].register_post_accumulate_grad_hook(lambda p: None)  # before DDP's
+    hooks = [lambda p: None for _ in params]
+    handles = [p.register_post_accumulate_grad_hook(h) for p, h in zip(params, hooks, strict=True)]
+    log = ArrivalLog(params, handles, hooks)
+    log.relayout((2, 1, 0), (), _plan((0, 1, 2)))
+    assert log.logged == [False, False, False]  # 1 has another hook; 2 first, 0 last
+    log2, ps, _ = _log([4, 4, 4, 4])
+    log2.relayout((0, 1, 2, 3), (), _plan((0, 1, 2, 3)))
+    assert log2.logged == [False, True, True, False]
+    assert log2.hooks_unchanged()
+    ps[1].register_post_accumulate_grad_hook(lambda p: None)
+    assert not log2.hooks_unchanged()
+    log2.disable()
+    assert log2.logged == [False] * 4 and not log2.enabled
+
+
+# ----------------------------------------------------------------- in a gloo group
+
+
+class _Chain(nn.Module):
+    """Small residual blocks (one large one): the order they run in can be reversed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(9))
+        self.big = nn.Linear(8, 8 * 1024 // 4)  # LOGGED_NUMEL-sized weight: a Python hook
+        self.head = nn.Linear(8 * 1024 // 4, 8)
+        self.reverse = False
+        self.skip: set[int] = set()
+        self.reentrant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = list(enumerate(self.blocks))
+        for i, block in reversed(blocks) if self.reverse else blocks:
+            if i in self.skip:
+                continue
+            if self.reentrant:
+                x = x + checkpoint(block, x, use_reentrant=True)
+            else:
+                x = x + 0.5 * torch.tanh(block(x))
+        return self.head(torch.tanh(self.big(x)))  # type: ignore[no-any-return]
+
+
+#: per step: what the step does differently.
+_STEPS = (
+    *("plain", "plain", "plain", "reverse", "reverse", "plain", "no_sync", "plain"),
+    *("skip", "plain", "foreign", "plain"),
+)
+
+
+def _scenario(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    out: dict[str, Any] = {"mismatches": [], "logged": []}
+    torch.manual_seed(0)
+    base = _Chain()
+    kwargs = {"bucket_cap_mb": 1e-3, "find_unused_parameters": True}
+    ours = DistributedDataParallel(copy.deepcopy(base), **kwargs)  # type: ignore[arg-type]
+    theirs = TorchDDP(copy.deepcopy(base), **kwargs)  # type: ignore[arg-type]
+    counted: list[int] = []
+    for step, how in enumerate(_STEPS):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(3, 8)
+        for ddp in (ours, theirs):
+            ddp.module.reverse = how == "reverse"
+            ddp.module.skip = {2, 3} if how == "skip" else set()
+            if how == "foreign":  # a hook of the user's on a (so far logged) parameter
+                ddp.module.blocks[4].bias.register_post_accumulate_grad_hook(
+                    lambda p: counted.append(1)
+                )
+            ddp.zero_grad(set_to_none=True)
+            if how == "no_sync":
+                with ddp.no_sync():
+                    ddp(x).square().sum().backward()
+            ddp(x).square().sum().backward()
+        for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            same = (p.grad is None and q.grad is None) or (
+                p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+            )
+            if not same:
+                out["mismatches"].append(f"step {step} ({how}): {n}")
+        out["logged"].append(sum(ours._grad_hooks.arrivals.logged))
+        with torch.no_grad():
+            for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+                    q -= 0.01 * q.grad  # type: ignore[operator]
+    out["foreign_calls"] = len(counted)
+
+    # Reentrant checkpointing (static graph): hooks run in nested graph tasks, so every
+    # hook stays a Python one; gradients as with Python hooks from the start (PyTorch's
+    # differ in the second step here, with or without logging: left for the issue).
+    torch.manual_seed(1)
+    base = _Chain()
+    base.reentrant = True
+    ours = DistributedDataParallel(copy.deepcopy(base), static_graph=True, bucket_cap_mb=1e-3)
+    theirs = DistributedDataParallel(copy.deepcopy(base), static_graph=True, bucket_cap_mb=1e-3)
+    theirs._grad_hooks.arrivals.disable()
+    for step in range(4):
+        torch.manual_seed(7 * step + rank)
+        x = torch.randn(3, 8, requires_grad=True)
+        for ddp in (ours, theirs):
+            ddp.zero_grad(set_to_none=True)
+            ddp(x).square().sum().backward()
+        for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            if not torch.equal(p.grad, q.grad):  # type: ignore[arg-type]
+                out["mismatches"].append(f"reentrant step {step}: {n}")
+    out["reentrant_logged"] = sum(ours._grad_hooks.arrivals.logged)
+    out["reentrant_enabled"] = ours._grad_hooks.arrivals.enabled
+
+    # A backward pass that reaches logged parameters only (not through the output):
+    # the next forward pass reports the reduction it left unfinished.
+    torch.manual_seed(2)
+    ddp = DistributedDataParallel(_Chain(), bucket_cap_mb=1e-3)
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        ddp(x).sum().backward()
+    logged = [p for p, on in zip(ddp._params, ddp._grad_hooks.arrivals.logged, strict=True) if on]
+    ddp(x)
+    sum(p.sum() for p in logged).backward()
+    try:
+        ddp(x)
+        out["unfinished"] = None
+    except RuntimeError as exc:
+        out["unfinished"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(_scenario, 3, timeout=120)  # type: ignore[no-any-return]
+
+
+def test_gradients_equal_pytorchs_in_every_order(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert result["mismatches"] == [], f"rank {rank}"
+
+
+def test_most_hooks_only_log_once_the_order_is_known(results: list[dict[str, Any]]) -> None:
+    for result in results:
+        logged = result["logged"]
+        # Set at the end of the first pass: 22 parameters, a few buckets.
+        assert min(logged[:10]) >= 10
+        # A hook of the user's appeared: Python hooks for good, called as usual.
+        assert logged[10:] == [0, 0]
+        assert result["foreign_calls"] == 2 * 2  # both DDPs, two steps
+
+
+def test_reentrant_backward_keeps_python_hooks(results: list[dict[str, Any]]) -> None:
+    for result in results:
+        assert result["reentrant_logged"] == 0
+        assert not result["reentrant_enabled"]
+
+
+def test_a_pass_no_python_hook_saw_is_reported_at_the_next_forward(
+    results: list[dict[str, Any]],
+) -> None:
+    for result in results:
+        assert result["unfinished"] is not None
+        assert "Expected to have finished reduction in the prior iteration" in result["unfinished"]

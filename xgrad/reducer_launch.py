@@ -1,0 +1,80 @@
+"""Launching a backward pass's buckets: in bucket order, through the group or the hook.
+
+Every rank must issue the same collectives in the same order, so a bucket that is
+complete waits for every bucket before it; the used-parameter map (when one is summed)
+goes out after the last. Kept apart from the state machine in :mod:`xgrad.reducer`
+(whose class mixes this in), which decides when a bucket is complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from xgrad.reducer_types import GradBucket
+
+if TYPE_CHECKING:
+    from xgrad.backend import Comm
+    from xgrad.reducer_buckets import BucketState
+    from xgrad.reducer_types import ArrayOps, Hook
+    from xgrad.reducer_unused import UnusedParams
+
+
+class BucketLaunches:
+    """Mixed into :class:`~xgrad.reducer.Reducer`; uses its state (declared below)."""
+
+    params: list[Any]
+    comm: Comm
+    ops: ArrayOps
+    clock: Callable[[], float]
+    find_unused_parameters: bool
+    static_graph: bool
+    skip_all_reduce_unused_params: bool
+    _buckets: list[BucketState]
+    _next_bucket: int
+    _unused: UnusedParams
+
+    if TYPE_CHECKING:  # LateSetup's properties (a stub here would shadow them)
+
+        @property
+        def hook(self) -> Hook | None: ...
+
+        @property
+        def serial_hooks(self) -> bool: ...
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch buckets in bucket order: a ready bucket waits for all before it."""
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            bucket = buckets[self._next_bucket]
+            if self.skip_all_reduce_unused_params and self._all_unused(bucket):
+                bucket.skipped = True
+            else:
+                self._launch(bucket)
+            self._next_bucket += 1
+        if self._next_bucket == len(buckets):
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+
+    @property
+    def _search(self) -> dict[str, bool]:
+        return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
+
+    def _all_unused(self, bucket: BucketState) -> bool:
+        return set(bucket.indices) <= set(self._unused.current)
+
+    def _launch(self, bucket: BucketState) -> None:
+        if self.serial_hooks and self.hook is not None and bucket.index > 0:
+            self._buckets[bucket.index - 1].wait(self.clock)
+        bucket.launched_at = self.clock()
+        if self.hook is None:
+            bucket.work = self.comm.allreduce(bucket.flat)
+        else:
+            members = [self.params[i] for i in bucket.indices]
+            view = GradBucket(
+                bucket.index,
+                bucket.flat,
+                list(bucket.in_views),
+                members,
+                bucket.index == len(self._buckets) - 1,
+            )
+            bucket.work = self.hook(view)

@@ -1,0 +1,108 @@
+"""Run a function on several gloo ranks and gather what each survivor reports.
+
+:func:`xgrad.torch_backend.spawn.spawn` stops at the first rank that fails, which is what
+a training launch wants. A fault experiment wants the opposite: one rank raises, dies or
+freezes on purpose, and what matters is what the *other* ranks report (what they raised,
+how fast) and whether they then exit by themselves. :func:`gather_ranks` runs until every
+rank it waits for has exited, or a time limit, then kills whatever is left. The fault
+bench and the failure tests both launch through it, so they observe ranks the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+#: The status of a rank whose function returned, and of one whose function raised.
+OK, ERROR = "ok", "error"
+
+
+def _child(
+    rank: int,
+    world: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    env: Mapping[str, str],
+    init: str,
+    out: Any,
+) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        out.put((rank, OK, fn(rank, world, *args)))
+    except BaseException as exc:
+        out.put((rank, ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _drain(out: Any, results: dict[int, tuple[str, Any]], wait: float) -> bool:
+    """Move one report from ``out`` into ``results``; False when none came within ``wait``."""
+    try:
+        rank, status, value = out.get(timeout=wait)
+    except queue_module.Empty:
+        return False
+    results[rank] = (status, value)
+    return True
+
+
+def gather_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    args: Sequence[Any] = (),
+    *,
+    limit: float,
+    wait_for: Iterable[int] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[dict[int, tuple[str, Any]], dict[int, int | None]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks (a file store).
+
+    Returns each reporting rank's ``(OK, value)`` or ``(ERROR, "Type: message\\ntrace")``
+    and every rank's exit code. The run ends when every rank in ``wait_for`` (default:
+    all) has exited, or after ``limit`` seconds; then every process still alive is killed
+    and its exit code is None (it had not exited by itself). Ranks that never report
+    (killed, frozen) have no result. ``env`` is set in each child before torch loads.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="xgrad-ranks-")
+    out = ctx.Queue()
+    init = "file://" + os.path.join(tmp, "store")
+    child_args = (fn, tuple(args), dict(env or {}), init, out)
+    procs = [
+        ctx.Process(target=_child, args=(r, world, *child_args), daemon=True) for r in range(world)
+    ]
+    awaited = [procs[r] for r in (range(world) if wait_for is None else wait_for)]
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if not _drain(out, results, 0.1) and all(p.exitcode is not None for p in awaited):
+                break
+        while _drain(out, results, 0.2):
+            pass  # reports sent just before their rank exited
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        out.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results, codes
