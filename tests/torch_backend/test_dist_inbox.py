@@ -56,6 +56,10 @@ def _messages(rank: int, world: int) -> dict[str, Any]:
         out["got"] = got
     else:
         inbox = Inbox("test", links, {}, {0: sizes}, channel, timeout=20)
+        try:  # a gradient of the wrong shape: this rank's error, nothing is sent
+            inbox.send(0, GRAD, 2, torch.arange(4.0), tensors[2])
+        except ValueError as exc:
+            out["bad_shape"] = str(exc)
         inbox.send(0, GRAD, 2, torch.arange(5.0), tensors[2])
         inbox.send(0, NO_GRAD, 0)
         inbox.send(0, GRAD, 1, torch.tensor(2.5, dtype=torch.float64), tensors[1])
@@ -116,3 +120,6 @@ def test_messages_of_every_kind_poison_and_timeout() -> None:
     assert 0.4 < waited < 0.5 + 3.0  # on a loaded machine
     assert not any(out["waiting"])
     assert results[1][0] == "ok" and not any(results[1][1]["waiting"])
+    assert results[1][1]["bad_shape"] == (
+        "the gradient for rank 0 has shape (4,), the received tensor (5,)"
+    )

@@ -220,14 +220,21 @@ class Link:
         used = HEADER_BYTES
         if kind == GRAD:
             assert grad is not None and like is not None
+            # A ValueError, not gloo's RuntimeError: this rank's own failure, never taken
+            # for a lost peer.
             if grad.shape != like.shape:
-                raise RuntimeError(
+                raise ValueError(
                     f"the gradient for rank {self.peer} has shape {tuple(grad.shape)}, "
                     f"the received tensor {tuple(like.shape)}"
                 )
-            if grad.dtype != like.dtype or grad.device != self.device:
-                grad = grad.to(self.device, like.dtype)
-            parts.append(grad.contiguous().view(-1).view(torch.uint8))
+            try:
+                if grad.dtype != like.dtype or grad.device != self.device:
+                    grad = grad.to(self.device, like.dtype)
+                parts.append(grad.contiguous().view(-1).view(torch.uint8))
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"the gradient for rank {self.peer} cannot be sent: {exc}"
+                ) from exc
             used += like.numel() * like.element_size()
         if reply and self._exact and self._reply_slot > used:
             parts.append(
