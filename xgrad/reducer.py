@@ -330,7 +330,8 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             # No hook fired: nothing to reduce.
             self._expect_hooks = False
             return
-        if self._delay_launch:
+        delayed = self._delay_launch
+        if delayed:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
             for i in self._unused.learn(self._missing()):
@@ -353,8 +354,8 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             )
             write_back(bucket, views, globally_unused, self.set_grad, self.lender, self.set_grads)
         end = self.clock()
-        if self._rebuild_order is None and not self.has_rebuilt_buckets:
-            self._rebuild_order = list(self._ready_order)
+        if self._rebuild_order is None and not self.has_rebuilt_buckets and not delayed:
+            self._rebuild_order = self._unused.rebuild_order(self._ready_order)
         self.records.append(
             IterationRecord.of(
                 self.num_iterations,
