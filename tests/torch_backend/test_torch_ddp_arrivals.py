@@ -90,6 +90,7 @@ class _Chain(nn.Module):
         self.reverse = False
         self.skip: set[int] = set()
         self.reentrant = False
+        self.reuse: int | None = None  # a block run again, in a checkpoint of its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = list(enumerate(self.blocks))
@@ -100,6 +101,8 @@ class _Chain(nn.Module):
                 x = x + checkpoint(block, x, use_reentrant=True)
             else:
                 x = x + 0.5 * torch.tanh(block(x))
+        if self.reuse is not None:
+            x = x + checkpoint(self.blocks[self.reuse], x, use_reentrant=True)
         return self.head(torch.tanh(self.big(x)))  # type: ignore[no-any-return]
 
 
@@ -151,15 +154,17 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
                     q -= 0.01 * q.grad  # type: ignore[operator]
     out["foreign_calls"] = len(counted)
 
-    # Reentrant checkpointing (static graph, one block unused in every iteration): hooks
-    # run in nested graph tasks, so every hook stays a Python one. Gradients equal
-    # PyTorch's with the hooks that log and with Python hooks from the start, also at
-    # the second step (still the initial bucket: a static graph rebuilds from the second
-    # iteration's order, unused parameters last) and after the rebuild.
+    # Reentrant checkpointing (static graph, one block unused in every iteration, one
+    # run twice, so its hooks run twice per iteration): hooks run in nested graph tasks,
+    # so every hook stays a Python one. Gradients equal PyTorch's with the hooks that
+    # log and with Python hooks from the start, also at the second step (still the
+    # initial bucket: a static graph rebuilds from the second iteration's order, unused
+    # parameters last) and after the rebuild.
     torch.manual_seed(1)
     base = _Chain()
     base.reentrant = True
     base.skip = {2}
+    base.reuse = 4
     static = {"static_graph": True, "bucket_cap_mb": 1e-3}
     ours = DistributedDataParallel(copy.deepcopy(base), **static)  # type: ignore[arg-type]
     python = DistributedDataParallel(copy.deepcopy(base), **static)  # type: ignore[arg-type]
