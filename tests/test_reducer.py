@@ -272,6 +272,24 @@ def test_static_graph_learns_unused_in_first_iteration() -> None:
                 np.testing.assert_array_equal(got[i], want[i])
 
 
+def test_static_graph_rebuilds_from_its_second_iteration_unused_last() -> None:
+    # As DDP: the first (delayed) iteration records no order; the second one's order is
+    # the plan's, with the unused parameter (3), marked first, put last.
+    def body(comm: ReferenceComm) -> tuple[bool, tuple[int, ...]]:
+        reducer = make_reducer(comm, TWO_BUCKETS, {}, static_graph=True, rebuild_limits=(8,))
+        rebuilt = []
+        for order in ((0, 1, 2), (2, 1, 0), (0, 2, 1)):
+            rebuilt.append(reducer.rebuild_buckets())
+            reducer.prepare_for_backward()
+            for i in order:
+                reducer.mark_ready(i, grads_for(comm.rank)[i])
+            reducer.finalize()
+        assert rebuilt == [False, False, True]
+        return reducer.has_rebuilt_buckets, tuple(i for b in reducer.plan.buckets for i in b)
+
+    assert spawn(body, 1) == [(True, (2, 1, 0, 3))]
+
+
 def _hook_arithmetic(name: str, world: int, i: int) -> np.ndarray:
     """What the hook must produce, written out: compress, divide, sum in rank order."""
     import ml_dtypes

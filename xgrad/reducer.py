@@ -20,10 +20,8 @@ from xgrad.buckets import (
     BucketPlan,
 )
 from xgrad.reducer_buckets import (
-    BucketState,
     arrive,
     build_buckets,
-    fill_bucket,
     reclaim,
     reduced_views,
     write_back,
@@ -32,11 +30,11 @@ from xgrad.reducer_errors import (
     buckets_never_reduced,
     marked_ready_twice,
     prior_reduction_unfinished,
-    sparse_gradient_missing,
 )
 from xgrad.reducer_launch import BucketLaunches
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
+from xgrad.reducer_static import HookCounts
 from xgrad.reducer_types import A, Lender
 from xgrad.reducer_types import ArrayOps as ArrayOps
 from xgrad.reducer_types import GradBucket as GradBucket
@@ -141,6 +139,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         self._require_finalize = False
         self._ready = bytearray(n)
         self._unused = UnusedParams(n)
+        self._counts = HookCounts(n)
         self._marked_unused = False
         self._ready_order: list[int] = []
         self._ready_times: list[float] = []
@@ -210,6 +209,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
                 f"{[self.names[i] for i in unused]} but find_unused_parameters is off"
             )
         self._unused.prepare(unused, self.static_graph)
+        self._counts.start()
         self._expect_hooks = True
         self._marked_unused = False
         self._ready = bytearray(len(self.params))
@@ -232,13 +232,20 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         """
         if not self._expect_hooks:
             return
+        now = self._begin()
+        if self.static_graph and self._counts.hold(index, grad, now, self._delay_launch):
+            self._require_finalize = True
+            return
+        self._mark(index, grad, now)
+
+    def _begin(self) -> float:
         now = self.clock()
         if not self._marked_unused:
             self._marked_unused = True
             self._backward_start = now
             for i in self._unused.local:
                 self._mark(i, None, now)
-        self._mark(index, grad, now)
+        return now
 
     @property
     def expecting(self) -> bool:
@@ -253,12 +260,11 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         """
         if not self._expect_hooks or not indices:
             return
-        now = self.clock()
-        if not self._marked_unused:
-            self._marked_unused = True
-            self._backward_start = now
-            for i in self._unused.local:
-                self._mark(i, None, now)
+        if self.static_graph and self._counts.active(self._delay_launch):
+            for self.marking, grad in zip(indices, grads, strict=True):
+                self.mark_ready(self.marking, grad)
+            return
+        now = self._begin()
         # _mark, written out (this runs once per logged gradient).
         ready, order, times, locate = (
             self._ready,
@@ -304,18 +310,6 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             if not self._delay_launch:
                 self._launch_ready_buckets()
 
-    def _fill(self, bucket: BucketState) -> None:
-        if bucket.sparse and bucket.grads[0] is None:
-            raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
-        fill_bucket(
-            bucket,
-            self.ops,
-            self._scale,
-            self._divisor,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            batched_grad_copy=self.batched_grad_copy,
-        )
-
     def finalize(self) -> None:
         """End of the backward pass: wait for every bucket and write gradients back.
 
@@ -330,9 +324,12 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             # No hook fired: nothing to reduce.
             self._expect_hooks = False
             return
-        if self._delay_launch:
+        delayed = self._delay_launch
+        if delayed:
             # DDP's delayed allreduce: the first static-graph iteration learns which
             # parameters are unused, then reduces every bucket at once.
+            for i, grad, when in self._counts.release():
+                self._mark(i, grad, when)
             for i in self._unused.learn(self._missing()):
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
@@ -353,8 +350,8 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             )
             write_back(bucket, views, globally_unused, self.set_grad, self.lender, self.set_grads)
         end = self.clock()
-        if self._rebuild_order is None and not self.has_rebuilt_buckets:
-            self._rebuild_order = list(self._ready_order)
+        if self._rebuild_order is None and not self.has_rebuilt_buckets and not delayed:
+            self._rebuild_order = self._unused.rebuild_order(self._ready_order)
         self.records.append(
             IterationRecord.of(
                 self.num_iterations,

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from xgrad.reducer_buckets import fill_bucket
+from xgrad.reducer_errors import sparse_gradient_missing
 from xgrad.reducer_types import GradBucket
 
 if TYPE_CHECKING:
@@ -30,6 +32,11 @@ class BucketLaunches:
     find_unused_parameters: bool
     static_graph: bool
     skip_all_reduce_unused_params: bool
+    names: list[str]
+    gradient_as_bucket_view: bool
+    batched_grad_copy: bool
+    _scale: float | None
+    _divisor: int
     _buckets: list[BucketState]
     _next_bucket: int
     _unused: UnusedParams
@@ -41,6 +48,19 @@ class BucketLaunches:
 
         @property
         def serial_hooks(self) -> bool: ...
+
+    def _fill(self, bucket: BucketState) -> None:
+        """A bucket's last gradient arrived: copy its gradients in (launched in order)."""
+        if bucket.sparse and bucket.grads[0] is None:
+            raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
+        fill_bucket(
+            bucket,
+            self.ops,
+            self._scale,
+            self._divisor,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            batched_grad_copy=self.batched_grad_copy,
+        )
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in bucket order: a ready bucket waits for all before it."""

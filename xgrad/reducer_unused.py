@@ -48,6 +48,22 @@ class UnusedParams:
         self.static = list(missing)
         return self.static
 
+    def rebuild_order(self, ready_order: Sequence[int]) -> list[int]:
+        """The order DDP rebuilds its buckets from, given an iteration's ready order.
+
+        The caller records it after a normal iteration only: DDP's hooks record nothing
+        in a static graph's first (delayed) iteration, so its buckets are rebuilt from
+        the second iteration, one iteration later than without a static graph. There
+        the unused parameters go last, in index order (DDP appends them when the last
+        bucket is ready), not first where this reducer marks them. Where the buckets
+        lie decides how the allreduce splits them, so the sums' rounding too: any other
+        order gives gradients that differ from DDP's in the last bits (3 ranks or more).
+        """
+        if self.static is None:
+            return list(ready_order)
+        unused = set(self.static)
+        return [i for i in ready_order if i not in unused] + sorted(unused)
+
     def launch(
         self,
         comm: Comm,

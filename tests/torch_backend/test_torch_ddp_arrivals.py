@@ -90,6 +90,7 @@ class _Chain(nn.Module):
         self.reverse = False
         self.skip: set[int] = set()
         self.reentrant = False
+        self.reuse: int | None = None  # a block run again, in a checkpoint of its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocks = list(enumerate(self.blocks))
@@ -100,6 +101,8 @@ class _Chain(nn.Module):
                 x = x + checkpoint(block, x, use_reentrant=True)
             else:
                 x = x + 0.5 * torch.tanh(block(x))
+        if self.reuse is not None:
+            x = x + checkpoint(self.blocks[self.reuse], x, use_reentrant=True)
         return self.head(torch.tanh(self.big(x)))  # type: ignore[no-any-return]
 
 
@@ -151,24 +154,42 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
                     q -= 0.01 * q.grad  # type: ignore[operator]
     out["foreign_calls"] = len(counted)
 
-    # Reentrant checkpointing (static graph): hooks run in nested graph tasks, so every
-    # hook stays a Python one; gradients as with Python hooks from the start (PyTorch's
-    # differ in the second step here, with or without logging: left for the issue).
+    # Reentrant checkpointing (static graph, one block unused in every iteration, one
+    # run twice, so its hooks run twice per iteration): hooks run in nested graph tasks,
+    # so every hook stays a Python one. Gradients equal PyTorch's with the hooks that
+    # log and with Python hooks from the start, also at the second step (still the
+    # initial bucket: a static graph rebuilds from the second iteration's order, unused
+    # parameters last) and after the rebuild.
     torch.manual_seed(1)
     base = _Chain()
     base.reentrant = True
-    ours = DistributedDataParallel(copy.deepcopy(base), static_graph=True, bucket_cap_mb=1e-3)
-    theirs = DistributedDataParallel(copy.deepcopy(base), static_graph=True, bucket_cap_mb=1e-3)
-    theirs._grad_hooks.arrivals.disable()
+    base.skip = {2}
+    base.reuse = 4
+    static = {"static_graph": True, "bucket_cap_mb": 1e-3}
+    ours = DistributedDataParallel(copy.deepcopy(base), **static)  # type: ignore[arg-type]
+    python = DistributedDataParallel(copy.deepcopy(base), **static)  # type: ignore[arg-type]
+    python._grad_hooks.arrivals.disable()
+    theirs = TorchDDP(copy.deepcopy(base), **static)  # type: ignore[arg-type]
     for step in range(4):
         torch.manual_seed(7 * step + rank)
         x = torch.randn(3, 8, requires_grad=True)
-        for ddp in (ours, theirs):
+        for ddp in (ours, python, theirs):
             ddp.zero_grad(set_to_none=True)
             ddp(x).square().sum().backward()
-        for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
-            if not torch.equal(p.grad, q.grad):  # type: ignore[arg-type]
-                out["mismatches"].append(f"reentrant step {step}: {n}")
+        for (n, p), q, r in zip(
+            ours.named_parameters(), python.parameters(), theirs.parameters(), strict=True
+        ):
+            for label, mine in (("logged", p), ("python", q)):
+                same = (mine.grad is None and r.grad is None) or (
+                    mine.grad is not None and r.grad is not None and torch.equal(mine.grad, r.grad)
+                )
+                if not same:
+                    out["mismatches"].append(f"reentrant step {step} ({label}): {n}")
+    rebuilt = str(theirs._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", ""))
+    out["reentrant_plans"] = (
+        ours.plan.buckets,
+        tuple(tuple(int(i) for i in bucket.split()) for bucket in rebuilt.split(",")),
+    )
     out["reentrant_logged"] = sum(ours._grad_hooks.arrivals.logged)
     out["reentrant_enabled"] = ours._grad_hooks.arrivals.enabled
 
@@ -208,6 +229,15 @@ def test_most_hooks_only_log_once_the_order_is_known(results: list[dict[str, Any
         # A hook of the user's appeared: Python hooks for good, called as usual.
         assert logged[10:] == [0, 0]
         assert result["foreign_calls"] == 2 * 2  # both DDPs, two steps
+
+
+def test_static_graph_rebuilds_the_buckets_pytorchs_way(results: list[dict[str, Any]]) -> None:
+    # Gradients bit for bit (in test_gradients_equal_pytorchs_in_every_order) need the
+    # same buckets at every step: the rebuild comes one iteration later with a static
+    # graph, from an order with the unused block last.
+    for result in results:
+        ours, theirs = result["reentrant_plans"]
+        assert len(ours) > 3 and ours == theirs
 
 
 def test_reentrant_backward_keeps_python_hooks(results: list[dict[str, Any]]) -> None:
