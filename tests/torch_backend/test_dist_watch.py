@@ -17,22 +17,14 @@ import time
 from typing import Any
 
 import pytest
+from failing import failing_function
 from ranks import run_ranks
 
 FAST_HEARTBEAT = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 MODES = [("caller", "leader"), ("caller", "all"), ("threads", "leader"), ("threads", "all")]
 
 
-class Boom(__import__("torch").autograd.Function):
-    """A node whose backward fails on purpose."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Any) -> Any:
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        raise ZeroDivisionError("boom")
+Boom = failing_function("Boom", lambda: ZeroDivisionError("boom"))
 
 
 def _star(rank: int, world: int, da: Any, fail: bool = False) -> list[float]:

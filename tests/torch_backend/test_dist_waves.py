@@ -7,11 +7,11 @@ and how many outputs each waits for, and the anomaly-mode rerun that names a fai
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from failing import failing_function  # noqa: E402
 
 from xgrad.torch_backend.dist_graph import build_rank_graph  # noqa: E402
 from xgrad.torch_backend.dist_waves import _named, plan_waves  # noqa: E402
@@ -44,14 +44,7 @@ def test_each_output_reaches_its_recvs_and_leaves_and_each_waits_for_all_of_them
     assert plan_waves(again.graph, next(iter(again.grad_roots)), again.send_nodes) is plan
 
 
-class _Fails(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Any) -> Any:
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        raise ValueError("no")
+_Fails = failing_function("_Fails", lambda: ValueError("no"))
 
 
 def test_a_failing_wave_is_named_by_its_node() -> None:

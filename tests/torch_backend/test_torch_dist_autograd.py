@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import pytest
+from failing import failing_function
 from ranks import run_ranks
 
 FAST_HEARTBEAT = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
@@ -140,17 +141,11 @@ def _run_graph(rank: int, name: str, **context: Any) -> float:
     return worst
 
 
-class Boom(__import__("torch").autograd.Function):
-    """A node whose backward fails on purpose."""
+def _note_boom_time() -> None:
+    os.environ["BOOM_AT"] = repr(time.time())
 
-    @staticmethod
-    def forward(ctx: Any, x: Any) -> Any:
-        return x * 1.0
 
-    @staticmethod
-    def backward(ctx: Any, g: Any) -> Any:
-        os.environ["BOOM_AT"] = repr(time.time())
-        raise ValueError("boom in backward")
+Boom = failing_function("Boom", lambda: ValueError("boom in backward"), _note_boom_time)
 
 
 def _failures(rank: int, world: int) -> dict[str, Any]:

@@ -1,0 +1,32 @@
+"""An autograd function whose backward raises on purpose, for the failure tests.
+
+Its node is named after the class (``BoomBackward`` for ``failing_function("Boom", ...)``),
+so the tests can check that an error names the node where it started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def failing_function(
+    name: str, error: Callable[[], BaseException], before: Callable[[], None] | None = None
+) -> Any:
+    """A ``torch.autograd.Function`` class ``name``: identity forward, backward raises ``error()``.
+
+    ``before`` runs first in the backward (e.g. to note when the failure happened).
+    """
+
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if before is not None:
+            before()
+        raise error()
+
+    body = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+    return type(name, (torch.autograd.Function,), body)
