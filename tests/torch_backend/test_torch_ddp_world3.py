@@ -241,9 +241,73 @@ def _static_no_sync_first(rank: int, world: int) -> list[str]:
     return wrong
 
 
+class _Sparse(nn.Module):
+    """A sparse embedding (a bucket of its own) beside dense parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+        self.sparse = nn.Embedding(50, 16, sparse=True)
+        self.dense = nn.Embedding(30, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.sparse(idx) + self.dense(idx % 30)
+        return self.head(torch.tanh(self.mid(x)))  # type: ignore[no-any-return]
+
+
+def _sparse_and_join(rank: int) -> list[str]:
+    """Sparse gradients, and uneven inputs under ``Join`` (rank r runs 2 + r steps)."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    mismatches = []
+    for kwargs in ({**_SMALL, "find_unused_parameters": True}, {"static_graph": True}):
+        torch.manual_seed(0)
+        base = _Sparse()
+        ours = DistributedDataParallel(copy.deepcopy(base), **kwargs)
+        theirs = TorchDDP(copy.deepcopy(base), **kwargs)
+        for step in range(3):
+            torch.manual_seed(10 * step + rank)
+            idx = torch.randint(0, 50, (6, 3))
+            for ddp in (ours, theirs):
+                ddp.zero_grad(set_to_none=True)
+                ddp(idx).square().sum().backward()
+            for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+                assert p.grad is not None and q.grad is not None
+                mine, torchs = p.grad, q.grad
+                if mine.is_sparse:
+                    mine, torchs = mine.coalesce().to_dense(), torchs.coalesce().to_dense()
+                if not torch.equal(mine, torchs):
+                    mismatches.append(f"sparse {kwargs} step {step} {n}")
+    for kwargs in (_SMALL, {}):
+        torch.manual_seed(0)
+        base = _Net()
+        grads = []
+        for ddp in (
+            DistributedDataParallel(copy.deepcopy(base), **kwargs),
+            TorchDDP(copy.deepcopy(base), **kwargs),
+        ):
+            steps = []
+            with Join([ddp]):
+                for step in range(2 + rank):
+                    torch.manual_seed(10 * step + rank)
+                    ddp.zero_grad(set_to_none=True)
+                    ddp(torch.randn(6, 8)).square().sum().backward()
+                    steps.append([p.grad.clone() for p in ddp.parameters() if p.grad is not None])
+            grads.append(steps)
+        for step, (mine, torchs) in enumerate(zip(*grads, strict=True)):
+            if len(mine) != len(torchs) or not all(map(torch.equal, mine, torchs)):
+                mismatches.append(f"join {kwargs} step {step}")
+    return mismatches
+
+
 def _scenario(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _setting(rank, world, name) for name in _SETTINGS}
     out["static_no_sync_first"] = _static_no_sync_first(rank, world)
+    out["sparse_and_join"] = _sparse_and_join(rank)
     return out
 
 
@@ -270,3 +334,10 @@ def test_buckets_equal_pytorchs(results: list[dict[str, Any]], name: str) -> Non
 def test_a_static_graph_may_start_under_no_sync(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
         assert result["static_no_sync_first"] == [], f"rank {rank}"
+
+
+def test_sparse_gradients_and_uneven_inputs_equal_pytorchs(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, result in enumerate(results):
+        assert result["sparse_and_join"] == [], f"rank {rank}"
