@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from xgrad.agreement import Fingerprint, data_parallel_fingerprint
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
@@ -61,13 +62,22 @@ def resolve_timeout(timeout: object) -> float:
 def resolve_caps(
     bucket_cap_mb: object, first_bucket_cap_mb: object
 ) -> tuple[int | None, int | None]:
-    """The caps in bytes (``None``: DDP's default), each checked under its own name."""
+    """The caps in bytes (``None``: DDP's default), each checked under its own name.
+
+    With neither cap given the first bucket's is ``torch.distributed``'s
+    ``_DEFAULT_FIRST_BUCKET_BYTES`` as it is now, read at construction as PyTorch's DDP
+    does: scripts (and PyTorch's own tests) lower it to get several buckets, and a
+    different first bucket changes the layout, hence gloo's summation order from world
+    size 3 on (gradients then differ from PyTorch's in the last bit).
+    """
     cap = None if bucket_cap_mb is None else cap_mb_to_bytes(bucket_cap_mb, "bucket_cap_mb")
     first = (
         None
         if first_bucket_cap_mb is None
         else cap_mb_to_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
     )
+    if cap is None and first is None:
+        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES)
     return cap, first
 
 
