@@ -63,3 +63,20 @@ def test_bad_arguments(
     options = {"world_size": 2} | kwargs
     with pytest.raises(ValueError, match=message):
         run_ddp("mlp", weights, x, y, **options)
+
+
+def test_pytorchs_plan_follows_its_first_bucket_cap_as_set_when_it_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from xgrad.torch_backend.crosscheck import _plan_in_use
+
+    params = [torch.zeros(1 << 16) for _ in range(4)]  # 256 KiB each
+    ready = [3, 2, 1, 0]
+    default = _plan_in_use(object(), params, ready, None)
+    assert default.buckets[0] == (3, 2, 1, 0)  # 1 MiB: all four in the first bucket
+    monkeypatch.setattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 18)
+    lowered = _plan_in_use(object(), params, ready, None)
+    assert lowered.buckets[0] == (3,)  # a script lowered it: PyTorch's first bucket shrinks

@@ -9,7 +9,6 @@ import numpy as np
 
 from xgrad.buckets import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
     ddp_initial_plan,
     rebuild_plan,
@@ -190,10 +189,13 @@ def _plan_in_use(
     """
     if hasattr(ddp, "plan"):
         return ddp.plan  # type: ignore[no-any-return]
+    import torch.distributed as dist
+
     nbytes = [p.numel() * p.element_size() for p in params]
     keys = [(p.dtype, p.device) for p in params]
     cap = DEFAULT_BUCKET_BYTES if bucket_cap_mb is None else int(bucket_cap_mb * 2**20)
-    first = DEFAULT_FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    # PyTorch's DDP reads its first bucket's cap from torch.distributed when it is built.
+    first = int(dist._DEFAULT_FIRST_BUCKET_BYTES) if bucket_cap_mb is None else cap
     if sorted(ready) != list(range(len(params))):
         # No rebuild without a complete ready order: the initial plan is in use.
         return ddp_initial_plan(
