@@ -156,3 +156,52 @@ def test_the_errors_and_the_context_are_still_importable_from_the_engine() -> No
     assert engine.BackwardError is engine_errors.BackwardError
     assert engine.DistBackwardError is engine_errors.DistBackwardError
     assert engine.DistContext is dist_context.DistContext
+
+
+def test_cached_plans_follow_roots_and_outputs_and_never_go_stale() -> None:
+    # One graph object, passes from different roots and outputs interleaved: each must give
+    # what the same pass gives on a fresh copy of the graph (whose cache is empty).
+    g, fns = diamond()
+
+    def fresh() -> BackwardGraph:
+        return BackwardGraph.from_arrays(
+            g.kinds, g.src, g.dst, input_nr=g.input_nr, params=g.params, names=g.names
+        )
+
+    cases: list[tuple[dict[int, float], list[int] | None]] = [
+        ({0: 1.0}, None),
+        ({2: 1.0}, None),
+        ({0: 1.0}, [4]),
+        ({1: 2.0}, [3]),
+        ({0: 1.0, 2: 0.5}, None),
+    ]
+    for _ in range(3):
+        for roots, outputs in cases:
+            engine, reference = Engine(), Engine()
+            got = engine.backward(g, fns, roots, outputs=outputs)
+            want = reference.backward(fresh(), fns, roots, outputs=outputs)
+            assert got.order == want.order
+            assert engine.grads == reference.grads
+    assert len(g._cache["engine_plans"]) == len(cases)
+
+
+def test_plans_are_bounded_and_a_failing_plan_is_not_cached() -> None:
+    b = GraphBuilder()
+    heads = [b.add_node("function", f"f{i}") for i in range(40)]
+    w = b.add_node("accumulate", "w", param=0)
+    for h in heads:
+        b.add_edge(h, w)
+    g = b.build()
+    fns = {h: scale(1.0) for h in heads}
+    for h in heads:
+        engine = Engine()
+        engine.backward(g, fns, {h: 1.0})
+        assert engine.grads == {0: 1.0}
+    assert 0 < len(g._cache["engine_plans"]) <= 16
+    dangling = GraphBuilder()
+    dangling.add_node("function", "loss")
+    bad = dangling.build()
+    for _ in range(2):  # the same error each time, from the dependency computation
+        with pytest.raises(ValueError, match="has no outgoing edges"):
+            Engine().backward(bad, {0: scale()}, {0: 1.0})
+    assert not bad._cache.get("engine_plans")

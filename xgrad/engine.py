@@ -168,33 +168,19 @@ class Engine:
         worker: int | None,
     ) -> tuple[int, ...]:
         sends = ctx.sends_of(worker) if ctx is not None and worker is not None else ()
-        deps = compute_dependencies(graph, grad_roots.keys(), sends, outputs=outputs)
+        plan = _plan(graph, grad_roots.keys(), sends, outputs)
         recvs_here = ctx.recvs_of(worker) if ctx is not None and worker is not None else {}
-        reached_recvs = np.flatnonzero(deps.reachable & (graph.kinds == NodeKind.RECV)).tolist()
-        for r in reached_recvs:
+        for r in plan.reached_recvs:
             if r not in recvs_here:
                 raise ValueError(
                     f"recv node {r} ({graph.name(r)!r}) is reached but not linked to a send "
                     "node of a distributed context"
                 )
-        counts = deps.counts.tolist()
-        needed = deps.needed.tolist()
-        # Python ints, not numpy scalars, in the per-node loop: comparing a numpy integer
-        # with a NodeKind costs microseconds, and a small graph's pass is mostly this loop.
-        kinds = graph.kinds.tolist()
-        n_in = graph.num_inputs().tolist()
-        indptr = graph.indptr.tolist()
-        dst = graph.dst.tolist()
-        input_nr = graph.input_nr.tolist()
-        params = graph.params.tolist()
+        counts = list(plan.counts)
+        needed = plan.needed
+        kinds, n_in, indptr, dst, input_nr, params, prio = _lists(graph)
         n = graph.num_nodes
         buffers: dict[int, list[Any]] = {}
-        ready: list[int] = []
-
-        def priority(u: int) -> int:
-            # Highest first, accumulators before everything (as autograd's AccumulateGrad,
-            # whose sequence number is the largest), then later-created nodes first.
-            return -(u + (n if kinds[u] == NodeKind.ACCUMULATE else 0))
 
         def buffer(u: int) -> list[Any]:
             if u not in buffers:
@@ -207,9 +193,7 @@ class Engine:
 
         for u, g in grad_roots.items():
             add_into(u, 0, g)
-        for u in deps.roots:
-            if counts[u] == 0 and needed[u]:
-                heapq.heappush(ready, priority(u))
+        ready = list(plan.ready)  # already a heap
         pending_sends = set(sends)
         ran_recvs: set[int] = set()
         order: list[int] = []
@@ -221,7 +205,7 @@ class Engine:
                 if g is not None:
                     add_into(send_node, 0, g)
                 if counts[send_node] == 0 and needed[send_node]:
-                    heapq.heappush(ready, priority(send_node))
+                    heapq.heappush(ready, prio[send_node])
                 continue
             if ctx is not None and worker is not None:
                 ctx.raise_if_failed(worker)
@@ -232,7 +216,7 @@ class Engine:
             kind = kinds[u]
             try:
                 if kind == NodeKind.ACCUMULATE:
-                    self._accumulate_param(int(params[u]), inputs[0])
+                    self._accumulate_param(params[u], inputs[0])
                     continue
                 if kind == NodeKind.RECV:
                     assert ctx is not None and worker is not None
@@ -264,7 +248,7 @@ class Engine:
                     add_into(v, input_nr[e], g)
                 counts[v] -= 1
                 if counts[v] == 0 and needed[v]:
-                    heapq.heappush(ready, priority(v))
+                    heapq.heappush(ready, prio[v])
         if ctx is not None and worker is not None:
             for r in recvs_here:
                 if r not in ran_recvs:
@@ -276,6 +260,96 @@ class Engine:
             self.grads[param] = self._accumulate(self.grads.get(param), grad)
         for hook in list(self._hooks.get(param, {}).values()):
             hook(param, self.grads.get(param))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a pass needs from the dependency computation, as Python data (read-only).
+
+    Attributes:
+        counts: dependency count per node (the pass copies it and counts down).
+        needed: whether the pass executes each node.
+        reached_recvs: the reached recv nodes (each must be linked to a send).
+        ready: the heap of the priorities of the roots ready at the start.
+    """
+
+    counts: tuple[int, ...]
+    needed: tuple[bool, ...]
+    reached_recvs: tuple[int, ...]
+    ready: tuple[int, ...]
+
+
+#: Plans kept per graph (one per roots/sends/outputs); past this the graph's plans are
+#: dropped and recomputed. A graph is immutable, so a plan is never stale for it.
+_PLANS_PER_GRAPH = 16
+
+
+def _plan(
+    graph: BackwardGraph,
+    roots: Iterable[int],
+    sends: Iterable[int],
+    outputs: Iterable[int] | None,
+) -> _Plan:
+    """The dependencies of a pass from ``roots`` and ``sends``, cached on the graph.
+
+    A training loop runs the same graph (the torch backend keeps one graph object per
+    structure) from the same roots and sends on every pass; computing the dependencies
+    and converting them to Python lists again each time costs more than a small graph's
+    pass. The plan depends only on the graph, the roots, the sends and the outputs, which
+    make the key; a computation that raises is not cached, so it raises again.
+    """
+    root_t, send_t = tuple(roots), tuple(sends)
+    out_t = None if outputs is None else tuple(outputs)
+    try:
+        key: Any = (root_t, send_t, out_t)
+        hash(key)
+    except TypeError:  # unhashable ids: compute_dependencies names them
+        key = None
+    plans: dict[Any, _Plan] = graph._cache.setdefault("engine_plans", {})
+    plan = plans.get(key) if key is not None else None
+    if plan is not None:
+        return plan
+    deps = compute_dependencies(graph, root_t, send_t, outputs=out_t)
+    reached_recvs = np.flatnonzero(deps.reachable & (graph.kinds == NodeKind.RECV)).tolist()
+    counts = deps.counts.tolist()
+    needed = deps.needed.tolist()
+    prio = _lists(graph)[-1]
+    ready = [prio[u] for u in deps.roots if counts[u] == 0 and needed[u]]
+    heapq.heapify(ready)
+    plan = _Plan(tuple(counts), tuple(needed), tuple(reached_recvs), tuple(ready))
+    if key is not None:
+        if len(plans) >= _PLANS_PER_GRAPH:
+            plans.clear()
+        plans[key] = plan
+    return plan
+
+
+def _lists(graph: BackwardGraph) -> tuple[list[int], ...]:
+    """The graph's arrays as Python lists (cached on the immutable graph), and each node's
+    priority in the ready heap.
+
+    Python ints, not numpy scalars, in the per-node loop: comparing a numpy integer with a
+    NodeKind costs microseconds, and a small graph's pass is mostly this loop. The heap is
+    a min-heap of ``-priority``: accumulators first (as autograd's AccumulateGrad, whose
+    sequence number is the largest), then later-created nodes first.
+    """
+    lists = graph._cache.get("engine_lists")
+    if lists is None:
+        kinds = graph.kinds.tolist()
+        n = len(kinds)
+        acc = int(NodeKind.ACCUMULATE)
+        prio = [-(u + (n if k == acc else 0)) for u, k in enumerate(kinds)]
+        lists = (
+            kinds,
+            graph.num_inputs().tolist(),
+            graph.indptr.tolist(),
+            graph.dst.tolist(),
+            graph.input_nr.tolist(),
+            graph.params.tolist(),
+            prio,
+        )
+        graph._cache["engine_lists"] = lists
+    return lists  # type: ignore[no-any-return]
 
 
 def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
