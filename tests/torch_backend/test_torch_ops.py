@@ -37,3 +37,23 @@ def test_ops_scaled_copy_rounds_like_pytorchs_reducer(dtype: torch.dtype) -> Non
     flat = torch.zeros(50, dtype=dtype)
     ops.copy_to(flat, g, 1 / 3)
     assert torch.equal(flat, g * (1 / 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_ops_batched_scaled_copy_rounds_like_pytorchs_reducer(dtype: torch.dtype) -> None:
+    """Small gradients copied then scaled in fused calls (a cached 0-dim factor) round as
+    PyTorch's one multiply-while-copying per gradient does; outputs of mixed dtypes too."""
+    torch.manual_seed(0)
+    ops = TorchArrayOps()
+    grads = [torch.randn(n).to(dtype) for n in (7, 128, 33)]
+    flat = torch.zeros(168, dtype=dtype)
+    outs = list(flat.split([7, 128, 33]))
+    for _ in range(2):  # the first call caches the factor, the second uses it
+        ops.copy_all(outs, grads, 1 / 3)
+        for out, g in zip(outs, grads, strict=True):
+            assert torch.equal(out, g * (1 / 3))
+    mixed = [torch.zeros(5, dtype=dtype), torch.zeros(5, dtype=torch.float64)]
+    sources = [torch.randn(5).to(dtype), torch.randn(5, dtype=torch.float64)]
+    ops.copy_all(mixed, sources, 1 / 3)
+    for out, g in zip(mixed, sources, strict=True):
+        assert torch.equal(out, g * (1 / 3))

@@ -75,9 +75,22 @@ class TorchArrayOps:
             else:
                 small_out.append(out)
                 small_x.append(x)
-        if small_out:
-            torch._foreach_copy_(small_out, small_x)
-            torch._foreach_mul_(small_out, scale)
+        if not small_out:
+            return
+        dtype = small_out[0].dtype
+        factor = self._scales.get((scale, dtype))
+        if factor is None:
+            factor = self._scale(scale, dtype)
+        if not isinstance(factor, torch.Tensor) or any(o.dtype is not dtype for o in small_out):
+            # Half precision: a fused multiply by a float rounds the factor to the
+            # tensors' dtype first, PyTorch's reducer does not; one multiply each.
+            for out, x in zip(small_out, small_x, strict=True):
+                self.copy_to(out, x, scale)
+            return
+        torch._foreach_copy_(small_out, small_x)
+        # The cached 0-dim factor (as in copy_to): a Python float costs three times as
+        # much per call (12 vs 4 µs for 7 small tensors), for the same products.
+        torch._foreach_mul_(small_out, factor)
 
     def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
         return flat.narrow(0, offset, like.numel()).view(like.shape)
