@@ -20,6 +20,7 @@ from xgrad.buckets import (
     BucketPlan,
 )
 from xgrad.reducer_buckets import (
+    COPIED,
     arrive,
     build_buckets,
     reclaim,
@@ -162,14 +163,6 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         self.plan = plan
         self._plan_digest = plan.digest()
 
-    def bucket_views(self) -> list[Any]:
-        """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""
-        return [bucket.in_views[k] for bucket, k in self._locate]
-
-    def bucket_sizes(self) -> list[int]:
-        """Bytes per bucket, in launch order."""
-        return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
-
     # --- iteration control
 
     def _missing(self) -> list[int]:
@@ -232,20 +225,20 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         """
         if not self._expect_hooks:
             return
-        now = self._begin()
+        now = self.clock()
+        if not self._marked_unused:
+            self._begin_at(now)
         if self.static_graph and self._counts.hold(index, grad, now, self._delay_launch):
             self._require_finalize = True
             return
         self._mark(index, grad, now)
 
-    def _begin(self) -> float:
-        now = self.clock()
-        if not self._marked_unused:
-            self._marked_unused = True
-            self._backward_start = now
-            for i in self._unused.local:
-                self._mark(i, None, now)
-        return now
+    def _begin_at(self, now: float) -> None:
+        """The pass's first mark: it starts the clock and marks the unused parameters."""
+        self._marked_unused = True
+        self._backward_start = now
+        for i in self._unused.local:
+            self._mark(i, None, now)
 
     @property
     def expecting(self) -> bool:
@@ -264,7 +257,9 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             for self.marking, grad in zip(indices, grads, strict=True):
                 self.mark_ready(self.marking, grad)
             return
-        now = self._begin()
+        now = self.clock()
+        if not self._marked_unused:
+            self._begin_at(now)
         # _mark, written out (this runs once per logged gradient).
         ready, order, times, locate = (
             self._ready,
@@ -303,7 +298,11 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         bucket, k = self._locate[index]
         if bucket.lent and bucket.pending == len(bucket.indices):  # before its first write
             reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
-        arrive(bucket, k, grad, self.ops, self._early)
+        early = self._early  # arrive(), written out: this runs in every Python hook
+        if early is not None and grad is not None and bucket.big[k]:
+            self.ops.copy_to(bucket.in_views[k], grad, early)
+            grad = COPIED
+        bucket.grads[k] = grad
         bucket.pending -= 1
         if bucket.pending == 0:
             self._fill(bucket)

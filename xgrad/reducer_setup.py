@@ -5,18 +5,20 @@ after the wrapper is built (``register_comm_hook``, ``_set_static_graph``), as l
 iteration has started, and rebuilds its buckets once, from the first ready order. Those
 doors are here, kept apart from the per-gradient state
 machine in :mod:`xgrad.reducer` (whose class mixes this in); nothing outside the reducer
-sets its hook or flags.
+sets its hook or flags. The plan's views and sizes, which the wrapper reads again after
+a rebuild, are read here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xgrad.buckets import BucketPlan, assign_buckets
 
 if TYPE_CHECKING:
     from xgrad.backend import Comm
+    from xgrad.reducer_buckets import BucketState
     from xgrad.reducer_types import Hook
 
 
@@ -39,6 +41,9 @@ class LateSetup:
     sparse: list[bool]
     rebuild_limits: Sequence[int]
     _rebuild_order: list[int] | None
+
+    plan: BucketPlan
+    _locate: list[tuple[BucketState, int]]
 
     def _ensure_prior_reduction_finished(self) -> None: ...  # defined by the reducer
 
@@ -90,6 +95,14 @@ class LateSetup:
                 f"(rank {self.comm.rank})"
             )
         self.static_graph = True
+
+    def bucket_views(self) -> list[Any]:
+        """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""
+        return [bucket.in_views[k] for bucket, k in self._locate]
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes per bucket, in launch order."""
+        return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
 
     def rebuild_buckets(self) -> bool:
         """Rebuild the buckets once from the first observed ready order (call in forward).

@@ -52,6 +52,13 @@ def test_first_and_each_buckets_last_keep_python_hooks() -> None:
     assert log.log == []
 
 
+def test_a_parameter_that_would_be_logged_alone_keeps_its_python_hook() -> None:
+    log, _, _ = _log([4, 4, LOGGED_NUMEL, 4, 4, 4])
+    log.relayout((0, 1, 2, 3, 4, 5), (), _plan((0, 1, 2, 3, 4, 5)))
+    # 0 first, 2 large, 5 last: 1 sits alone between Python hooks, 3 and 4 are a run.
+    assert log.logged == [False, False, False, True, True, False]
+
+
 def test_unused_parameters_are_not_taken_for_the_first_or_last() -> None:
     log, _, _ = _log([4, 4, 4])
     log.relayout((2, 1, 0), (2,), _plan((0, 1, 2)))

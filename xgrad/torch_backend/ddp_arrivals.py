@@ -6,7 +6,8 @@ tensors). Once a backward pass has shown the order gradients arrive in, most sma
 parameters get ``list.append`` of an arrival log as their post-accumulate-grad hook: a
 C builtin, so autograd records the parameter without running any Python. A Python hook
 stays on every parameter that was the last of its bucket to arrive, on the first to
-arrive (it starts the pass), and on every large or sparse one; each Python hook, and the
+arrive (it starts the pass), on one that would be logged alone between two Python hooks
+(its own hook costs less than a drain of one), and on every large or sparse one; each Python hook, and the
 end-of-backward callback, first hands the logged parameters to the reducer
 (:meth:`~xgrad.reducer.Reducer.mark_many`) in the order they arrived, so the reducer sees
 exactly the marks one hook per gradient would have made, only later (at the bucket's
@@ -69,7 +70,7 @@ class ArrivalLog:
         self._order: Sequence[int] = ()
 
     def relayout(self, order: Sequence[int], unused: Sequence[int], plan: Any) -> None:
-        """Log every small parameter but the first and each bucket's last to arrive.
+        """Log every small parameter but the first, each bucket's last to arrive, and lone ones.
 
         ``order`` and ``unused`` are the ready order and the parameters marked without
         a gradient of the pass that just ended; ``plan`` (a
@@ -88,6 +89,15 @@ class ArrivalLog:
             seen = [i for i in members if i in position]
             if seen:
                 keep[max(seen, key=position.__getitem__)] = True
+        # A parameter logged alone between two Python hooks would cost a drain of one
+        # (take, then mark_many) where its own Python hook costs less: it keeps its hook.
+        for n, i in enumerate(arrived):
+            if (
+                not keep[i]
+                and (n == 0 or keep[arrived[n - 1]])
+                and (n + 1 == len(arrived) or keep[arrived[n + 1]])
+            ):
+                keep[i] = True
         self._set([not k for k in keep])
 
     def disable(self) -> None:
