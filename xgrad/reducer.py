@@ -20,7 +20,6 @@ from xgrad.buckets import (
     BucketPlan,
 )
 from xgrad.reducer_buckets import (
-    COPIED,
     arrive,
     build_buckets,
     reclaim,
@@ -260,33 +259,9 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         now = self.clock()
         if not self._marked_unused:
             self._begin_at(now)
-        # _mark, written out (this runs once per logged gradient).
-        ready, order, times, locate = (
-            self._ready,
-            self._ready_order,
-            self._ready_times,
-            self._locate,
-        )
-        self._require_finalize = True
         for index, grad in zip(indices, grads, strict=True):
             self.marking = index
-            if ready[index]:
-                raise marked_ready_twice(index, self.names, self.comm.rank)
-            ready[index] = 1
-            order.append(index)
-            times.append(now)
-            bucket, k = locate[index]
-            if bucket.lent and bucket.pending == len(bucket.indices):
-                reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
-            if bucket.big[k]:
-                arrive(bucket, k, grad, self.ops, self._early)
-            else:
-                bucket.grads[k] = grad
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._fill(bucket)
-                if not self._delay_launch:
-                    self._launch_ready_buckets()
+            self._mark(index, grad, now)
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
@@ -298,11 +273,7 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         bucket, k = self._locate[index]
         if bucket.lent and bucket.pending == len(bucket.indices):  # before its first write
             reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
-        early = self._early  # arrive(), written out: this runs in every Python hook
-        if early is not None and grad is not None and bucket.big[k]:
-            self.ops.copy_to(bucket.in_views[k], grad, early)
-            grad = COPIED
-        bucket.grads[k] = grad
+        arrive(bucket, k, grad, self.ops, self._early)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._fill(bucket)
