@@ -32,6 +32,7 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
+from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
@@ -217,7 +218,7 @@ class PipelineRuntime(StagePasses):
         """
         sched = self.schedule
         check_release(self.release_sends, self.post_ahead)
-        self._devices = {}
+        self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
         xs = split_batch(inputs, sched.num_microbatches, "inputs", self.rank) if 0 in mine else None
         last = sched.num_stages - 1

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from xgrad.pipeline import Action
+from xgrad.torch_backend.pipeline_joins import Captured
 from xgrad.torch_backend.pipeline_recompute import RngState
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
@@ -42,6 +43,7 @@ class Slot:
     kept: list[int] | None = None  # which carried leaves the phony stands for
     grad_parts: list[list[torch.Tensor]] = field(default_factory=list)  # summed at backward
     grad_output: list[torch.Tensor] | None = None  # the sum, kept between I and W
+    captured: Captured | None = None  # or, from the I pass, where W starts and with what
     grad_input: dict[int, list[torch.Tensor]] | None = None  # per remote source, for SEND_B
     rng: RngState | None = None  # for the recomputation
 
@@ -52,6 +54,7 @@ class Slot:
             and self.phony is None
             and not self.grad_parts
             and self.grad_output is None
+            and self.captured is None
             and self.grad_input is None
         )
 
@@ -77,6 +80,8 @@ def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:
     for slot in slots.values():
         for tree in (slot.input, slot.output, slot.grad_parts, slot.grad_output, slot.grad_input):
             total += _nbytes(tree)
+        if slot.captured is not None:
+            total += _nbytes(slot.captured.grads)
     return total
 
 

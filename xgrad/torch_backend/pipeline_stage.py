@@ -19,6 +19,7 @@ from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_joins import Captured, StageJoins, run_weight
 from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
 from xgrad.torch_backend.pipeline_slot import Phony, Slot
 from xgrad.torch_backend.pipeline_wire import (
@@ -51,6 +52,8 @@ class StagePasses:
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
     _wire: StepWire  # the step's sends and receives
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
+    _joins: StageJoins  # per stage graph, where W starts (this step)
+    w_from_joins = True  # False: W runs backward from the output (the A/B's old side)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -236,10 +239,20 @@ class StagePasses:
         else:
             found = [None] * len(flat)
             if flat and outs:
-                found = list(
-                    torch.autograd.grad(outs, flat, out_grads, retain_graph=True, allow_unused=True)
+                # W's starting points (see pipeline_joins), captured by the same call.
+                joins = (
+                    self._joins.edges((s, type(outs[0].grad_fn)), outs, flat, self._params(s))
+                    if self.w_from_joins
+                    else None
                 )
-            slot.grad_output = grads  # kept for W
+                edges = [] if joins is None else joins[1]
+                got = torch.autograd.grad(
+                    outs, [*flat, *edges], out_grads, retain_graph=True, allow_unused=True
+                )
+                found = list(got[: len(flat)])
+                if joins is not None:
+                    slot.captured = Captured(joins[0], edges, list(got[len(flat) :]))
+            slot.grad_output = grads if slot.captured is None else None  # kept for W
         grad_in = [
             (g if g is not None else torch.zeros_like(x)).detach()
             for g, x in zip(found, flat, strict=True)
@@ -253,17 +266,23 @@ class StagePasses:
                 slot.grad_input = slot.grad_input or {}
                 slot.grad_input[src] = mine
 
+    def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
+
     def _backward_weight(self, action: Action, slot: Slot) -> None:
-        params = [p for p in self._module(action.stage).parameters() if p.requires_grad]
         if slot.output is None and slot.phony is None:
             raise RuntimeError(f"{action} runs without its I pass's graph")
-        if action.stage == self.schedule.num_stages - 1:
-            outs, grads = [slot.output], None
+        if slot.captured is not None:
+            run_weight(slot.captured)  # from where the parameters join (the I pass's record)
         else:
-            outs, grads = self._targets(action, slot, slot.grad_output)
-        if outs and params:
-            torch.autograd.backward(outs, grads, inputs=params)
-        slot.output = slot.input = slot.phony = slot.grad_output = None
+            params = self._params(action.stage)()
+            if action.stage == self.schedule.num_stages - 1:
+                outs, grads = [slot.output], None
+            else:
+                outs, grads = self._targets(action, slot, slot.grad_output)
+            if outs and params:
+                torch.autograd.backward(outs, grads, inputs=params)
+        slot.output = slot.input = slot.phony = slot.grad_output = slot.captured = None
 
     def _send(self, action: Action, slot: Slot) -> None:
         if action.kind is Kind.SEND_F:

@@ -1,0 +1,209 @@
+"""W from the joins: exactly the plain backward's gradients, a plan followed per microbatch,
+a full walk again when the graph changes, no plan for the graphs it cannot handle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from xgrad.torch_backend import pipeline_joins as pj  # noqa: E402
+from xgrad.torch_backend.pipeline_slot import Phony  # noqa: E402
+
+
+def mlp(layers: int = 3, width: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+def plain(module: nn.Module, xs: list[Any], grad: Any) -> tuple[list[Any], list[Any]]:
+    """Input and parameter gradients of one whole backward."""
+    ins = [x.detach().requires_grad_() for x in xs]
+    module.zero_grad(set_to_none=True)
+    module(*ins).backward(grad)
+    out = [x.grad for x in ins], [p.grad for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+def split(
+    joins: pj.StageJoins, module: nn.Module, xs: list[Any], grad: Any, *, phony: bool = False
+) -> tuple[list[Any], list[Any], bool]:
+    """I then W as the runtime runs them; whether W started from the joins."""
+    ins = [x.detach().requires_grad_() for x in xs]
+    y = module(*ins)
+    outs = [Phony.apply(y)] if phony else [y]
+    if phony:
+        outs[0].grad_fn.incoming = [grad]  # type: ignore[union-attr]
+    grads = None if phony else [grad]
+    params = [p for p in module.parameters()]
+    found = joins.edges("stage", outs, ins, lambda: params)
+    edges = [] if found is None else found[1]
+    got = torch.autograd.grad(outs, [*ins, *edges], grads, retain_graph=True, allow_unused=True)
+    if found is None:
+        torch.autograd.backward(outs, grads, inputs=params)
+    else:
+        pj.run_weight(pj.Captured(found[0], edges, list(got[len(ins) :])))
+    out = list(got[: len(ins)]), [p.grad for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out[0], out[1], found is not None
+
+
+def same(a: list[Any], b: list[Any]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class Counted:
+    """Counts the full walks (``analyse`` calls)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.walks = 0
+        real = pj.analyse
+
+        def analyse(*args: Any) -> Any:
+            self.walks += 1
+            return real(*args)
+
+        monkeypatch.setattr(pj, "analyse", analyse)
+
+
+@pytest.mark.parametrize("phony", [False, True])
+def test_chain_is_exact_and_walked_once(monkeypatch: Any, phony: bool) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = mlp(), pj.StageJoins()
+    hooked: list[int] = []
+    for p in module.parameters():  # DDP's kind of hook: it must run in W
+        p.register_post_accumulate_grad_hook(lambda p: hooked.append(id(p)))
+    for mb in range(4):
+        g = torch.Generator().manual_seed(mb)
+        x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, [x], grad)
+        hooked.clear()
+        got_in, got_p, used = split(joins, module, [x], grad, phony=phony)
+        assert used
+        assert same(got_in, want_in) and same(got_p, want_p)
+        assert sorted(hooked) == sorted(id(p) for p in module.parameters())
+    assert counted.walks == 1
+    plan = next(iter(joins.plans.values()))
+    assert plan is not None and len(plan.groups) == 3  # one per Linear (weight and bias)
+
+
+class TwoInputs(nn.Module):
+    """Two inputs, a parameter on an input-free branch, a parameter used twice side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x1: Any, x2: Any) -> Any:
+        return torch.tanh(self.a(x1)) * (self.scale * 2) + self.a(x2) + self.b(x2).relu()
+
+
+def test_two_inputs_and_shared_side_by_side_params_are_exact() -> None:
+    module, joins = TwoInputs(), pj.StageJoins()
+    for mb in range(3):
+        g = torch.Generator().manual_seed(10 + mb)
+        xs = [torch.randn(4, 8, generator=g) for _ in range(2)]
+        grad = torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, xs, grad)
+        got_in, got_p, used = split(joins, module, xs, grad)
+        assert used
+        assert same(got_in, want_in) and same(got_p, want_p)
+
+
+class Branchy(nn.Module):
+    """A graph whose structure depends on the data (an extra op on some microbatches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.extra = False
+
+    def forward(self, x: Any) -> Any:
+        h = torch.tanh(self.a(x))
+        if self.extra:
+            h = h * self.scale  # a new join on the chain
+        return self.b(h)
+
+
+def test_a_changed_graph_is_walked_again_and_stays_exact(monkeypatch: Any) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = Branchy(), pj.StageJoins()
+    for mb, extra in enumerate((False, False, True, True, False)):
+        module.extra = extra
+        g = torch.Generator().manual_seed(20 + mb)
+        x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, [x], grad)
+        got_in, got_p, used = split(joins, module, [x], grad)
+        assert used
+        assert same(got_in, want_in)
+        assert same([p for p in got_p if p is not None], [p for p in want_p if p is not None])
+    assert counted.walks == 3  # the first, and each change of structure
+
+
+class Reused(nn.Module):
+    """One Linear twice on the chain: its two joins are nested, so no plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: Any) -> Any:
+        return self.a(torch.tanh(self.a(x)))
+
+
+class Detached(nn.Module):
+    """An output that does not depend on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, 8))
+
+    def forward(self, x: Any) -> Any:
+        return self.w * 2 + 0 * x.detach()
+
+
+class Unused(nn.Module):
+    """A second input the output does not use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        return self.a(x)
+
+
+@pytest.mark.parametrize("cls", [Reused, Detached, Unused])
+def test_graphs_it_cannot_handle_fall_back_exactly(cls: type) -> None:
+    module, joins = cls(), pj.StageJoins()
+    n = 2 if cls is Unused else 1
+    for mb in range(2):
+        g = torch.Generator().manual_seed(30 + mb)
+        xs = [torch.randn(4, 8, generator=g) for _ in range(n)]
+        grad = torch.randn(4, 8, generator=g)
+        ins = [x.detach().requires_grad_() for x in xs]
+        y = module(*ins)
+        params = list(module.parameters())
+        assert joins.edges("stage", [y], ins, lambda p=params: p) is None
+        assert pj.analyse([y.grad_fn], ins, params) is None
+        if cls is Reused:
+            want_in, want_p = plain(module, xs, grad)
+            got_in, got_p, used = split(joins, module, xs, grad)
+            assert not used and same(got_p, want_p) and same(got_in, want_in)
+
+
+def test_no_parameters_or_no_inputs_have_no_plan() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    y = torch.tanh(x)
+    assert pj.analyse([y.grad_fn], [x], []) is None
+    lin = nn.Linear(8, 8)
+    assert pj.analyse([lin(x).grad_fn], [], list(lin.parameters())) is None
