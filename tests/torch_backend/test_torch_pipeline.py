@@ -93,6 +93,11 @@ def _run_all(rank: int, world: int) -> tuple[dict[str, tuple[float | None, float
                     err = max(err, rel(grad(p), want))
                 part.zero_grad(set_to_none=True)
             loss_err = None if loss is None else abs(float(loss) - want_loss) / abs(want_loss)
+            split = any(
+                a.kind is xp.Kind.BACKWARD_INPUT and a.stage > 0 for a in schedule.actions[rank]
+            )
+            # Split backwards run W from the joins the I pass captured (none fell back).
+            assert not split or any(rt._joins.plans.values()), (name, checkpoint)
             results[f"{name}/{checkpoint}"] = (loss_err, err)
     if world == 2:
         results["dropout/always=never"] = (None, _dropout_recomputed(rank, world))
