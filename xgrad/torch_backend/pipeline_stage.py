@@ -250,8 +250,9 @@ class StagePasses:
                     outs, [*flat, *edges], out_grads, retain_graph=True, allow_unused=True
                 )
                 found = list(got[: len(flat)])
-                if joins is not None:
+                if joins is not None:  # W needs only the joins: the graph above them goes
                     slot.captured = Captured(joins[0], edges, list(got[len(flat) :]))
+                    slot.output = slot.phony = None
             slot.grad_output = grads if slot.captured is None else None  # kept for W
         grad_in = [
             (g if g is not None else torch.zeros_like(x)).detach()
@@ -270,7 +271,7 @@ class StagePasses:
         return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
     def _backward_weight(self, action: Action, slot: Slot) -> None:
-        if slot.output is None and slot.phony is None:
+        if slot.output is None and slot.phony is None and slot.captured is None:
             raise RuntimeError(f"{action} runs without its I pass's graph")
         if slot.captured is not None:
             run_weight(slot.captured)  # from where the parameters join (the I pass's record)
