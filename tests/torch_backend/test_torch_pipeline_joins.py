@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch.autograd.graph import get_gradient_edge  # noqa: E402
 
 from xgrad.torch_backend import pipeline_joins as pj  # noqa: E402
-from xgrad.torch_backend.pipeline_slot import Phony  # noqa: E402
 
 
 def mlp(layers: int = 3, width: int = 8) -> nn.Module:
@@ -30,17 +30,19 @@ def plain(module: nn.Module, xs: list[Any], grad: Any) -> tuple[list[Any], list[
 
 
 def split(
-    joins: pj.StageJoins, module: nn.Module, xs: list[Any], grad: Any, *, phony: bool = False
+    joins: pj.StageJoins, module: nn.Module, xs: list[Any], grad: Any, *, root: str = "output"
 ) -> tuple[list[Any], list[Any], bool]:
-    """I then W as the runtime runs them; whether W started from the joins."""
+    """I then W as the runtime runs them; whether W started from the joins. ``root``: the
+    output itself (recomputed), or its gradient edge (what the runtime keeps of a sent one)."""
     ins = [x.detach().requires_grad_() for x in xs]
     y = module(*ins)
-    outs = [Phony.apply(y)] if phony else [y]
-    if phony:
-        outs[0].grad_fn.incoming = [grad]  # type: ignore[union-attr]
-    grads = None if phony else [grad]
+    outs: list[Any] = [y]
+    grads = [grad]
+    if root == "edge":
+        outs = [get_gradient_edge(y)]
+
     params = [p for p in module.parameters()]
-    found = joins.edges("stage", outs, ins, lambda: params)
+    found = joins.edges(0, outs, ins, lambda: params)
     edges = [] if found is None else found[1]
     got = torch.autograd.grad(outs, [*ins, *edges], grads, retain_graph=True, allow_unused=True)
     if found is None:
@@ -70,8 +72,8 @@ class Counted:
         monkeypatch.setattr(pj, "analyse", analyse)
 
 
-@pytest.mark.parametrize("phony", [False, True])
-def test_chain_is_exact_and_walked_once(monkeypatch: Any, phony: bool) -> None:
+@pytest.mark.parametrize("root", ["output", "edge"])
+def test_chain_is_exact_and_walked_once(monkeypatch: Any, root: str) -> None:
     counted = Counted(monkeypatch)
     module, joins = mlp(), pj.StageJoins()
     hooked: list[int] = []
@@ -82,7 +84,7 @@ def test_chain_is_exact_and_walked_once(monkeypatch: Any, phony: bool) -> None:
         x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
         want_in, want_p = plain(module, [x], grad)
         hooked.clear()
-        got_in, got_p, used = split(joins, module, [x], grad, phony=phony)
+        got_in, got_p, used = split(joins, module, [x], grad, root=root)
         assert used
         assert same(got_in, want_in) and same(got_p, want_p)
         assert sorted(hooked) == sorted(id(p) for p in module.parameters())
@@ -193,7 +195,7 @@ def test_graphs_it_cannot_handle_fall_back_exactly(cls: type) -> None:
         ins = [x.detach().requires_grad_() for x in xs]
         y = module(*ins)
         params = list(module.parameters())
-        assert joins.edges("stage", [y], ins, lambda p=params: p) is None
+        assert joins.edges(0, [y], ins, lambda p=params: p) is None
         assert pj.analyse([y.grad_fn], ins, params) is None
         if cls is Reused:
             want_in, want_p = plain(module, xs, grad)

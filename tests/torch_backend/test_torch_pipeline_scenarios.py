@@ -241,8 +241,8 @@ def _scenario(rank: int, world: int, path: str) -> dict[str, Any]:
     out["last"] = _err(part, _want(8, 7)[rank])
     out["dag"] = _dag(rank)
     out["torch_csv"] = _torch_csv(rank, world, path)
-    # Sent outputs are freed once sent even without checkpointing (a phony node keeps their
-    # graph): what a stage holds is then what checkpointing holds, its inputs.
+    # Sent outputs are freed once sent even without checkpointing (their gradient edges keep
+    # their graph): what a stage holds is then what checkpointing holds, its inputs.
     for checkpoint in ("never", "always"):
         held = PipelineRuntime(
             xp.gpipe(world, M), [part], nn.functional.mse_loss, checkpoint=checkpoint, timeout=30

@@ -231,24 +231,26 @@ def _nested(members: list[int], children: list[list[int]], dep: list[bool]) -> b
 
 
 class StageJoins:
-    """Per graph key (the runtime uses the stage and its root's type), the plan found by the
-    last full walk; the runtime makes a new one each step."""
+    """Per stage and its roots' types, the plan found by the last full walk; the runtime
+    makes a new one each step."""
 
     def __init__(self) -> None:
         self.plans: dict[Any, JoinPlan | None] = {}
 
     def edges(
         self,
-        key: Any,
-        outs: list[torch.Tensor],
+        stage: int,
+        outs: list[Any],
         inputs: list[torch.Tensor],
         params: Callable[[], list[torch.Tensor]],
     ) -> tuple[JoinPlan, list[Any]] | None:
         """The plan and this graph's joins' edges, or ``None`` (run the plain W pass).
+        ``outs`` are the stage's output tensors or their gradient edges.
         ``params()`` lists the stage's parameters; it is called only for a full walk."""
-        roots = [o.grad_fn for o in outs]
+        roots = [o.grad_fn if isinstance(o, torch.Tensor) else o.node for o in outs]
         if None in roots:
             return None
+        key = (stage, *map(type, roots))
         if key in self.plans:
             plan = self.plans[key]
             if plan is None:

@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from xgrad.pipeline import Action
 from xgrad.torch_backend.pipeline_joins import Captured
 from xgrad.torch_backend.pipeline_recompute import RngState
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["ActionRecord", "Phony", "Slot", "held_bytes"]
+__all__ = ["ActionRecord", "Slot", "held_bytes"]
 
 
 @dataclass
@@ -37,10 +38,11 @@ class Slot:
     # shape and dtype of each output leaf that carries a gradient (what comes back)
     grad_shapes: list[tuple[torch.Size, torch.dtype]] | None = None
     readers: int = 0  # local consumers and a send still to read the output
-    # Without checkpointing: one scalar standing for the output in the graph, so the
-    # output itself is dropped once read (fairscale's AutogradWithoutActivations).
-    phony: torch.Tensor | None = None
-    kept: list[int] | None = None  # which carried leaves the phony stands for
+    # Without checkpointing: the gradient edges of the output leaves (their graph nodes
+    # without the tensors), so the output itself is dropped once read (fairscale's
+    # AutogradWithoutActivations, there with a phony autograd node; the edges cost less).
+    out_edges: list[GradientEdge] | None = None
+    kept: list[int] | None = None  # which carried leaves the edges stand for
     grad_parts: list[list[torch.Tensor]] = field(default_factory=list)  # summed at backward
     grad_output: list[torch.Tensor] | None = None  # the sum, kept between I and W
     captured: Captured | None = None  # or, from the I pass, where W starts and with what
@@ -51,25 +53,12 @@ class Slot:
         return (
             self.input is None
             and self.output is None
-            and self.phony is None
+            and self.out_edges is None
             and not self.grad_parts
             and self.grad_output is None
             and self.captured is None
             and self.grad_input is None
         )
-
-
-class Phony(torch.autograd.Function):
-    """A scalar whose backward hands out gradients set on its node: the graph of a stage's
-    outputs without the outputs themselves (their memory is freed once sent)."""
-
-    @staticmethod
-    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((), dtype=outputs[0].dtype, device=outputs[0].device)
-
-    @staticmethod
-    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(ctx.incoming)
 
 
 def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:

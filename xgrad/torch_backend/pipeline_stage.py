@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule
@@ -21,7 +22,7 @@ from xgrad.torch_backend.failure import Waiter, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import Captured, StageJoins, run_weight
 from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
-from xgrad.torch_backend.pipeline_slot import Phony, Slot
+from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_wire import (
     carried,
     detach_tree,
@@ -153,12 +154,12 @@ class StagePasses:
         if graph and users:
             slot.kept = [i for i, t in enumerate(carried_leaves) if t.requires_grad]
             if slot.kept:
-                slot.phony = Phony.apply(*(carried_leaves[i] for i in slot.kept))
+                slot.out_edges = [get_gradient_edge(carried_leaves[i]) for i in slot.kept]
         return y
 
     def _read(self, slot: Slot) -> None:
         """One reader (a local consumer, or the send) took the output; after the last the
-        output is dropped: recomputed if checkpointed, else its graph lives on in the phony."""
+        output is dropped: recomputed if checkpointed, else its graph lives on in its edges."""
         slot.readers -= 1
         if slot.readers <= 0:
             slot.output = None
@@ -192,19 +193,18 @@ class StagePasses:
 
     def _targets(
         self, action: Action, slot: Slot, grads: list[torch.Tensor] | None
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """What to differentiate and with which incoming gradients: the loss; the phony
-        (its node handed the gradients); or the (recomputed) output leaves that carry a
+    ) -> tuple[list[Any], list[torch.Tensor] | None]:
+        """What to differentiate and with which incoming gradients: the loss; the output's
+        gradient edges (the output itself dropped once read); or the (recomputed) output leaves that carry a
         gradient and depend on something that requires one."""
         if action.stage == self.schedule.num_stages - 1:
             return [slot.output], None
         assert grads is not None
-        if slot.output is None:  # not checkpointed: the phony stands for the output
-            if slot.phony is None:
+        if slot.output is None:  # not checkpointed: its edges stand for it
+            if slot.out_edges is None:
                 return [], None
-            assert slot.phony.grad_fn is not None and slot.kept is not None
-            slot.phony.grad_fn.incoming = [grads[i] for i in slot.kept]  # type: ignore[attr-defined]
-            return [slot.phony], None
+            assert slot.kept is not None
+            return slot.out_edges, [grads[i] for i in slot.kept]
         assert slot.carry is not None
         outs = [t for t, c in zip(tensor_leaves(slot.output), slot.carry, strict=True) if c]
         kept = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
@@ -222,8 +222,8 @@ class StagePasses:
         s, mb = action.stage, action.microbatch
         if self._checkpointed(mb):
             self._recompute(action, slot, ys)
-        elif slot.output is not None and slot.phony is not None:
-            slot.output = None  # the phony is the graph
+        elif slot.output is not None and slot.out_edges is not None:
+            slot.output = None  # the edges are the graph
         grads = self._grad_output(action, slot)
         outs, out_grads = self._targets(action, slot, grads)
         sources = self.schedule.sources(s)
@@ -235,15 +235,13 @@ class StagePasses:
             if outs:
                 torch.autograd.backward(outs, out_grads)
             found: list[torch.Tensor | None] = [x.grad for x in flat]
-            slot.output = slot.input = slot.phony = slot.grad_output = None
+            slot.output = slot.input = slot.out_edges = slot.grad_output = None
         else:
             found = [None] * len(flat)
             if flat and outs:
                 # W's starting points (see pipeline_joins), captured by the same call.
                 joins = (
-                    self._joins.edges((s, type(outs[0].grad_fn)), outs, flat, self._params(s))
-                    if self.w_from_joins
-                    else None
+                    self._joins.edges(s, outs, flat, self._params(s)) if self.w_from_joins else None
                 )
                 edges = [] if joins is None else joins[1]
                 got = torch.autograd.grad(
@@ -252,7 +250,7 @@ class StagePasses:
                 found = list(got[: len(flat)])
                 if joins is not None:  # W needs only the joins: the graph above them goes
                     slot.captured = Captured(joins[0], edges, list(got[len(flat) :]))
-                    slot.output = slot.phony = None
+                    slot.output = slot.out_edges = None
             slot.grad_output = grads if slot.captured is None else None  # kept for W
         grad_in = [
             (g if g is not None else torch.zeros_like(x)).detach()
@@ -271,7 +269,7 @@ class StagePasses:
         return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
     def _backward_weight(self, action: Action, slot: Slot) -> None:
-        if slot.output is None and slot.phony is None and slot.captured is None:
+        if slot.output is None and slot.out_edges is None and slot.captured is None:
             raise RuntimeError(f"{action} runs without its I pass's graph")
         if slot.captured is not None:
             run_weight(slot.captured)  # from where the parameters join (the I pass's record)
@@ -283,7 +281,7 @@ class StagePasses:
                 outs, grads = self._targets(action, slot, slot.grad_output)
             if outs and params:
                 torch.autograd.backward(outs, grads, inputs=params)
-        slot.output = slot.input = slot.phony = slot.grad_output = slot.captured = None
+        slot.output = slot.input = slot.out_edges = slot.grad_output = slot.captured = None
 
     def _send(self, action: Action, slot: Slot) -> None:
         if action.kind is Kind.SEND_F:
