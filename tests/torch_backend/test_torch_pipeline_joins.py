@@ -150,6 +150,36 @@ def test_a_changed_graph_is_walked_again_and_stays_exact(monkeypatch: Any) -> No
     assert counted.walks == 3  # the first, and each change of structure
 
 
+class Swapped(nn.Module):
+    """The same graph shape whichever parameter a microbatch uses: only the parameters'
+    accumulators tell the graphs apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a = nn.Linear(8, 8)
+        self.p1, self.p2 = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.second = False
+
+    def forward(self, x: Any) -> Any:
+        return torch.tanh(self.a(x)) * (self.p2 if self.second else self.p1)
+
+
+def test_a_graph_with_other_parameters_is_walked_again(monkeypatch: Any) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = Swapped(), pj.StageJoins()
+    for mb, second in enumerate((False, True, True, False)):
+        module.second = second
+        g = torch.Generator().manual_seed(40 + mb)
+        x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, [x], grad)
+        got_in, got_p, used = split(joins, module, [x], grad)
+        assert used and same(got_in, want_in)
+        assert [p is None for p in got_p] == [p is None for p in want_p]
+        assert same([p for p in got_p if p is not None], [p for p in want_p if p is not None])
+    assert counted.walks == 3
+
+
 class Reused(nn.Module):
     """One Linear twice on the chain: its two joins are nested, so no plan."""
 

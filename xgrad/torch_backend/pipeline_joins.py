@@ -10,9 +10,10 @@ it cheap per microbatch:
 * the joins' gradients are captured by the I pass's own ``autograd.grad`` call (the joins
   are extra ``GradientEdge`` inputs of it), with no hooks to register and remove;
 * the graph is walked in full once per stage and step (:func:`analyse`); every other
-  microbatch only follows the recorded paths from the output to the joins and to the
-  stage's inputs (:meth:`JoinPlan.follow`), checking each node's type and its creation
-  order relative to the root (``_sequence_nr``), and walks in full again on any mismatch.
+  microbatch only follows the recorded paths from the output to the joins, the stage's
+  inputs and the parameters (:meth:`JoinPlan.follow`), checking each node's type, its
+  creation order relative to the root (``_sequence_nr``) and that the accumulators are
+  those of the same inputs and parameters, and walks in full again on any mismatch.
 
 W is one ``backward`` per group of joins sharing parameters, from the joins' edges with
 ``inputs=params``: parameters' ``AccumulateGrad`` nodes run, so their hooks (DDP, REDUCE_GRAD
@@ -46,6 +47,7 @@ class JoinPlan:
     params: tuple[torch.Tensor, ...]  # the stage's parameters the positions below refer to
     program: tuple[tuple[int, int, type, int | None], ...]
     inputs: tuple[tuple[int, int], ...]  # (node, input position): the input's accumulator
+    leaves: tuple[tuple[int, int], ...]  # (node, param position): the parameter's accumulator
     edges: tuple[tuple[int, int], ...]  # (node, gradient slot) captured by the I pass
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (edges, param positions)
 
@@ -67,6 +69,9 @@ class JoinPlan:
             return None
         for at, position in self.inputs:
             if nodes[at].variable is not inputs[position]:
+                return None
+        for at, position in self.leaves:  # the joins lead to the same parameters
+            if nodes[at].variable is not self.params[position]:
                 return None
         return [GradientEdge(nodes[at], slot) for at, slot in self.edges]
 
@@ -115,6 +120,7 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
     dep = [False] * len(order)
     reach = [0] * len(order)
     leaf_input: dict[int, int] = {}
+    leaf_param: dict[int, int] = {}
     done = [False] * len(order)
     for start in range(len(order)):
         stack = [start]
@@ -136,6 +142,7 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
                     leaf_input[at] = input_at[id(var)]
                 elif id(var) in param_at:
                     reach[at] = 1 << param_at[id(var)]
+                    leaf_param[at] = param_at[id(var)]
                 continue
             dep[at] = any(dep[c] for c in children[at])
             for c in children[at]:
@@ -157,7 +164,7 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
     for members in groups:
         if len(members) > 1 and _nested(members, children, dep):
             return None
-    needed = set(joins) | set(leaf_input)
+    needed = set(joins) | set(leaf_input) | set(leaf_param)
     for at in list(needed):
         while parent[at] is not None:
             at = parent[at][0]  # type: ignore[index]
@@ -191,6 +198,7 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
         params=tuple(params),
         program=tuple(program),
         inputs=tuple((slot_of[at], i) for at, i in sorted(leaf_input.items())),
+        leaves=tuple((slot_of[at], i) for at, i in sorted(leaf_param.items())),
         edges=tuple(edges),
         groups=tuple(plan_groups),
     )
