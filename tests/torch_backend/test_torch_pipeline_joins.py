@@ -239,3 +239,36 @@ def test_no_parameters_or_no_inputs_have_no_plan() -> None:
     assert pj.analyse([y.grad_fn], [x], []) is None
     lin = nn.Linear(8, 8)
     assert pj.analyse([lin(x).grad_fn], [], list(lin.parameters())) is None
+    halves = lin(x).chunk(2)  # two outputs of one node
+    assert pj.analyse([h.grad_fn for h in halves], [x], list(lin.parameters())) is None
+
+
+class Widened(nn.Module):
+    """A parameter branch that takes a second parameter on some microbatches (created
+    before any node the plan records, so only the branch's edge count tells)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.a = nn.Linear(8, 8)
+        self.w1, self.w2 = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.both = False
+
+    def forward(self, x: Any) -> Any:
+        scale = self.w1 + self.w2 if self.both else self.w1 + self.w1.detach()
+        return torch.tanh(self.a(x)) * scale
+
+
+def test_a_parameter_branch_that_widens_is_walked_again(monkeypatch: Any) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = Widened(), pj.StageJoins()
+    for mb, both in enumerate((False, True, False)):
+        module.both = both
+        g = torch.Generator().manual_seed(50 + mb)
+        x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, [x], grad)
+        got_in, got_p, used = split(joins, module, [x], grad)
+        assert used and same(got_in, want_in)
+        assert [p is None for p in got_p] == [p is None for p in want_p]
+        assert same([p for p in got_p if p is not None], [p for p in want_p if p is not None])
+    assert counted.walks == 3

@@ -12,8 +12,9 @@ it cheap per microbatch:
 * the graph is walked in full once per stage and step (:func:`analyse`); every other
   microbatch only follows the recorded paths from the output to the joins, the stage's
   inputs and the parameters (:meth:`JoinPlan.follow`), checking each node's type, its
-  creation order relative to the root (``_sequence_nr``) and that the accumulators are
-  those of the same inputs and parameters, and walks in full again on any mismatch.
+  creation order relative to the root (``_sequence_nr``), the edges of the joins and of
+  every node under their parameter branches, and that the accumulators are those of the
+  same inputs and parameters, and walks in full again on any mismatch.
 
 W is one ``backward`` per group of joins sharing parameters, from the joins' edges with
 ``inputs=params``: parameters' ``AccumulateGrad`` nodes run, so their hooks (DDP, REDUCE_GRAD
@@ -34,18 +35,29 @@ from torch.autograd.graph import GradientEdge
 __all__ = ["Captured", "JoinPlan", "StageJoins", "analyse", "run_weight"]
 
 
+#: which of a node's ``next_functions`` are not ``None`` (``None``: not checked)
+Edges = tuple[bool, ...] | None
+
+
+def _edges(node: Any) -> tuple[bool, ...]:
+    return tuple(f is not None for f, _ in node.next_functions)
+
+
 @dataclass(frozen=True)
 class JoinPlan:
     """Where one stage graph's joins are, as paths from its roots (the outputs' nodes).
 
     ``program`` rebuilds the nodes on those paths: entry ``i`` is ``(parent, index, type,
-    offset)``, node ``roots + i`` being ``nodes[parent].next_functions[index][0]``, of that
-    ``type``, created ``offset`` nodes before the first root (``None`` for accumulators).
+    offset, edges)``, node ``roots + i`` being ``nodes[parent].next_functions[index][0]``,
+    of that ``type``, created ``offset`` nodes before the first root (``None`` for
+    accumulators), with ``edges`` (which of its ``next_functions`` are not ``None``; ``None``:
+    not checked; checked on the joins and every node under their parameter branches, all of
+    which are in the program).
     """
 
-    roots: tuple[type, ...]  # the roots' node types
+    roots: tuple[tuple[type, Edges], ...]  # the roots' node types and edges
     params: tuple[torch.Tensor, ...]  # the stage's parameters the positions below refer to
-    program: tuple[tuple[int, int, type, int | None], ...]
+    program: tuple[tuple[int, int, type, int | None, Edges], ...]
     inputs: tuple[tuple[int, int], ...]  # (node, input position): the input's accumulator
     leaves: tuple[tuple[int, int], ...]  # (node, param position): the parameter's accumulator
     edges: tuple[tuple[int, int], ...]  # (node, gradient slot) captured by the I pass
@@ -53,18 +65,32 @@ class JoinPlan:
 
     def follow(self, roots: list[Any], inputs: list[torch.Tensor]) -> list[Any] | None:
         """The joins' edges in this graph, or ``None`` where it differs from the plan's."""
-        if tuple(map(type, roots)) != self.roots:
-            return None
         nodes: list[Any] = list(roots)
+        nexts: list[Any] = [r.next_functions for r in roots]  # each node's, fetched once
+        for nf, (kind, count), root in zip(nexts, self.roots, roots, strict=True):
+            if count is not None and tuple(f is not None for f, _ in nf) != count:
+                return None
+            if type(root) is not kind:
+                return None
         base = roots[0]._sequence_nr()
         try:
-            for parent, index, kind, offset in self.program:
-                node: Any = nodes[parent].next_functions[index][0]
-                if offset is not None and base - node._sequence_nr() != offset:
+            for parent, index, kind, offset, count in self.program:
+                node: Any = nexts[parent][index][0]
+                if offset is None:  # an accumulator: no edges
+                    nodes.append(node)
+                    nexts.append(())
+                    if type(node) is not kind:
+                        return None
+                    continue
+                if base - node._sequence_nr() != offset:
+                    return None
+                nf = node.next_functions
+                if count is not None and tuple(f is not None for f, _ in nf) != count:
                     return None
                 if type(node) is not kind:
                     return None
                 nodes.append(node)
+                nexts.append(nf)
         except IndexError:
             return None
         for at, position in self.inputs:
@@ -90,6 +116,8 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
     would not give exactly the plain W pass's gradients."""
     if not roots or not inputs or not params or any(r is None for r in roots):
         return None
+    if len(set(roots)) < len(roots):
+        return None  # outputs of one multi-output node (each root is a node of its own here)
     input_at = {id(t): i for i, t in enumerate(inputs)}
     param_at = {id(t): i for i, t in enumerate(params)}
     order: list[Any] = []  # every node, parents first (discovery order)
@@ -164,7 +192,16 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
     for members in groups:
         if len(members) > 1 and _nested(members, children, dep):
             return None
-    needed = set(joins) | set(leaf_input) | set(leaf_param)
+    # Every node under the joins' parameter branches is followed and its edges counted.
+    branch: set[int] = set()
+    stack = [c for at in joins for c in children[at] if not dep[c]]
+    while stack:
+        at = stack.pop()
+        if at not in branch:
+            branch.add(at)
+            stack.extend(children[at])
+    counted = branch | set(joins)
+    needed = counted | set(leaf_input) | set(leaf_param)
     for at in list(needed):
         while parent[at] is not None:
             at = parent[at][0]  # type: ignore[index]
@@ -172,15 +209,16 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
                 break
             needed.add(at)
     slot_of = {i: i for i in range(len(roots))}
-    program: list[tuple[int, int, type, int | None]] = []
+    program: list[tuple[int, int, type, int | None, Edges]] = []
     base = roots[0]._sequence_nr()
     for at in range(len(roots), len(order)):
         if at in needed:
             up, slot = parent[at]  # type: ignore[misc]
             node = order[at]
             offset = None if hasattr(node, "variable") else base - node._sequence_nr()
+            count = _edges(node) if at in counted and offset is not None else None
             slot_of[at] = len(roots) + len(program)
-            program.append((slot_of[up], slot, type(node), offset))
+            program.append((slot_of[up], slot, type(node), offset, count))
     edges: list[tuple[int, int]] = []
     plan_groups = []
     for members in groups:
@@ -194,7 +232,7 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
         params_in = tuple(i for i in range(len(params)) if bits >> i & 1)
         plan_groups.append((tuple(ids), params_in))
     return JoinPlan(
-        roots=tuple(map(type, roots)),
+        roots=tuple((type(r), _edges(r) if i in counted else None) for i, r in enumerate(roots)),
         params=tuple(params),
         program=tuple(program),
         inputs=tuple((slot_of[at], i) for at, i in sorted(leaf_input.items())),
