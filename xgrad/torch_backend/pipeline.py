@@ -17,19 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
-from xgrad.pipeline import (
-    Action,
-    Invocation,
-    Kind,
-    Schedule,
-    expand,
-    insert_comms,
-    partitions_of,
-    placement_of,
-    validate,
-)
+from xgrad.pipeline import Action, Invocation, Schedule, expand
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.pipeline_args import (
+    check_settings,
+    reduce_points,
+    runtime_schedule,
+    slot_map,
+)
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
 from xgrad.torch_backend.pipeline_joins import StageJoins
@@ -125,43 +121,14 @@ class PipelineRuntime(StagePasses):
         dp_group: Any = None,
         device: torch.device | str | None = None,
     ) -> None:
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if not isinstance(timeout, int | float) or not timeout > 0 or timeout == float("inf"):
-            raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
+        self.timeout = check_settings(checkpoint, timeout)
         self.group = group
         self.rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
-        if schedule.num_ranks != world:
-            raise ValueError(
-                f"rank {self.rank}: schedule has {schedule.num_ranks} ranks, the group {world}"
-            )
-        if schedule.has_comms:
-            # Sends never block here (isend), receives only when their data is used: the
-            # buffered model, as torch's own lowering assumes.
-            self.schedule = validate(schedule, rendezvous=False)
-        else:
-            # A chain's comms pair up even if sends blocked; a DAG's need the buffered model.
-            self.schedule = validate(insert_comms(schedule), rendezvous=schedule.is_chain)
+        self.schedule = runtime_schedule(schedule, self.rank, dist.get_world_size(group))
         self.partitions = list(partitions)
-        if invocations is not None:
-            if placement_of(invocations) != schedule.placement:
-                raise ValueError(
-                    f"rank {self.rank}: invocations place stages on {placement_of(invocations)}, "
-                    f"the schedule on {schedule.placement}"
-                )
-            self._slot_of = {s: loc.index for s, loc in enumerate(partitions_of(invocations))}
-        else:
-            self._slot_of = {s: k for k, s in enumerate(schedule.stages_of(self.rank))}
-        mine = {self._slot_of[s] for s in schedule.stages_of(self.rank)}
-        if mine and max(mine) >= len(self.partitions):
-            raise ValueError(
-                f"rank {self.rank}: needs partitions for slots {sorted(mine)}, "
-                f"got {len(self.partitions)} partitions"
-            )
+        self._slot_of = slot_map(schedule, self.partitions, invocations, self.rank)
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
-        self.timeout = float(timeout)
         self._no_sync = no_sync
         if dp_group is not None and (reduce_grad is not None or no_sync is not None):
             raise ValueError(
@@ -170,11 +137,7 @@ class PipelineRuntime(StagePasses):
             )
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group
-        # A partition invoked at several stages is reduced once, at its last REDUCE_GRAD.
-        self._reduce_at: dict[int, int] = {}
-        for a in self.schedule.actions[self.rank]:
-            if a.kind is Kind.REDUCE_GRAD:
-                self._reduce_at[self._slot_of[a.stage]] = a.stage
+        self._reduce_at = reduce_points(self.schedule, self.rank, self._slot_of)
         self.device = None if device is None else torch.device(device)
         if no_sync is not None:
             check_data_parallel(self.schedule, self.rank)

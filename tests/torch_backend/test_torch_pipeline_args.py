@@ -1,0 +1,50 @@
+"""The pipeline runtime's construction-time checks, without a process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from xgrad.pipeline import Kind, add_stage_ops, gpipe, interleaved_1f1b, one_f_one_b
+from xgrad.torch_backend.pipeline_args import (
+    check_settings,
+    reduce_points,
+    runtime_schedule,
+    slot_map,
+)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), "5", None])
+def test_a_timeout_that_is_not_positive_finite_seconds_is_named(bad: object) -> None:
+    with pytest.raises(ValueError, match=f"timeout must be positive finite seconds, got {bad!r}"):
+        check_settings("never", bad)
+
+
+def test_an_unknown_checkpoint_mode_is_named() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint must be one of .* got 'sometimes'"):
+        check_settings("sometimes", 1.0)
+    assert check_settings("always", 2) == 2.0
+
+
+def test_the_schedule_must_have_the_groups_size_and_gets_its_comms() -> None:
+    with pytest.raises(ValueError, match="rank 1: schedule has 2 ranks, the group 3"):
+        runtime_schedule(gpipe(2, 4), 1, 3)
+    plain = one_f_one_b(2, 4)
+    assert not plain.has_comms
+    ran = runtime_schedule(plain, 0, 2)
+    assert ran.has_comms
+    kinds = {a.kind for a in ran.actions[0]}
+    assert Kind.SEND_F in kinds and Kind.RECV_B in kinds
+
+
+def test_slots_follow_the_ranks_stages_and_must_exist() -> None:
+    sched = interleaved_1f1b(2, 4, chunks=2)  # rank 0 holds stages 0 and 2
+    assert slot_map(sched, ["a", "b"], None, 0) == {0: 0, 2: 1}
+    with pytest.raises(ValueError, match=r"rank 1: needs partitions for slots \[0, 1\], got 1"):
+        slot_map(sched, ["a"], None, 1)
+
+
+def test_a_partition_is_reduced_at_its_last_reduce_grad() -> None:
+    sched = add_stage_ops(interleaved_1f1b(2, 4, chunks=2))
+    slots = slot_map(sched, ["a", "b"], None, 0)
+    assert reduce_points(sched, 0, slots) == {0: 0, 1: 2}
+    assert reduce_points(one_f_one_b(2, 4), 0, {0: 0}) == {}

@@ -1,0 +1,85 @@
+"""The pipeline runtime's arguments checked and turned into what its event loop reads.
+
+Kept apart from :mod:`~xgrad.torch_backend.pipeline` so that the runtime module holds the
+event loop and its failure handling only; everything here runs once, at construction, and
+raises a ``ValueError`` naming the argument, the value and the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from xgrad.pipeline import (
+    Invocation,
+    Kind,
+    Schedule,
+    insert_comms,
+    partitions_of,
+    placement_of,
+    validate,
+)
+from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
+
+__all__ = ["check_settings", "reduce_points", "runtime_schedule", "slot_map"]
+
+
+def check_settings(checkpoint: str, timeout: Any) -> float:
+    """Refuse an unknown checkpoint mode or a timeout that is not positive finite seconds."""
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    if not isinstance(timeout, int | float) or not timeout > 0 or timeout == float("inf"):
+        raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def runtime_schedule(schedule: Schedule, rank: int, world: int) -> Schedule:
+    """The schedule the runtime executes: validated, with its comms inserted if it has none."""
+    if schedule.num_ranks != world:
+        raise ValueError(f"rank {rank}: schedule has {schedule.num_ranks} ranks, the group {world}")
+    if schedule.has_comms:
+        # Sends never block here (isend), receives only when their data is used: the
+        # buffered model, as torch's own lowering assumes.
+        return validate(schedule, rendezvous=False)
+    # A chain's comms pair up even if sends blocked; a DAG's need the buffered model.
+    return validate(insert_comms(schedule), rendezvous=schedule.is_chain)
+
+
+def slot_map(
+    schedule: Schedule,
+    partitions: Sequence[Any],
+    invocations: Sequence[Invocation] | None,
+    rank: int,
+) -> dict[int, int]:
+    """Stage -> index of the partition that runs it on this rank (checked against both).
+
+    Without ``invocations``, slot k is the k-th virtual stage placed on this rank.
+    """
+    if invocations is not None:
+        if placement_of(invocations) != schedule.placement:
+            raise ValueError(
+                f"rank {rank}: invocations place stages on {placement_of(invocations)}, "
+                f"the schedule on {schedule.placement}"
+            )
+        slot_of = {s: loc.index for s, loc in enumerate(partitions_of(invocations))}
+    else:
+        slot_of = {s: k for k, s in enumerate(schedule.stages_of(rank))}
+    mine = {slot_of[s] for s in schedule.stages_of(rank)}
+    if mine and max(mine) >= len(partitions):
+        raise ValueError(
+            f"rank {rank}: needs partitions for slots {sorted(mine)}, "
+            f"got {len(partitions)} partitions"
+        )
+    return slot_of
+
+
+def reduce_points(schedule: Schedule, rank: int, slot_of: dict[int, int]) -> dict[int, int]:
+    """Partition index -> the stage of its last REDUCE_GRAD on this rank.
+
+    A partition invoked at several stages is reduced once, at its last REDUCE_GRAD.
+    """
+    at: dict[int, int] = {}
+    for a in schedule.actions[rank]:
+        if a.kind is Kind.REDUCE_GRAD:
+            at[slot_of[a.stage]] = a.stage
+    return at
