@@ -41,8 +41,10 @@ class BucketState:
         "index",
         "indices",
         "launched_at",
+        "lendable",
         "lent",
         "pending",
+        "plain",
         "result",
         "skipped",
         "sparse",
@@ -73,6 +75,9 @@ class BucketState:
         self.finished_at = 0.0
         #: members whose view was lent out as their gradient (kept across iterations).
         self.lent: list[int] = []
+        #: members that may be lent, and the others (:func:`write_back`'s, found at its first call).
+        self.lendable: list[int] | None = None
+        self.plain: list[int] = []
         #: per member, whether it is copied in as soon as it arrives (see :func:`arrive`).
         self.big = [False] * len(indices)
 
@@ -183,12 +188,24 @@ def write_back(
     is skipped or may be lent.
     """
     lend = lender is not None and views is bucket.in_views
-    if (
-        set_grads is not None
-        and skip.isdisjoint(bucket.indices)
-        and not (lend and any(map(lender.lendable.__getitem__, bucket.indices)))  # type: ignore[union-attr]
-    ):
-        set_grads(bucket.indices, views)
+    if set_grads is not None and skip.isdisjoint(bucket.indices):
+        if not lend:
+            set_grads(bucket.indices, views)
+            return
+        if bucket.lendable is None:
+            bucket.lendable = [k for k, i in enumerate(bucket.indices) if lender.lendable[i]]  # type: ignore[union-attr]
+            bucket.plain = [k for k in range(len(bucket.indices)) if k not in bucket.lendable]
+        if bucket.plain:
+            set_grads([bucket.indices[k] for k in bucket.plain], [views[k] for k in bucket.plain])
+        lendable = bucket.lendable
+        lent = lender.lend_many(  # type: ignore[union-attr]
+            [bucket.indices[k] for k in lendable], [views[k] for k in lendable]
+        )
+        for k, ok in zip(lendable, lent, strict=True):
+            if ok:
+                bucket.lent.append(k)
+            else:
+                set_grad(bucket.indices[k], views[k])
         return
     for k, i in enumerate(bucket.indices):
         if i in skip:

@@ -96,6 +96,10 @@ class Lender(Protocol[A_in]):
         """
         ...
 
+    def lend_many(self, indices: Sequence[int], views: Sequence[A_in]) -> list[bool]:
+        """:meth:`lend` for each ``indices[k]`` and ``views[k]``, in one call."""
+        ...
+
     def free(self, flat: A_in, views: Sequence[A_in], lent: Sequence[int]) -> bool:
         """Whether no one but the reducer holds ``flat`` or the lent ``views`` any more."""
         ...

@@ -116,8 +116,8 @@ class UnusedParams:
         )
         work, self._pending = self._pending, None
         assert work is not None
-        total = ops.to_numpy(work.wait())
-        found = {int(i) for i in np.flatnonzero(total == 0)}
+        total = ops.to_numpy(work.wait()).tolist()
+        found = {i for i, count in enumerate(total) if not count}
         if static_graph:
             self._static_global = found
         return found

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from xgrad.torch_backend.ddp_lend import LEND_NUMEL, lendable, sole_grad, views_free
+from xgrad.torch_backend.ddp_lend import LEND_NUMEL, lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.spawn import spawn
 
 # ----------------------------------------------------------------- in process
@@ -41,6 +41,25 @@ def test_sole_grad_sees_every_other_holder() -> None:
     assert not sole_grad(p)  # a view of someone's buffer
     p.grad = None
     assert sole_grad(p)
+
+
+def test_lend_sole_lends_exactly_where_sole_grad_holds() -> None:
+    """The batched loop makes the same decision as :func:`sole_grad`, holder by holder."""
+    params = [_fresh_param() for _ in range(5)]
+    held = params[1].grad
+    alias = params[2].grad.view(16)  # type: ignore[union-attr]
+    params[3].grad = torch.zeros(32)[:16].view(4, 4)  # a view of someone's buffer
+    params[4].grad = None
+    expected = [sole_grad(p) for p in params]
+    assert expected == [True, False, False, False, True]
+    views = [torch.full((4, 4), float(k)) for k in range(5)]
+    assert lend_sole(params, [0, 1, 2, 3, 4], views) == expected
+    for k, p in enumerate(params):
+        assert (p.grad is views[k]) == expected[k]
+    assert params[1].grad is held and alias.data_ptr() == params[2].grad.data_ptr()  # type: ignore[union-attr]
+    q = _fresh_param()  # under no_grad too, as the end-of-backward callback may run
+    with torch.no_grad():
+        assert lend_sole([q], [0], [views[0]]) == [True]
 
 
 def test_views_free_until_a_lent_view_is_held() -> None:

@@ -25,7 +25,7 @@ from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch, WatchedFuture
-from xgrad.torch_backend.ddp_lend import lendable, sole_grad, views_free
+from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 
 current_graph_task = torch._C._current_graph_task_id
@@ -206,6 +206,10 @@ class GradientHooks:
             return False
         p.grad = view
         return True
+
+    def lend_many(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> list[bool]:
+        """:meth:`lend` for several parameters in one call (see :func:`.ddp_lend.lend_sole`)."""
+        return lend_sole(self.params, indices, views)
 
     def free(self, flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence[int]) -> bool:
         """Whether every lent view of ``flat`` came back (see :func:`.ddp_lend.views_free`)."""

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["lendable", "sole_grad", "views_free"]
+__all__ = ["lend_sole", "lendable", "sole_grad", "views_free"]
 
 #: from this many elements a gradient is lent rather than copied back (below, the fused
 #: copy of a bucket's small gradients costs less than swapping them one by one).
@@ -86,6 +86,55 @@ def sole_grad(param: torch.Tensor) -> bool:
     if g._is_view():
         return False
     return _grad_counts(g) == _baseline()[0]
+
+
+def _lend_loop(
+    params: Sequence[torch.Tensor],
+    indices: Sequence[int],
+    views: Sequence[torch.Tensor],
+    sole: tuple[int, int, int] | None,
+    seen: list[tuple[int, int, int]],
+) -> list[bool]:
+    """:func:`lend_sole`'s loop; with ``sole`` None it only records each gradient's counts
+    (the calibration: the counts depend on this frame, so they are taken in it)."""
+    uses = torch._C._storage_Use_Count
+    getrefcount = sys.getrefcount
+    lent = []
+    for i, view in zip(indices, views, strict=True):
+        p = params[i]
+        g = p.grad
+        if g is not None:
+            counts = (getrefcount(g), g._use_count(), uses(g.untyped_storage()._cdata))  # type: ignore[attr-defined]
+            if sole is None:
+                seen.append(counts)
+                continue
+            if g._is_view() or counts != sole:
+                lent.append(False)
+                continue
+        p.grad = view
+        lent.append(True)
+    return lent
+
+
+_loop_counts: list[tuple[int, int, int]] = []
+
+
+def lend_sole(
+    params: Sequence[torch.Tensor],
+    indices: Sequence[int],
+    views: Sequence[torch.Tensor],
+) -> list[bool]:
+    """Per ``indices[k]``: make ``views[k]`` the gradient where :func:`sole_grad` holds.
+
+    One loop instead of a call per parameter (this runs after the last bucket's wait,
+    on the step's critical path); the same test, with the counts taken in the loop.
+    """
+    if not _loop_counts:
+        with torch.inference_mode(False), torch.enable_grad():
+            param = torch.nn.Parameter(torch.zeros(2))
+            (param * 2).sum().backward()
+        _lend_loop([param], [0], [param], None, _loop_counts)
+    return _lend_loop(params, indices, views, _loop_counts[0], [])
 
 
 def views_free(flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence[int]) -> bool:
