@@ -50,11 +50,18 @@ def _view_counts(views: Sequence[torch.Tensor], k: int) -> tuple[int, int]:
     return sys.getrefcount(v), v._use_count()  # type: ignore[attr-defined]
 
 
-def _calibrate() -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """The counts of a gradient held by its parameter only, and of a view held by a list."""
+def _fresh_grad_param() -> torch.nn.Parameter:
+    """A parameter whose gradient autograd made and only the parameter holds: the
+    reference against which holder counts are calibrated."""
     with torch.inference_mode(False), torch.enable_grad():  # whatever the caller's mode
         param = torch.nn.Parameter(torch.zeros(2))
-        (param * 2).sum().backward()  # a gradient autograd made: held by the parameter only
+        (param * 2).sum().backward()
+    return param
+
+
+def _calibrate() -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """The counts of a gradient held by its parameter only, and of a view held by a list."""
+    param = _fresh_grad_param()
     g = param.grad
     assert g is not None
     grad_counts = _grad_counts(g)
@@ -130,9 +137,7 @@ def lend_sole(
     on the step's critical path); the same test, with the counts taken in the loop.
     """
     if not _loop_counts:
-        with torch.inference_mode(False), torch.enable_grad():
-            param = torch.nn.Parameter(torch.zeros(2))
-            (param * 2).sum().backward()
+        param = _fresh_grad_param()
         _lend_loop([param], [0], [param], None, _loop_counts)
     return _lend_loop(params, indices, views, _loop_counts[0], [])
 
