@@ -272,3 +272,62 @@ def test_a_parameter_branch_that_widens_is_walked_again(monkeypatch: Any) -> Non
         module.both = both
         split_equals_plain(module, joins, seed=50 + mb)
     assert counted.walks == 3
+
+
+class Switched(nn.Module):
+    """A node on the input's chain whose second operand is a parameter on some microbatches
+    and a buffer on others: the same types and the same number of edges either way, only
+    where the edge leads tells (it becomes a join). ``deep``: that node is inside the stage,
+    not its output's node."""
+
+    def __init__(self, deep: bool) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8))
+        self.register_buffer("b", torch.randn(8))
+        self.deep, self.use = deep, False
+
+    def forward(self, x: Any) -> Any:
+        h = torch.tanh(self.a(x)) * (self.w if self.use else self.b)
+        return self.c(h) if self.deep else h
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_chain_node_that_gains_a_parameter_is_walked_again(monkeypatch: Any, deep: bool) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = Switched(deep), pj.StageJoins()
+    for mb, use in enumerate((False, True, True, False)):
+        module.use = use
+        split_equals_plain(module, joins, seed=70 + mb)  # w gets its gradient when used
+    assert counted.walks == 3
+
+
+class Shared(nn.Module):
+    """One activation used twice, or the same computation done twice: the same types and
+    edges per node, but one node reached from two places or two nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.a = nn.Linear(8, 8)
+        self.w1, self.w2 = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.twice = False
+
+    def forward(self, x: Any) -> Any:
+        h = self.a(x)
+        g = self.a(x) if self.twice else h
+        return torch.tanh(h) * self.w1 + torch.tanh(g) * self.w2
+
+
+def test_a_node_shared_or_not_is_told_apart(monkeypatch: Any) -> None:
+    counted = Counted(monkeypatch)
+    module, joins = Shared(), pj.StageJoins()
+    for mb, twice in enumerate((False, True, False)):
+        module.twice = twice
+        g = torch.Generator().manual_seed(80 + mb)
+        x, grad = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+        want_in, want_p = plain(module, [x], grad)
+        got_in, got_p, _ = split(joins, module, [x], grad)  # twice: nested joins, plain W
+        assert same(got_in, want_in) and same(got_p, want_p)
+    assert counted.walks == 3
