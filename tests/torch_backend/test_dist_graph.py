@@ -9,6 +9,8 @@ gradients must equal the same computation in one process.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ranks import run_ranks
 
 SHAPES = ["ring", "star", "twice", "retain", "star", "ring", "retain", "twice", "ring"]
@@ -91,3 +93,55 @@ def test_interleaved_shapes_give_one_process_gradients_every_pass() -> None:
         assert status == "ok", (rank, diffs)
         assert len(diffs) == len(SHAPES)
         assert max(diffs) < 1e-12, (rank, dict(zip(SHAPES, diffs, strict=True)))
+
+
+def _unused_outputs(rank: int, world: int) -> list[float]:
+    """Nodes with more outputs than the graph uses: chunk, unbind and a Python Function
+    whose backward reads a materialised zero gradient for its unused output."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: Any) -> Any:
+            return a * 2, a * 3
+
+        @staticmethod
+        def backward(ctx: Any, ga: Any, gb: Any) -> Any:
+            return ga * 2 + gb * 3 + 1.0
+
+    def first(h: Any, how: str) -> Any:
+        if how == "chunk":
+            return h.chunk(2)[0]
+        if how == "unbind":
+            return h.unbind(0)[0]
+        return Pair.apply(h)[0]
+
+    diffs = []
+    for how in ("chunk", "unbind", "function"):
+        g = torch.Generator().manual_seed(1)
+        w0, x = (torch.randn(4, 4, generator=g, dtype=torch.float64) for _ in range(2))
+        w1 = torch.randn(4, generator=g, dtype=torch.float64)
+        w = (w0 if rank == 0 else w1).clone().requires_grad_()
+        ref = [w0.clone().requires_grad_(), w1.clone().requires_grad_()]
+        loss = (first(torch.tanh(ref[0] @ x), how) * ref[1]).square().sum()
+        want = torch.autograd.grad(loss, ref[rank])[0]
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(first(torch.tanh(w @ x), how), 1)
+                roots = []
+            else:
+                roots = [(da.recv(0) * w).square().sum()]
+            da.backward(cid, roots)
+            diffs.append(float((da.get_gradients(cid)[w] - want).abs().max()))
+    return diffs
+
+
+def test_a_node_whose_last_outputs_are_unused_gets_undefined_gradients_there() -> None:
+    results, codes = run_ranks(_unused_outputs, 2, timeout=60)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    for rank in range(2):
+        status, diffs = results[rank]
+        assert status == "ok", (rank, diffs)
+        assert max(diffs) < 1e-12, (rank, diffs)

@@ -57,8 +57,14 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
     """
     call = fn.apply if isinstance(fn, BackwardCFunction) else fn
     meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
+    # The node takes one gradient per output of its forward; the graph numbers only the
+    # slots some edge leads to, so a node whose last outputs are unused (``a, _ =
+    # x.chunk(2)``) gets fewer. PyTorch's engine passes undefined gradients there.
+    slots = len(fn._input_metadata)
 
     def run(inputs: list[Any]) -> list[Any]:
+        if len(inputs) < slots:
+            inputs = [*inputs, *[None] * (slots - len(inputs))]
         if meta is not None:
             # A Python Function's backward expects zeros, not None, where nothing arrived.
             inputs = [

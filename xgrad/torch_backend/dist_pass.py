@@ -159,8 +159,18 @@ class ProcessPass:
         return {node: (p, k) for node, (p, k, _) in self._recvs.items()}
 
     def deliver(self, worker: int, recv_node: int, grad: Any) -> None:
-        """Send the gradient of a received tensor back to its sender (None: no gradient)."""
+        """Send the gradient of a received tensor back to its sender (None: no gradient).
+
+        The received tensor is a leaf: its tensor hooks (``register_hook``) see its summed
+        gradient, and what they return is what goes back, as PyTorch's engine does before
+        accumulating into a leaf.
+        """
         peer, k, like = self._recvs[recv_node]
+        if grad is not None and like._backward_hooks:
+            for hook in list(like._backward_hooks.values()):
+                out = hook(grad)
+                if out is not None:
+                    grad = out
         with self._named():
             if grad is None:
                 self._send(peer, NO_GRAD, k, None, None)

@@ -1,0 +1,47 @@
+"""A received tensor's tensor hooks shape the gradient that goes back to its sender.
+
+A received tensor is a leaf of the receiving rank's graph; in one process it would be an
+intermediate whose hooks change what flows further back. So the gradient returned to the
+sender is what the hooks return, run once on the summed gradient, on two gloo ranks
+against the same computation in one process.
+"""
+
+from __future__ import annotations
+
+from ranks import run_ranks
+
+
+def _hooked(rank: int, world: int) -> list[float]:
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    g = torch.Generator().manual_seed(2)
+    w0, x = (torch.randn(4, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    w1 = torch.randn(4, generator=g, dtype=torch.float64)
+    ref = [w0.clone().requires_grad_(), w1.clone().requires_grad_()]
+    h = torch.tanh(ref[0] @ x)
+    h.register_hook(lambda grad: grad * 5)
+    loss = (h * ref[1]).square().sum() + (h * h).sum()
+    want = torch.autograd.grad(loss, ref[rank])[0]
+    w = (w0 if rank == 0 else w1).clone().requires_grad_()
+    seen = []
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            da.send(torch.tanh(w @ x), 1)
+            roots = []
+        else:
+            r = da.recv(0)
+            r.register_hook(lambda grad: seen.append(1) or grad * 5)
+            roots = [(r * w).square().sum() + (r * r).sum()]
+        da.backward(cid, roots)
+        diff = float((da.get_gradients(cid)[w] - want).abs().max())
+    return [diff, float(len(seen))]
+
+
+def test_a_received_tensors_hook_changes_what_its_sender_gets() -> None:
+    results, codes = run_ranks(_hooked, 2, timeout=60)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    assert results[0][0] == "ok" and results[0][1][0] < 1e-12, results
+    assert results[1][0] == "ok" and results[1][1][0] < 1e-12, results
+    assert results[1][1][1] == 1, results  # the hook ran once, on the summed gradient
