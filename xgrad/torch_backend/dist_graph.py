@@ -53,7 +53,8 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
 
     ``wants`` is the input metadata of each kept edge's destination: as PyTorch's engine
     does between nodes, a gradient of a broadcast input is summed back to the input's
-    shape, and cast to its dtype.
+    shape, and cast to its dtype. A Python Function's results are matched to its tensor
+    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped).
     """
     call = fn.apply if isinstance(fn, BackwardCFunction) else fn
     meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
@@ -61,6 +62,21 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
     # slots some edge leads to, so a node whose last outputs are unused (``a, _ =
     # x.chunk(2)``) gets fewer. PyTorch's engine passes undefined gradients there.
     slots = len(fn._input_metadata)
+    # A Python Function's backward returns one gradient per input of its forward, tensors
+    # or not (``checkpoint(f, x)`` passes ``f`` first), while ``next_functions`` lists its
+    # tensor inputs only. The edges that lead somewhere are those of the inputs that need
+    # a gradient, in the same order: map each to its place in the backward's result.
+    at = list(range(len(fn.next_functions)))
+    if meta is not None:
+        needs = [j for j, need in enumerate(fn.needs_input_grad) if need]
+        live = [i for i, (child, _) in enumerate(fn.next_functions) if child is not None]
+        if len(needs) != len(live):
+            raise ValueError(
+                f"{type(fn).__name__}: {len(needs)} inputs need a gradient but "
+                f"{len(live)} edges lead to a node; cannot place its backward's results"
+            )
+        for i, j in zip(live, needs, strict=True):
+            at[i] = j
 
     def run(inputs: list[Any]) -> list[Any]:
         if len(inputs) < slots:
@@ -76,7 +92,7 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
             out = (out,)
         grads = []
         for i, want in zip(keep, wants, strict=True):
-            g = out[i]
+            g = out[at[i]]
             if g is not None:
                 if g.shape != want.shape:
                     g = g.sum_to_size(want.shape)
