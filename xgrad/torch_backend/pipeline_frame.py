@@ -7,13 +7,21 @@ bytes of header (``code, microbatch`` as int64), then each leaf at a 16-byte ali
 offset. The receiver's leaves are views of that buffer (no copy). Larger messages go as
 the header followed by one message per leaf. Both ends build the same :class:`Frame`
 from the same layout, so they agree on which it is.
+
+On the CPU a packed frame is written and read through one NumPy view of its buffer: each
+torch call costs 10-40 us of dispatch when the process has just woken (four ranks on two
+cores are woken at every message), so ``pack`` with about nine torch calls took ~85 us
+and ``leaves`` ~45 us, a NumPy copy and ``from_numpy`` a third of that. The bytes are
+the same either way (dtypes NumPy lacks, like bfloat16, and other devices use torch).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame"]
@@ -25,6 +33,22 @@ HEADER_BYTES = 16
 PACK_LIMIT = 1 << 20
 
 Layout = Sequence[tuple[torch.Size, torch.dtype]]
+
+#: the NumPy dtype of each torch dtype a CPU frame can be written through.
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+_HEADER = struct.Struct("=qq")
 
 
 def _aligned(n: int) -> int:
@@ -45,6 +69,14 @@ class Frame:
             self.offsets.append(offset)
             offset = _aligned(offset + size)
         self.total = offset if self.packed else HEADER_BYTES
+        # Per leaf (offset, bytes, NumPy dtype, shape) when the frame goes through NumPy.
+        self._views: list[tuple[int, int, Any, tuple[int, ...]]] | None = None
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind == "cpu" and all(d in _NUMPY for _, d in self.layout):
+            self._views = [
+                (o, n, _NUMPY[d], tuple(s))
+                for o, n, (s, d) in zip(self.offsets, sizes, self.layout, strict=True)
+            ]
 
     def buffers(self) -> list[torch.Tensor]:
         """Empty buffers to receive into, header first."""
@@ -55,6 +87,9 @@ class Frame:
 
     def header(self, buffers: Sequence[torch.Tensor]) -> tuple[int, int]:
         """``(code, microbatch)`` of a received message."""
+        if self._views is not None:
+            code, mb = _HEADER.unpack_from(buffers[0].numpy().data)
+            return int(code), int(mb)
         code, mb = buffers[0][:HEADER_BYTES].view(torch.int64).tolist()
         return int(code), int(mb)
 
@@ -63,6 +98,11 @@ class Frame:
         if not self.packed:
             return list(buffers[1:])
         head = buffers[0]
+        if self._views is not None:
+            raw = head.numpy()
+            return [
+                torch.from_numpy(raw[o : o + n].view(d).reshape(s)) for o, n, d, s in self._views
+            ]
         return [
             head[o : o + s.numel() * d.itemsize].view(d).view(s)
             for o, (s, d) in zip(self.offsets, self.layout, strict=True)
@@ -75,9 +115,17 @@ class Frame:
         then, when not packed, dummies for the leaf buffers the receiver posted."""
         size = self.total if leaves is not None else HEADER_BYTES
         head = torch.empty(size, dtype=torch.uint8, device=self.device)
-        head[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([code, mb], dtype=torch.int64, device=self.device)
-        )
+        if self._views is not None:
+            raw = head.numpy()
+            _HEADER.pack_into(raw.data, 0, code, mb)
+            if leaves is not None and self.packed:
+                for (o, n, d, s), leaf in zip(self._views, leaves, strict=True):
+                    raw[o : o + n].view(d).reshape(s)[...] = leaf.numpy(force=True)
+                return [head]
+        else:
+            head[:HEADER_BYTES].view(torch.int64).copy_(
+                torch.tensor([code, mb], dtype=torch.int64, device=self.device)
+            )
         if leaves is None:
             if self.packed:
                 return [head]
