@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xgrad.torch_backend.pipeline_frame import HEADER_BYTES, PACK_LIMIT, Frame  # noqa: E402
+from xgrad.torch_backend.pipeline_frame import HEADER_BYTES, PACK_LIMIT, Frame, frame_of  # noqa: E402
 
 
 def test_small_leaves_travel_in_the_header_buffer_and_come_back_as_views() -> None:
@@ -72,3 +72,10 @@ def test_numpy_and_torch_writes_give_the_same_bytes_for_every_cpu_dtype() -> Non
     assert frame._views is None
     back = frame.leaves(frame.pack(0, 1, [bf]))
     assert torch.equal(back[0], bf) and frame.header(frame.pack(5, 6, None)) == (5, 6)
+
+
+def test_frames_are_made_once_per_layout_and_device() -> None:
+    layout = [(torch.Size([2, 3]), torch.float32)]
+    assert frame_of(layout, "cpu") is frame_of([((2, 3), torch.float32)], "cpu")
+    assert frame_of(layout, "cpu") is not frame_of([(torch.Size([2, 4]), torch.float32)], "cpu")
+    assert frame_of([], "cpu").total == HEADER_BYTES

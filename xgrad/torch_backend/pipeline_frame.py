@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame"]
+__all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame", "frame_of"]
 
 #: the header: two int64, the code and the microbatch.
 HEADER_BYTES = 16
@@ -94,7 +94,8 @@ class Frame:
         return int(code), int(mb)
 
     def leaves(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The received leaves (views of the packed buffer, or the leaf buffers)."""
+        """The received leaves (views of the packed buffer, or the leaf buffers), free of
+        any graph: a leaf may be made to require a gradient as it is."""
         if not self.packed:
             return list(buffers[1:])
         head = buffers[0]
@@ -104,7 +105,7 @@ class Frame:
                 torch.from_numpy(raw[o : o + n].view(d).reshape(s)) for o, n, d, s in self._views
             ]
         return [
-            head[o : o + s.numel() * d.itemsize].view(d).view(s)
+            head[o : o + s.numel() * d.itemsize].view(d).view(s).detach()
             for o, (s, d) in zip(self.offsets, self.layout, strict=True)
         ]
 
@@ -135,3 +136,18 @@ class Frame:
                 head[o : o + s.numel() * d.itemsize].view(d).view(s).copy_(leaf)
             return [head]
         return [head] + [leaf.detach().contiguous() for leaf in leaves]
+
+
+#: frames by layout and device (a step's messages repeat a few layouts).
+_FRAMES: dict[tuple[Any, ...], Frame] = {}
+
+
+def frame_of(layout: Layout, device: Any) -> Frame:
+    """The :class:`Frame` of ``layout`` on ``device``, made once (frames are read-only)."""
+    key = (*layout, device)
+    frame = _FRAMES.get(key)
+    if frame is None:
+        if len(_FRAMES) >= 256:  # shapes that change every step must not pile up
+            _FRAMES.clear()
+        frame = _FRAMES[key] = Frame(layout, device)
+    return frame
