@@ -79,16 +79,22 @@ class Frame:
             ]
 
     def buffers(self) -> list[torch.Tensor]:
-        """Empty buffers to receive into, header first."""
-        head = torch.empty(self.total, dtype=torch.uint8, device=self.device)
-        if self.packed:
-            return [head]
-        return [head] + [torch.empty(s, dtype=d, device=self.device) for s, d in self.layout]
+        """Empty buffers to receive into, header first (with the header buffer's NumPy
+        array, when the frame goes through NumPy, for :meth:`header` and :meth:`leaves`)."""
+        if self._views is not None:
+            raw = np.empty(self.total, dtype=np.uint8)
+            out = _Buffers([torch.from_numpy(raw)])
+            out.raw = raw
+        else:
+            out = _Buffers([torch.empty(self.total, dtype=torch.uint8, device=self.device)])
+        if not self.packed:
+            out += [torch.empty(s, dtype=d, device=self.device) for s, d in self.layout]
+        return out
 
     def header(self, buffers: Sequence[torch.Tensor]) -> tuple[int, int]:
         """``(code, microbatch)`` of a received message."""
         if self._views is not None:
-            code, mb = _HEADER.unpack_from(buffers[0].numpy().data)
+            code, mb = _HEADER.unpack_from(_array(buffers).data)
             return int(code), int(mb)
         code, mb = buffers[0][:HEADER_BYTES].view(torch.int64).tolist()
         return int(code), int(mb)
@@ -100,7 +106,7 @@ class Frame:
             return list(buffers[1:])
         head = buffers[0]
         if self._views is not None:
-            raw = head.numpy()
+            raw = _array(buffers)
             return [
                 torch.from_numpy(raw[o : o + n].view(d).reshape(s)) for o, n, d, s in self._views
             ]
@@ -115,15 +121,16 @@ class Frame:
         leaves go elsewhere): 16 bytes (gloo completes a receive with a shorter message),
         then, when not packed, dummies for the leaf buffers the receiver posted."""
         size = self.total if leaves is not None else HEADER_BYTES
-        head = torch.empty(size, dtype=torch.uint8, device=self.device)
         if self._views is not None:
-            raw = head.numpy()
+            raw = np.empty(size, dtype=np.uint8)
+            head = torch.from_numpy(raw)
             _HEADER.pack_into(raw.data, 0, code, mb)
             if leaves is not None and self.packed:
                 for (o, n, d, s), leaf in zip(self._views, leaves, strict=True):
                     raw[o : o + n].view(d).reshape(s)[...] = leaf.numpy(force=True)
                 return [head]
         else:
+            head = torch.empty(size, dtype=torch.uint8, device=self.device)
             head[:HEADER_BYTES].view(torch.int64).copy_(
                 torch.tensor([code, mb], dtype=torch.int64, device=self.device)
             )
@@ -136,6 +143,18 @@ class Frame:
                 head[o : o + s.numel() * d.itemsize].view(d).view(s).copy_(leaf)
             return [head]
         return [head] + [leaf.detach().contiguous() for leaf in leaves]
+
+
+class _Buffers(list):  # type: ignore[type-arg]
+    """A message's receive buffers; ``raw`` is the header buffer's NumPy array (or None)."""
+
+    raw: Any = None
+
+
+def _array(buffers: Sequence[torch.Tensor]) -> Any:
+    """The header buffer as a NumPy array (kept by :meth:`Frame.buffers`, else made)."""
+    raw = getattr(buffers, "raw", None)
+    return buffers[0].numpy() if raw is None else raw
 
 
 #: frames by layout and device (a step's messages repeat a few layouts).
