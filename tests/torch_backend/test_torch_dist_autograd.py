@@ -234,6 +234,14 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
     ]:
         attempt(name, body)
         out[f"after_{name}"] = [_run_graph(rank, "fan") for _ in range(3 if name == "node" else 1)]
+    # The transfers failed passes left are kept until gloo is done with them, then freed.
+    from xgrad.torch_backend import dist_inbox
+
+    time.sleep(0.5)
+    buried = len(dist_inbox.GRAVEYARD)
+    kept = dist_inbox.sweep()
+    pending = all(not work.is_completed() for work, _ in dist_inbox.GRAVEYARD)
+    out["graveyard"] = (buried, kept, pending)
     da.EXECUTE = default
     # The same tensor in .grad, for ordinary optimizers.
     P = _params()
@@ -287,6 +295,9 @@ def test_gradients_equal_one_process_and_every_failure_reaches_every_rank() -> N
         for key in ("good", "after_node", "after_forward", "after_hook", "after_roots"):
             assert max(out[key]) < 1e-12, (rank, key, out[key])
         assert len(out["after_node"]) == 3
+        assert out["graveyard"][2], (rank, out["graveyard"])  # only transfers still in flight
+    # Some of what the failures left completed (the poisons peers were waiting for) and is freed.
+    assert sum(results[r][1]["graveyard"][0] - results[r][1]["graveyard"][1] for r in range(4)) > 0
     boom = results[1][1]["node"][4]
     for rank in range(4):
         out = results[rank][1]

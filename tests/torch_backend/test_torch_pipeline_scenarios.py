@@ -142,6 +142,53 @@ def _dag(rank: int) -> dict[str, float]:
     return errors
 
 
+class Switch(nn.Module):
+    """A stage whose graph depends on its microbatch: the activation is scaled by a
+    parameter on some microbatches and by a buffer on others (same node types and edge
+    counts either way), so the split backward's W plan must tell the graphs apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.w = nn.Parameter(torch.randn(WIDTH))
+        self.register_buffer("b", torch.randn(WIDTH))
+
+    def forward(self, x: Any) -> Any:
+        return torch.tanh(self.fc(x)) * (self.w if float(x[0, 0]) > 0 else self.b)
+
+
+def _switched(rank: int, world: int) -> dict[str, float]:
+    """Zero-bubble schedules over :class:`Switch` stages equal the unpipelined model."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    errors = {}
+    for name in ("zb_h1", "zbv"):
+        schedule = xp.make(name, world, M)
+        torch.manual_seed(4)
+        parts = [Switch().double() for _ in schedule.placement]
+        x, y = _batch(8, 10)
+        for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):  # the reference, per microbatch
+            out = xs
+            for part in parts:
+                out = part(out)
+            (nn.functional.mse_loss(out, ys) / M).backward()
+        want = [[p.grad for p in part.parameters()] for part in parts]  # None: unused
+        mine = [k for k, r in enumerate(schedule.placement) if r == rank]
+        for part in parts:
+            part.zero_grad(set_to_none=True)
+        rt = PipelineRuntime(schedule, [parts[k] for k in mine], nn.functional.mse_loss, timeout=30)
+        last = schedule.placement[-1]
+        rt.step(x if rank == schedule.placement[0] else None, y if rank == last else None)
+        for k in mine:
+            for p, w in zip(parts[k].parameters(), want[k], strict=True):
+                gap = 0.0 if p.grad is None and w is None else float("inf")
+                if p.grad is not None and w is not None:
+                    gap = float((p.grad - w).abs().max())
+                errors[name] = max(errors.get(name, 0.0), gap)
+        errors[f"{name}/w used"] = sum(part.w.grad is not None for part in parts)
+    return errors
+
+
 def _torch_csv(rank: int, world: int, path: str) -> dict[str, float]:
     """torch's own lowering of its schedules (``_dump_csv`` with comms: UNSHARD, RESHARD,
     REDUCE_GRAD, OVERLAP_F_B), read back and run by xgrad's runtime: gradients as whole."""
@@ -240,6 +287,7 @@ def _scenario(rank: int, world: int, path: str) -> dict[str, Any]:
     step(8, 7)
     out["last"] = _err(part, _want(8, 7)[rank])
     out["dag"] = _dag(rank)
+    out["switched"] = _switched(rank, world)
     out["torch_csv"] = _torch_csv(rank, world, path)
     # Sent outputs are freed once sent even without checkpointing (their gradient edges keep
     # their graph): what a stage holds is then what checkpointing holds, its inputs.
@@ -278,6 +326,9 @@ def test_pytrees_failure_agreement_dag_and_torch_csv(tmp_path: Any) -> None:
         for key, err in res["torch_csv"].items():
             assert err <= 1e-12, (rank, key, err)
         assert len(res["dag"]) == 6
+        for name in ("zb_h1", "zbv"):
+            assert res["switched"][name] <= 1e-12, (rank, name, res["switched"])
+            assert res["switched"][f"{name}/w used"] > 0  # some stage took the parameter
         for key, err in res["dag"].items():
             assert err <= 1e-12, (rank, key, err)
     raised = [res["error"][2] for res in results]

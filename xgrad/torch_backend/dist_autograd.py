@@ -31,9 +31,8 @@ import torch.distributed as dist
 
 from xgrad.failure import RankError, check_seconds, wait_until
 from xgrad.torch_backend.dist_graph import build_rank_graph
-from xgrad.torch_backend.dist_inbox import Inbox
+from xgrad.torch_backend.dist_inbox import Inbox, bury
 from xgrad.torch_backend.dist_pass import (
-    GRAVEYARD,
     Accumulate,
     DistBackwardError,
     DistBackwardUnresponsiveError,
@@ -154,9 +153,9 @@ class _Context:
             link.start_backward(owe.get(peer, ()))
             try:
                 for _ in owe.get(peer, ()):
-                    GRAVEYARD.append(link.send_backward(POISON, 0, None))
+                    bury(*link.send_backward(POISON, 0, None))
                 if peer in self.dones():
-                    GRAVEYARD.append(link.send_backward(POISON, 0, None, final=True))
+                    bury(*link.send_backward(POISON, 0, None, final=True))
             except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
                 continue
 
@@ -186,7 +185,8 @@ class _Context:
         this rank already raised (and the user caught), nothing is awaited.
         """
         if self.reported:
-            GRAVEYARD.extend(self.works)
+            for _, (work, buf) in self.works:
+                bury(work, buf)
             return
         try:
             barrier(self.channel, "exit", len(self.ranks), self.timeout)
@@ -271,7 +271,8 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         with _lock:
             _open.pop(ctx.id, None)
         if not ok:
-            GRAVEYARD.extend(ctx.works)
+            for _, (work, buf) in ctx.works:
+                bury(work, buf)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:

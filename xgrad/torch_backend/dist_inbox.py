@@ -35,15 +35,43 @@ from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _t
 from xgrad.torch_backend.dist_watch import wait_here
 from xgrad.torch_backend.dist_wire import DONE, POISON, Link
 
-__all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message", "_made"]
+__all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message", "_made", "bury", "sweep"]
 
 #: where a pass waits for its messages: "caller" (its own thread) or "threads" (one per peer).
 WAIT = os.environ.get("XGRAD_DIST_WAIT", "caller")
 
 #: sends and receives that may still be in flight when their pass or context ended (a
-#: failure, or sends nobody waited for): kept referenced with their buffers, because gloo
-#: drops a send whose buffer is freed and writes a receive into its buffer when it lands.
-GRAVEYARD: list[Any] = []
+#: failure, or sends nobody waited for), as ``(work, buffer)``: kept referenced, because
+#: gloo drops a send whose buffer is freed and writes a receive into its buffer when it
+#: lands. :func:`bury` drops those that completed, so a retry loop does not grow it.
+GRAVEYARD: list[tuple[Any, Any]] = []
+_sweep_at = 64  # GRAVEYARD's length that triggers the next sweep
+
+
+def bury(work: Any, buffer: Any) -> None:
+    """Keep ``work`` and the ``buffer`` it reads or writes referenced until it completes.
+
+    Completed ones are dropped whenever the list has doubled since the last sweep: a
+    sweep costs one ``is_completed()`` per entry, so this stays linear in the buried.
+    """
+    global _sweep_at
+    GRAVEYARD.append((work, buffer))
+    if len(GRAVEYARD) >= _sweep_at:
+        _sweep_at = max(64, 2 * sweep())
+
+
+def sweep() -> int:
+    """Drop the buried transfers that completed (delivered, or failed by gloo: either way
+    gloo no longer touches the buffer); how many are still kept."""
+    GRAVEYARD[:] = [entry for entry in GRAVEYARD if not _completed(entry[0])]
+    return len(GRAVEYARD)
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except RuntimeError:  # cannot tell: keep it
+        return False
 
 
 class Inbox:
@@ -84,7 +112,7 @@ class Inbox:
         self._owe = {p: len(owe.get(p, ())) for p in links}  # gradients
         self._owe_done = {p: int(p in self._done_peers) for p in links}
         self.sent: list[tuple[int, Any]] = []
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[tuple[Any, torch.Tensor]] = []  # the receives: (work, buffer)
         self._expect = expect
         self._armed = False
         senders = [p for p in links if expect.get(p)]
@@ -114,7 +142,7 @@ class Inbox:
                 works = link.post_gradients(self._expect.get(peer, ()))
                 if peer in self._done_peers:
                     works.append(link.post_done())
-                self.buffers += [buf for _, buf in works]
+                self.buffers += works
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
             return
         for peer, link in self._links.items():
@@ -122,7 +150,7 @@ class Inbox:
             self._here.extend((peer, w, b) for w, b in works)
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))
-        self.buffers += [b for _, _, b in (*self._here, *self._dones)]
+        self.buffers += [(w, b) for _, w, b in (*self._here, *self._dones)]
 
     def send(
         self,
@@ -226,11 +254,12 @@ class Inbox:
         Sends nobody waited for (:attr:`sent` is cleared once they were) stay referenced,
         and so do the receives' buffers after a failure.
         """
-        if self.sent:
-            GRAVEYARD.append(self.sent)
-            self.sent = []
+        for _, (work, buf) in self.sent:
+            bury(work, buf)
+        self.sent = []
         if failed:
-            GRAVEYARD.append(self.buffers)
+            for work, buf in self.buffers:
+                bury(work, buf)
             left: dict[int, list[tuple[Any, torch.Tensor]]] = {}
             for peer, work, buf in (*self._here, *self._dones):
                 left.setdefault(peer, []).append((work, buf))

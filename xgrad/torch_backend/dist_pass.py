@@ -25,12 +25,11 @@ from xgrad.failure import (
     default_seconds,
     wait_until,
 )
-from xgrad.torch_backend.dist_inbox import GRAVEYARD, Inbox, Message
+from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
 __all__ = [
-    "GRAVEYARD",
     "Accumulate",
     "DistBackwardError",
     "DistBackwardUnresponsiveError",

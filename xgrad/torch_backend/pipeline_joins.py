@@ -9,12 +9,11 @@ it cheap per microbatch:
 
 * the joins' gradients are captured by the I pass's own ``autograd.grad`` call (the joins
   are extra ``GradientEdge`` inputs of it), with no hooks to register and remove;
-* the graph is walked in full once per stage and step (:func:`analyse`); every other
-  microbatch only follows the recorded paths from the output to the joins, the stage's
-  inputs and the parameters (:meth:`JoinPlan.follow`), checking each node's type, its
-  creation order relative to the root (``_sequence_nr``), the edges of the joins and of
-  every node under their parameter branches, and that the accumulators are those of the
-  same inputs and parameters, and walks in full again on any mismatch.
+* the graph is analysed once per stage and step (:func:`analyse`); every other microbatch
+  only checks that its graph is the same graph (:meth:`JoinPlan.follow`): a breadth-first
+  walk comparing every node's type and every edge with the recorded ones, and that the
+  accumulators are those of the same inputs and parameters. Any difference (a node that
+  gains a parameter on some microbatches, a node shared or no longer shared) analyses again.
 
 W is one ``backward`` per group of joins sharing parameters, from the joins' edges with
 ``inputs=params``: parameters' ``AccumulateGrad`` nodes run, so their hooks (DDP, REDUCE_GRAD
@@ -35,69 +34,73 @@ from torch.autograd.graph import GradientEdge
 __all__ = ["Captured", "JoinPlan", "StageJoins", "analyse", "run_weight"]
 
 
-#: which of a node's ``next_functions`` are not ``None`` (``None``: not checked)
-Edges = tuple[bool, ...] | None
-
-
-def _edges(node: Any) -> tuple[bool, ...]:
-    return tuple(f is not None for f, _ in node.next_functions)
+#: one node of a plan: its type and, per ``next_functions`` slot, the index of the node it
+#: leads to (``-1``: ``None``); nodes are numbered in breadth-first discovery order
+Shape = tuple[type, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class JoinPlan:
-    """Where one stage graph's joins are, as paths from its roots (the outputs' nodes).
+    """One stage graph's joins, found by a full walk, and the whole graph they were found in.
 
-    ``program`` rebuilds the nodes on those paths: entry ``i`` is ``(parent, index, type,
-    offset, edges)``, node ``roots + i`` being ``nodes[parent].next_functions[index][0]``,
-    of that ``type``, created ``offset`` nodes before the first root (``None`` for
-    accumulators), with ``edges`` (which of its ``next_functions`` are not ``None``; ``None``:
-    not checked; checked on the joins and every node under their parameter branches, all of
-    which are in the program).
+    ``nodes`` is every node reachable from the roots (the outputs' nodes, numbered first),
+    in breadth-first discovery order, as its type and where each of its edges leads. A later
+    graph gets the same plan only if it is the same graph up to the node objects: the same
+    types, every edge to the same numbered node (so a node reached twice is the same object
+    both times), the joins with as many gradient slots, and every accumulator that of the same
+    input or parameter, or of neither. That is everything :func:`analyse` reads, so it would
+    find the same joins in it.
     """
 
-    roots: tuple[tuple[type, Edges], ...]  # the roots' node types and edges
+    roots: int  # how many roots (nodes 0 .. roots - 1)
+    inputs: int  # how many inputs
+    nodes: tuple[Shape, ...]
     params: tuple[torch.Tensor, ...]  # the stage's parameters the positions below refer to
-    program: tuple[tuple[int, int, type, int | None, Edges], ...]
-    inputs: tuple[tuple[int, int], ...]  # (node, input position): the input's accumulator
-    leaves: tuple[tuple[int, int], ...]  # (node, param position): the parameter's accumulator
+    roles: tuple[tuple[int, int, int], ...]  # (node, role, position) of every accumulator:
+    # role 0 an input, 1 a parameter, 2 neither
+    joins: tuple[tuple[int, int], ...]  # (node, gradient slots)
     edges: tuple[tuple[int, int], ...]  # (node, gradient slot) captured by the I pass
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (edges, param positions)
 
     def follow(self, roots: list[Any], inputs: list[torch.Tensor]) -> list[Any] | None:
         """The joins' edges in this graph, or ``None`` where it differs from the plan's."""
-        nodes: list[Any] = list(roots)
-        nexts: list[Any] = [r.next_functions for r in roots]  # each node's, fetched once
-        for nf, (kind, count), root in zip(nexts, self.roots, roots, strict=True):
-            if count is not None and tuple(f is not None for f, _ in nf) != count:
-                return None
-            if type(root) is not kind:
-                return None
-        base = roots[0]._sequence_nr()
-        try:
-            for parent, index, kind, offset, count in self.program:
-                node: Any = nexts[parent][index][0]
-                if offset is None:  # an accumulator: no edges
-                    nodes.append(node)
-                    nexts.append(())
-                    if type(node) is not kind:
-                        return None
-                    continue
-                if base - node._sequence_nr() != offset:
-                    return None
-                nf = node.next_functions
-                if count is not None and tuple(f is not None for f, _ in nf) != count:
-                    return None
-                if type(node) is not kind:
-                    return None
-                nodes.append(node)
-                nexts.append(nf)
-        except IndexError:
+        plan = self.nodes
+        if len(roots) != self.roots or len(inputs) != self.inputs:
             return None
-        for at, position in self.inputs:
-            if nodes[at].variable is not inputs[position]:
+        nodes: list[Any] = list(roots)
+        at = 0
+        try:
+            while at < len(nodes):
+                node: Any = nodes[at]
+                kind, kids = plan[at]
+                nf = node.next_functions
+                if type(node) is not kind or len(nf) != len(kids):
+                    return None
+                for (child, _), want in zip(nf, kids, strict=True):
+                    if want < 0:
+                        if child is not None:
+                            return None
+                    elif want == len(nodes) and child is not None:
+                        nodes.append(child)
+                    elif nodes[want] is not child:
+                        return None
+                at += 1
+        except IndexError:  # an edge to a node numbered past the plan's
+            return None
+        if len(nodes) != len(plan) or len(set(nodes)) != len(nodes):
+            return None  # a node reached twice here that the plan had as two
+        for at, role, position in self.roles:
+            var = nodes[at].variable
+            if role == 0:
+                if var is not inputs[position]:
+                    return None
+            elif role == 1:
+                if var is not self.params[position]:
+                    return None
+            elif any(var is t for t in inputs) or any(var is p for p in self.params):
                 return None
-        for at, position in self.leaves:  # the joins lead to the same parameters
-            if nodes[at].variable is not self.params[position]:
+        for at, slots in self.joins:
+            if len(nodes[at]._input_metadata) != slots:
                 return None
         return [GradientEdge(nodes[at], slot) for at, slot in self.edges]
 
@@ -120,30 +123,24 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
         return None  # outputs of one multi-output node (each root is a node of its own here)
     input_at = {id(t): i for i, t in enumerate(inputs)}
     param_at = {id(t): i for i, t in enumerate(params)}
-    order: list[Any] = []  # every node, parents first (discovery order)
-    index: dict[Any, int] = {}
-    parent: list[tuple[int, int] | None] = []
-    children: list[list[int]] = []
-    for r in roots:
-        if r not in index:
-            index[r] = len(order)
-            order.append(r)
-            parent.append(None)
-            children.append([])
-    stack = list(range(len(order)))
-    while stack:
-        at = stack.pop()
-        for slot, (nxt, _) in enumerate(order[at].next_functions):
+    order: list[Any] = list(roots)  # every node, breadth-first (discovery order)
+    index: dict[Any, int] = {r: i for i, r in enumerate(roots)}
+    shapes: list[Shape] = []  # per node, its type and where each edge leads (-1: None)
+    at = 0
+    while at < len(order):
+        kids = []
+        for nxt, _ in order[at].next_functions:
             if nxt is None:
+                kids.append(-1)
                 continue
             found = index.get(nxt)
             if found is None:
                 found = index[nxt] = len(order)
                 order.append(nxt)
-                parent.append((at, slot))
-                children.append([])
-                stack.append(found)
-            children[at].append(found)
+            kids.append(found)
+        shapes.append((type(order[at]), tuple(kids)))
+        at += 1
+    children = [[k for k in kids if k >= 0] for _, kids in shapes]
     # Per node: reaches an input (depends on it) and the parameters it reaches (bit set).
     dep = [False] * len(order)
     reach = [0] * len(order)
@@ -192,33 +189,6 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
     for members in groups:
         if len(members) > 1 and _nested(members, children, dep):
             return None
-    # Every node under the joins' parameter branches is followed and its edges counted.
-    branch: set[int] = set()
-    stack = [c for at in joins for c in children[at] if not dep[c]]
-    while stack:
-        at = stack.pop()
-        if at not in branch:
-            branch.add(at)
-            stack.extend(children[at])
-    counted = branch | set(joins)
-    needed = counted | set(leaf_input) | set(leaf_param)
-    for at in list(needed):
-        while parent[at] is not None:
-            at = parent[at][0]  # type: ignore[index]
-            if at in needed:
-                break
-            needed.add(at)
-    slot_of = {i: i for i in range(len(roots))}
-    program: list[tuple[int, int, type, int | None, Edges]] = []
-    base = roots[0]._sequence_nr()
-    for at in range(len(roots), len(order)):
-        if at in needed:
-            up, slot = parent[at]  # type: ignore[misc]
-            node = order[at]
-            offset = None if hasattr(node, "variable") else base - node._sequence_nr()
-            count = _edges(node) if at in counted and offset is not None else None
-            slot_of[at] = len(roots) + len(program)
-            program.append((slot_of[up], slot, type(node), offset, count))
     edges: list[tuple[int, int]] = []
     plan_groups = []
     for members in groups:
@@ -227,16 +197,26 @@ def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Ten
         for at in members:
             for k in range(len(order[at]._input_metadata)):
                 ids.append(len(edges))
-                edges.append((slot_of[at], k))
+                edges.append((at, k))
             bits |= joins[at]
         params_in = tuple(i for i in range(len(params)) if bits >> i & 1)
         plan_groups.append((tuple(ids), params_in))
+    roles = []
+    for at, node in enumerate(order):
+        if hasattr(node, "variable"):
+            if at in leaf_input:
+                roles.append((at, 0, leaf_input[at]))
+            elif at in leaf_param:
+                roles.append((at, 1, leaf_param[at]))
+            else:
+                roles.append((at, 2, -1))
     return JoinPlan(
-        roots=tuple((type(r), _edges(r) if i in counted else None) for i, r in enumerate(roots)),
+        roots=len(roots),
+        inputs=len(inputs),
+        nodes=tuple(shapes),
         params=tuple(params),
-        program=tuple(program),
-        inputs=tuple((slot_of[at], i) for at, i in sorted(leaf_input.items())),
-        leaves=tuple((slot_of[at], i) for at, i in sorted(leaf_param.items())),
+        roles=tuple(roles),
+        joins=tuple((at, len(order[at]._input_metadata)) for at in joins),
         edges=tuple(edges),
         groups=tuple(plan_groups),
     )
