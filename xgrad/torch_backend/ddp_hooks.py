@@ -132,6 +132,7 @@ class GradientHooks:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
         self.sync_pending = True
         arrivals = self.arrivals
+        arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
             arrivals.disable()  # another hook could change .grad before the log is read
 
