@@ -86,9 +86,12 @@ def test_a_parameter_with_another_hook_is_never_logged() -> None:
 def test_ddps_hook_runs_after_a_hook_added_later() -> None:
     log, params, calls = _log([4, 4])
     params[0].register_post_accumulate_grad_hook(lambda p: calls[0].append("user"))
-    log.hooks_last()
+    params[1].register_post_accumulate_grad_hook(lambda p: calls[1].append("user"))
+    assert not log.hooks_last(running=0)  # parameter 0's hooks are running: left alone
+    assert log.hooks_last()  # the next call moves it
+    assert log.hooks_last()  # and then looks at nothing until a hook is made
     (params[0].sum() + params[1].sum()).backward()
-    assert calls == [["user", "python"], ["python"]]  # where PyTorch's reducer reads .grad
+    assert calls == [["user", "python"], ["user", "python"]]  # where PyTorch's reducer reads
 
 
 # ----------------------------------------------------------------- in a gloo group
@@ -219,12 +222,13 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     # Hooks of the user's registered on the wrapped model run before the reduction, as
     # with PyTorch's DDP (its reducer reads a gradient after every post-accumulate-grad
     # hook): from the second step one halves a large gradient in place, one replaces a
-    # small (so far logged) one.
+    # small (so far logged) one; at the third a hook registered between the forward and
+    # the backward halves the first layer's weight.
     torch.manual_seed(3)
     base = _Chain()
     ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3)
     theirs = TorchDDP(copy.deepcopy(base), bucket_cap_mb=1e-3)
-    for step in range(3):
+    for step in range(4):
         torch.manual_seed(11 * step + rank)
         x = torch.randn(3, 8)
         for ddp in (ours, theirs):
@@ -232,7 +236,10 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
                 ddp.module.big.weight.register_post_accumulate_grad_hook(_halve_in_place)
                 ddp.module.blocks[4].weight.register_post_accumulate_grad_hook(_replace_halved)
             ddp.zero_grad(set_to_none=True)
-            ddp(x).square().sum().backward()
+            y = ddp(x)
+            if step == 2:
+                ddp.module.blocks[0].weight.register_post_accumulate_grad_hook(_halve_in_place)
+            y.square().sum().backward()
         for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             if not torch.equal(p.grad, q.grad):  # type: ignore[arg-type]
                 out["mismatches"].append(f"user's hook, step {step}: {n}")

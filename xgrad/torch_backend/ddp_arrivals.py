@@ -68,7 +68,7 @@ class ArrivalLog:
         #: off for good (hooks in several graph tasks, or no parameter can be logged).
         self.enabled = any(self._eligible)
         self._hooks_counted = sum(map(len, self._tables))
-        self._handles_made = RemovableHandle.next_id
+        self.handles_made = RemovableHandle.next_id
         self._plan: Any = None
         self._order: Sequence[int] = ()
 
@@ -108,21 +108,28 @@ class ArrivalLog:
         self.enabled = False
         self._set([False] * len(self.logged))
 
-    def hooks_last(self) -> None:
+    def hooks_last(self, running: int = -1) -> bool:
         """Move DDP's hook after every other post-accumulate-grad hook where one was added.
 
         PyTorch's reducer reads a gradient after all of them (its hook is the gradient
         accumulator's post hook), so a hook of the user's that scales or replaces
         ``.grad`` is reduced, whenever it was registered. Any hook made anywhere takes a
         new handle id, so nothing is looked at while no hook was made since the last call.
+        Parameter ``running``'s table is left alone (autograd is running its hooks);
+        returns whether DDP's hook is already last there.
         """
         made = RemovableHandle.next_id
-        if made == self._handles_made:
-            return
-        self._handles_made = made
-        for table, key in zip(self._tables, self._keys, strict=True):
+        if made == self.handles_made:
+            return True
+        last = True
+        for i, (table, key) in enumerate(zip(self._tables, self._keys, strict=True)):
             if len(table) > 1 and next(reversed(table)) != key:
+                if i == running:
+                    last = False
+                    continue
                 table[key] = table.pop(key)  # autograd runs them in the dict's own order
+        self.handles_made = made if last else -1  # -1: that table is still to be done
+        return last
 
     def hooks_unchanged(self) -> bool:
         """Whether no post-accumulate-grad hook was added or removed since the layout."""

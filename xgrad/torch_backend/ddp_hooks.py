@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
@@ -101,6 +102,13 @@ class GradientHooks:
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
                 self.arrivals.disable()
+            if RemovableHandle.next_id != self.arrivals.handles_made and not (
+                self.arrivals.hooks_last(index)
+            ):
+                # A hook added since the forward runs after this one: the gradient is
+                # marked at the next drain, once that hook has changed it.
+                self.arrivals.log.append(param)
+                return
             if self.arrivals.log:
                 self._drain()
             try:
