@@ -48,6 +48,15 @@ def test_bench_reports_a_ratio_and_equal_gradients(
     assert record["world"] == 3 and record["dtype"] == "float64"
     assert record["ratio"] == pytest.approx(record["xgrad_ms"] / record["torch_rpc_ms"])
     assert record["torch_rpc_ms"] == pytest.approx(torch_ms, abs=1e-3)
+    # CPU per pass, all ranks: both measured, the printed row the same figures.
+    cpu = next(line for line in lines if line.startswith("cpu "))
+    torch_cpu, xgrad_cpu, cpu_ratio = (float(v) for v in cpu.split()[1:4])
+    assert record["torch_rpc_cpu_ms"] > 0 and record["xgrad_cpu_ms"] > 0
+    assert (torch_cpu, xgrad_cpu) == pytest.approx(
+        (record["torch_rpc_cpu_ms"], record["xgrad_cpu_ms"]), abs=1e-3
+    )
+    assert record["cpu_ratio"] == pytest.approx(record["xgrad_cpu_ms"] / record["torch_rpc_cpu_ms"])
+    assert cpu_ratio == pytest.approx(record["cpu_ratio"], abs=1e-3)
     rows = list(csv.DictReader((tmp_path / "r.csv").open()))
     (csv_row,) = [row for row in rows if row["table"] == "bench dist-autograd"]
     assert float(csv_row["max_grad_diff"]) == record["max_grad_diff"] < 1e-12

@@ -13,8 +13,10 @@ each next rank with nested ``rpc_sync`` over TensorPipe inside a
 every rank finished its part). The two alternate in blocks of passes, in the same
 processes; PyTorch's RPC agent is started for each of its blocks and shut down after,
 because while it lives a thread of every process polls its shared-memory transport (an
-idle agent made xgrad's pass 1.8 times slower). Also reported: the largest difference
-between the two implementations' gradients of every weight.
+idle agent made xgrad's pass 1.8 times slower). Also reported: the CPU time a pass costs
+all ranks together (every thread, forward and backward: for PyTorch from when rank 0
+starts its timed passes until it finished them, polling included), and the largest
+difference between the two implementations' gradients of every weight.
 """
 
 from __future__ import annotations
@@ -157,11 +159,14 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
     # lives (its shared-memory transport), which slows every other computation.
     other: list[float] = []
     other_grad = None
+    cpu = {"xgrad": 0.0, "torch": 0.0}  # this process's CPU (all threads) in timed passes
     for r, n in enumerate(_blocks(cfg["iters"], cfg["rounds"])):
         for i in range(cfg["warmup"] + n):
+            before = time.process_time()
             seconds, mine = _xgrad_pass(rank, world, x, w, cfg["execute"])
             if i >= cfg["warmup"]:
                 ours.append(seconds)
+                cpu["xgrad"] += time.process_time() - before
             dist.barrier()
             if cfg["ab"]:  # the other execution, pass by pass between the default's passes
                 seconds, other_grad = _xgrad_pass(rank, world, x, w, cfg["ab"])
@@ -177,24 +182,31 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
             rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
         try:
-            for i in range(cfg["warmup"] + n):
-                if rank == 0:  # the others serve its calls on their RPC threads meanwhile
-                    seconds, grads = _torch_pass(world, x, w)
-                    if i >= cfg["warmup"]:
-                        theirs.append(seconds)
+            for _ in range(cfg["warmup"] if rank == 0 else 0):
+                _torch_pass(world, x, w)
+            # The others serve rank 0's calls on their RPC threads while they wait here.
+            dist.barrier()
+            before = time.process_time()
+            for _ in range(n if rank == 0 else 0):
+                seconds, grads = _torch_pass(world, x, w)
+                theirs.append(seconds)
+            dist.barrier()
+            cpu["torch"] += time.process_time() - before
         finally:
             rpc.shutdown()
         dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (mine, other_grad))
+    dist.all_gather_object(gathered, (mine, other_grad, cpu))
     if rank != 0:
         return None
     pairs = list(zip(gathered, grads, strict=True))
-    diff = max(float((a - b).abs().max()) for (a, _), b in pairs)
+    diff = max(float((a - b).abs().max()) for (a, _, _), b in pairs)
     result = {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
+    for side in ("xgrad", "torch"):  # per timed pass, summed over the ranks
+        result[f"{side}_cpu"] = sum(c[side] for _, _, c in gathered) / cfg["iters"]
     if other:
         result["other"] = statistics.median(other)
-        result["other_diff"] = max(float((a - b).abs().max()) for (_, a), b in pairs)
+        result["other_diff"] = max(float((a - b).abs().max()) for (_, a, _), b in pairs)
     return result
 
 
@@ -230,18 +242,27 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     ratio = result["xgrad"] / result["torch"]
+    cpu = {"torch": result["torch_cpu"], "xgrad": result["xgrad_cpu"]}
+    cpu_ratio = cpu["xgrad"] / cpu["torch"] if cpu["torch"] > 0 else float("nan")
     text = (
         f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
         f"batch {args.batch}, median of {args.iters} backward passes each "
         f"(in {len(_blocks(args.iters, args.rounds))} alternating blocks)\n"
         f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}\n"
         f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}\n"
+        f"{'cpu':8} {cpu['torch'] * 1e3:12.3f} {cpu['xgrad'] * 1e3:10.3f} {cpu_ratio:7.3f}\n"
+        f"  (cpu: CPU time of every thread of every rank per timed pass, forward and backward;\n"
+        f"  PyTorch's RPC agent polls its transport on a thread of each process meanwhile)\n"
         f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
     )
     columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
     setup = (args.world, args.size, args.batch, args.dtype, args.iters)
     row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
-    tables = [Table((*columns, "max_grad_diff"), (row,), "bench dist-autograd")]
+    cpu_row = (cpu["torch"] * 1e3, cpu["xgrad"] * 1e3, cpu_ratio)
+    cpu_columns = ("torch_rpc_cpu_ms", "xgrad_cpu_ms", "cpu_ratio")
+    tables = [
+        Table((*columns, "max_grad_diff", *cpu_columns), ((*row, *cpu_row),), "bench dist-autograd")
+    ]
     if "other" in result:
         ms = {execute: result["xgrad"], cfg["ab"]: result["other"]}
         text += (

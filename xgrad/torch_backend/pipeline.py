@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
-from xgrad.pipeline import Action, Invocation, Schedule, expand
+from xgrad.pipeline import Action, Invocation, Kind, Schedule, expand
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_args import (
@@ -255,7 +255,8 @@ class PipelineRuntime(StagePasses):
                 wire.waited = 0.0
                 loss = self._perform(action, slots, xs, ys, loss)
                 self.records.append(ActionRecord(action, start, time.perf_counter(), wire.waited))
-                if action.kind.is_compute:  # only a pass adds to what is held
+                # Only a pass adds to what is held; W only frees (skipping it keeps the peak).
+                if action.kind.is_compute and action.kind is not Kind.BACKWARD_WEIGHT:
                     self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
             action = None
             wire.finish(self._waiters[1])

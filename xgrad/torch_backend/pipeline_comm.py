@@ -40,7 +40,7 @@ from xgrad.failure import FailureChannel, RankError, error_for
 from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import transfer_failed
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
-from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_frame import frame_of
 from xgrad.torch_backend.pipeline_wire import (
     Description,
     EdgeCache,
@@ -131,7 +131,7 @@ class StepWire(EdgeBook):
 
     def _expect(self, edge: tuple[int, int, int], mb: int, shapes: Shapes) -> None:
         dev = self._local_device(edge)
-        frame = Frame(shapes, dev)
+        frame = frame_of(shapes, dev)
         buffers = frame.buffers()
         works = [self._recv_one(edge, b) for b in buffers]
         self._posted.setdefault(edge, []).append(Incoming(mb, frame, works, buffers))
@@ -198,7 +198,7 @@ class StepWire(EdgeBook):
             description = self._start.get((source, s))
             if description is None:
                 raise RuntimeError(f"{what}: a repeated description arrived before any")
-            tensors = [t.detach() for t in msg.frame.leaves(msg.buffers)]
+            tensors = msg.frame.leaves(msg.buffers)
         else:
             raw = torch.empty(code, dtype=torch.uint8, device=self._device(s))
             peer = self._peer(edge)
@@ -223,7 +223,7 @@ class StepWire(EdgeBook):
             if sched.placement[t] == self.rank:
                 continue
             msg, _ = self._arrive((s, t, 1), mb, str(recv))
-            out.append([g.detach() for g in msg.frame.leaves(msg.buffers)])
+            out.append(msg.frame.leaves(msg.buffers))
             for key in self._forward_sends.pop((s, t, mb), []):
                 entry = self._sends.pop(key, None)  # else awaited already (pipeline_posted)
                 if entry is not None:
@@ -244,7 +244,7 @@ class StepWire(EdgeBook):
             start = self._start.get((s, t))
             works = []
             dev = self._device(s)
-            frame = Frame([] if start is None else layout(start), dev)
+            frame = frame_of([] if start is None else layout(start), dev)
             if description == start:
                 works = [self._send_one(edge, x) for x in frame.pack(0, mb, tensors)]
                 self._expecting(self._peer(edge), Action(t, Kind.RECV_F, mb), works)
@@ -265,7 +265,7 @@ class StepWire(EdgeBook):
         s, mb = action.stage, action.microbatch
         for src, parts in grads.items():
             edge = (src, s, 1)
-            frame = Frame([(g.shape, g.dtype) for g in parts], self._device(s))
+            frame = frame_of([(g.shape, g.dtype) for g in parts], self._device(s))
             keys = [self._send_one(edge, x) for x in frame.pack(0, mb, parts)]
             self._expecting(self._peer(edge), Action(src, Kind.RECV_B, mb), keys)
             self._remaining[edge] -= 1

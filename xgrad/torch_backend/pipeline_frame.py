@@ -7,16 +7,24 @@ bytes of header (``code, microbatch`` as int64), then each leaf at a 16-byte ali
 offset. The receiver's leaves are views of that buffer (no copy). Larger messages go as
 the header followed by one message per leaf. Both ends build the same :class:`Frame`
 from the same layout, so they agree on which it is.
+
+On the CPU a packed frame is written and read through one NumPy view of its buffer: each
+torch call costs 10-40 us of dispatch when the process has just woken (four ranks on two
+cores are woken at every message), so ``pack`` with about nine torch calls took ~85 us
+and ``leaves`` ~45 us, a NumPy copy and ``from_numpy`` a third of that. The bytes are
+the same either way (dtypes NumPy lacks, like bfloat16, and other devices use torch).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame"]
+__all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame", "frame_of"]
 
 #: the header: two int64, the code and the microbatch.
 HEADER_BYTES = 16
@@ -25,6 +33,22 @@ HEADER_BYTES = 16
 PACK_LIMIT = 1 << 20
 
 Layout = Sequence[tuple[torch.Size, torch.dtype]]
+
+#: the NumPy dtype of each torch dtype a CPU frame can be written through.
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+}
+_HEADER = struct.Struct("=qq")
 
 
 def _aligned(n: int) -> int:
@@ -45,26 +69,49 @@ class Frame:
             self.offsets.append(offset)
             offset = _aligned(offset + size)
         self.total = offset if self.packed else HEADER_BYTES
+        # Per leaf (offset, bytes, NumPy dtype, shape) when the frame goes through NumPy.
+        self._views: list[tuple[int, int, Any, tuple[int, ...]]] | None = None
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind == "cpu" and all(d in _NUMPY for _, d in self.layout):
+            self._views = [
+                (o, n, _NUMPY[d], tuple(s))
+                for o, n, (s, d) in zip(self.offsets, sizes, self.layout, strict=True)
+            ]
 
     def buffers(self) -> list[torch.Tensor]:
-        """Empty buffers to receive into, header first."""
-        head = torch.empty(self.total, dtype=torch.uint8, device=self.device)
-        if self.packed:
-            return [head]
-        return [head] + [torch.empty(s, dtype=d, device=self.device) for s, d in self.layout]
+        """Empty buffers to receive into, header first (with the header buffer's NumPy
+        array, when the frame goes through NumPy, for :meth:`header` and :meth:`leaves`)."""
+        if self._views is not None:
+            raw = np.empty(self.total, dtype=np.uint8)
+            out = _Buffers([torch.from_numpy(raw)])
+            out.raw = raw
+        else:
+            out = _Buffers([torch.empty(self.total, dtype=torch.uint8, device=self.device)])
+        if not self.packed:
+            out += [torch.empty(s, dtype=d, device=self.device) for s, d in self.layout]
+        return out
 
     def header(self, buffers: Sequence[torch.Tensor]) -> tuple[int, int]:
         """``(code, microbatch)`` of a received message."""
+        if self._views is not None:
+            code, mb = _HEADER.unpack_from(_array(buffers).data)
+            return int(code), int(mb)
         code, mb = buffers[0][:HEADER_BYTES].view(torch.int64).tolist()
         return int(code), int(mb)
 
     def leaves(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The received leaves (views of the packed buffer, or the leaf buffers)."""
+        """The received leaves (views of the packed buffer, or the leaf buffers), free of
+        any graph: a leaf may be made to require a gradient as it is."""
         if not self.packed:
             return list(buffers[1:])
         head = buffers[0]
+        if self._views is not None:
+            raw = _array(buffers)
+            return [
+                torch.from_numpy(raw[o : o + n].view(d).reshape(s)) for o, n, d, s in self._views
+            ]
         return [
-            head[o : o + s.numel() * d.itemsize].view(d).view(s)
+            head[o : o + s.numel() * d.itemsize].view(d).view(s).detach()
             for o, (s, d) in zip(self.offsets, self.layout, strict=True)
         ]
 
@@ -74,10 +121,19 @@ class Frame:
         leaves go elsewhere): 16 bytes (gloo completes a receive with a shorter message),
         then, when not packed, dummies for the leaf buffers the receiver posted."""
         size = self.total if leaves is not None else HEADER_BYTES
-        head = torch.empty(size, dtype=torch.uint8, device=self.device)
-        head[:HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([code, mb], dtype=torch.int64, device=self.device)
-        )
+        if self._views is not None:
+            raw = np.empty(size, dtype=np.uint8)
+            head = torch.from_numpy(raw)
+            _HEADER.pack_into(raw.data, 0, code, mb)
+            if leaves is not None and self.packed:
+                for (o, n, d, s), leaf in zip(self._views, leaves, strict=True):
+                    raw[o : o + n].view(d).reshape(s)[...] = leaf.numpy(force=True)
+                return [head]
+        else:
+            head = torch.empty(size, dtype=torch.uint8, device=self.device)
+            head[:HEADER_BYTES].view(torch.int64).copy_(
+                torch.tensor([code, mb], dtype=torch.int64, device=self.device)
+            )
         if leaves is None:
             if self.packed:
                 return [head]
@@ -87,3 +143,30 @@ class Frame:
                 head[o : o + s.numel() * d.itemsize].view(d).view(s).copy_(leaf)
             return [head]
         return [head] + [leaf.detach().contiguous() for leaf in leaves]
+
+
+class _Buffers(list):  # type: ignore[type-arg]
+    """A message's receive buffers; ``raw`` is the header buffer's NumPy array (or None)."""
+
+    raw: Any = None
+
+
+def _array(buffers: Sequence[torch.Tensor]) -> Any:
+    """The header buffer as a NumPy array (kept by :meth:`Frame.buffers`, else made)."""
+    raw = getattr(buffers, "raw", None)
+    return buffers[0].numpy() if raw is None else raw
+
+
+#: frames by layout and device (a step's messages repeat a few layouts).
+_FRAMES: dict[tuple[Any, ...], Frame] = {}
+
+
+def frame_of(layout: Layout, device: Any) -> Frame:
+    """The :class:`Frame` of ``layout`` on ``device``, made once (frames are read-only)."""
+    key = (*layout, device)
+    frame = _FRAMES.get(key)
+    if frame is None:
+        if len(_FRAMES) >= 256:  # shapes that change every step must not pile up
+            _FRAMES.clear()
+        frame = _FRAMES[key] = Frame(layout, device)
+    return frame

@@ -78,7 +78,7 @@ def _nbytes(tree: Any) -> int:
     if tree is None:
         return 0
     if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
+        return tree.nbytes
     if type(tree) in (list, tuple):
         return sum(_nbytes(t) for t in tree)
     if type(tree) is dict:
