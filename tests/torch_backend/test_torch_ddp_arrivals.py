@@ -83,6 +83,17 @@ def test_a_parameter_with_another_hook_is_never_logged() -> None:
     assert log2.logged == [False] * 4 and not log2.enabled
 
 
+def test_ddps_hook_runs_after_a_hook_added_later() -> None:
+    log, params, calls = _log([4, 4])
+    params[0].register_post_accumulate_grad_hook(lambda p: calls[0].append("user"))
+    params[1].register_post_accumulate_grad_hook(lambda p: calls[1].append("user"))
+    assert not log.hooks_last(running=0)  # parameter 0's hooks are running: left alone
+    assert log.hooks_last()  # the next call moves it
+    assert log.hooks_last()  # and then looks at nothing until a hook is made
+    (params[0].sum() + params[1].sum()).backward()
+    assert calls == [["user", "python"], ["user", "python"]]  # where PyTorch's reducer reads
+
+
 # ----------------------------------------------------------------- in a gloo group
 
 
@@ -111,6 +122,14 @@ class _Chain(nn.Module):
         if self.reuse is not None:
             x = x + checkpoint(self.blocks[self.reuse], x, use_reentrant=True)
         return self.head(torch.tanh(self.big(x)))  # type: ignore[no-any-return]
+
+
+def _halve_in_place(param: torch.Tensor) -> None:
+    param.grad.mul_(0.5)  # type: ignore[union-attr]
+
+
+def _replace_halved(param: torch.Tensor) -> None:
+    param.grad = param.grad * 0.5  # type: ignore[operator]
 
 
 #: per step: what the step does differently.
@@ -199,6 +218,31 @@ def _scenario(rank: int, world: int) -> dict[str, Any]:
     )
     out["reentrant_logged"] = sum(ours._grad_hooks.arrivals.logged)
     out["reentrant_enabled"] = ours._grad_hooks.arrivals.enabled
+
+    # Hooks of the user's registered on the wrapped model run before the reduction, as
+    # with PyTorch's DDP (its reducer reads a gradient after every post-accumulate-grad
+    # hook): from the second step one halves a large gradient in place, one replaces a
+    # small (so far logged) one; at the third a hook registered between the forward and
+    # the backward halves the first layer's weight.
+    torch.manual_seed(3)
+    base = _Chain()
+    ours = DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3)
+    theirs = TorchDDP(copy.deepcopy(base), bucket_cap_mb=1e-3)
+    for step in range(4):
+        torch.manual_seed(11 * step + rank)
+        x = torch.randn(3, 8)
+        for ddp in (ours, theirs):
+            if step == 1:
+                ddp.module.big.weight.register_post_accumulate_grad_hook(_halve_in_place)
+                ddp.module.blocks[4].weight.register_post_accumulate_grad_hook(_replace_halved)
+            ddp.zero_grad(set_to_none=True)
+            y = ddp(x)
+            if step == 2:
+                ddp.module.blocks[0].weight.register_post_accumulate_grad_hook(_halve_in_place)
+            y.square().sum().backward()
+        for (n, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            if not torch.equal(p.grad, q.grad):  # type: ignore[arg-type]
+                out["mismatches"].append(f"user's hook, step {step}: {n}")
 
     # A backward pass that reaches logged parameters only (not through the output):
     # the next forward pass reports the reduction it left unfinished.

@@ -304,8 +304,45 @@ def _sparse_and_join(rank: int) -> list[str]:
     return mismatches
 
 
+def _channels_last(rank: int) -> list[str]:
+    """Convolutions in channels_last, where PyTorch lays each bucket view out with the
+    parameter's strides (so the order gloo sums the elements in is the memory order)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Tanh(), nn.Conv2d(16, 32, 3), nn.Flatten())
+    base = base.to(memory_format=torch.channels_last)  # type: ignore[call-arg]
+    mismatches = []
+    for kwargs in ({}, {"gradient_as_bucket_view": True}, {"hook": True}):
+        hooked = kwargs.pop("hook", False)
+        ours = DistributedDataParallel(copy.deepcopy(base), **kwargs)  # type: ignore[arg-type]
+        theirs = TorchDDP(copy.deepcopy(base), **kwargs)  # type: ignore[arg-type]
+        if hooked:  # PowerSGD views each of bucket.gradients() as a matrix
+            for ddp in (ours, theirs):
+                state = powerSGD.PowerSGDState(None, 1, start_powerSGD_iter=2)
+                ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+        for step in range(4):
+            torch.manual_seed(10 * step + rank)
+            x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+            for ddp in (ours, theirs):
+                ddp.zero_grad(set_to_none=True)
+                ddp(x).square().sum().backward()
+            named = zip(ours.module.named_parameters(), theirs.module.parameters(), strict=True)
+            for (n, p), q in named:
+                if not torch.equal(p.grad, q.grad) or p.grad.stride() != q.grad.stride():  # type: ignore[union-attr, arg-type]
+                    mismatches.append(f"{kwargs} {hooked} step {step} {n}")
+                with torch.no_grad():
+                    p -= 0.01 * q.grad  # type: ignore[operator]
+                    q -= 0.01 * q.grad  # type: ignore[operator]
+    return mismatches
+
+
 def _scenario(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {name: _setting(rank, world, name) for name in _SETTINGS}
+    out["channels_last"] = _channels_last(rank)
     out["static_no_sync_first"] = _static_no_sync_first(rank, world)
     out["sparse_and_join"] = _sparse_and_join(rank)
     return out
@@ -341,3 +378,8 @@ def test_sparse_gradients_and_uneven_inputs_equal_pytorchs(
 ) -> None:
     for rank, result in enumerate(results):
         assert result["sparse_and_join"] == [], f"rank {rank}"
+
+
+def test_channels_last_gradients_equal_pytorchs(results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        assert result["channels_last"] == [], f"rank {rank}"

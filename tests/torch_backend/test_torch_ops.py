@@ -57,3 +57,20 @@ def test_ops_batched_scaled_copy_rounds_like_pytorchs_reducer(dtype: torch.dtype
     ops.copy_all(mixed, sources, 1 / 3)
     for out, g in zip(mixed, sources, strict=True):
         assert torch.equal(out, g * (1 / 3))
+
+
+def test_views_take_a_dense_parameters_strides_as_pytorchs_reducer_does() -> None:
+    ops = TorchArrayOps()
+    flat = torch.arange(2 + 2 * 3 * 4 * 4 + 12 + 8, dtype=torch.float32)
+    conv = torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    weight = torch.zeros(4, 3).t()  # a transposed weight: dense, not contiguous
+    gappy = torch.zeros(4, 4)[:, :2]  # not dense: a plain row-major view
+    views = [ops.view(flat, 2, conv), ops.view(flat, 98, weight), ops.view(flat, 110, gappy)]
+    for view, like, offset in zip(views, (conv, weight, gappy), (2, 98, 110), strict=True):
+        assert view.shape == like.shape
+        assert view.data_ptr() == flat[offset:].data_ptr()
+    assert views[0].stride() == conv.stride() and views[1].stride() == weight.stride()
+    assert views[2].is_contiguous()
+    # In memory order: the buffer's next slot holds the element next in the parameter's memory.
+    assert views[0][0, 1, 0, 0].item() == 3.0 and views[1][1, 0].item() == 99.0
+    assert ops.is_view_of(views[0], views[0]) and ops.numel(views[0]) == conv.numel()

@@ -101,6 +101,7 @@ def _run_all(rank: int, world: int) -> tuple[dict[str, tuple[float | None, float
             results[f"{name}/{checkpoint}"] = (loss_err, err)
     if world == 2:
         results["dropout/always=never"] = (None, _dropout_recomputed(rank, world))
+        results["batchnorm/buffers"] = (None, _batchnorm_recomputed(rank, world))
     return results, _bad_arguments(rank, world)
 
 
@@ -121,6 +122,33 @@ def _dropout_recomputed(rank: int, world: int) -> float:
         grads.append(torch.cat([grad(p).flatten() for p in part.parameters()]))
     assert float(grads[1].norm()) > 0
     return rel(grads[0], grads[1])
+
+
+def _batchnorm_recomputed(rank: int, world: int) -> float:
+    """A recomputed forward leaves the buffers as the first left them: BatchNorm's running
+    statistics (and its count of batches) equal the unpipelined model's in every mode."""
+    import copy
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    x, y = batch()
+    torch.manual_seed(0)
+    parts = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)) for _ in range(world)]
+    want = copy.deepcopy(parts)
+    with torch.no_grad():
+        for xs in x.chunk(4):
+            for part in want:
+                xs = part(xs)
+    err = 0.0
+    for checkpoint in ("always", "except_last", "never"):
+        mine = copy.deepcopy(parts[rank])
+        rt = PipelineRuntime(
+            xp.one_f_one_b(world, 4), [mine], nn.functional.mse_loss, checkpoint=checkpoint
+        )
+        rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        for b, w in zip(mine.buffers(), want[rank].buffers(), strict=True):
+            err = max(err, float((b.double() - w.double()).abs().max()))
+    return err
 
 
 def _bad_arguments(rank: int, world: int) -> list[str]:
@@ -164,10 +192,10 @@ def test_every_schedule_matches_the_whole_model(world: int) -> None:
     outcome = spawn(_run_all, world, timeout=150)
     per_rank = [results for results, _ in outcome]
     keys = per_rank[0].keys()
-    assert len(keys) == 3 * (len(xp.SCHEDULES) + (2 if world == 2 else 0)) + (world == 2)
+    assert len(keys) == 3 * (len(xp.SCHEDULES) + (2 if world == 2 else 0)) + 2 * (world == 2)
     for key in keys:
         losses = [r[key][0] for r in per_rank if r[key][0] is not None]
-        if not key.startswith("dropout"):
+        if not key.startswith(("dropout", "batchnorm")):
             assert len(losses) == 1, key  # exactly the last stage's rank reports the loss
             assert losses[0] <= 1e-6, (key, losses)
         for r, res in enumerate(per_rank):

@@ -15,8 +15,9 @@ last gradient when the order holds, else at the next Python hook or the end of t
 a bucket is never launched before all its gradients are in).
 
 The hooks are swapped in place in the parameter's own hook table, so their order among
-other hooks never changes. A parameter is only logged while DDP's hook is its only
-post-accumulate-grad hook (a later hook could replace ``.grad`` before the log is read):
+other hooks never changes; DDP's hook is kept after every other one (where PyTorch's
+reducer reads the gradient), moved to the end when the user adds one. A parameter is
+only logged while DDP's hook is its only post-accumulate-grad hook (a later hook could replace ``.grad`` before the log is read):
 when one is added, every parameter gets its Python hook back. A backward pass whose
 hooks run in more than one autograd graph task (reentrant checkpointing) keeps the
 Python hooks for good, since the first hook to run decides where the pass ends.
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 #: a parameter of this many elements or more keeps its Python hook (its gradient is
 #: copied into the bucket as it arrives, see :func:`xgrad.reducer_buckets.arrive`).
@@ -66,6 +68,7 @@ class ArrivalLog:
         #: off for good (hooks in several graph tasks, or no parameter can be logged).
         self.enabled = any(self._eligible)
         self._hooks_counted = sum(map(len, self._tables))
+        self.handles_made = RemovableHandle.next_id
         self._plan: Any = None
         self._order: Sequence[int] = ()
 
@@ -104,6 +107,29 @@ class ArrivalLog:
         """Every parameter gets its Python hook back, for good."""
         self.enabled = False
         self._set([False] * len(self.logged))
+
+    def hooks_last(self, running: int = -1) -> bool:
+        """Move DDP's hook after every other post-accumulate-grad hook where one was added.
+
+        PyTorch's reducer reads a gradient after all of them (its hook is the gradient
+        accumulator's post hook), so a hook of the user's that scales or replaces
+        ``.grad`` is reduced, whenever it was registered. Any hook made anywhere takes a
+        new handle id, so nothing is looked at while no hook was made since the last call.
+        Parameter ``running``'s table is left alone (autograd is running its hooks);
+        returns whether DDP's hook is already last there.
+        """
+        made = RemovableHandle.next_id
+        if made == self.handles_made:
+            return True
+        last = True
+        for i, (table, key) in enumerate(zip(self._tables, self._keys, strict=True)):
+            if len(table) > 1 and next(reversed(table)) != key:
+                if i == running:
+                    last = False
+                    continue
+                table[key] = table.pop(key)  # autograd runs them in the dict's own order
+        self.handles_made = made if last else -1  # -1: that table is still to be done
+        return last
 
     def hooks_unchanged(self) -> bool:
         """Whether no post-accumulate-grad hook was added or removed since the layout."""

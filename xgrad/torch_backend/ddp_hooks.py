@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
@@ -101,6 +102,13 @@ class GradientHooks:
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
                 self.arrivals.disable()
+            if RemovableHandle.next_id != self.arrivals.handles_made and not (
+                self.arrivals.hooks_last(index)
+            ):
+                # A hook added since the forward runs after this one: the gradient is
+                # marked at the next drain, once that hook has changed it.
+                self.arrivals.log.append(param)
+                return
             if self.arrivals.log:
                 self._drain()
             try:
@@ -132,6 +140,7 @@ class GradientHooks:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
         self.sync_pending = True
         arrivals = self.arrivals
+        arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
             arrivals.disable()  # another hook could change .grad before the log is read
 
@@ -260,6 +269,25 @@ class GradientHooks:
                     p.grad = view
 
 
+def _row_major(bucket: GradBucket) -> GradBucket:
+    """``bucket`` as PyTorch's ``GradBucket.gradients()`` shows it: each gradient a row-major
+    view of its slice of the buffer, whatever the parameter's strides. The reducer's own
+    views follow a dense parameter's strides (channels_last), as PyTorch's do; hooks such
+    as PowerSGD reshape the gradients with ``view``, which needs PyTorch's row-major ones."""
+    grads = bucket.gradients()
+    if not any(
+        g is not None and g.layout is torch.strided and not g.is_contiguous() for g in grads
+    ):
+        return bucket
+    flat = bucket.buffer()
+    views = []
+    offset = 0
+    for g in grads:
+        views.append(flat.narrow(0, offset, g.numel()).view(g.shape))
+        offset += g.numel()
+    return GradBucket(bucket.index(), flat, views, bucket.parameters(), bucket.is_last())
+
+
 def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
     """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
 
@@ -273,7 +301,7 @@ def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch:
     name = getattr(hook, "__name__", type(hook).__name__)
 
     def run(bucket: GradBucket) -> Work:
-        future = hook(state_of(), bucket)
+        future = hook(state_of(), _row_major(bucket))
         if not isinstance(future, torch._C.Future):
             raise TypeError(
                 f"communication hook {name} returned {type(future).__name__}, "

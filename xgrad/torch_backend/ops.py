@@ -14,6 +14,21 @@ __all__ = ["TorchArrayOps"]
 _ONE_PASS_NUMEL = 1 << 14
 
 
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill ``x.numel()`` slots without gaps or overlap (in
+    some order of its dimensions): PyTorch's ``is_non_overlapping_and_dense``."""
+    if x.numel() == 0:
+        return False
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class TorchArrayOps:
     """``xgrad.reducer.ArrayOps`` for torch tensors, on any device.
 
@@ -93,7 +108,13 @@ class TorchArrayOps:
         torch._foreach_mul_(small_out, factor)
 
     def view(self, flat: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-        return flat.narrow(0, offset, like.numel()).view(like.shape)
+        """``like``'s place in ``flat``, laid out with ``like``'s strides when it is dense
+        (channels_last, a transposed weight), as PyTorch's reducer lays its bucket views:
+        the buffer then holds the gradient in memory order, which decides the order gloo
+        sums each element in (and ``gradient_as_bucket_view`` keeps the layout)."""
+        if like.is_contiguous() or not flat.is_contiguous() or not _dense(like):
+            return flat.narrow(0, offset, like.numel()).view(like.shape)
+        return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + offset)
 
     def div_(self, x: torch.Tensor, divisor: int) -> None:
         x.div_(divisor)

@@ -3,7 +3,8 @@
 torchgpipe's three modes decide which microbatches' forwards run without keeping their
 graph and are recomputed right before their backward. A recomputed forward must draw the
 same random numbers (dropout masks) as the first, so the random state is captured before
-the first run and restored around the second.
+the first run and restored around the second; and it must not update the buffers again
+(BatchNorm's running statistics), so they are put back after it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import torch
 
 from xgrad.pipeline import Kind, Schedule
 
-__all__ = ["CHECKPOINT_MODES", "RngState", "check_data_parallel", "checkpointed", "replayed_rng"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "RngState",
+    "check_data_parallel",
+    "checkpointed",
+    "kept_buffers",
+    "replayed_rng",
+]
 
 #: recompute the forward of every microbatch in backward, of every microbatch but the last
 #: (whose backward starts right away), or of none.
@@ -57,6 +65,27 @@ def replayed_rng(state: RngState) -> Iterator[None]:
         if state.cuda is not None:
             torch.cuda.set_rng_state(state.cuda, state.device)
         yield
+
+
+@contextlib.contextmanager
+def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
+    """Run the block on copies of ``module``'s buffers; the buffers stay as they were.
+
+    A recomputed forward redoes the first one's arithmetic, not its effects: BatchNorm in
+    training mode would otherwise update its running statistics (and count the batch) a
+    second time, which the unpipelined model never does. The copies hold the same values,
+    so the forward computes the same; the graph may save them (BatchNorm saves its running
+    statistics), which is why the buffers are swapped rather than written back.
+    """
+    kept = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    for table, name, b in kept:
+        if b is not None:
+            table[name] = b.clone()
+    try:
+        yield
+    finally:
+        for table, name, b in kept:
+            table[name] = b
 
 
 def check_data_parallel(schedule: Schedule, rank: int) -> None:

@@ -21,7 +21,12 @@ from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import Captured, StageJoins, run_weight
-from xgrad.torch_backend.pipeline_recompute import RngState, checkpointed, replayed_rng
+from xgrad.torch_backend.pipeline_recompute import (
+    RngState,
+    checkpointed,
+    kept_buffers,
+    replayed_rng,
+)
 from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_wire import (
     carried,
@@ -172,7 +177,7 @@ class StagePasses:
         s, mb = action.stage, action.microbatch
         assert slot.rng is not None
         target = ys[mb] if ys is not None and s == self.schedule.num_stages - 1 else None
-        with replayed_rng(slot.rng), torch.enable_grad():
+        with replayed_rng(slot.rng), kept_buffers(self._module(s)), torch.enable_grad():
             slot.output = self._run_forward(s, mb, slot.input, target)
 
     def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor] | None:
