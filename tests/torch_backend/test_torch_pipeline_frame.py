@@ -6,7 +6,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from xgrad.torch_backend.pipeline_frame import HEADER_BYTES, PACK_LIMIT, Frame, frame_of  # noqa: E402
+from xgrad.torch_backend.pipeline_edges import POISON  # noqa: E402
+from xgrad.torch_backend.pipeline_frame import (  # noqa: E402
+    HEADER_BYTES,
+    NONE_BITS,
+    PACK_LIMIT,
+    Frame,
+    frame_of,
+    none_code,
+    with_nones,
+)
 
 
 def test_small_leaves_travel_in_the_header_buffer_and_come_back_as_views() -> None:
@@ -79,3 +88,41 @@ def test_frames_are_made_once_per_layout_and_device() -> None:
     assert frame_of(layout, "cpu") is frame_of([((2, 3), torch.float32)], "cpu")
     assert frame_of(layout, "cpu") is not frame_of([(torch.Size([2, 4]), torch.float32)], "cpu")
     assert frame_of([], "cpu").total == HEADER_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])  # NumPy and torch writes
+def test_a_gradient_that_is_none_keeps_its_place_and_comes_back_none(dtype: torch.dtype) -> None:
+    grads = [torch.randn(3, dtype=dtype), None, torch.zeros(2, 2, dtype=dtype), None]
+    shapes = [(torch.Size([3]), dtype), (torch.Size([4]), dtype)] * 2
+    shapes[2] = (torch.Size([2, 2]), dtype)
+    code, leaves = none_code(grads, shapes, "cpu")
+    assert code == 0b1010 and code != POISON and leaves == grads
+    k = PACK_LIMIT // 16  # the same leaves repeated k times go apart: dummies for Nones
+    apart = [(torch.Size([shape.numel() * k]), d) for shape, d in shapes]
+    assert not Frame(apart, "cpu").packed
+    for frame in (Frame(shapes, "cpu"), Frame(apart, "cpu")):
+        if not frame.packed:
+            leaves = [None if g is None else g.reshape(-1).repeat(k) for g in grads]
+        sent = frame.pack(code, 3, leaves)
+        received = frame.buffers()
+        assert [t.numel() for t in sent] == [t.numel() for t in received]
+        for a, b in zip(received, sent, strict=True):
+            a.copy_(b)
+        got_code, mb = frame.header(received)
+        assert (got_code, mb) == (code, 3)
+        back = with_nones(got_code, frame.leaves(received))
+        assert [t is None for t in back] == [g is None for g in grads]
+        for a, b in zip(back, leaves, strict=True):
+            assert a is None or torch.equal(a, b)  # a computed zero stays zeros
+    assert with_nones(0, [torch.ones(1)])[0] is not None
+
+
+def test_a_none_past_the_bits_of_the_code_is_sent_as_zeros() -> None:
+    shapes = [(torch.Size([1]), torch.float32)] * (NONE_BITS + 2)
+    grads: list[torch.Tensor | None] = [None] * len(shapes)
+    code, leaves = none_code(grads, shapes, "cpu")
+    assert code == (1 << NONE_BITS) - 1 and code > 0
+    assert all(g is None for g in leaves[:NONE_BITS])
+    assert all(g is not None and torch.equal(g, torch.zeros(1)) for g in leaves[NONE_BITS:])
+    back = with_nones(code, [torch.zeros(1)] * len(shapes))
+    assert [g is None for g in back] == [True] * NONE_BITS + [False, False]

@@ -16,6 +16,9 @@ one buffer when they are small (:mod:`~xgrad.torch_backend.pipeline_frame`):
 * ``code > 0`` (forward only): the description changed (or none is known yet, the first
   step). The header comes alone (with dummies for leaf buffers posted apart from it); the
   description (``code`` bytes of JSON) and the leaves follow on the edge's side tag.
+* ``code > 0`` (backward): bit i marks leaf i as having no gradient (None: the sender's
+  stage ignored that input); its bytes still travel (the buffers were posted ahead), the
+  receiver reads None there (:func:`~xgrad.torch_backend.pipeline_frame.none_code`).
 * ``code == POISON``: the sender failed while alive; the failure is in the channel.
 
 Waits run on the caller's thread, bounded by the runtime's timeout (no thread hand-off).
@@ -32,7 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,7 +43,7 @@ from xgrad.failure import FailureChannel, RankError, error_for
 from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import transfer_failed
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
-from xgrad.torch_backend.pipeline_frame import frame_of
+from xgrad.torch_backend.pipeline_frame import frame_of, none_code, with_nones
 from xgrad.torch_backend.pipeline_wire import (
     Description,
     EdgeCache,
@@ -54,6 +57,7 @@ __all__ = ["POISON", "StepWire"]
 
 
 Shapes = list[tuple[torch.Size, torch.dtype]]
+_Grads = list[torch.Tensor | None]
 
 
 class StepWire(EdgeBook):
@@ -212,18 +216,20 @@ class StepWire(EdgeBook):
         mark_gradients(description, tensors)
         return rebuild(description, tensors)
 
-    def receive_backward(self, action: Action) -> list[list[torch.Tensor]]:
+    def receive_backward(self, action: Action) -> list[list[torch.Tensor | None]]:
         """The gradients of stage ``action.stage``'s output from each consumer on another
-        rank; the forward sends to those consumers are then complete (they were used)."""
+        rank (None where the consumer's stage gave that leaf none); the forward sends to
+        those consumers are then complete (they were used)."""
         sched, s, mb = self.schedule, action.stage, action.microbatch
         recv = Action(s, Kind.RECV_B, mb)
         self.ensure(recv)
-        out = []
+        out: list[list[torch.Tensor | None]] = []
         for t in sched.consumers(s):
             if sched.placement[t] == self.rank:
                 continue
-            msg, _ = self._arrive((s, t, 1), mb, str(recv))
-            out.append(msg.frame.leaves(msg.buffers))
+            msg, code = self._arrive((s, t, 1), mb, str(recv))
+            leaves = msg.frame.leaves(msg.buffers)
+            out.append(with_nones(code, leaves) if code else cast(_Grads, leaves))
             for key in self._forward_sends.pop((s, t, mb), []):
                 entry = self._sends.pop(key, None)  # else awaited already (pipeline_posted)
                 if entry is not None:
@@ -260,12 +266,27 @@ class StepWire(EdgeBook):
             self._remaining[edge] -= 1
             self._forward_sends[(s, t, mb)] = works
 
-    def send_backward(self, action: Action, grads: dict[int, list[torch.Tensor]]) -> None:
-        """Post the gradients of stage ``action.stage``'s inputs, per source stage."""
+    def send_backward(
+        self,
+        action: Action,
+        grads: dict[int, list[torch.Tensor | None]],
+        layouts: dict[int, Shapes] | None = None,
+    ) -> None:
+        """Post the gradients of stage ``action.stage``'s inputs, per source stage. A
+        source whose gradients include None has its layout (shape and dtype per leaf) in
+        ``layouts``; the Nones are marked in the header's code."""
         s, mb = action.stage, action.microbatch
         for src, parts in grads.items():
             edge = (src, s, 1)
-            frame = frame_of([(g.shape, g.dtype) for g in parts], self._device(s))
-            keys = [self._send_one(edge, x) for x in frame.pack(0, mb, parts)]
+            shapes = None if layouts is None else layouts.get(src)
+            code = 0
+            if shapes is None:
+                frame = frame_of(
+                    [(g.shape, g.dtype) for g in parts if g is not None], self._device(s)
+                )
+            else:
+                frame = frame_of(shapes, self._device(s))
+                code, parts = none_code(parts, shapes, self._device(s))
+            keys = [self._send_one(edge, x) for x in frame.pack(code, mb, parts)]
             self._expecting(self._peer(edge), Action(src, Kind.RECV_B, mb), keys)
             self._remaining[edge] -= 1

@@ -24,13 +24,25 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HEADER_BYTES", "PACK_LIMIT", "Frame", "frame_of"]
+__all__ = [
+    "HEADER_BYTES",
+    "NONE_BITS",
+    "PACK_LIMIT",
+    "Frame",
+    "frame_of",
+    "none_code",
+    "with_nones",
+]
 
 #: the header: two int64, the code and the microbatch.
 HEADER_BYTES = 16
 
 #: leaves up to this many bytes in all travel in the header's buffer.
 PACK_LIMIT = 1 << 20
+
+#: a gradient message's code marks the leaves 0 .. NONE_BITS - 1 that have no gradient
+#: (bit i: leaf i); the sign bit stays clear, so the code never reads as POISON (-1).
+NONE_BITS = 63
 
 Layout = Sequence[tuple[torch.Size, torch.dtype]]
 
@@ -115,11 +127,13 @@ class Frame:
             for o, (s, d) in zip(self.offsets, self.layout, strict=True)
         ]
 
-    def pack(self, code: int, mb: int, leaves: Sequence[torch.Tensor] | None) -> list[Any]:
+    def pack(self, code: int, mb: int, leaves: Sequence[torch.Tensor | None] | None) -> list[Any]:
         """The tensors to send: the header buffer (with the leaves when packed), then the
         leaves when not. ``leaves`` None sends the header without leaves (a message whose
         leaves go elsewhere): 16 bytes (gloo completes a receive with a shorter message),
-        then, when not packed, dummies for the leaf buffers the receiver posted."""
+        then, when not packed, dummies for the leaf buffers the receiver posted. A leaf
+        None (a gradient that is none, marked in ``code``) keeps its place: zero bytes
+        when packed, a dummy buffer when not, so the receiver's posted buffers fit."""
         size = self.total if leaves is not None else HEADER_BYTES
         if self._views is not None:
             raw = np.empty(size, dtype=np.uint8)
@@ -127,7 +141,10 @@ class Frame:
             _HEADER.pack_into(raw.data, 0, code, mb)
             if leaves is not None and self.packed:
                 for (o, n, d, s), leaf in zip(self._views, leaves, strict=True):
-                    raw[o : o + n].view(d).reshape(s)[...] = leaf.numpy(force=True)
+                    if leaf is None:
+                        raw[o : o + n] = 0
+                    else:
+                        raw[o : o + n].view(d).reshape(s)[...] = leaf.numpy(force=True)
                 return [head]
         else:
             head = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -140,9 +157,18 @@ class Frame:
             return [head] + [torch.empty(s, dtype=d, device=self.device) for s, d in self.layout]
         if self.packed:
             for o, (s, d), leaf in zip(self.offsets, self.layout, leaves, strict=True):
-                head[o : o + s.numel() * d.itemsize].view(d).view(s).copy_(leaf)
+                part = head[o : o + s.numel() * d.itemsize]
+                if leaf is None:
+                    part.zero_()
+                else:
+                    part.view(d).view(s).copy_(leaf)
             return [head]
-        return [head] + [leaf.detach().contiguous() for leaf in leaves]
+        return [head] + [
+            torch.empty(s, dtype=d, device=self.device)
+            if leaf is None
+            else leaf.detach().contiguous()
+            for (s, d), leaf in zip(self.layout, leaves, strict=True)
+        ]
 
 
 class _Buffers(list):  # type: ignore[type-arg]
@@ -155,6 +181,30 @@ def _array(buffers: Sequence[torch.Tensor]) -> Any:
     """The header buffer as a NumPy array (kept by :meth:`Frame.buffers`, else made)."""
     raw = getattr(buffers, "raw", None)
     return buffers[0].numpy() if raw is None else raw
+
+
+def none_code(
+    grads: Sequence[torch.Tensor | None], layout: Layout, device: Any
+) -> tuple[int, list[torch.Tensor | None]]:
+    """The code of a gradient message whose leaves ``grads`` (of ``layout``) may be None,
+    and the leaves to pack. Bit i of the code marks leaf i as none. A leaf past the
+    :data:`NONE_BITS` the code has is sent as zeros (the receiver then sees a zero
+    gradient for it: a model with that many output leaves loses only the None-ness)."""
+    code = 0
+    out = list(grads)
+    for i, g in enumerate(grads):
+        if g is None:
+            if i < NONE_BITS:
+                code |= 1 << i
+            else:
+                shape, dtype = layout[i]
+                out[i] = torch.zeros(shape, dtype=dtype, device=device)
+    return code, out
+
+
+def with_nones(code: int, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The received gradient leaves with those the code marks as none replaced by None."""
+    return [None if i < NONE_BITS and code >> i & 1 else t for i, t in enumerate(leaves)]
 
 
 #: frames by layout and device (a step's messages repeat a few layouts).

@@ -14,7 +14,7 @@ from xgrad.torch_backend.pipeline_joins import Captured
 from xgrad.torch_backend.pipeline_recompute import RngState
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["ActionRecord", "Slot", "held_bytes"]
+__all__ = ["ActionRecord", "Slot", "held_bytes", "summed", "with_grads"]
 
 
 @dataclass
@@ -43,10 +43,13 @@ class Slot:
     # AutogradWithoutActivations, there with a phony autograd node; the edges cost less).
     out_edges: list[GradientEdge] | None = None
     kept: list[int] | None = None  # which carried leaves the edges stand for
-    grad_parts: list[list[torch.Tensor]] = field(default_factory=list)  # summed at backward
-    grad_output: list[torch.Tensor] | None = None  # the sum, kept between I and W
+    # Gradients are None where the output leaf got none (a consumer ignored it).
+    grad_parts: list[list[torch.Tensor | None]] = field(default_factory=list)  # summed at B
+    grad_output: list[torch.Tensor | None] | None = None  # the sum, kept between I and W
     captured: Captured | None = None  # or, from the I pass, where W starts and with what
-    grad_input: dict[int, list[torch.Tensor]] | None = None  # per remote source, for SEND_B
+    grad_input: dict[int, list[torch.Tensor | None]] | None = None  # per remote source
+    # per remote source whose gradients include None: shape and dtype per leaf (SEND_B)
+    grad_layout: dict[int, list[tuple[torch.Size, torch.dtype]]] | None = None
     rng: RngState | None = None  # for the recomputation
 
     def empty(self) -> bool:
@@ -59,6 +62,28 @@ class Slot:
             and self.captured is None
             and self.grad_input is None
         )
+
+
+def summed(parts: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+    """Per output leaf, the sum of the consumers' gradients (None: none gave one)."""
+    out: list[torch.Tensor | None] = []
+    for gs in zip(*parts, strict=True):
+        if len(gs) == 1:
+            out.append(gs[0])
+            continue
+        found = [g for g in gs if g is not None]
+        out.append(None if not found else torch.stack(found).sum(0) if len(found) > 1 else found[0])
+    return out
+
+
+def with_grads(
+    outs: list[Any], grads: list[torch.Tensor | None]
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """The outputs (tensors or gradient edges) that have a gradient, and those gradients:
+    an output whose gradient is None is left out of the backward, as autograd leaves
+    out an output the loss does not use (with none at all, nothing runs)."""
+    kept = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
+    return [o for o, _ in kept], [g for _, g in kept]
 
 
 def held_bytes(slots: dict[tuple[int, int], Slot]) -> int:

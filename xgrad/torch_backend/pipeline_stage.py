@@ -27,7 +27,7 @@ from xgrad.torch_backend.pipeline_recompute import (
     kept_buffers,
     replayed_rng,
 )
-from xgrad.torch_backend.pipeline_slot import Slot
+from xgrad.torch_backend.pipeline_slot import Slot, summed, with_grads
 from xgrad.torch_backend.pipeline_wire import (
     carried,
     detach_tree,
@@ -180,7 +180,7 @@ class StagePasses:
         with replayed_rng(slot.rng), kept_buffers(self._module(s)), torch.enable_grad():
             slot.output = self._run_forward(s, mb, slot.input, target)
 
-    def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor] | None:
+    def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor | None] | None:
         """The gradient of the output: the sum over every consumer's contribution."""
         s = action.stage
         if s == self.schedule.num_stages - 1:
@@ -189,19 +189,17 @@ class StagePasses:
             slot.grad_parts += self._wire.receive_backward(action)
         if len(slot.grad_parts) < len(self.schedule.consumers(s)):
             raise RuntimeError(f"{action} has no gradient for its output from every consumer")
-        total = [
-            torch.stack(gs).sum(0) if len(gs) > 1 else gs[0]
-            for gs in zip(*slot.grad_parts, strict=True)
-        ]
+        total = summed(slot.grad_parts)
         slot.grad_parts = []
         return total
 
     def _targets(
-        self, action: Action, slot: Slot, grads: list[torch.Tensor] | None
+        self, action: Action, slot: Slot, grads: list[torch.Tensor | None] | None
     ) -> tuple[list[Any], list[torch.Tensor] | None]:
         """What to differentiate and with which incoming gradients: the loss; the output's
-        gradient edges (the output itself dropped once read); or the (recomputed) output leaves that carry a
-        gradient and depend on something that requires one."""
+        gradient edges (the output itself dropped once read); or the (recomputed) output
+        leaves that carry a gradient and depend on something that requires one. Leaves
+        whose gradient is None are left out."""
         if action.stage == self.schedule.num_stages - 1:
             return [slot.output], None
         assert grads is not None
@@ -209,11 +207,11 @@ class StagePasses:
             if slot.out_edges is None:
                 return [], None
             assert slot.kept is not None
-            return slot.out_edges, [grads[i] for i in slot.kept]
+            return with_grads(slot.out_edges, [grads[i] for i in slot.kept])
         assert slot.carry is not None
         outs = [t for t, c in zip(tensor_leaves(slot.output), slot.carry, strict=True) if c]
         kept = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-        return [o for o, _ in kept], [g for _, g in kept]
+        return with_grads([o for o, _ in kept], [g for _, g in kept])
 
     def _backward(
         self,
@@ -257,10 +255,9 @@ class StagePasses:
                     slot.captured = Captured(joins[0], edges, list(got[len(flat) :]))
                     slot.output = slot.out_edges = None
             slot.grad_output = grads if slot.captured is None else None  # kept for W
-        grad_in = [
-            (g if g is not None else torch.zeros_like(x)).detach()
-            for g, x in zip(found, flat, strict=True)
-        ]
+        # An input that got no gradient sends none (not zeros): upstream, what reaches
+        # only it keeps ``.grad`` None, as in the unpipelined model.
+        grad_in = [None if g is None else g.detach() for g in found]
         start = 0
         for src, group in zip(sources, ins, strict=True):
             mine, start = grad_in[start : start + len(group)], start + len(group)
@@ -269,6 +266,9 @@ class StagePasses:
             else:
                 slot.grad_input = slot.grad_input or {}
                 slot.grad_input[src] = mine
+                if any(g is None for g in mine):
+                    slot.grad_layout = slot.grad_layout or {}
+                    slot.grad_layout[src] = [(x.shape, x.dtype) for x in group]
 
     def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
         return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
@@ -297,8 +297,8 @@ class StagePasses:
             return
         if slot.grad_input is None:
             raise RuntimeError(f"{action} has nothing to send")
-        self._wire.send_backward(action, slot.grad_input)
-        slot.grad_input = None  # freed once sent
+        self._wire.send_backward(action, slot.grad_input, slot.grad_layout)
+        slot.grad_input = slot.grad_layout = None  # freed once sent
 
     def _recv(self, action: Action) -> None:
         """Post the receive if it is not posted yet; its data is awaited where it is used."""
