@@ -139,8 +139,46 @@ def _run_cases(rank: int, world: int) -> list[tuple[int, str, bool, bool, float]
     return out
 
 
+def _with_ddp(rank: int) -> tuple[list[float | None], list[float]]:
+    """Stages wrapped in xgrad's DDP (one-rank data-parallel groups): its reducer waits for
+    every parameter the stage's forward reached, so the parameter behind the ignored output
+    gets zeros there (the documented fallback), and two steps run."""
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    dp = [dist.new_group([0]), dist.new_group([1])][rank]
+    torch.manual_seed(0)
+    part = Part(first=rank == 0).double()
+    ddp = DistributedDataParallel(part, process_group=dp, timeout=20, find_unused_parameters=True)
+    rt = PipelineRuntime(
+        xp.make("1f1b", 2, M),
+        [ddp],
+        nn.functional.mse_loss,
+        timeout=20,
+        no_sync=lambda i: ddp.no_sync(),
+    )
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * M, W, generator=g, dtype=torch.float64)
+    y = torch.randn(2 * M, W, generator=g, dtype=torch.float64)
+    for _ in range(2):
+        part.zero_grad(set_to_none=True)
+        rt.step(x if rank == 0 else None, y if rank == 1 else None)
+    v = None if part.v.grad is None else float(part.v.grad.abs().max())
+    return [v], [float(p.grad.abs().max()) for p in part.fc.parameters() if p.grad is not None]
+
+
+def _run_all(rank: int, world: int) -> tuple[list[Any], Any]:
+    return _run_cases(rank, world), _with_ddp(rank)
+
+
 def test_none_and_zero_gradients_travel_as_such_in_split_and_v_schedules() -> None:
-    per_rank = spawn(_run_cases, 2, timeout=90)
+    results = spawn(_run_all, 2, timeout=90)
+    per_rank = [rows for rows, _ in results]
+    # DDP: stage 0's v gets zeros (its reducer finishes), stage 1's v is unused in its forward
+    assert [ddp[0] for _, ddp in results] == [[0.0], [None]]
+    assert all(len(ddp[1]) == 2 and min(ddp[1]) > 0 for _, ddp in results)
     seen = {(case, none) for rows in per_rank for case, _, none, _, _ in rows}
     # every case has parameters with a gradient; the chains give some none
     assert {case for case, none in seen if not none} == set(range(len(CASES)))

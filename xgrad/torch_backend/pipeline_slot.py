@@ -14,7 +14,7 @@ from xgrad.torch_backend.pipeline_joins import Captured
 from xgrad.torch_backend.pipeline_recompute import RngState
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["ActionRecord", "Slot", "held_bytes", "summed", "with_grads"]
+__all__ = ["ActionRecord", "Slot", "held_bytes", "summed", "with_grads", "zeros_for_none"]
 
 
 @dataclass
@@ -74,6 +74,18 @@ def summed(parts: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
         found = [g for g in gs if g is not None]
         out.append(None if not found else torch.stack(found).sum(0) if len(found) > 1 else found[0])
     return out
+
+
+def zeros_for_none(
+    grads: list[torch.Tensor | None], shapes: list[tuple[torch.Size, torch.dtype]], device: Any
+) -> list[torch.Tensor | None]:
+    """``grads`` with zeros where one is None: for a stage wrapped in DDP, whose reducer
+    waits for every parameter its forward reached from the outputs (a parameter behind an
+    output no later stage used then gets zeros, as it did before Nones travelled)."""
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+        for g, (shape, dtype) in zip(grads, shapes, strict=True)
+    ]
 
 
 def with_grads(

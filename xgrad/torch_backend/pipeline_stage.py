@@ -27,7 +27,7 @@ from xgrad.torch_backend.pipeline_recompute import (
     kept_buffers,
     replayed_rng,
 )
-from xgrad.torch_backend.pipeline_slot import Slot, summed, with_grads
+from xgrad.torch_backend.pipeline_slot import Slot, summed, with_grads, zeros_for_none
 from xgrad.torch_backend.pipeline_wire import (
     carried,
     detach_tree,
@@ -191,6 +191,11 @@ class StagePasses:
             raise RuntimeError(f"{action} has no gradient for its output from every consumer")
         total = summed(slot.grad_parts)
         slot.grad_parts = []
+        if any(g is None for g in total) and (
+            self._no_sync is not None or hasattr(self._module(s), "no_sync")
+        ):  # DDP: its reducer needs every parameter its forward reached
+            assert slot.grad_shapes is not None
+            total = zeros_for_none(total, slot.grad_shapes, self._device(s))
         return total
 
     def _targets(
