@@ -94,6 +94,7 @@ def _chain_loss(y: Any, target: Any) -> Any:
 CASES = [
     ("zbv", "never", ("first", "zero", "part", "part")),
     ("zbv", "always", ("first", "part", "zero", "part")),
+    ("zbv", "never", ("first", "part", "none", "part")),
     ("interleaved_1f1b", "except_last", ("first", "part", "part", "zero")),
     ("zb_h1", "never", ("first", "none")),
     ("zb_h1", "always", ("first", "none")),
