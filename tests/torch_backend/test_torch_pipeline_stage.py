@@ -3,8 +3,8 @@
 In the unpipelined model a parameter reached only through an output the later stages
 ignore gets no gradient at all (``.grad`` stays ``None``, so optimizers skip it and weight
 decay or momentum do not move it). PyTorch's pipelining refuses to send a missing
-gradient; xgrad's runtime sends zeros, and the upstream stage then gives that parameter a
-zero gradient instead of none.
+gradient; xgrad's runtime sends it as none (marked in the gradient header's code), and
+the upstream stage leaves that output out of its backward.
 """
 
 from __future__ import annotations
