@@ -2,9 +2,10 @@
 
 In the unpipelined model a parameter reached only through an output the later stages
 ignore gets no gradient at all (``.grad`` stays ``None``, so optimizers skip it and weight
-decay or momentum do not move it). PyTorch's pipelining refuses to send a missing
-gradient; xgrad's runtime sends it as none (marked in the gradient header's code), and
-the upstream stage leaves that output out of its backward.
+decay or momentum do not move it). PyTorch's pipelining sends zeros for a missing input
+gradient (``get_bwd_send_ops``), so there that parameter gets a zero gradient; xgrad's
+runtime sends it as none (marked in the gradient header's code), and the upstream stage
+leaves that output out of its backward, as the unpipelined model does.
 """
 
 from __future__ import annotations
