@@ -2,32 +2,27 @@
 
 :class:`StagePasses` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
 that runs one action (a forward, a backward, a weight pass, a send, a receive); the runtime's
-event loop, its failure handling and its checks are in :mod:`~xgrad.torch_backend.pipeline`.
+event loop, its failure handling and its checks are in :mod:`~xgrad.torch_backend.pipeline`;
+the settings and helpers the passes share in :mod:`~xgrad.torch_backend.pipeline_stage_base`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from xgrad.failure import FailureChannel
-from xgrad.pipeline import Action, Kind, Schedule
-from xgrad.torch_backend.failure import Waiter, wait_work
-from xgrad.torch_backend.pipeline_comm import StepWire
-from xgrad.torch_backend.pipeline_joins import Captured, StageJoins, run_weight
+from xgrad.pipeline import Action, Kind
+from xgrad.torch_backend.pipeline_joins import Captured, run_weight
 from xgrad.torch_backend.pipeline_recompute import (
     RngState,
-    checkpointed,
     kept_buffers,
     replayed_rng,
 )
 from xgrad.torch_backend.pipeline_slot import Slot, summed, with_grads, zeros_for_none
+from xgrad.torch_backend.pipeline_stage_base import StageState
 from xgrad.torch_backend.pipeline_wire import (
     carried,
     detach_tree,
@@ -38,82 +33,10 @@ from xgrad.torch_backend.pipeline_wire import (
 __all__ = ["StagePasses"]
 
 
-class StagePasses:
+class StagePasses(StageState):
     """One action at a time on this rank's stages (the runtime sets the attributes)."""
 
-    schedule: Schedule
-    partitions: list[nn.Module]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    group: Any
-    rank: int
-    checkpoint: str
-    timeout: float
-    device: torch.device | None
-    _slot_of: dict[int, int]
-    _no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None
-    _channel: FailureChannel | None
-    _waiters: tuple[Waiter, Waiter]
-    _dp_group: Any
-    _reduce_grad: Callable[[int], None] | None
-    _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
-    _wire: StepWire  # the step's sends and receives
-    _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
-    _joins: StageJoins  # per stage graph, where W starts (this step)
     w_from_joins = True  # False: W runs backward from the output (the A/B's old side)
-
-    # -- helpers -------------------------------------------------------------------------
-
-    def _module(self, stage: int) -> nn.Module:
-        return self.partitions[self._slot_of[stage]]
-
-    def _device(self, stage: int) -> torch.device:
-        if self.device is not None:
-            return self.device
-        found = self._devices.get(stage)
-        if found is None:  # once per stage and step (the modules may move between steps)
-            param = next(self._module(stage).parameters(), None)
-            found = param.device if param is not None else torch.device("cpu")
-            self._devices[stage] = found
-        return found
-
-    def _wait(self, work: Any, what: str) -> None:
-        wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
-
-    def _checkpointed(self, microbatch: int) -> bool:
-        return checkpointed(
-            self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
-        )
-
-    @contextlib.contextmanager
-    def _sync_context(self, stage: int, microbatch: int) -> Iterator[None]:
-        last = microbatch == self.schedule.num_microbatches - 1
-        if self._no_sync is None or (last and torch.is_grad_enabled()):
-            yield
-        else:
-            with self._no_sync(self._slot_of[stage]):
-                yield
-
-    def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
-        with self._sync_context(stage, mb):
-            y = self._module(stage)(x)
-        if stage == self.schedule.num_stages - 1:
-            return self.loss_fn(y, target) / self.schedule.num_microbatches
-        return y
-
-    def _average_grads(self, action: Action) -> None:
-        """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
-        it, in one flat all-reduce."""
-        grads = [p.grad for p in self._module(action.stage).parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
-        self._wait(work, f"{action} (all-reduce)")
-        flat /= dist.get_world_size(self._dp_group)
-        start = 0
-        for g in grads:
-            g.copy_(flat[start : start + g.numel()].view_as(g))
-            start += g.numel()
 
     def _forward(
         self,

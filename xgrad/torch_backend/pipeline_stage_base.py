@@ -1,0 +1,101 @@
+"""What a pipeline stage's passes share: the runtime's settings, the step's state, and the
+small helpers every pass uses (which module and device a stage has, bounded waits, the
+checkpoint and no_sync decisions, the forward call with its loss, REDUCE_GRAD over a
+data-parallel group). The passes themselves are :class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xgrad.failure import FailureChannel
+from xgrad.pipeline import Action, Schedule
+from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_joins import StageJoins
+from xgrad.torch_backend.pipeline_recompute import checkpointed
+
+__all__ = ["StageState"]
+
+
+class StageState:
+    """The settings and per-step state the runtime sets, and the passes' helpers."""
+
+    schedule: Schedule
+    partitions: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    group: Any
+    rank: int
+    checkpoint: str
+    timeout: float
+    device: torch.device | None
+    _slot_of: dict[int, int]
+    _no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None
+    _channel: FailureChannel | None
+    _waiters: tuple[Waiter, Waiter]
+    _dp_group: Any
+    _reduce_grad: Callable[[int], None] | None
+    _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
+    _wire: StepWire  # the step's sends and receives
+    _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
+    _joins: StageJoins  # per stage graph, where W starts (this step)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _module(self, stage: int) -> nn.Module:
+        return self.partitions[self._slot_of[stage]]
+
+    def _device(self, stage: int) -> torch.device:
+        if self.device is not None:
+            return self.device
+        found = self._devices.get(stage)
+        if found is None:  # once per stage and step (the modules may move between steps)
+            param = next(self._module(stage).parameters(), None)
+            found = param.device if param is not None else torch.device("cpu")
+            self._devices[stage] = found
+        return found
+
+    def _wait(self, work: Any, what: str) -> None:
+        wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
+
+    def _checkpointed(self, microbatch: int) -> bool:
+        return checkpointed(
+            self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
+        )
+
+    @contextlib.contextmanager
+    def _sync_context(self, stage: int, microbatch: int) -> Iterator[None]:
+        last = microbatch == self.schedule.num_microbatches - 1
+        if self._no_sync is None or (last and torch.is_grad_enabled()):
+            yield
+        else:
+            with self._no_sync(self._slot_of[stage]):
+                yield
+
+    def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
+        with self._sync_context(stage, mb):
+            y = self._module(stage)(x)
+        if stage == self.schedule.num_stages - 1:
+            return self.loss_fn(y, target) / self.schedule.num_microbatches
+        return y
+
+    def _average_grads(self, action: Action) -> None:
+        """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
+        it, in one flat all-reduce."""
+        grads = [p.grad for p in self._module(action.stage).parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+        self._wait(work, f"{action} (all-reduce)")
+        flat /= dist.get_world_size(self._dp_group)
+        start = 0
+        for g in grads:
+            g.copy_(flat[start : start + g.numel()].view_as(g))
+            start += g.numel()
