@@ -34,6 +34,17 @@ def test_ulp_distance_counts_representable_steps() -> None:
     assert crosscheck.ulp_distance(np.array([np.nan], np.float32), np.array([1.0])) > 2**40
 
 
+def test_bit_identical_means_the_same_bits() -> None:
+    from xgrad.crosscheck.metrics import bit_identical
+
+    a = np.array([0.0, 1.5, -2.0], dtype=np.float32)
+    assert bit_identical(a, a.copy())
+    assert bit_identical(a[::2], np.array([0.0, -2.0], dtype=np.float32))  # strided
+    assert not bit_identical(a, np.array([-0.0, 1.5, -2.0], dtype=np.float32))  # -0.0
+    assert not bit_identical(a, a.astype(np.float64))  # equal values, another dtype
+    assert not bit_identical(a, a.reshape(3, 1))
+
+
 def test_rel_is_relative_to_the_largest_reference_element() -> None:
     ref = np.array([10.0, 1e-9, 0.0])
     got = np.array([10.0, 2e-9, 1e-6], dtype=np.float64)

@@ -13,10 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from xgrad.backend import Entry, Step
-from xgrad.crosscheck.metrics import compare
+from xgrad.crosscheck.metrics import bit_identical, compare
 
 
 def cuda_vs_cpu(entries: Sequence[Entry], reports: Sequence[Any], step: Step) -> list[str]:
@@ -45,12 +43,12 @@ def cuda_vs_cpu(entries: Sequence[Entry], reports: Sequence[Any], step: Step) ->
                 f"{report.name} cuda vs cpu: the CPU run failed ({type(err).__name__}: {err})"
             )
             continue
-        if all(np.array_equal(report.grads[n], cpu[n]) for n in names):
+        if all(bit_identical(report.grads[n], cpu[n]) for n in names):
             lines.append(f"{report.name} cuda vs cpu: bit-identical")
             continue
         metrics = [compare(n, report.grads[n], cpu[n], math.inf) for n in names]
         worst = max(metrics, key=lambda m: m.rel)
-        differing = sum(not np.array_equal(report.grads[n], cpu[n]) for n in names)
+        differing = sum(not bit_identical(report.grads[n], cpu[n]) for n in names)
         lines.append(
             f"{report.name} cuda vs cpu: {differing}/{len(names)} parameters differ, max rel "
             f"{worst.rel:.3g} ({worst.name}, {worst.ulp_at_max:.3g} ULPs at its scale)"

@@ -24,6 +24,17 @@ class Metrics:
     passed: bool
 
 
+def bit_identical(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two gradients are the same bits: the same dtype and shape and every byte
+    equal (``np.array_equal`` would call ``-0.0`` and ``0.0``, or a float32 and a float64
+    array of equal values, the same)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
+
+
 def ordered_bits(a: np.ndarray) -> np.ndarray:
     """Map floats to int64 so that adjacent floats of ``a``'s dtype differ by exactly one."""
     bits = a.dtype.itemsize * 8

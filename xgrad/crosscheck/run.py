@@ -15,6 +15,7 @@ from xgrad.buckets import BucketPlan
 from xgrad.crosscheck.case import WIRE_DTYPES, Case, Inputs, make_inputs, tolerance
 from xgrad.crosscheck.metrics import (
     Metrics,
+    bit_identical,
     compare,
     compare_buckets,
     format_ulp,
@@ -173,7 +174,7 @@ def _attribution(
     sides = list(firsts.values())
     for i, one in enumerate(sides):
         for other in sides[i + 1 :]:
-            if all(np.array_equal(one.grads[n], other.grads[n]) for n in names):
+            if all(bit_identical(one.grads[n], other.grads[n]) for n in names):
                 continue
             lines.append(_wire_pair(one, other, names, wire, wire_dtype, case.dtype))
     return lines
@@ -220,7 +221,7 @@ def agreement(
     groups: list[list[BackendReport]] = []
     for b in (b for b in backends if b.grads):
         for group in groups:
-            if all(np.array_equal(b.grads[n], group[0].grads[n]) for n in names):
+            if all(bit_identical(b.grads[n], group[0].grads[n]) for n in names):
                 group.append(b)
                 break
         else:
