@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from xgrad.failure import RankError, check_seconds, wait_until
 from xgrad.torch_backend.dist_graph import build_rank_graph
-from xgrad.torch_backend.dist_inbox import Inbox, bury
+from xgrad.torch_backend.dist_inbox import Inbox, bury, bury_sent
 from xgrad.torch_backend.dist_pass import (
     Accumulate,
     DistBackwardError,
@@ -185,8 +185,7 @@ class _Context:
         this rank already raised (and the user caught), nothing is awaited.
         """
         if self.reported:
-            for _, (work, buf) in self.works:
-                bury(work, buf)
+            bury_sent(self.works)
             return
         try:
             barrier(self.channel, "exit", len(self.ranks), self.timeout)
@@ -271,8 +270,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         with _lock:
             _open.pop(ctx.id, None)
         if not ok:
-            for _, (work, buf) in ctx.works:
-                bury(work, buf)
+            bury_sent(ctx.works)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:

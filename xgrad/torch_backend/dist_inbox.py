@@ -35,7 +35,7 @@ from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _t
 from xgrad.torch_backend.dist_watch import wait_here
 from xgrad.torch_backend.dist_wire import DONE, POISON, Link
 
-__all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message", "_made", "bury", "sweep"]
+__all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message", "_made", "bury", "bury_sent", "sweep"]
 
 #: where a pass waits for its messages: "caller" (its own thread) or "threads" (one per peer).
 WAIT = os.environ.get("XGRAD_DIST_WAIT", "caller")
@@ -58,6 +58,12 @@ def bury(work: Any, buffer: Any) -> None:
     GRAVEYARD.append((work, buffer))
     if len(GRAVEYARD) >= _sweep_at:
         _sweep_at = max(64, 2 * sweep())
+
+
+def bury_sent(sent: Sequence[tuple[int, tuple[Any, Any]]]) -> None:
+    """:func:`bury` each ``(peer, (work, buffer))`` of a pass's or context's sends."""
+    for _, (work, buf) in sent:
+        bury(work, buf)
 
 
 def sweep() -> int:
@@ -254,8 +260,7 @@ class Inbox:
         Sends nobody waited for (:attr:`sent` is cleared once they were) stay referenced,
         and so do the receives' buffers after a failure.
         """
-        for _, (work, buf) in self.sent:
-            bury(work, buf)
+        bury_sent(self.sent)
         self.sent = []
         if failed:
             for work, buf in self.buffers:
