@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
+from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
 from xgrad.torch_backend.failure import (
     check_lost,
     failure_channel,
@@ -63,6 +64,8 @@ class StepWatch:
         self.instance = next(_instances)
         self.step = 0
         self.poll = default_seconds("poll_interval")
+        #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
+        self.spin = resolve_spin(dist.get_world_size(group), self.poll)
         self.group: Any = self._private_group()
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
@@ -154,13 +157,18 @@ class StepWatch:
     # ----------------------------------------------------------------- waits
 
     def wait_work(self, work: Any, what: str) -> None:
-        """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise."""
-        if not work.is_completed():
+        """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.
+
+        The work is polled for :attr:`spin` seconds first (the thread stays hot for what
+        follows the wait); then the blocking wait, which counts the spin as waited.
+        """
+        spin = self.spin
+        if not work.is_completed() and not (spin > 0.0 and spin_until(work.is_completed, spin)):
             # A held lock the completion releases: half the cost of an Event's wait.
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())
-            self.wait_event(done, what)
+            self.wait_event(done, what, spun=spin)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -168,12 +176,19 @@ class StepWatch:
             self.drop_group(error, abort=True)
             raise error from exc
 
-    def wait_event(self, done: threading.Event | threading.Lock, what: str) -> None:
+    def wait_event(
+        self, done: threading.Event | threading.Lock, what: str, spun: float = 0.0
+    ) -> None:
         """Wait for ``done`` (set, or released), checking the channel between naps, never
-        past the timeout."""
+        past the timeout; ``spun``: seconds already spent polling (counted as waited, and
+        the channel checked first)."""
         wait = done.wait if isinstance(done, threading.Event) else done.acquire
         try:
-            waited = 0.0
+            waited = spun
+            if spun > 0.0:
+                self.channel.check()
+                if waited >= self.timeout:
+                    raise self.channel.timed_out(what, self.timeout)
             while not wait(timeout=self.poll):
                 waited += self.poll
                 self.channel.check()
