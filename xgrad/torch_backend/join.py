@@ -181,7 +181,7 @@ class DDPJoinHook(JoinHook):
         if not should_sync:
             return
         ddp._check_agreement()
-        ddp.reducer.shadow_backward()
+        ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.
@@ -190,6 +190,17 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last."""
         sync_final_model(self.ddp, is_last_joiner)
+
+
+def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient with no entries, laid out as an embedding's (one sparse dimension).
+
+    Only ``nn.Embedding`` and ``nn.EmbeddingBag`` make sparse gradients; gloo sums sparse
+    tensors by gathering every rank's entries, so this one adds nothing.
+    """
+    indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
+    values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape)
 
 
 def find_common_rank(ddp: DistributedDataParallel, rank: int, candidate: bool) -> int:
