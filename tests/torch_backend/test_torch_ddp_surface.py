@@ -228,6 +228,24 @@ def _options(rank: int, world: int) -> dict[str, Any]:
     out["torch_logging_keys"] = sorted(tddp._get_ddp_logging_data())
     out["bucket_bytes_cap"] = (ddp.bucket_bytes_cap, tddp.bucket_bytes_cap)
     out["join"] = (ddp.join_device, ddp.join_process_group is tddp.join_process_group)
+    # Logging values PyTorch reports, in its formats, after a rebuild into several buckets
+    # (its ``bucket_sizes`` stay the construction-time ones).
+    model = _seeded().double()
+    pair = (
+        DistributedDataParallel(model, bucket_cap_mb=0.0005),
+        TorchDDP(copy.deepcopy(model), bucket_cap_mb=0.0005),
+    )
+    for d in pair:
+        for _ in range(3):
+            d(x).sum().backward()
+    keys = (
+        "dtypes",
+        "bucket_sizes",
+        "rebuilt_bucket_sizes",
+        "rebuilt_per_bucket_param_indices",
+        "num_buckets_reduced",
+    )
+    out["logging_values"] = [{k: d._get_ddp_logging_data().get(k) for k in keys} for d in pair]
     return out
 
 
@@ -277,6 +295,12 @@ def test_isinstance_and_attributes(results: list[dict[str, Any]]) -> None:
     timestamps = {k for k in r["torch_logging_keys"] if k.endswith(("_start", "_end", "_time"))}
     wanted = set(r["torch_logging_keys"]) - environment - timestamps
     assert wanted <= set(r["logging_keys"])
+
+
+def test_logging_values_equal_pytorchs(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        ours, theirs = r["logging_values"]
+        assert ours == theirs
 
 
 def test_mixed_precision_on_cpu(results: list[dict[str, Any]]) -> None:
