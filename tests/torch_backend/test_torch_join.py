@@ -9,6 +9,7 @@ every step's gradients and the final parameters.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import numpy as np
@@ -127,6 +128,29 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         out["throw"] = "no error"
     except RuntimeError as err:
         out["throw"] = str(err)
+    # A comm hook that fails on the rank that joined (in its shadow pass): every rank
+    # raises at once, naming it, not at the timeout naming itself.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    m = Net()
+    ddp = DistributedDataParallel(m, timeout=20)
+    joined = []
+
+    def failing(state: Any, bucket: Any) -> Any:
+        if joined and joined[0]:
+            raise ValueError("shadow hook failed")
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, failing)
+    started = time.monotonic()
+    try:
+        with ddp.join():
+            for x in _batches(rank)[: 1 + 2 * rank]:
+                ddp(x).sum().backward()
+            joined.append(rank == 0)
+        out["joined_hook"] = ("no error", 0.0)
+    except RuntimeError as err:
+        out["joined_hook"] = (str(err), time.monotonic() - started)
     # After join, an ordinary collective on every rank still matches up (no hang).
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -187,3 +211,15 @@ def test_throw_on_early_termination_raises_on_every_rank(
     for result in results[1:]:
         assert "Detected at least one rank that exhausted inputs" in result["throw"]
     assert all(r["after"] == float(size) for r in results)
+
+
+def test_a_comm_hook_failing_on_the_joined_rank_is_named_on_every_rank_at_once(
+    world: tuple[int, list[dict[str, Any]]],
+) -> None:
+    _, results = world
+    if "joined_hook" not in results[0]:
+        pytest.skip("world size 2 only")
+    for result in results:
+        message, seconds = result["joined_hook"]
+        assert message.startswith("rank 0 in comm hook, bucket 0: ValueError: shadow hook failed")
+        assert seconds < 10  # the timeout is 20 s

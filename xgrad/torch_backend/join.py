@@ -180,6 +180,9 @@ class DDPJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
+        # The ranks still training began a step at this forward pass: begin it here too,
+        # so what fails in the shadow pass (a comm hook) is posted where they look.
+        ddp._watch.start_forward(ddp._grad_hooks, True)
         ddp._check_agreement()
         ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():
