@@ -158,6 +158,23 @@ def _options(rank: int, world: int) -> dict[str, Any]:
             rank, _seeded(), lambda m, mp=mp: DistributedDataParallel(m, mixed_precision=mp)
         )
         out[name] = {"xgrad": ours, "reference": _mixed_reference(rank, _seeded(), mp)}
+        # gradient_as_bucket_view: the reduced result is written back into the buckets,
+        # which hold param_dtype (as PyTorch's), and the gradients are full-precision
+        # copies of them (PyTorch's mixed precision needs CUDA: no reference run here).
+        viewed, _, _ = _train(
+            rank,
+            _seeded(),
+            lambda m, mp=mp: DistributedDataParallel(
+                m, mixed_precision=mp, gradient_as_bucket_view=True
+            ),
+        )
+        rounded = [
+            {k: torch.from_numpy(v).to(mp.param_dtype).float().numpy() for k, v in step.items()}
+            for step in out[name]["reference"]
+        ]
+        # Compared at the first step: later steps start from parameters updated with
+        # these rounded gradients, so their reference would be another run.
+        out[name + "_view"] = {"xgrad": viewed[:1], "reference": rounded[:1]}
     base = _seeded()
     delayed = [("a.weight", base.a.weight), ("a.bias", base.a.bias)]
 
@@ -306,7 +323,7 @@ def test_logging_values_equal_pytorchs(results: list[dict[str, Any]]) -> None:
 def test_mixed_precision_on_cpu(results: list[dict[str, Any]]) -> None:
     """PyTorch's mixed precision needs stream events (no CPU); the reference is by hand."""
     for r in results:
-        for name in ("mixed_bf16", "mixed_fp16"):
+        for name in ("mixed_bf16", "mixed_fp16", "mixed_bf16_view", "mixed_fp16_view"):
             ours, ref = r[name]["xgrad"], r[name]["reference"]
             for mine, want in zip(ours, ref, strict=True):
                 assert mine.keys() == want.keys()
