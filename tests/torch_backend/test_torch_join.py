@@ -151,6 +151,21 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         out["joined_hook"] = ("no error", 0.0)
     except RuntimeError as err:
         out["joined_hook"] = (str(err), time.monotonic() - started)
+    # delay_all_reduce_named_params under join: refused on every rank when the context is
+    # made (before: the joined rank missed the delayed all-reduce and gloo aborted).
+    m = Net()
+    ddp = DistributedDataParallel(
+        m,
+        delay_all_reduce_named_params=[("a.weight", m.a.weight)],
+        param_to_hook_all_reduce=m.a.bias,
+    )
+    try:
+        with ddp.join():
+            for x in _batches(rank):
+                ddp(x).sum().backward()
+        out["delayed"] = "no error"
+    except ValueError as err:
+        out["delayed"] = str(err)
     # After join, an ordinary collective on every rank still matches up (no hang).
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
@@ -223,3 +238,13 @@ def test_a_comm_hook_failing_on_the_joined_rank_is_named_on_every_rank_at_once(
         message, seconds = result["joined_hook"]
         assert message.startswith("rank 0 in comm hook, bucket 0: ValueError: shadow hook failed")
         assert seconds < 10  # the timeout is 20 s
+
+
+def test_delayed_all_reduce_is_refused_under_join(world: tuple[int, list[dict[str, Any]]]) -> None:
+    _, results = world
+    if "delayed" not in results[0]:
+        pytest.skip("world size 2 only")
+    for result in results:
+        assert result["delayed"].startswith(
+            "join() does not support delay_all_reduce_named_params"
+        ), result["delayed"]

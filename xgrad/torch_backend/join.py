@@ -135,6 +135,13 @@ class JoinableDDP(Joinable):
         unknown = set(kwargs) - {"divide_by_initial_world_size"}
         if unknown:
             raise TypeError(f"join_hook() got unexpected keyword arguments {sorted(unknown)}")
+        if getattr(self, "_delayed", None) is not None:
+            # A joined rank cannot know where in the others' backward pass their delayed
+            # all-reduce comes (PyTorch's DDP aborts the process in gloo there).
+            raise ValueError(
+                "join() does not support delay_all_reduce_named_params: a rank that has "
+                "joined cannot match the delayed all-reduce of the ranks still training"
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))  # type: ignore[arg-type]
 
     @property
