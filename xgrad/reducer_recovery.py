@@ -30,6 +30,7 @@ class JoinAndRecovery:
     ops: ArrayOps
     keys: list[Any]
     sparse: list[bool]
+    names: list[str]
     clock: Callable[[], float]
     find_unused_parameters: bool
     static_graph: bool
@@ -91,15 +92,33 @@ class JoinAndRecovery:
 
     # ----------------------------------------------------------------- join
 
-    def shadow_backward(self) -> None:
+    def shadow_backward(self, sparse_zero: Callable[[Any], Any] | None = None) -> None:
         """Enter one backward pass's reductions with zeros, on a rank with no input left.
 
         What a joined rank does for each iteration of the others (``join()``): every
         bucket reduced in bucket order through the same hook, from fresh zero buffers
         (its own gradients stay as they are), then the used-parameter map if one is
         summed, with nothing used here.
+
+        Args:
+            sparse_zero: for a parameter with a sparse gradient, an empty sparse
+                gradient of its shape (a sparse bucket has no buffer of its own: the
+                ranks still training reduce their sparse gradients, so this rank must
+                offer one too). Needed only when some parameter's gradient is sparse.
+
+        Raises:
+            ValueError: a sparse bucket and no ``sparse_zero``.
         """
         shadows, _ = build_buckets(self.plan, self.params, self.ops, self.keys, self.sparse)
+        for shadow in shadows:
+            if shadow.sparse:
+                index = shadow.indices[0]
+                if sparse_zero is None:
+                    raise ValueError(
+                        f"shadow_backward: parameter {self.names[index]} (index {index}) "
+                        "has a sparse gradient; pass sparse_zero to make its empty one"
+                    )
+                shadow.flat = sparse_zero(self.params[index])
         real, self._buckets = self._buckets, shadows
         try:
             for shadow in shadows:

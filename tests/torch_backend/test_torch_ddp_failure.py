@@ -201,3 +201,38 @@ def test_a_killed_or_frozen_peer_is_named_and_the_survivors_exit(how: str, world
         assert value["again_seconds"] < 4.0, value
         assert value["destroy_seconds"] < TIMEOUT + 4.0, value
         assert codes[rank] == 0
+
+
+def _callback_raises(rank: int, world: int) -> tuple[str, float]:
+    """A comm hook whose future's ``then`` callback raises (the hook's own code, on every
+    rank): named at once, not after waiting for a peer's heartbeat to stop (15 s)."""
+    import torch
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    def hook(state: Any, bucket: Any) -> Any:
+        work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
+
+        def unpack(fut: Any) -> Any:
+            raise ValueError(f"unpack failed on rank {rank}")
+
+        return work.get_future().then(unpack)
+
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2), timeout=30)
+    ddp.register_comm_hook(None, hook)
+    start = time.monotonic()
+    try:
+        ddp(torch.ones(2, 3)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_comm_hooks_callback_raising_is_named_within_two_seconds() -> None:
+    from xgrad.torch_backend.spawn import spawn
+
+    for message, seconds in spawn(_callback_raises, 2, timeout=60):
+        assert "in comm hook hook, bucket 0: " in message, message
+        assert "ValueError: unpack failed on rank " in message, message
+        assert seconds < 2.0, (message, seconds)

@@ -158,6 +158,23 @@ def _options(rank: int, world: int) -> dict[str, Any]:
             rank, _seeded(), lambda m, mp=mp: DistributedDataParallel(m, mixed_precision=mp)
         )
         out[name] = {"xgrad": ours, "reference": _mixed_reference(rank, _seeded(), mp)}
+        # gradient_as_bucket_view: the reduced result is written back into the buckets,
+        # which hold param_dtype (as PyTorch's), and the gradients are full-precision
+        # copies of them (PyTorch's mixed precision needs CUDA: no reference run here).
+        viewed, _, _ = _train(
+            rank,
+            _seeded(),
+            lambda m, mp=mp: DistributedDataParallel(
+                m, mixed_precision=mp, gradient_as_bucket_view=True
+            ),
+        )
+        rounded = [
+            {k: torch.from_numpy(v).to(mp.param_dtype).float().numpy() for k, v in step.items()}
+            for step in out[name]["reference"]
+        ]
+        # Compared at the first step: later steps start from parameters updated with
+        # these rounded gradients, so their reference would be another run.
+        out[name + "_view"] = {"xgrad": viewed[:1], "reference": rounded[:1]}
     base = _seeded()
     delayed = [("a.weight", base.a.weight), ("a.bias", base.a.bias)]
 
@@ -228,6 +245,24 @@ def _options(rank: int, world: int) -> dict[str, Any]:
     out["torch_logging_keys"] = sorted(tddp._get_ddp_logging_data())
     out["bucket_bytes_cap"] = (ddp.bucket_bytes_cap, tddp.bucket_bytes_cap)
     out["join"] = (ddp.join_device, ddp.join_process_group is tddp.join_process_group)
+    # Logging values PyTorch reports, in its formats, after a rebuild into several buckets
+    # (its ``bucket_sizes`` stay the construction-time ones).
+    model = _seeded().double()
+    pair = (
+        DistributedDataParallel(model, bucket_cap_mb=0.0005),
+        TorchDDP(copy.deepcopy(model), bucket_cap_mb=0.0005),
+    )
+    for d in pair:
+        for _ in range(3):
+            d(x).sum().backward()
+    keys = (
+        "dtypes",
+        "bucket_sizes",
+        "rebuilt_bucket_sizes",
+        "rebuilt_per_bucket_param_indices",
+        "num_buckets_reduced",
+    )
+    out["logging_values"] = [{k: d._get_ddp_logging_data().get(k) for k in keys} for d in pair]
     return out
 
 
@@ -279,10 +314,16 @@ def test_isinstance_and_attributes(results: list[dict[str, Any]]) -> None:
     assert wanted <= set(r["logging_keys"])
 
 
+def test_logging_values_equal_pytorchs(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        ours, theirs = r["logging_values"]
+        assert ours == theirs
+
+
 def test_mixed_precision_on_cpu(results: list[dict[str, Any]]) -> None:
     """PyTorch's mixed precision needs stream events (no CPU); the reference is by hand."""
     for r in results:
-        for name in ("mixed_bf16", "mixed_fp16"):
+        for name in ("mixed_bf16", "mixed_fp16", "mixed_bf16_view", "mixed_fp16_view"):
             ours, ref = r[name]["xgrad"], r[name]["reference"]
             for mine, want in zip(ours, ref, strict=True):
                 assert mine.keys() == want.keys()

@@ -23,3 +23,48 @@ def test_first_mismatch_names_rank_and_parameter() -> None:
     assert message is not None
     assert message.startswith("rank 1 has 1 parameters to reduce but rank 0 has 2")
     assert "only rank 0 has is 1" in message
+
+
+def _state_mismatches(rank: int, world: int) -> dict[str, str]:
+    """DDP construction over models whose buffers differ on rank 1 (2 gloo processes)."""
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    out = {}
+    for case in ("shape", "extra", "dtype", "frozen", "same"):
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        if rank == 1 and case == "shape":
+            model[1].register_buffer("running_mean", torch.zeros(5))
+        if rank == 1 and case == "extra":
+            model[0].register_buffer("scale", torch.ones(2))
+        if rank == 1 and case == "dtype":
+            model[1].running_var = model[1].running_var.double()
+        if case == "frozen":
+            model.append(nn.Linear(4, 4 if rank == 0 else 2).requires_grad_(False))
+        try:
+            DistributedDataParallel(model, timeout=10)
+            out[case] = "constructed"
+        except ValueError as err:
+            out[case] = str(err)
+    return out
+
+
+def test_buffers_and_frozen_parameters_that_differ_are_named_on_every_rank() -> None:
+    from xgrad.torch_backend.spawn import spawn
+
+    results = spawn(_state_mismatches, 2, timeout=60)
+    wanted = {
+        # Before: silently broadcast into a buffer of another size (rank 1 keeps junk).
+        "shape": "rank 1 has '1.running_mean' with shape [5] and dtype float32, rank 0 has "
+        "'1.running_mean' with shape [4]",
+        "extra": "rank 1 has '0.scale' with shape [2] and dtype float32, rank 0 has '1.running_mean'",
+        # Before: gloo aborted the process (SIGABRT), no Python error.
+        "dtype": "rank 1 has '1.running_var' with shape [4] and dtype float64",
+        "frozen": "rank 1 has '2.weight' with shape [2, 4]",
+    }
+    for rank, result in enumerate(results):
+        assert result["same"] == "constructed"
+        for case, text in wanted.items():
+            assert f"differs across ranks (seen on rank {rank})" in result[case], case
+            assert text in result[case], (case, result[case])

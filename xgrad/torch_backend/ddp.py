@@ -22,7 +22,7 @@ One training step, as PyTorch's DDP does it::
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
 ``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_stats``, ``ddp_mixed``
 (mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile`` (dynamo),
-``join``; this is the wrapper.
+``ddp_pickle`` (copies), ``join``; this is the wrapper.
 """
 
 from __future__ import annotations
@@ -59,11 +59,10 @@ from xgrad.torch_backend.ddp_forward import (
 from xgrad.torch_backend.ddp_hooks import GradientHooks, builtin_hook, future_hook
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
+from xgrad.torch_backend.ddp_pickle import PicklableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import logging_data, statistics
-from xgrad.torch_backend.join import (
-    JoinableDDP,
-)
+from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
 
@@ -72,16 +71,14 @@ __all__ = ["DistributedDataParallel", "IterationTimes"]
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
-class DistributedDataParallel(JoinableDDP, _TorchDDP):
+class DistributedDataParallel(PicklableDDP, JoinableDDP, _TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
     class's ``__init__`` (which would build PyTorch's C++ reducer too), so ``isinstance``
     holds for the code in Lightning, accelerate and transformers that unwraps DDP, and
-    dynamo's DDP handling (``DDPOptimizer``, guards) applies. The alternatives fail:
-    torch's class takes no ``__instancecheck__`` without patching torch, and a virtual
-    subclass (``ABC.register``) gives dynamo neither its ``issubclass`` checks nor the
-    attributes it reads. Every method of torch's class that would reach its C++ reducer
+    dynamo's DDP handling (``DDPOptimizer``, guards) applies (torch's class takes no
+    ``__instancecheck__``; ``ABC.register`` fails dynamo's ``issubclass``). Every method of torch's class that would reach its C++ reducer
     is overridden; the rest (``_inside_ddp_forward``, ``_register_fused_optim``,
     ``scatter``/``gather``, ``no_sync``, ``will_sync_module_buffers``) work unchanged.
 

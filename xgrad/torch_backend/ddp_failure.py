@@ -46,6 +46,17 @@ _instances = itertools.count()
 _SUM = dist.AllreduceOptions()  # ReduceOp.SUM
 
 
+def _hook_raised(exc: BaseException) -> bool:
+    """Whether a hook future failed in the hook's own Python code (its ``then`` chain),
+    not in a transfer: that is this rank's failure, named at once, with no wait for a
+    peer's heartbeat to stop. Gloo's transfer failures are ``RuntimeError``s."""
+    prefix = "Got the following error when running the callback: "
+    if not isinstance(exc, RuntimeError):
+        return True
+    name = str(exc)[len(prefix) :].split(":", 1)[0] if str(exc).startswith(prefix) else ""
+    return name.isidentifier() and name.endswith("Error") and not name.startswith(("Run", "Dist"))
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -264,7 +275,12 @@ class WatchedFuture:
         try:
             value = self._future.value()
         except Exception as exc:  # the collective or the hook's own chain failed
-            error = self._watch.explain(exc, self._what)
+            raised = _hook_raised(exc)
+            error = (
+                self._watch.post(self._what, exc)
+                if raised
+                else self._watch.explain(exc, self._what)
+            )
             self._watch.drop_group(error, abort=True)
             raise error from exc
         # PyTorch's collectives complete their futures with a one-element list.

@@ -233,11 +233,13 @@ class GradientHooks:
             # the result into the gradient tensor, which comes to the same values).
             p.grad = view
             return
-        if self.gradient_as_bucket_view:
+        # Under mixed precision the buckets hold param_dtype: the gradient cannot be their
+        # view, so it is a full-precision copy (as PyTorch's, gradient_as_bucket_view or not).
+        if self.gradient_as_bucket_view and view.dtype == p.dtype:
             if grad is None or grad.data_ptr() != view.data_ptr():
                 p.grad = view
         elif grad is None:
-            p.grad = view.clone()
+            p.grad = view.to(p.dtype, copy=True)
         else:
             self._copy_dst.append(grad)
             self._copy_src.append(view)
@@ -262,8 +264,8 @@ class GradientHooks:
         assert self.reducer is not None
         with torch.no_grad():
             for p, view in zip(self.params, self.reducer.bucket_views(), strict=True):
-                if view is None:
-                    continue  # a sparse gradient has no bucket view
+                if view is None or view.dtype != p.dtype:
+                    continue  # a sparse gradient has no bucket view; mixed precision's differ
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view

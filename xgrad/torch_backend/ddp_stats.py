@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -122,10 +123,11 @@ def logging_data(ddp: Any) -> dict[str, Any]:
         "static_graph": int(ddp.static_graph),
         "backend_name": dist.get_backend(ddp.process_group),
         "is_multi_device_module": 0,
-        "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in reducer.params})),
+        "dtypes": ", ".join(sorted({_c10_name(p.dtype) for p in reducer.params})),
         "total_parameter_size_bytes": sum(reducer.nbytes),
         "num_parameter_tensors": len(reducer.params),
-        "bucket_sizes": ", ".join(map(str, sizes)),
+        # PyTorch logs the construction-time buckets here, the rebuilt ones below.
+        "bucket_sizes": ", ".join(map(str, _sizes(reducer, reducer.initial_plan))),
         "iteration": max(reducer.num_iterations - 1, 0),
         "has_rebuilt_buckets": int(rebuilt),
         "unused_parameter_size": sum(reducer.nbytes[i] for i in last.unused) if last else 0,
@@ -140,10 +142,30 @@ def logging_data(ddp: Any) -> dict[str, Any]:
     }
     if rebuilt:
         data["rebuilt_bucket_sizes"] = ", ".join(map(str, sizes))
-        data["rebuilt_per_bucket_param_indices"] = " | ".join(
-            ", ".join(map(str, b)) for b in reducer.plan.buckets
+        data["rebuilt_per_bucket_param_indices"] = ", ".join(
+            " ".join(map(str, b)) for b in reducer.plan.buckets
         )
     return data
+
+
+#: PyTorch's logging names of dtypes (c10's type names), for the ones parameters have.
+_C10_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+    torch.complex64: "c10::complex<float>",
+    torch.complex128: "c10::complex<double>",
+}
+
+
+def _c10_name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _sizes(reducer: Reducer, plan: Any) -> list[int]:
+    """Bytes per bucket of ``plan``, in launch order."""
+    return [sum(reducer.nbytes[i] for i in b) for b in plan.buckets]
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -135,6 +135,13 @@ class JoinableDDP(Joinable):
         unknown = set(kwargs) - {"divide_by_initial_world_size"}
         if unknown:
             raise TypeError(f"join_hook() got unexpected keyword arguments {sorted(unknown)}")
+        if getattr(self, "_delayed", None) is not None:
+            # A joined rank cannot know where in the others' backward pass their delayed
+            # all-reduce comes (PyTorch's DDP aborts the process in gloo there).
+            raise ValueError(
+                "join() does not support delay_all_reduce_named_params: a rank that has "
+                "joined cannot match the delayed all-reduce of the ranks still training"
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))  # type: ignore[arg-type]
 
     @property
@@ -180,8 +187,11 @@ class DDPJoinHook(JoinHook):
         ddp.require_forward_param_sync = should_sync
         if not should_sync:
             return
+        # The ranks still training began a step at this forward pass: begin it here too,
+        # so what fails in the shadow pass (a comm hook) is posted where they look.
+        ddp._watch.start_forward(ddp._grad_hooks, True)
         ddp._check_agreement()
-        ddp.reducer.shadow_backward()
+        ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.
@@ -190,6 +200,17 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last."""
         sync_final_model(self.ddp, is_last_joiner)
+
+
+def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient with no entries, laid out as an embedding's (one sparse dimension).
+
+    Only ``nn.Embedding`` and ``nn.EmbeddingBag`` make sparse gradients; gloo sums sparse
+    tensors by gathering every rank's entries, so this one adds nothing.
+    """
+    indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
+    values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape)
 
 
 def find_common_rank(ddp: DistributedDataParallel, rank: int, candidate: bool) -> int:

@@ -84,10 +84,40 @@ def broadcast_state(
     """Overwrite every parameter (and buffer) with rank ``src``'s values, in place.
 
     Names in ``ignore`` (DDP's ``_ddp_params_and_buffers_to_ignore``) keep their values.
+    The ranks first compare what they are about to broadcast (names, shapes, dtypes of
+    buffers and frozen parameters too, which the parameter check does not cover): the
+    broadcast is one flat buffer, so another buffer shape on a rank would silently mix
+    values into it, and another dtype aborts the process inside gloo.
+
+    Raises:
+        ValueError: on every rank, naming the first tensor that differs and the ranks.
     """
-    tensors: list[torch.Tensor] = [
-        p.data for name, p in module.named_parameters() if name not in ignore
-    ]
+    named = [(name, p.data) for name, p in module.named_parameters() if name not in ignore]
     if buffers:
-        tensors.extend(b.data for name, b in module.named_buffers() if name not in ignore)
-    comm.broadcast_tensors(tensors, src=src)
+        named.extend((name, b.data) for name, b in module.named_buffers() if name not in ignore)
+    infos = comm.allgather_object(describe_params([n for n, _ in named], [t for _, t in named]))
+    problem = _first_state_mismatch(infos, src)
+    if problem is not None:
+        raise ValueError(
+            f"DistributedDataParallel: the model's state differs across ranks (seen on rank "
+            f"{comm.rank}), so rank {src}'s cannot be broadcast: {problem}"
+        )
+    comm.broadcast_tensors([t for _, t in named], src=src)
+
+
+def _first_state_mismatch(infos: Sequence[Sequence[ParamInfo]], src: int) -> str | None:
+    """The first parameter or buffer in which a rank differs from rank ``src``, or ``None``."""
+    ref = infos[src]
+    for rank, mine in enumerate(infos):
+        for i in range(max(len(ref), len(mine))):
+            a = ref[i] if i < len(ref) else None
+            b = mine[i] if i < len(mine) else None
+            if a is None or b is None or a[1:] != b[1:]:
+                return f"tensor {i}: rank {rank} has {_show(b)}, rank {src} has {_show(a)}"
+    return None
+
+
+def _show(info: ParamInfo | None) -> str:
+    if info is None:
+        return "nothing"
+    return f"{info[0]!r} with shape {list(info[1])} and dtype {info[2]}"
