@@ -31,6 +31,7 @@ import torch.distributed as dist
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
+from xgrad.torch_backend.ddp_watched import WatchedWork
 from xgrad.torch_backend.failure import (
     check_lost,
     failure_channel,
@@ -38,23 +39,12 @@ from xgrad.torch_backend.failure import (
     transfer_failed,
 )
 
-__all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
+__all__ = ["StepWatch", "WatchedComm"]
 
 #: per process: DDP instances in construction order (the same on every rank).
 _instances = itertools.count()
 
 _SUM = dist.AllreduceOptions()  # ReduceOp.SUM
-
-
-def _hook_raised(exc: BaseException) -> bool:
-    """Whether a hook future failed in the hook's own Python code (its ``then`` chain),
-    not in a transfer: that is this rank's failure, named at once, with no wait for a
-    peer's heartbeat to stop. Gloo's transfer failures are ``RuntimeError``s."""
-    prefix = "Got the following error when running the callback: "
-    if not isinstance(exc, RuntimeError):
-        return True
-    name = str(exc)[len(prefix) :].split(":", 1)[0] if str(exc).startswith(prefix) else ""
-    return name.isidentifier() and name.endswith("Error") and not name.startswith(("Run", "Dist"))
 
 
 def _describe(exc: BaseException) -> str:
@@ -236,57 +226,6 @@ class StepWatch:
             return transfer_failed(self.channel, what, exc, None)
         except RankError as error:  # another rank's failure, posted first
             return error
-
-
-class WatchedWork:
-    """An in-flight collective of a :class:`WatchedComm`: ``wait()`` is watched and bounded."""
-
-    __slots__ = ("_result", "_watch", "_what", "_work")
-
-    def __init__(self, work: Any, result: torch.Tensor, watch: StepWatch, what: str) -> None:
-        self._work = work
-        self._result = result
-        self._watch = watch
-        self._what = what
-
-    def wait(self) -> torch.Tensor:
-        self._watch.wait_work(self._work, self._what)
-        return self._result
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """The collective's own future (what PyTorch's comm hooks chain ``then`` on)."""
-        return self._work.get_future()
-
-
-class WatchedFuture:
-    """A communication hook's future as a reducer ``Work``, waited on through the watch."""
-
-    __slots__ = ("_done", "_future", "_watch", "_what")
-
-    def __init__(self, future: torch._C.Future, watch: StepWatch, what: str) -> None:
-        self._future = future
-        self._watch = watch
-        self._what = what
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
-
-    def wait(self) -> Any:
-        self._watch.wait_event(self._done, self._what)
-        try:
-            value = self._future.value()
-        except Exception as exc:  # the collective or the hook's own chain failed
-            raised = _hook_raised(exc)
-            error = (
-                self._watch.post(self._what, exc)
-                if raised
-                else self._watch.explain(exc, self._what)
-            )
-            self._watch.drop_group(error, abort=True)
-            raise error from exc
-        # PyTorch's collectives complete their futures with a one-element list.
-        if isinstance(value, list) and len(value) == 1:
-            return value[0]
-        return value
 
 
 class WatchedComm(TorchComm):
