@@ -209,3 +209,41 @@ def test_every_schedule_matches_the_whole_model(world: int) -> None:
         assert all(
             "batch size 5 is not a multiple of the 2 microbatches" in e for e in messages[4:]
         )
+
+
+def _one_bad_batch(rank: int, world: int) -> list[str]:
+    """Rank 1 (the last stage) gets targets it cannot split on the first step, then good
+    ones; rank 0 two good steps. What each step raised ("ok" when nothing)."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    part = blocks(world)[rank]
+    rt = PipelineRuntime(xp.one_f_one_b(world, 4), [part], nn.functional.mse_loss, timeout=2)
+    x, y = batch()
+    outcome = []
+    for rows in (6, BATCH):
+        try:
+            rt.step(x if rank == 0 else None, y[:rows] if rank == world - 1 else None)
+            outcome.append("ok")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+    return outcome
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="A batch one rank cannot split raises its ValueError before the step's "
+    "collectives (private group, schedule agreement, failure channel), so the step is not "
+    "failed on the other ranks: they keep waiting and run their step k against the failing "
+    "rank's step k + 1 (here rank 0's first step pairs with rank 1's retry, gives 'ok' with "
+    "rank 1's second targets, and its second step times out). Posting the failure after "
+    "the collectives fixes it, but then a rank whose peers never call step waits in "
+    "new_group (test_every_schedule_matches_the_whole_model[3]).",
+)
+def test_a_batch_one_rank_cannot_split_fails_that_step_on_every_rank() -> None:
+    from ranks import run_ranks
+
+    results, _ = run_ranks(_one_bad_batch, 2, timeout=30)
+    first = [results[r][1][0] for r in range(2)]
+    assert "rank 1: targets batch size 6 is not a multiple of the 4" in first[1]
+    assert first[0].startswith("RankError") and "targets batch size 6" in first[0], first
+    assert [results[r][1][1] for r in range(2)] == ["ok", "ok"], results
