@@ -215,6 +215,36 @@ def test_a_malformed_answer_is_that_backends_error_not_a_crash_nor_a_pass(
     assert not report.ok
 
 
+def test_a_plug_in_raising_in_available_runners_or_unsupported_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each of these ended every crosscheck with the plug-in's exception, even one that
+    did not name it (available() is asked of every registered backend)."""
+
+    def fails(what: str) -> Any:
+        def raise_it(*args: Any) -> Any:
+            raise RuntimeError(f"{what} broke")
+
+        return raise_it
+
+    asks = _fake("asks", [_Runner("asks-runner", "x", _perturbed)])
+    asks.available = fails("available")
+    lists = _fake("lists", [])
+    lists.runners = fails("runners")
+    judges = _Runner("judges", "x", _perturbed)
+    judges.unsupported = fails("unsupported")  # type: ignore[method-assign]
+    for name, target in (("asks", asks), ("lists", lists), ("judges", _fake("j", [judges]))):
+        _register(monkeypatch, name, target)
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["reference"])
+    assert [(b.name, b.status) for b in report.backends] == [("reference", "ok")]
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["asks", "lists", "judges"])
+    assert [(b.name, b.status, b.reason) for b in report.backends] == [
+        ("asks-runner", "skipped", "available() raised RuntimeError: available broke"),
+        ("lists", "skipped", "runners() raised RuntimeError: runners broke"),
+        ("judges", "error", "RuntimeError: unsupported broke"),
+    ]
+
+
 def test_an_unavailable_or_unsupporting_backend_is_skipped_with_its_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -89,12 +89,12 @@ def _run_one(
     description = f"backend {entry.backend}" if runner is None else runner.description
     report = BackendReport(entry.name, description, "skipped", backend=entry.backend)
     step = step_of(inputs)
-    reason = entry.unavailable or (runner.unsupported(step) if runner is not None else None)
-    if reason or runner is None:
-        report.reason = reason or ""
-        return report
     start = time.perf_counter()
     try:
+        reason = entry.unavailable or (runner.unsupported(step) if runner is not None else None)
+        if reason or runner is None:
+            report.reason = reason or ""
+            return report
         result = runner.run(step)
     except Exception as err:  # a backend's failure is a finding, reported with the others
         report.status = "error"
