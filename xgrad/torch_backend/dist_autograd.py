@@ -378,10 +378,12 @@ def _run(
     sent, received = [t for _, _, t in ctx.sends], [t for _, _, t in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
     with torch.no_grad():
-        for i, grad in grads.items():
+        for i in list(grads):
+            grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
-            ctx.grads[id(leaf)] = (leaf, accumulate.private(grad) if old is None else old[1] + grad)
+            kept = accumulate.private(grad, leaf) if old is None else old[1] + grad
+            ctx.grads[id(leaf)] = (leaf, kept)
             if accumulate_grad:
                 leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
     if not retain_graph:

@@ -87,15 +87,51 @@ class StageState:
 
     def _average_grads(self, action: Action) -> None:
         """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
-        it, in one flat all-reduce."""
-        grads = [p.grad for p in self._module(action.stage).parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
-        self._wait(work, f"{action} (all-reduce)")
-        flat /= dist.get_world_size(self._dp_group)
-        start = 0
-        for g in grads:
-            g.copy_(flat[start : start + g.numel()].view_as(g))
-            start += g.numel()
+        it, one flat all-reduce per dtype (so no gradient is rounded through another dtype).
+
+        Every parameter takes part, with zeros where this replica has no gradient, and a
+        count of the replicas that have one travels at the end of the flat tensor: replicas
+        whose graphs differ by their data (a branch taken on one only) then still reduce
+        tensors of the same size, and a parameter gets a gradient where any replica has
+        one (``None`` stays only where no replica has one), as DDP with
+        ``find_unused_parameters`` gives it.
+        """
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self._module(action.stage).parameters():
+            by_dtype.setdefault(p.dtype, []).append(p)
+        launched = []
+        for dtype, params in by_dtype.items():
+            parts = [
+                _dense(p.grad).reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                for p in params
+            ]
+            parts.append(
+                torch.tensor(
+                    [p.grad is not None for p in params], dtype=dtype, device=parts[0].device
+                )
+            )
+            flat = torch.cat(parts)
+            work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+            launched.append((params, flat, work))
+        size = dist.get_world_size(self._dp_group)
+        for params, flat, work in launched:
+            self._wait(work, f"{action} (all-reduce)")
+            counts = flat[-len(params) :].tolist()
+            values = flat[: -len(params)]
+            values /= size
+            start = 0
+            for p, count in zip(params, counts, strict=True):
+                mean = values[start : start + p.numel()].view_as(p)
+                start += p.numel()
+                if count == 0:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.empty_like(p).copy_(mean)  # the parameter's layout
+                elif p.grad.is_sparse:
+                    p.grad = mean.to_sparse(p.grad.sparse_dim())
+                else:
+                    p.grad.copy_(mean)
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
