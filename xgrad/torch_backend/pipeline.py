@@ -183,11 +183,8 @@ class PipelineRuntime(StagePasses):
         check_release(self.release_sends, self.post_ahead)
         self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
-        # A batch this rank cannot split: when the step starts with collectives (the first
-        # one, or the one after a failure: private group, schedule agreement) it is raised
-        # before them, as nothing can reach peers blocked there; otherwise it fails the step
-        # on every rank (below), instead of leaving the peers to run their step against
-        # this rank's next one.
+        # A batch this rank cannot split fails the step on every rank (below), unless the
+        # step starts with collectives (peers blocked there cannot be told): raised first.
         settled = self._agreed and self._p2p is not None
         early = None if settled else self._split(inputs, targets, mine)
         index = next_step(self.group)
