@@ -7,6 +7,8 @@ spawner pickles it by name.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ from xgrad.torch_backend.ddp import DistributedDataParallel
 
 __all__ = ["compression_worker"]
 
+_nothing = contextlib.nullcontext
+
 
 def _grad(param: Any) -> Any:
     """A parameter's gradient, which DDP's backward must have written."""
@@ -27,11 +31,30 @@ def _grad(param: Any) -> Any:
     return param.grad
 
 
+@contextlib.contextmanager
+def _counting_allreduces(counted: list[int]) -> Iterator[None]:
+    """Adds to ``counted`` the bytes of every tensor given to ``dist.all_reduce`` inside:
+    what a comm hook (PyTorch's call ``dist.all_reduce``) hands to the wire, measured
+    rather than worked out from the shapes."""
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counted.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.all_reduce = real
+
+
 def compression_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of the compression experiment: per variant of ``cfg["variants"]`` (none,
     fp16, bf16, PowerSGD rank r), the averaged losses and the gradient's relative error at
     the first compressed step ``cfg["start"]``; ``cfg["lr"]`` and ``cfg["min_rate"]`` as
-    the experiment sets them."""
+    the experiment sets them; with a hook, ``wire_bytes``: the bytes its collectives carried
+    in the last step (a compressed one)."""
     start_iter, lr = cfg["start"], cfg["lr"]
     ddp_cls = DistributedDataParallel
     x, y = (torch.from_numpy(a) for a in cfg["batch"])
@@ -69,7 +92,7 @@ def compression_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             )
             ddp.register_comm_hook(state, psgd.powerSGD_hook)
         params = list(model.parameters())
-        losses, error = [], 0.0
+        losses, error, counted = [], 0.0, list[int]()
         for step in range(cfg["steps"]):
             loss = (forward(x) - y).square().mean()
             if step == start_iter:  # the first compressed step: the exact average for reference
@@ -80,7 +103,8 @@ def compression_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             for p in params:
                 p.grad = None
             loss = (ddp(x) - y).square().mean()
-            loss.backward()
+            with _counting_allreduces(counted) if step == cfg["steps"] - 1 else _nothing():
+                loss.backward()
             if step == start_iter:
                 got = torch.cat([_grad(p).reshape(-1) for p in params])
                 error = float((got - flat).norm() / flat.norm())
@@ -91,4 +115,6 @@ def compression_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
                 for p in params:
                     p.sub_(lr * _grad(p))
         out[name] = {"losses": losses, "error": error}
+        if name != "none":
+            out[name]["wire_bytes"] = sum(counted)
     return out
