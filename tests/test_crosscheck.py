@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,6 +170,79 @@ def test_a_raising_backend_is_an_error_not_a_crash(monkeypatch: pytest.MonkeyPat
     assert report.backends[0].status == "error"
     assert report.backends[0].reason == "RuntimeError: rank 1 lost (world size 2)"
     assert not report.ok
+
+
+def test_a_malformed_answer_is_that_backends_error_not_a_crash_nor_a_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wrong shape, a non-array or no StepResult ended the whole crosscheck with an
+    exception; float64 gradients for a float32 case passed as if computed in float32."""
+
+    def answer(change: Any) -> Any:
+        def run(step: Step) -> Any:
+            good = _perturbed(step)
+            return change(dict(good.grads))
+
+        return run
+
+    bad = {
+        "flat": lambda g: RunResult({**g, "layers.0.weight": g["layers.0.weight"].ravel()}, 0.1),
+        "wide": lambda g: RunResult({k: v.astype(np.float64) for k, v in g.items()}, 0.1),
+        "listed": lambda g: RunResult({k: v.tolist() for k, v in g.items()}, 0.1),
+        "nothing": lambda g: None,
+    }
+    runners = [_Runner(name, name, answer(change)) for name, change in bad.items()]
+    _register(monkeypatch, "broken", _fake("broken", runners))
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["broken", "reference"])
+    reasons = {b.name: (b.status, b.reason) for b in report.backends}
+    assert reasons["reference"] == ("ok", "")
+    assert reasons["flat"] == (
+        "error",
+        "gradient of 'layers.0.weight' is float32[512], its parameter float32[32, 16]",
+    )
+    assert reasons["wide"] == (
+        "error",
+        "gradient of 'layers.0.weight' is float64[32, 16], its parameter float32[32, 16]",
+    )
+    assert reasons["listed"] == (
+        "error",
+        "gradient of 'layers.0.weight' is a list, not a numpy array",
+    )
+    assert reasons["nothing"] == (
+        "error",
+        "run() returned NoneType, not a StepResult with a grads dict",
+    )
+    assert not report.ok
+
+
+def test_a_plug_in_raising_in_available_runners_or_unsupported_is_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each of these ended every crosscheck with the plug-in's exception, even one that
+    did not name it (available() is asked of every registered backend)."""
+
+    def fails(what: str) -> Any:
+        def raise_it(*args: Any) -> Any:
+            raise RuntimeError(f"{what} broke")
+
+        return raise_it
+
+    asks = _fake("asks", [_Runner("asks-runner", "x", _perturbed)])
+    asks.available = fails("available")
+    lists = _fake("lists", [])
+    lists.runners = fails("runners")
+    judges = _Runner("judges", "x", _perturbed)
+    judges.unsupported = fails("unsupported")  # type: ignore[method-assign]
+    for name, target in (("asks", asks), ("lists", lists), ("judges", _fake("j", [judges]))):
+        _register(monkeypatch, name, target)
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["reference"])
+    assert [(b.name, b.status) for b in report.backends] == [("reference", "ok")]
+    report = crosscheck.run_crosscheck(Case(steps=1), backends=["asks", "lists", "judges"])
+    assert [(b.name, b.status, b.reason) for b in report.backends] == [
+        ("asks-runner", "skipped", "available() raised RuntimeError: available broke"),
+        ("lists", "skipped", "runners() raised RuntimeError: runners broke"),
+        ("judges", "error", "RuntimeError: unsupported broke"),
+    ]
 
 
 def test_an_unavailable_or_unsupporting_backend_is_skipped_with_its_reason(

@@ -315,7 +315,10 @@ def backend_available(name: str) -> tuple[bool, str]:
     check = getattr(backend, "available", None)
     if check is None:
         return True, ""
-    ok = bool(check())
+    try:
+        ok = bool(check())
+    except Exception as err:  # one broken plug-in must not stop the others
+        return False, f"available() raised {type(err).__name__}: {err}"
     return ok, "" if ok else "its available() says no"
 
 
@@ -367,7 +370,12 @@ def runner_entries(
         if listed is None:
             entries.append(Entry(backend, None, "it registers no runners"))
             continue
-        entries.extend(Entry(backend, r, "" if ok else why) for r in listed())
+        try:
+            runners = list(listed())
+        except Exception as err:  # reported like an import failure, never a crash
+            entries.append(Entry(backend, None, f"runners() raised {type(err).__name__}: {err}"))
+            continue
+        entries.extend(Entry(backend, r, "" if ok else why) for r in runners)
     if names is None:
         return entries
     chosen: list[Entry] = []

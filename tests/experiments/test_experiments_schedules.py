@@ -23,3 +23,14 @@ def test_every_formula_verdict_agrees_and_the_gpu_table_is_compared(tmp_path: Pa
     # The zero-bubble paper measured ZB-H2 at .108 on GPUs; equal costs give 0.
     zb_h2 = by_claim["zb_h2: measured bubble rate, p=8 m=24"]
     assert not zb_h2.agrees and zb_h2.why
+
+
+def test_held_is_in_full_stages_for_every_multi_stage_schedule(tmp_path: Path) -> None:
+    """ZBV (two half-size stages per rank) was counted in chunks, not full stages: 16 at
+    p=8 where it holds what 1F1B holds, 8 full stages (the ZB-V paper's claim)."""
+    _, report = run_experiment("schedules", ["--quick", "--out", str(tmp_path)])
+    assert report is not None
+    rows = {row[0]: row for row in report.tables[0].rows}
+    held = report.tables[0].columns.index("held")
+    assert rows["zbv"][held] == rows["1f1b"][held] == 8
+    assert rows["interleaved_1f1b"][held] == 23 / 2  # 23 half-stage sets at v = 2

@@ -27,6 +27,10 @@ def test_no_sync_accumulates_the_full_batch_gradient(tmp_path: Path) -> None:
     assert grads.agrees, grads
     assert per_sample.agrees, per_sample  # bytes per sample fall exactly as 1/n
     assert "simulated alpha-beta link" in report.link
+    # On the simulated link the prediction's reduction is the link model's, not measured.
+    assert report.verdicts[2].source == (
+        "alpha-beta cost model with the simulated link's modelled reduction"
+    )
     assert (tmp_path / "no-sync.csv").exists() and (tmp_path / "no-sync.png").exists()
     assert report.signature() == documented_signature("no-sync")
 

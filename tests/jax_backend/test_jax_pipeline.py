@@ -112,6 +112,15 @@ def test_bad_inputs() -> None:
         xp_run(s, weights(1), x, y)
 
 
+def test_dag_invocations_with_a_chain_schedule_are_refused() -> None:
+    """The DAG's skip connection used to be dropped: run as a chain, silently wrong."""
+    locations = [(0, 0), (1, 0), (0, 1)]
+    inv = xp.dag(locations, [(), (0,), (1, 0)])
+    plain = xp.from_invocations(xp.chain(locations), 4, "1f1b")  # same placement, a chain
+    with pytest.raises(ValueError, match=r"invocations form a DAG .* JAX runtime runs chains"):
+        xp_run(plain, weights(3), *data(), invocations=inv)
+
+
 def _torch_pipeline(rank: int, world: int, params: list[Any], x: Any, y: Any) -> list[Any]:
     import torch
     from torch import nn

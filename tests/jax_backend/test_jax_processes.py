@@ -73,6 +73,17 @@ def runs(
     for _ in range(3):
         _, grads, state = step(params, *mine, hook_state=state)
     out["powersgd"] = {k: _host(g) for k, g in grads.items()}
+    if num_processes > 1:
+        # Processes passing different numbers of rows (6 and 10 of 16 at two processes):
+        # a ValueError on every process, where it used to return wrong gradients.
+        cut = BATCH // num_processes - 2 * (process_id == 0) + 2 * (process_id == 1)
+        lo = sum(BATCH // num_processes - 2 * (q == 0) + 2 * (q == 1) for q in range(process_id))
+        step = data_parallel_value_and_grad(loss, world_size=world, local_batch=True)
+        try:
+            step(params, x[lo : lo + cut], y[lo : lo + cut])
+            out["uneven"] = "no error"
+        except ValueError as exc:
+            out["uneven"] = str(exc)
     return out
 
 
@@ -87,6 +98,12 @@ def _check(results: list[dict[str, Any]], single: dict[str, Any], n: int) -> Non
     assert [r["processes"] for r in results] == [n] * n
     assert results[0]["world"] == n
     for result in results:
+        if n == 2:
+            assert result.pop("uneven") == (
+                "batch argument 0 has 6 rows on process 0, 10 rows on process 1: with "
+                "local_batch=True every process passes the same number of rows (its share of "
+                "the global batch)"
+            )
         for key, grads in result.items():
             if key in ("world", "processes"):
                 continue

@@ -209,3 +209,56 @@ def test_every_schedule_matches_the_whole_model(world: int) -> None:
         assert all(
             "batch size 5 is not a multiple of the 2 microbatches" in e for e in messages[4:]
         )
+
+
+def _one_bad_batch(rank: int, world: int, rows: list[int]) -> list[str]:
+    """Rank 1 (the last stage) gets targets of ``rows[k]`` rows at step k (6 cannot be split
+    into 4 microbatches), rank 0 good inputs. What each step raised ("ok" when nothing)."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    part = blocks(world)[rank]
+    rt = PipelineRuntime(xp.one_f_one_b(world, 4), [part], nn.functional.mse_loss, timeout=2)
+    x, y = batch()
+    outcome = []
+    for n in rows:
+        try:
+            rt.step(x if rank == 0 else None, y[:n] if rank == world - 1 else None)
+            outcome.append("ok")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+    return outcome
+
+
+def test_a_batch_one_rank_cannot_split_fails_that_step_on_every_rank() -> None:
+    """On a step that starts without collectives (not the first), the bad batch used to
+    be raised on its rank only: the others ran that step against its next call
+    ("ok" with the next targets) and every later step stayed shifted by one."""
+    from ranks import run_ranks
+
+    results, _ = run_ranks(_one_bad_batch, 2, ([BATCH, 6, BATCH],), timeout=30)
+    zero, one = results[0][1], results[1][1]
+    assert (
+        one[1] == "ValueError: rank 1: targets batch size 6 is not a multiple of the 4 microbatches"
+    )
+    assert zero[1].startswith("RankError: rank 1: step failed: ValueError: rank 1: targets"), zero
+    assert zero[0] == zero[2] == one[0] == one[2] == "ok", results
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="On the first step (or the one after a failure) a batch one rank cannot split "
+    "is raised before the step's collectives (private group, schedule agreement), which the "
+    "other ranks are blocked in, unreachable through the failure channel; they then run "
+    "their step against the failing rank's next call (rank 0's first step pairs with rank "
+    "1's retry and gives 'ok' with rank 1's second targets; its second step times out). "
+    "Failing it after the collectives breaks a rank whose peers never call step "
+    "(test_every_schedule_matches_the_whole_model[3]): it would wait in new_group.",
+)
+def test_a_bad_batch_on_the_first_step_fails_that_step_on_every_rank() -> None:
+    from ranks import run_ranks
+
+    results, _ = run_ranks(_one_bad_batch, 2, ([6, BATCH],), timeout=30)
+    first = [results[r][1][0] for r in range(2)]
+    assert "rank 1: targets batch size 6 is not a multiple of the 4" in first[1]
+    assert first[0].startswith("RankError") and "targets batch size 6" in first[0], first
+    assert [results[r][1][1] for r in range(2)] == ["ok", "ok"], results

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from xgrad.pipeline import Kind, add_stage_ops, gpipe, interleaved_1f1b, one_f_one_b
+from xgrad.pipeline import (
+    Kind,
+    add_stage_ops,
+    chain,
+    dag,
+    from_invocations,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
 from xgrad.torch_backend.pipeline_args import (
     check_settings,
     reduce_points,
@@ -41,6 +50,19 @@ def test_slots_follow_the_ranks_stages_and_must_exist() -> None:
     assert slot_map(sched, ["a", "b"], None, 0) == {0: 0, 2: 1}
     with pytest.raises(ValueError, match=r"rank 1: needs partitions for slots \[0, 1\], got 1"):
         slot_map(sched, ["a"], None, 1)
+
+
+def test_invocations_and_schedule_must_feed_the_stages_alike() -> None:
+    """A chain schedule with a DAG's invocations used to run the DAG as a chain: the skip
+    connections dropped, every gradient silently wrong (no error on any rank)."""
+    locations = [(0, 0), (1, 0), (2, 0), (3, 0)]
+    skips = dag(locations, [(), (0,), (1, 0), (2, 0)])
+    with pytest.raises(ValueError, match=r"rank 0: invocations feed the stages from .*\(1, 0\)"):
+        slot_map(one_f_one_b(4, 4), ["a"], skips, 0)
+    with pytest.raises(ValueError, match="rank 1: invocations feed the stages from"):
+        slot_map(from_invocations(skips, 4), ["a"], chain(locations), 1)
+    assert slot_map(from_invocations(skips, 4), ["a"], skips, 2) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert slot_map(one_f_one_b(4, 4), ["a"], chain(locations), 3) == {0: 0, 1: 0, 2: 0, 3: 0}
 
 
 def test_a_partition_is_reduced_at_its_last_reduce_grad() -> None:

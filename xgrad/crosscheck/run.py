@@ -89,12 +89,12 @@ def _run_one(
     description = f"backend {entry.backend}" if runner is None else runner.description
     report = BackendReport(entry.name, description, "skipped", backend=entry.backend)
     step = step_of(inputs)
-    reason = entry.unavailable or (runner.unsupported(step) if runner is not None else None)
-    if reason or runner is None:
-        report.reason = reason or ""
-        return report
     start = time.perf_counter()
     try:
+        reason = entry.unavailable or (runner.unsupported(step) if runner is not None else None)
+        if reason or runner is None:
+            report.reason = reason or ""
+            return report
         result = runner.run(step)
     except Exception as err:  # a backend's failure is a finding, reported with the others
         report.status = "error"
@@ -102,14 +102,14 @@ def _run_one(
         report.wall_seconds = time.perf_counter() - start
         return report
     report.wall_seconds = time.perf_counter() - start
+    problem = _malformed(result, inputs.weights)
+    if problem:
+        report.status = "error"
+        report.reason = problem
+        return report
     report.seconds_per_step = result.seconds_per_step
     report.plan = result.plan
     names = list(inputs.weights)
-    missing = [n for n in names if n not in result.grads]
-    if missing:
-        report.status = "error"
-        report.reason = f"no gradient returned for {missing}"
-        return report
     report.grads = {n: result.grads[n] for n in names}
     ref = measure(result.plan)
     report.params = [compare(n, report.grads[n], ref[n], tol) for n in names]
@@ -122,6 +122,33 @@ def _run_one(
         assert worst is not None
         report.reason = f"{worst.name}: rel {worst.rel:.3g} > tolerance {tol:.3g}"
     return report
+
+
+def _malformed(result: object, weights: Mapping[str, np.ndarray]) -> str:
+    """Why a runner's answer cannot be measured ("" when it can): not a StepResult, a
+    gradient missing, not an array, or of another shape or dtype than its parameter.
+
+    A plug-in's broken answer is then its own error in the report, next to the others',
+    instead of an exception that ends the whole crosscheck; and a gradient in a wider
+    dtype than the model's (float64 for a float32 case) is refused, not judged as if
+    the backend had computed in float32.
+    """
+    grads = getattr(result, "grads", None)
+    if not isinstance(grads, Mapping):
+        return f"run() returned {type(result).__name__}, not a StepResult with a grads dict"
+    missing = [n for n in weights if n not in grads]
+    if missing:
+        return f"no gradient returned for {missing}"
+    for n, w in weights.items():
+        g = grads[n]
+        if not isinstance(g, np.ndarray):
+            return f"gradient of {n!r} is a {type(g).__name__}, not a numpy array"
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return (
+                f"gradient of {n!r} is {g.dtype}{list(g.shape)}, "
+                f"its parameter {w.dtype}{list(w.shape)}"
+            )
+    return ""
 
 
 def _attribution(

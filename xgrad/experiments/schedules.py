@@ -68,9 +68,11 @@ def run(args: argparse.Namespace) -> Report:
     rows = []
     verdicts: list[Verdict] = []
     for name in progress(names, "schedules"):
-        sim = xp.simulate(xp.make(name, p, m, v))
-        # Interleaved ranks hold v chunk-sized sets per microbatch; count full stages.
-        per = v if name == "interleaved_1f1b" else 1
+        schedule = xp.make(name, p, m, v)
+        sim = xp.simulate(schedule)
+        # A rank of a multi-stage schedule holds chunk-sized sets (1/k of a full stage for k
+        # stages per rank: v for interleaved, always 2 for ZBV); count full stages.
+        per = schedule.num_stages // schedule.num_ranks
         held = max(sim.peak_held) / per
         pred = predicted_bubble(name, p, m, v)
         rows.append(

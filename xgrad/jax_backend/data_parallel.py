@@ -40,7 +40,13 @@ from jax.sharding import PartitionSpec as P
 
 from xgrad.buckets import BucketPlan
 from xgrad.jax_backend import powersgd
-from xgrad.jax_backend.batch import check_batch, devices_for, normalize_in_axes, place
+from xgrad.jax_backend.batch import (
+    check_batch,
+    check_local_rows,
+    devices_for,
+    normalize_in_axes,
+    place,
+)
 from xgrad.jax_backend.pmap import pmap_call
 from xgrad.jax_backend.reduce import (
     HookSpec,
@@ -178,6 +184,7 @@ class DataParallelStep:
         if self.local_batch:
             local = len([d for d in self.devices if d.process_index == jax.process_index()])
             check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
+            check_local_rows(batch, axes)
         else:
             check_batch(batch, axes, self.world_size, f"world_size={self.world_size}")
         replicated = NamedSharding(self.mesh, P())

@@ -15,6 +15,7 @@ from xgrad.pipeline import (
     Schedule,
     partitions_of,
     placement_of,
+    sources_of,
     strip_comms,
     validate,
 )
@@ -34,6 +35,13 @@ def _partition_ids(schedule: Schedule, invocations: Sequence[Invocation] | None)
         raise ValueError(
             f"invocations place stages on {placement_of(invocations)}, "
             f"the schedule on {schedule.placement}"
+        )
+    srcs = sources_of(invocations)
+    if any(ins != ((s - 1,) if s else ()) for s, ins in enumerate(srcs)):
+        # Run as a chain, the skip connections were dropped: silently wrong gradients.
+        raise ValueError(
+            f"invocations form a DAG of stages (inputs {list(srcs)}); the JAX runtime runs "
+            "chains only (the torch runtime runs DAGs)"
         )
     locs = partitions_of(invocations)
     number = {loc: i for i, loc in enumerate(dict.fromkeys(locs))}

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.torch_backend.comm import TorchComm
+from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
+from xgrad.torch_backend.ddp_watched import WatchedWork
 from xgrad.torch_backend.failure import (
     check_lost,
     failure_channel,
@@ -37,23 +39,12 @@ from xgrad.torch_backend.failure import (
     transfer_failed,
 )
 
-__all__ = ["StepWatch", "WatchedComm", "WatchedFuture", "WatchedWork"]
+__all__ = ["StepWatch", "WatchedComm"]
 
 #: per process: DDP instances in construction order (the same on every rank).
 _instances = itertools.count()
 
 _SUM = dist.AllreduceOptions()  # ReduceOp.SUM
-
-
-def _hook_raised(exc: BaseException) -> bool:
-    """Whether a hook future failed in the hook's own Python code (its ``then`` chain),
-    not in a transfer: that is this rank's failure, named at once, with no wait for a
-    peer's heartbeat to stop. Gloo's transfer failures are ``RuntimeError``s."""
-    prefix = "Got the following error when running the callback: "
-    if not isinstance(exc, RuntimeError):
-        return True
-    name = str(exc)[len(prefix) :].split(":", 1)[0] if str(exc).startswith(prefix) else ""
-    return name.isidentifier() and name.endswith("Error") and not name.startswith(("Run", "Dist"))
 
 
 def _describe(exc: BaseException) -> str:
@@ -74,6 +65,8 @@ class StepWatch:
         self.instance = next(_instances)
         self.step = 0
         self.poll = default_seconds("poll_interval")
+        #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
+        self.spin = resolve_spin(dist.get_world_size(group), self.poll)
         self.group: Any = self._private_group()
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
@@ -165,13 +158,18 @@ class StepWatch:
     # ----------------------------------------------------------------- waits
 
     def wait_work(self, work: Any, what: str) -> None:
-        """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise."""
-        if not work.is_completed():
+        """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.
+
+        The work is polled for :attr:`spin` seconds first (the thread stays hot for what
+        follows the wait); then the blocking wait, which counts the spin as waited.
+        """
+        spin = self.spin
+        if not work.is_completed() and not (spin > 0.0 and spin_until(work.is_completed, spin)):
             # A held lock the completion releases: half the cost of an Event's wait.
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())
-            self.wait_event(done, what)
+            self.wait_event(done, what, spun=spin)
         try:
             work.wait()
         except RuntimeError as exc:
@@ -179,12 +177,19 @@ class StepWatch:
             self.drop_group(error, abort=True)
             raise error from exc
 
-    def wait_event(self, done: threading.Event | threading.Lock, what: str) -> None:
+    def wait_event(
+        self, done: threading.Event | threading.Lock, what: str, spun: float = 0.0
+    ) -> None:
         """Wait for ``done`` (set, or released), checking the channel between naps, never
-        past the timeout."""
+        past the timeout; ``spun``: seconds already spent polling (counted as waited, and
+        the channel checked first)."""
         wait = done.wait if isinstance(done, threading.Event) else done.acquire
         try:
-            waited = 0.0
+            waited = spun
+            if spun > 0.0:
+                self.channel.check()
+                if waited >= self.timeout:
+                    raise self.channel.timed_out(what, self.timeout)
             while not wait(timeout=self.poll):
                 waited += self.poll
                 self.channel.check()
@@ -221,57 +226,6 @@ class StepWatch:
             return transfer_failed(self.channel, what, exc, None)
         except RankError as error:  # another rank's failure, posted first
             return error
-
-
-class WatchedWork:
-    """An in-flight collective of a :class:`WatchedComm`: ``wait()`` is watched and bounded."""
-
-    __slots__ = ("_result", "_watch", "_what", "_work")
-
-    def __init__(self, work: Any, result: torch.Tensor, watch: StepWatch, what: str) -> None:
-        self._work = work
-        self._result = result
-        self._watch = watch
-        self._what = what
-
-    def wait(self) -> torch.Tensor:
-        self._watch.wait_work(self._work, self._what)
-        return self._result
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        """The collective's own future (what PyTorch's comm hooks chain ``then`` on)."""
-        return self._work.get_future()
-
-
-class WatchedFuture:
-    """A communication hook's future as a reducer ``Work``, waited on through the watch."""
-
-    __slots__ = ("_done", "_future", "_watch", "_what")
-
-    def __init__(self, future: torch._C.Future, watch: StepWatch, what: str) -> None:
-        self._future = future
-        self._watch = watch
-        self._what = what
-        self._done = threading.Event()
-        future.add_done_callback(lambda _: self._done.set())
-
-    def wait(self) -> Any:
-        self._watch.wait_event(self._done, self._what)
-        try:
-            value = self._future.value()
-        except Exception as exc:  # the collective or the hook's own chain failed
-            raised = _hook_raised(exc)
-            error = (
-                self._watch.post(self._what, exc)
-                if raised
-                else self._watch.explain(exc, self._what)
-            )
-            self._watch.drop_group(error, abort=True)
-            raise error from exc
-        # PyTorch's collectives complete their futures with a one-element list.
-        if isinstance(value, list) and len(value) == 1:
-            return value[0]
-        return value
 
 
 class WatchedComm(TorchComm):

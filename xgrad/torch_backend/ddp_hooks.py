@@ -25,9 +25,10 @@ from torch.utils.hooks import RemovableHandle
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
-from xgrad.torch_backend.ddp_failure import StepWatch, WatchedFuture
+from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+from xgrad.torch_backend.ddp_watched import WatchedFuture
 
 current_graph_task = torch._C._current_graph_task_id
 

@@ -183,13 +183,10 @@ class PipelineRuntime(StagePasses):
         check_release(self.release_sends, self.post_ahead)
         self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
-        xs = split_batch(inputs, sched.num_microbatches, "inputs", self.rank) if 0 in mine else None
-        last = sched.num_stages - 1
-        ys = (
-            split_batch(targets, sched.num_microbatches, "targets", self.rank)
-            if last in mine
-            else None
-        )
+        # A batch this rank cannot split fails the step on every rank (below), unless the
+        # step starts with collectives (peers blocked there cannot be told): raised first.
+        settled = self._agreed and self._p2p is not None
+        early = None if settled else self._split(inputs, targets, mine)
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
@@ -246,7 +243,13 @@ class PipelineRuntime(StagePasses):
             self._wire.posted = self._plan
         action: Action | None = None
         wire = self._wire
+        split = early is not None
         try:
+            if early is None:
+                wire.advance(0)  # receives posted first: the peers' poison is taken at once
+                early = self._split(inputs, targets, mine)
+                split = True
+            xs, ys = early
             loss = None
             self.records = []
             for i, action in enumerate(self._actions):
@@ -270,7 +273,16 @@ class PipelineRuntime(StagePasses):
             failure = self._channel.post("", f"{where}: {type(exc).__name__}: {exc}")
             wire.poison()
             self._reset(None)
+            if not split:
+                raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
             raise error_for(failure, self._channel.rank) from exc
+
+    def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
+        """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
+        m, last = self.schedule.num_microbatches, self.schedule.num_stages - 1
+        xs = split_batch(inputs, m, "inputs", self.rank) if 0 in mine else None
+        ys = split_batch(targets, m, "targets", self.rank) if last in mine else None
+        return xs, ys
 
     def _reset(self, error: RankError | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the

@@ -17,6 +17,7 @@ from xgrad.pipeline import (
     insert_comms,
     partitions_of,
     placement_of,
+    sources_of,
     validate,
 )
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
@@ -60,6 +61,16 @@ def slot_map(
             raise ValueError(
                 f"rank {rank}: invocations place stages on {placement_of(invocations)}, "
                 f"the schedule on {schedule.placement}"
+            )
+        wanted = sources_of(invocations)
+        scheduled = tuple(schedule.sources(s) for s in range(schedule.num_stages))
+        if wanted != scheduled:
+            # Without this a chain schedule ran a DAG's partitions as a chain: skip
+            # connections dropped, gradients silently wrong.
+            raise ValueError(
+                f"rank {rank}: invocations feed the stages from {list(wanted)}, the schedule "
+                f"from {list(scheduled)} (a DAG needs a schedule with those inputs, e.g. "
+                "from_invocations)"
             )
         slot_of = {s: loc.index for s, loc in enumerate(partitions_of(invocations))}
     else:

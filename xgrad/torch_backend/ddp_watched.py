@@ -1,0 +1,81 @@
+"""What a DDP waits on, each wait through its :class:`~.ddp_failure.StepWatch`.
+
+A collective's ``Work`` (:class:`WatchedWork`, the reducer's buckets and the DDP's other
+collectives) and a communication hook's future (:class:`WatchedFuture`): waiting is
+bounded and watched, and a failure is named (a peer's, a dead or frozen peer, or this
+rank's own hook raising).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_failure import StepWatch
+
+__all__ = ["WatchedFuture", "WatchedWork"]
+
+
+def _hook_raised(exc: BaseException) -> bool:
+    """Whether a hook future failed in the hook's own Python code (its ``then`` chain),
+    not in a transfer: that is this rank's failure, named at once, with no wait for a
+    peer's heartbeat to stop. Gloo's transfer failures are ``RuntimeError``s."""
+    prefix = "Got the following error when running the callback: "
+    if not isinstance(exc, RuntimeError):
+        return True
+    name = str(exc)[len(prefix) :].split(":", 1)[0] if str(exc).startswith(prefix) else ""
+    return name.isidentifier() and name.endswith("Error") and not name.startswith(("Run", "Dist"))
+
+
+class WatchedWork:
+    """An in-flight collective of a :class:`~.ddp_failure.WatchedComm`: ``wait()`` is watched and bounded."""
+
+    __slots__ = ("_result", "_watch", "_what", "_work")
+
+    def __init__(self, work: Any, result: torch.Tensor, watch: StepWatch, what: str) -> None:
+        self._work = work
+        self._result = result
+        self._watch = watch
+        self._what = what
+
+    def wait(self) -> torch.Tensor:
+        self._watch.wait_work(self._work, self._what)
+        return self._result
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """The collective's own future (what PyTorch's comm hooks chain ``then`` on)."""
+        return self._work.get_future()
+
+
+class WatchedFuture:
+    """A communication hook's future as a reducer ``Work``, waited on through the watch."""
+
+    __slots__ = ("_done", "_future", "_watch", "_what")
+
+    def __init__(self, future: torch._C.Future, watch: StepWatch, what: str) -> None:
+        self._future = future
+        self._watch = watch
+        self._what = what
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self) -> Any:
+        self._watch.wait_event(self._done, self._what)
+        try:
+            value = self._future.value()
+        except Exception as exc:  # the collective or the hook's own chain failed
+            raised = _hook_raised(exc)
+            error = (
+                self._watch.post(self._what, exc)
+                if raised
+                else self._watch.explain(exc, self._what)
+            )
+            self._watch.drop_group(error, abort=True)
+            raise error from exc
+        # PyTorch's collectives complete their futures with a one-element list.
+        if isinstance(value, list) and len(value) == 1:
+            return value[0]
+        return value
