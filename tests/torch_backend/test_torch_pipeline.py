@@ -244,21 +244,16 @@ def test_a_batch_one_rank_cannot_split_fails_that_step_on_every_rank() -> None:
     assert zero[0] == zero[2] == one[0] == one[2] == "ok", results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="On the first step (or the one after a failure) a batch one rank cannot split "
-    "is raised before the step's collectives (private group, schedule agreement), which the "
-    "other ranks are blocked in, unreachable through the failure channel; they then run "
-    "their step against the failing rank's next call (rank 0's first step pairs with rank "
-    "1's retry and gives 'ok' with rank 1's second targets; its second step times out). "
-    "Failing it after the collectives breaks a rank whose peers never call step "
-    "(test_every_schedule_matches_the_whole_model[3]): it would wait in new_group.",
-)
 def test_a_bad_batch_on_the_first_step_fails_that_step_on_every_rank() -> None:
+    """The first step, and one after a failure, start by making the step's private group;
+    the bad batch was raised before it, the peers waited in ``new_group`` and paired their
+    step with the failing rank's next call. Steps: bad, good, bad (a settled step), bad
+    (after a failure), good."""
     from ranks import run_ranks
 
-    results, _ = run_ranks(_one_bad_batch, 2, ([6, BATCH],), timeout=30)
-    first = [results[r][1][0] for r in range(2)]
-    assert "rank 1: targets batch size 6 is not a multiple of the 4" in first[1]
-    assert first[0].startswith("RankError") and "targets batch size 6" in first[0], first
-    assert [results[r][1][1] for r in range(2)] == ["ok", "ok"], results
+    results, _ = run_ranks(_one_bad_batch, 2, ([6, BATCH, 6, 6, BATCH],), timeout=30)
+    zero, one = results[0][1], results[1][1]
+    for k in (0, 2, 3):
+        assert one[k].startswith("ValueError: rank 1: targets batch size 6 is not a multiple"), one
+        assert zero[k].startswith("RankError: rank 1: step failed: ValueError: rank 1:"), zero
+    assert zero[1] == zero[4] == one[1] == one[4] == "ok", results

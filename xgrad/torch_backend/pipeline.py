@@ -27,7 +27,13 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
-from xgrad.torch_backend.pipeline_edges import abort_set_aside, next_step, set_aside, step_tag
+from xgrad.torch_backend.pipeline_edges import (
+    abort_set_aside,
+    next_step,
+    set_aside,
+    step_tag,
+    wait_all_started,
+)
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
@@ -183,14 +189,21 @@ class PipelineRuntime(StagePasses):
         check_release(self.release_sends, self.post_ahead)
         self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
-        # A batch this rank cannot split fails the step on every rank (below), unless the
-        # step starts with collectives (peers blocked there cannot be told): raised first.
-        settled = self._agreed and self._p2p is not None
-        early = None if settled else self._split(inputs, targets, mine)
+        # A batch this rank cannot split fails the step on every rank: posted before the
+        # private group is made (the peers wait for it in wait_all_started), else below.
+        early: Any = None
+        if not (self._agreed and self._p2p is not None):
+            try:
+                early = self._split(inputs, targets, mine)
+            except Exception as exc:
+                early = exc
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
+        if isinstance(early, Exception):
+            self._channel.post("", f"step failed: {type(early).__name__}: {early}")
+            raise early
         if self._dying is not None:
             # The failed step's group: its poison went out (or its peer is lost), abort it.
             if self._lost is None:
@@ -202,6 +215,7 @@ class PipelineRuntime(StagePasses):
         if self._p2p is None:
             # Sends and receives go through a private group of the pipeline's ranks.
             members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            wait_all_started(self._channel, members, self.timeout)
             self._p2p = dist.new_group(members, use_local_synchronization=True)
             self._p2p_ranks = [dist.get_group_rank(self._p2p, g) for g in members]
         if not self._agreed:

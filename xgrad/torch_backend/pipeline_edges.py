@@ -34,6 +34,7 @@ __all__ = [
     "next_step",
     "set_aside",
     "step_tag",
+    "wait_all_started",
 ]
 
 #: header code of a message whose sender failed (its failure is in the channel).
@@ -243,6 +244,26 @@ def next_step(group: Any) -> int:
     pg: Any = dist.group.WORLD if group is None else group
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     return next(_steps.setdefault(name, itertools.count(1)))
+
+
+def wait_all_started(channel: FailureChannel, members: Sequence[int], timeout: float) -> None:
+    """Before a step makes its private group: every rank of ``members`` started the step
+    (global ranks), or one of them posted a failure to it, raised here.
+
+    ``dist.new_group`` waits for its members with no way to be told otherwise, so a rank
+    whose step fails before the group (a batch it cannot split) would leave its peers
+    there, to pair their step with its next one. It posts to the step's channel instead,
+    and the peers, waiting here, raise its error.
+    """
+    store, prefix = channel.store, channel.prefix
+    store.set(f"{prefix}/started/{channel.rank}", b"1")
+    keys = [f"{prefix}/started/{r}" for r in members]
+    wait_until(
+        lambda: store.check(keys),  # a lookup: a FileStore appends every write
+        channel,
+        timeout=timeout,
+        what="the start of the step (every rank calls step)",
+    )
 
 
 def step_tag(index: int, stages: int) -> int:
