@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from xgrad.cli import main
-from xgrad.torch_backend.bench import CaseResult, table
+from xgrad.torch_backend.ddp_bench_rows import CaseResult, table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,9 @@ def test_bench_prints_one_row_per_case(
     ]
     assert all(r["xgrad_step"] > 0 and r["torch_step"] > 0 and r["local_step"] > 0 for r in rows)
     assert all(r["steps"] == 6 and r["world"] == 2 for r in rows)
+    # CPU per step of the whole process, each side, and their ratio in the CSV.
+    assert all(r["xgrad_cpu"] > 0 and r["torch_cpu"] > 0 for r in rows)
+    assert all(float(r["cpu_ratio"]) > 0 for r in csv_rows)
     # The time ratio is the median of the paired per-turn ratios, inside its interval.
     assert all(0 < r["ratio_low"] <= r["paired_ratio"] <= r["ratio_high"] for r in rows)
     assert all(r["verdict"] in ("met", "noise", "missed") for r in csv_rows)
@@ -53,7 +56,7 @@ def test_table_shows_ratios() -> None:
     row = CaseResult("mlp", True, 6, 100, 0.0021, 0.002, 3 * 2**20, 2 * 2**20, 5e-6, 4, 48, 0.0015)
     text = table([row])
     assert (
-        "| mlp | 4 | yes | 6 | 2.10 | 2.00 | 1.050 | missed | 3.00 | 2.00 | 1.500 | 5.0 | 100.0 "
+        "| mlp | 4 | yes | 6 | 2.10 | 2.00 | 1.050 | missed | - | 3.00 | 2.00 | 1.500 | 5.0 | 100.0 "
         "| 83.3 |" in text
     )
 
@@ -71,6 +74,13 @@ def test_table_shows_the_paired_ratio_its_interval_and_the_verdict(
     )
     assert row.time_ratio == 0.99 and row.verdict == verdict
     assert f"| 2.10 | 2.00 | 0.990 [{low:.3f}, {high:.3f}] | {verdict} |" in table([row])
+
+
+def test_table_shows_the_cpu_ratio() -> None:
+    row = CaseResult("mlp", False, 6, 100, 0.002, 0.002, 1, 1, 5e-6, 2, 6, 0.001)
+    row.xgrad_cpu, row.torch_cpu = 0.003, 0.002
+    assert row.cpu_ratio == pytest.approx(1.5)
+    assert "| 1.000 | met | 1.500 | 0.00 |" in table([row])
 
 
 def test_table_shows_no_memory_ratio_without_torch_memory() -> None:

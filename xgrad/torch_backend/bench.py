@@ -4,7 +4,8 @@ Both run in the same processes of one gloo group, alternating step by step so th
 load on the machine hits both alike. Reported per model and per
 ``find_unused_parameters`` setting: median step time of each side (zero_grad, forward,
 backward, optimizer step); the time ratio, the median of the per-turn ratios xgrad step
-/ PyTorch step with its 95% interval (``ddp_bench_stats``); memory (bytes allocated by
+/ PyTorch step with its 95% interval (``ddp_bench_stats``); the CPU of the whole process
+per step (every thread), since a faster step may be bought with CPU; memory (bytes allocated by
 DDP's construction plus the peak of one step above its start, from the C allocator,
 polled by a thread during the step), and xgrad's Python cost per gradient hook."""
 
@@ -17,16 +18,17 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from xgrad.tables import Table, add_table_outputs, print_tables
+from xgrad.tables import add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
 from xgrad.torch_backend.ddp_bench_models import MODELS, SCALES, build
+from xgrad.torch_backend.ddp_bench_rows import CaseResult, rows_table, table
 from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios
 from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 from xgrad.torch_backend.spawn import spawn
@@ -35,56 +37,6 @@ HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
 
 #: timed (rounds, iterations per round) and warm-up steps when not given, per scale.
 _STEPS = {"full": (12, 10, 4), "tiny": (2, 3, 1)}
-
-
-@dataclass
-class CaseResult:
-    """One row of the table (rank 0's view; times in seconds, memory in bytes)."""
-
-    model: str
-    find_unused: bool
-    tensors: int
-    parameters: int
-    xgrad_step: float
-    torch_step: float
-    xgrad_memory: int
-    torch_memory: int
-    hook_seconds: float
-    world: int = 2
-    steps: int = 0
-    local_step: float = 0.0
-    #: the median of the per-turn ratios xgrad step / PyTorch step, and its 95% interval
-    #: (0.0 when not measured: the ratio of the medians stands in).
-    paired_ratio: float = 0.0
-    ratio_low: float = 0.0
-    ratio_high: float = 0.0
-
-    @property
-    def xgrad_per_grad(self) -> float:
-        """What DDP adds to a step, per gradient tensor (hooks, copies, reduction)."""
-        return max(self.xgrad_step - self.local_step, 0.0) / self.tensors
-
-    @property
-    def torch_per_grad(self) -> float:
-        return max(self.torch_step - self.local_step, 0.0) / self.tensors
-
-    @property
-    def time_ratio(self) -> float:
-        """The median of the paired per-turn ratios (of the medians when not measured)."""
-        return self.paired_ratio or self.xgrad_step / self.torch_step
-
-    @property
-    def verdict(self) -> str:
-        """Against the target (at most 1.00): met, missed, or 1.00 inside the interval."""
-        if not self.paired_ratio:
-            return "met" if self.time_ratio <= 1.0 else "missed"
-        if self.ratio_high <= 1.0:
-            return "met"
-        return "missed" if self.ratio_low > 1.0 else "noise"
-
-    @property
-    def memory_ratio(self) -> float:
-        return self.xgrad_memory / self.torch_memory if self.torch_memory > 0 else float("nan")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -156,41 +108,12 @@ def run(args: argparse.Namespace) -> int:
         f"{'/'.join(map(str, steps))} timed steps per side (each alternated with the other "
         "side and with the bare model); time ratio = median over those turns of xgrad step "
         "/ torch step in the same turn [95% interval of that median]; target: ratio <= 1.00 "
-        "(met: the whole interval is; noise: 1.00 is inside it); "
+        "(met: the whole interval is; noise: 1.00 is inside it); CPU ratio = median CPU "
+        "of the whole process per xgrad step / per torch step; "
         "µs/grad = (DDP step - bare step) / tensors"
     )
     print_tables(args, [rows_table(results)], head + "\n" + table(results))
     return 0
-
-
-def rows_table(results: list[CaseResult]) -> Table:
-    """Every figure of every row, unformatted (times in seconds, memory in bytes)."""
-    extra = ("time_ratio", "verdict", "memory_ratio", "xgrad_per_grad", "torch_per_grad")
-    rows = [(*asdict(r).values(), *(getattr(r, k) for k in extra)) for r in results]
-    columns = tuple(f.name for f in fields(CaseResult)) + extra
-    return Table(columns, tuple(rows), "bench ddp")
-
-
-def table(results: list[CaseResult]) -> str:
-    """The benchmark's table, as the README shows it (Markdown)."""
-    lines = [
-        "| model | world | find_unused | tensors | xgrad ms | torch ms | time ratio [95%] "
-        "| target | xgrad MiB | torch MiB | memory ratio | xgrad µs/hook "
-        "| xgrad µs/grad | torch µs/grad |",
-        "|---|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        ratio = "-" if r.torch_memory <= 0 else f"{r.memory_ratio:.3f}"
-        spread = f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]" if r.paired_ratio else ""
-        lines.append(
-            f"| {r.model} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
-            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f}{spread} "
-            f"| {r.verdict} "
-            f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
-            f"| {ratio} | {r.hook_seconds * 1e6:.1f} "
-            f"| {r.xgrad_per_grad * 1e6:.1f} | {r.torch_per_grad * 1e6:.1f} |"
-        )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- inside each rank
@@ -211,6 +134,7 @@ class _Side:
         self.construction = max(meter.live() - before, 0)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.peak = 0
 
     def step(self, x: Any, y: Any, sample: Callable[[], None] | None = None) -> None:
@@ -266,9 +190,10 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             for i in range(settings["rounds"] * settings["iters"]):
                 for key in _TURNS[i % 2]:
                     side = sides[key]
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     side.step(x, y)
                     side.times.append(time.perf_counter() - start)
+                    side.cpu.append(time.process_time() - cpu)
             for key in ("xgrad", "torch"):
                 _measure_peak(sides[key], x, y, meter)
             hook = _hook_seconds(sides["xgrad"], x, y)
@@ -295,6 +220,8 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                         paired_ratio=mid,
                         ratio_low=low,
                         ratio_high=high,
+                        xgrad_cpu=statistics.median(sides["xgrad"].cpu),
+                        torch_cpu=statistics.median(sides["torch"].cpu),
                     )
                 )
             )
