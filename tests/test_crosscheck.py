@@ -190,6 +190,8 @@ def test_a_malformed_answer_is_that_backends_error_not_a_crash_nor_a_pass(
         "wide": lambda g: RunResult({k: v.astype(np.float64) for k, v in g.items()}, 0.1),
         "listed": lambda g: RunResult({k: v.tolist() for k, v in g.items()}, 0.1),
         "nothing": lambda g: None,
+        "nan-time": lambda g: RunResult(g, float("nan")),
+        "negative-time": lambda g: RunResult(g, -0.1),
     }
     runners = [_Runner(name, name, answer(change)) for name, change in bad.items()]
     _register(monkeypatch, "broken", _fake("broken", runners))
@@ -211,6 +213,14 @@ def test_a_malformed_answer_is_that_backends_error_not_a_crash_nor_a_pass(
     assert reasons["nothing"] == (
         "error",
         "run() returned NoneType, not a StepResult with a grads dict",
+    )
+    assert reasons["nan-time"] == (
+        "error",
+        "seconds_per_step=nan is not a finite number of seconds >= 0",
+    )
+    assert reasons["negative-time"] == (
+        "error",
+        "seconds_per_step=-0.1 is not a finite number of seconds >= 0",
     )
     assert not report.ok
 

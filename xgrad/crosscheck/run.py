@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,7 +127,8 @@ def _run_one(
 
 def _malformed(result: object, weights: Mapping[str, np.ndarray]) -> str:
     """Why a runner's answer cannot be measured ("" when it can): not a StepResult, a
-    gradient missing, not an array, or of another shape or dtype than its parameter.
+    gradient missing, not an array, or of another shape or dtype than its parameter; a
+    step time that is not a positive finite number of seconds (or None: not measured).
 
     A plug-in's broken answer is then its own error in the report, next to the others',
     instead of an exception that ends the whole crosscheck; and a gradient in a wider
@@ -148,6 +150,11 @@ def _malformed(result: object, weights: Mapping[str, np.ndarray]) -> str:
                 f"gradient of {n!r} is {g.dtype}{list(g.shape)}, "
                 f"its parameter {w.dtype}{list(w.shape)}"
             )
+    seconds = getattr(result, "seconds_per_step", None)
+    if seconds is not None and not (
+        isinstance(seconds, numbers.Real) and math.isfinite(seconds) and seconds >= 0
+    ):
+        return f"seconds_per_step={seconds!r} is not a finite number of seconds >= 0"
     return ""
 
 
