@@ -152,7 +152,7 @@ def _malformed(result: object, weights: Mapping[str, np.ndarray]) -> str:
             )
     seconds = getattr(result, "seconds_per_step", None)
     if seconds is not None and not (
-        isinstance(seconds, numbers.Real) and math.isfinite(seconds) and seconds >= 0
+        isinstance(seconds, numbers.Real) and math.isfinite(seconds) and float(seconds) >= 0
     ):
         return f"seconds_per_step={seconds!r} is not a finite number of seconds >= 0"
     return ""
