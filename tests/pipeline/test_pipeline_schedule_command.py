@@ -19,7 +19,7 @@ def test_prints_grid_and_figures(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "step 00: 0F0     1F0     2F0     3F0" in out
     assert "bubble fraction (of total time): 0.2727" in out
-    assert "peak microbatches held per rank: 4, 3, 2, 1" in out
+    assert "peak activations held per rank, one per (stage, microbatch): 4, 3, 2, 1" in out
 
 
 def test_timeline_comms_costs_and_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,7 +71,7 @@ class Simulation:
             f"step time (back to back): {self.step_time:g}\n"
             f"makespan (one step alone): {self.makespan:g}\n"
             f"bubble fraction (of total time): {self.bubble_fraction:.4f}\n"
-            f"peak microbatches held per rank: {held}\n"
+            f"peak activations held per rank, one per (stage, microbatch): {held}\n"
         )
 
     def grid(self, quantum: float | None = None) -> str:
