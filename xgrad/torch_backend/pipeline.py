@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -193,6 +194,7 @@ class PipelineRuntime(StagePasses):
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
+        self._rotate_if_failed_late()
         self._channel = failure_channel(self.group, f"pipeline/step{index}")
         if self._dying is not None:
             # The failed step's group: its poison went out (or its peer is lost), abort it.
@@ -271,6 +273,26 @@ class PipelineRuntime(StagePasses):
             wire.poison()
             self._reset(None)
             raise error_for(failure, self._channel.rank) from exc
+
+    def _rotate_if_failed_late(self) -> None:
+        """After a step that succeeded here: did a peer fail it after this rank was done
+        (a failure in its last actions, which send nothing this rank waits for)? That peer
+        makes a fresh private group at its next step, so this rank must too, or the two
+        wait on different groups (it in ``new_group``, without bound). One store lookup."""
+        last = self._channel
+        if self._p2p is None or last is None or (failure := last.poll()) is None:
+            return
+        warnings.warn(
+            "the last pipeline step failed on another rank after this rank finished it "
+            f"({error_for(failure, last.rank)}); this rank's gradients of that step are "
+            "complete, the failing rank's are not",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        set_aside(self._p2p)
+        abort_set_aside(self._p2p)
+        self._p2p = None
+        self._edges.clear()
 
     def _reset(self, error: RankError | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
