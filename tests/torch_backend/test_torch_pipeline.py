@@ -299,3 +299,46 @@ def test_a_failure_after_a_peer_finished_the_step_raises_on_every_rank(
     status, out = late_failure[1]
     assert status == "ok", out
     assert out[2][0] == "RankError" and "rank 0: 0B3 failed" in out[2][1], out
+
+
+def _first_action_fails(rank: int, world: int, name: str) -> list[str]:
+    """Rank 0 fails its first action (inputs of the wrong width), then a good step."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    schedule = xp.make(name, world, 4)
+    parts = blocks(schedule.num_stages)
+    rt = PipelineRuntime(
+        schedule, [parts[k] for k in schedule.stages_of(rank)], nn.functional.mse_loss, timeout=5
+    )
+    first, last = schedule.placement[0] == rank, schedule.placement[-1] == rank
+    x, y = batch()
+    outcome = []
+    for inputs in (torch.zeros(BATCH, WIDTH + 1), x):
+        try:
+            rt.step(inputs if first else None, y if last else None)
+            outcome.append("ok")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+    return outcome
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="After rank 0 fails its first action (0F0) of a schedule with two stages per "
+    "rank (zbv here; interleaved_1f1b and dualpipev alike, not gpipe or 1f1b), both ranks "
+    "raise it and the next step works, but rank 1 then dies at interpreter exit with "
+    "SIGABRT ('terminate called without an active exception': a C++ std::thread destroyed "
+    "while joinable, no Python frame left), so its exit code is -6. Not found yet: "
+    "presumably a transfer of the failed step's private group still waited on by a parked "
+    "waiter thread when the group is destroyed.",
+)
+def test_a_rank_exits_cleanly_after_a_peer_failed_its_first_action() -> None:
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_first_action_fails, 2, args=("zbv",), timeout=40)
+    for rank in range(2):
+        status, out = results[rank]
+        assert status == "ok", out
+        assert out[0].startswith("RankError: rank 0: 0F0 failed: RuntimeError"), out
+        assert out[1] == "ok", out
+    assert codes == {0: 0, 1: 0}
