@@ -254,6 +254,14 @@ def _late_failure(rank: int, world: int) -> list[Any]:
             except Exception as exc:
                 outcome.append((type(exc).__name__, str(exc)))
         outcome.append([str(w.message) for w in caught if w.category is RuntimeWarning])
+    # The README's way to drop the group after a failure, with failed steps' groups retired.
+    from xgrad.torch_backend.failure import abort_group
+
+    try:
+        abort_group()
+        outcome.append("aborted")
+    except Exception as exc:
+        outcome.append(f"{type(exc).__name__}: {exc}")
     return outcome
 
 
@@ -268,11 +276,12 @@ def late_failure() -> dict[int, Any]:
 def test_a_failure_after_a_peer_finished_the_step_leaves_the_next_steps_working(
     late_failure: dict[int, Any],
 ) -> None:
+    """...and ``abort_group()`` then drops every group (the failed steps' retired ones too)."""
     assert sorted(late_failure) == [0, 1], late_failure  # nobody hung in new_group
     for rank in range(2):
         status, out = late_failure[rank]
         assert status == "ok", out
-        steps = out[0::2]
+        steps = out[:-1:2]
         assert steps[0][0] == "ok" and steps[0][1] < 1e-12
         for k in (2, 3):
             assert steps[k][0] == "ok" and steps[k][1] < 1e-12, (rank, k, steps)
@@ -282,6 +291,7 @@ def test_a_failure_after_a_peer_finished_the_step_leaves_the_next_steps_working(
     )
     warned = late_failure[1][1][5]  # rank 1, before its third step
     assert len(warned) == 1 and "rank 0: 0B3 failed: RuntimeError: boom" in warned[0], warned
+    assert [late_failure[rank][1][-1] for rank in range(2)] == ["aborted", "aborted"]
 
 
 @pytest.mark.xfail(
