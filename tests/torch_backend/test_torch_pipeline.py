@@ -311,8 +311,11 @@ def test_a_failure_after_a_peer_finished_the_step_raises_on_every_rank(
     assert out[2][0] == "RankError" and "rank 0: 0B3 failed" in out[2][1], out
 
 
-def _first_action_fails(rank: int, world: int, name: str) -> list[str]:
-    """Rank 0 fails its first action (inputs of the wrong width), then a good step."""
+def _first_action_fails(rank: int, world: int, name: str) -> list[Any]:
+    """Rank 0 fails its first action (inputs of the wrong width), then two good steps; the
+    outcomes and the seconds the first good step took."""
+    import time
+
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
     schedule = xp.make(name, world, 4)
@@ -322,33 +325,50 @@ def _first_action_fails(rank: int, world: int, name: str) -> list[str]:
     )
     first, last = schedule.placement[0] == rank, schedule.placement[-1] == rank
     x, y = batch()
-    outcome = []
-    for inputs in (torch.zeros(BATCH, WIDTH + 1), x):
+    outcome: list[Any] = []
+    for inputs in (torch.zeros(BATCH, WIDTH + 1), x, x):
+        start = time.monotonic()
         try:
             rt.step(inputs if first else None, y if last else None)
             outcome.append("ok")
         except Exception as exc:
             outcome.append(f"{type(exc).__name__}: {exc}")
+        outcome.append(time.monotonic() - start)
     return outcome
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="After rank 0 fails its first action (0F0) of a schedule with two stages per "
-    "rank (zbv here; interleaved_1f1b and dualpipev alike, not gpipe or 1f1b), both ranks "
-    "raise it and the next step works, but rank 1 then dies at interpreter exit with "
-    "SIGABRT ('terminate called without an active exception': a C++ std::thread destroyed "
-    "while joinable, no Python frame left), so its exit code is -6. Not found yet: "
-    "presumably a transfer of the failed step's private group still waited on by a parked "
-    "waiter thread when the group is destroyed.",
-)
-def test_a_rank_exits_cleanly_after_a_peer_failed_its_first_action() -> None:
+@pytest.fixture(scope="module")
+def first_action_fails() -> tuple[dict[int, Any], dict[int, Any]]:
     from ranks import run_ranks
 
-    results, codes = run_ranks(_first_action_fails, 2, args=("zbv",), timeout=40)
+    return run_ranks(_first_action_fails, 2, args=("zbv",), timeout=40)
+
+
+def test_a_rank_exits_cleanly_after_a_peer_failed_its_first_action(
+    first_action_fails: tuple[dict[int, Any], dict[int, Any]],
+) -> None:
+    """zbv (two stages per rank): the peer used to poison the failing rank too, which never
+    took it; the waiter thread left on that send aborted the process at exit (SIGABRT)."""
+    results, codes = first_action_fails
     for rank in range(2):
         status, out = results[rank]
         assert status == "ok", out
         assert out[0].startswith("RankError: rank 0: 0F0 failed: RuntimeError"), out
-        assert out[1] == "ok", out
+        assert out[2] == out[4] == "ok", out
     assert codes == {0: 0, 1: 0}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="The step after a failure waits the whole timeout (5 s here) before it starts: "
+    "the failing rank poisons every edge a peer still expects, the peer takes one poison "
+    "and raises, the others are never received (no receive posted), and the next step's "
+    "wait_poison (pipeline_edges.EdgeBook) waits for them until timeout; with the default "
+    "60 s the retry stalls a minute. Needs a sign that every peer raised (store key) "
+    "instead of waiting out the sends.",
+)
+def test_the_step_after_a_failure_does_not_wait_out_the_timeout(
+    first_action_fails: tuple[dict[int, Any], dict[int, Any]],
+) -> None:
+    results, _ = first_action_fails
+    assert all(results[rank][1][3] < 3.0 for rank in range(2)), results

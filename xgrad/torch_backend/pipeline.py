@@ -264,7 +264,10 @@ class PipelineRuntime(StagePasses):
             wire.finish(self._waiters[1])
             return loss
         except RankError as error:
-            wire.poison()  # the failure is posted: peers waiting on this rank stop now
+            # The failure is posted: peers waiting on this rank stop now (a live origin
+            # has stopped already).
+            live = error.failure.kind == "error"
+            wire.poison(self._pipeline_rank(error.rank) if live else None)
             self._reset(error)
             raise
         except Exception as exc:
@@ -273,6 +276,11 @@ class PipelineRuntime(StagePasses):
             wire.poison()
             self._reset(None)
             raise error_for(failure, self._channel.rank) from exc
+
+    def _pipeline_rank(self, rank: int) -> int:
+        """The pipeline (group) rank of global ``rank``."""
+        group: Any = self.group or dist.group.WORLD
+        return dist.get_group_rank(group, rank)
 
     def _rotate_if_failed_late(self) -> None:
         """After a step that succeeded here: did a peer fail it after this rank was done

@@ -169,19 +169,23 @@ class EdgeBook:
                         raise transfer_failed(self.channel, "send", exc, peer) from exc
         self._unproven = left
 
-    def poison(self) -> None:
+    def poison(self, origin: int | None = None) -> None:
         """After this rank failed (its failure posted first): tell every peer that still
         expects a message from it, so the peer stops waiting and reads the channel.
 
         The sends complete when the peers take them (a peer behind may post its receive
         later): the runtime keeps the group until its next step, then
-        :meth:`wait_poison` before aborting it.
+        :meth:`wait_poison` before aborting it. ``origin``, the live rank whose failure
+        this rank raises, is not told: it raised first and posts no receive again, so a
+        poison to it would hold the next step for the whole ``timeout``.
         """
         self._poison = []
         for edge, left in self._remaining.items():
             if left > 0:
                 # The group may be closed already (a dead peer): nothing to tell then.
                 with contextlib.suppress(Exception):
+                    if self._peer(edge) == origin:
+                        raise LookupError  # nothing to tell it
                     # A header alone: gloo completes a posted receive with a shorter message.
                     poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
                     key = self._send_one(edge, poison)
