@@ -1,8 +1,9 @@
 """Pipeline runtime on torch.distributed: one process per rank runs its schedule's actions.
 
 The event loop lives here; the wire format (pytrees of tensors) is
-:mod:`~xgrad.torch_backend.pipeline_wire` and checkpointing
-:mod:`~xgrad.torch_backend.pipeline_recompute`.
+:mod:`~xgrad.torch_backend.pipeline_wire`, checkpointing
+:mod:`~xgrad.torch_backend.pipeline_recompute`, and the step's private group (made, set
+aside after a failure, made anew) :mod:`~xgrad.torch_backend.pipeline_group`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from torch import nn
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.pipeline import Action, Invocation, Kind, Schedule, expand
-from xgrad.torch_backend.agreement import check_agreement
-from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.pipeline_args import (
     check_settings,
     reduce_points,
@@ -28,12 +28,10 @@ from xgrad.torch_backend.pipeline_args import (
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import (
-    abort_set_aside,
     next_step,
-    set_aside,
     step_tag,
-    wait_all_started,
 )
+from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
@@ -47,7 +45,7 @@ from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
 
-class PipelineRuntime(StagePasses):
+class PipelineRuntime(StepGroups, StagePasses):
     """Runs this rank's part of a pipeline schedule, as an event loop over its actions.
 
     The first stage reads microbatches of the input, the last computes the loss on
@@ -200,38 +198,7 @@ class PipelineRuntime(StagePasses):
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
-        self._channel = failure_channel(self.group, f"pipeline/step{index}")
-        if isinstance(early, Exception):
-            self._channel.post("", f"step failed: {type(early).__name__}: {early}")
-            raise early
-        if self._dying is not None:
-            # The failed step's group: its poison went out (or its peer is lost), abort it.
-            if self._lost is None:
-                self._dying[1].wait_poison(self.timeout)
-            abort_set_aside(self._dying[0])
-            self._dying = None
-        check_lost(self._channel, self._lost)  # before a new group waits on a lost rank
-        self._lost = None
-        if self._p2p is None:
-            # Sends and receives go through a private group of the pipeline's ranks.
-            members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            wait_all_started(self._channel, members, self.timeout)
-            self._p2p = dist.new_group(members, use_local_synchronization=True)
-            self._p2p_ranks = [dist.get_group_rank(self._p2p, g) for g in members]
-        if not self._agreed:
-            # Every rank gathers the same digests, so a mismatch raises the same ValueError
-            # everywhere; a hang on a schedule one rank does not share is ruled out.
-            check_agreement(
-                "pipeline schedule",
-                sched.digest(),
-                sched.text,
-                where="PipelineRuntime",
-                group=self.group,
-                timeout=self.timeout,
-                channel=self._channel,
-                device=self._device(min(mine)) if mine else "cpu",
-            )
-            self._agreed = True
+        channel = self._open_step(index, mine, early)
         slots: dict[tuple[int, int], Slot] = {}
 
         def grad_shapes(stage: int, mb: int) -> Any:
@@ -245,7 +212,7 @@ class PipelineRuntime(StagePasses):
             self._p2p_ranks,
             self._tag,
             self._edges,
-            self._channel,
+            channel,
             self.timeout,
             self._device,
             grad_shapes,
@@ -279,17 +246,20 @@ class PipelineRuntime(StagePasses):
             wire.finish(self._waiters[1])
             return loss
         except RankError as error:
-            wire.poison()  # the failure is posted: peers waiting on this rank stop now
+            # The failure is posted: peers waiting on this rank stop now (a live origin
+            # has stopped already).
+            live = error.failure.kind == "error"
+            wire.poison(self._pipeline_rank(error.rank) if live else None)
             self._reset(error)
             raise
         except Exception as exc:
             where = f"{action} failed" if action is not None else "step failed"
-            failure = self._channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+            failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
             wire.poison()
             self._reset(None)
             if not split:
                 raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
-            raise error_for(failure, self._channel.rank) from exc
+            raise error_for(failure, channel.rank) from exc
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
         """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
@@ -297,22 +267,3 @@ class PipelineRuntime(StagePasses):
         xs = split_batch(inputs, m, "inputs", self.rank) if 0 in mine else None
         ys = split_batch(targets, m, "targets", self.rank) if last in mine else None
         return xs, ys
-
-    def _reset(self, error: RankError | None) -> None:
-        """After a failed step: forget the descriptions (the peer may not have seen the
-        last), set the private group of the failed step's transfers aside (receives posted
-        ahead that gloo cannot cancel, sends never received; every rank saw the failure and
-        makes a fresh one next step) to be aborted once its poison went out (next step, or
-        at exit), and leave waiter threads parked on those transfers.
-        A rank that stopped answering is remembered: the next step checks it first."""
-        self._lost = (
-            error.failure if error is not None and error.failure.kind == "unresponsive" else None
-        )
-        self._edges.clear()
-        if self._p2p is not None:
-            self._dying = (self._p2p, self._wire)
-            set_aside(self._p2p)
-            self._p2p = None
-        for waiter in self._waiters:
-            waiter.close()
-        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))

@@ -81,7 +81,6 @@ class EdgeBook:
         self._sends: dict[int, tuple[Any, torch.Tensor]] = {}
         self._forward_sends: dict[tuple[int, int, int], list[int]] = {}
         self._keys = itertools.count()
-        self._poison: list[Any] = []  # poison sends (after a failure)
         #: when set, a message from a peer that proves it posted the receives of some of
         #: this rank's sends lets those sends be awaited at once (see pipeline_posted).
         self.posted: PostedPlan | None = None
@@ -170,32 +169,26 @@ class EdgeBook:
                         raise transfer_failed(self.channel, "send", exc, peer) from exc
         self._unproven = left
 
-    def poison(self) -> None:
+    def poison(self, origin: int | None = None) -> None:
         """After this rank failed (its failure posted first): tell every peer that still
         expects a message from it, so the peer stops waiting and reads the channel.
 
         The sends complete when the peers take them (a peer behind may post its receive
-        later): the runtime keeps the group until its next step, then
-        :meth:`wait_poison` before aborting it.
+        later): the runtime keeps the group until every rank started its next step (each
+        has left the failed one, so none still needs a poison), then aborts it. ``origin``,
+        the live rank whose failure this rank raises, is not told: it raised first and
+        posts no receive again.
         """
-        self._poison = []
         for edge, left in self._remaining.items():
             if left > 0:
                 # The group may be closed already (a dead peer): nothing to tell then.
                 with contextlib.suppress(Exception):
+                    if self._peer(edge) == origin:
+                        raise LookupError  # nothing to tell it
                     # A header alone: gloo completes a posted receive with a shorter message.
                     poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
-                    key = self._send_one(edge, poison)
-                    self._poison.append(self._sends[key][0])
+                    self._send_one(edge, poison)
                 self._remaining[edge] = 0
-
-    def wait_poison(self, seconds: float) -> None:
-        """Wait (on a thread, at most ``seconds``) until the peers took the poison."""
-        if self._poison:
-            waiter = Waiter("xgrad-pipeline-poison")
-            done, _ = waiter.submit(_All(self._poison))
-            waiter.close()
-            done.wait(seconds)
 
     def finish(self, waiter: Waiter) -> None:
         """Wait until every send of the step is done (watching the channel: a peer that

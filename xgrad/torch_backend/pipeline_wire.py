@@ -255,6 +255,9 @@ class _Retired:
     def shutdown(self) -> None:  # destroy_process_group shuts every named group down
         pass
 
+    def abort(self) -> None:  # abort_group() (the default group's) aborts every named one
+        pass
+
 
 def retire(group: Any) -> None:
     """Abort a private group whose transfers a failed step left pending (they would make

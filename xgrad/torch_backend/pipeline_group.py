@@ -1,0 +1,126 @@
+"""The private group of a pipeline step's sends and receives: made at a step's start
+(first step, after a failure), with every rank's start awaited and the schedule agreed;
+set aside when a step fails (its transfers cannot be cancelled) and aborted once its
+poison went out; made anew when a peer failed a step after this rank finished it.
+
+:class:`StepGroups` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
+that owns that group; the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.torch_backend.agreement import check_agreement
+from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_edges import abort_set_aside, set_aside, wait_all_started
+from xgrad.torch_backend.pipeline_stage_base import StageState
+from xgrad.torch_backend.pipeline_wire import EdgeCache
+
+__all__ = ["StepGroups"]
+
+
+class StepGroups(StageState):
+    """Opens a step on the private group, and sets the group aside when a step fails."""
+
+    _edges: EdgeCache
+    _agreed: bool
+    _p2p: Any
+    _p2p_ranks: list[int]
+    _lost: Failure | None
+    _dying: tuple[Any, StepWire] | None
+
+    def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
+        """Step ``index``'s channel (returned), private group and schedule agreement;
+        ``early``: this rank's split batch, or the exception splitting it raised (posted
+        to the channel, then raised)."""
+        sched = self.schedule
+        self._rotate_if_failed_late()
+        self._channel = channel = failure_channel(self.group, f"pipeline/step{index}")
+        if isinstance(early, Exception):
+            channel.post("", f"step failed: {type(early).__name__}: {early}")
+            raise early
+        members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        started = False
+        if self._dying is not None:
+            # The failed step's group, aborted once no peer can still need its poison:
+            # every peer started this step (so it left the failed one), or one is lost.
+            # Not once every poison was taken: a peer that raised on the first takes no
+            # other, and those sends would hold this step for the whole timeout.
+            if self._lost is None:
+                wait_all_started(channel, members, self.timeout)
+                started = True
+            abort_set_aside(self._dying[0])
+            self._dying = None
+        check_lost(channel, self._lost)  # before a new group waits on a lost rank
+        self._lost = None
+        if self._p2p is None:
+            # Sends and receives go through a private group of the pipeline's ranks.
+            if not started:
+                wait_all_started(channel, members, self.timeout)
+            self._p2p = dist.new_group(members, use_local_synchronization=True)
+            self._p2p_ranks = [dist.get_group_rank(self._p2p, g) for g in members]
+        if not self._agreed:
+            # Every rank gathers the same digests, so a mismatch raises the same ValueError
+            # everywhere; a hang on a schedule one rank does not share is ruled out.
+            check_agreement(
+                "pipeline schedule",
+                sched.digest(),
+                sched.text,
+                where="PipelineRuntime",
+                group=self.group,
+                timeout=self.timeout,
+                channel=channel,
+                device=self._device(min(mine)) if mine else "cpu",
+            )
+            self._agreed = True
+        return channel
+
+    def _pipeline_rank(self, rank: int) -> int:
+        """The pipeline (group) rank of global ``rank``."""
+        group: Any = self.group or dist.group.WORLD
+        return dist.get_group_rank(group, rank)
+
+    def _rotate_if_failed_late(self) -> None:
+        """After a step that succeeded here: did a peer fail it after this rank was done
+        (a failure in its last actions, which send nothing this rank waits for)? That peer
+        makes a fresh private group at its next step, so this rank must too, or the two
+        wait on different groups (it in ``new_group``, without bound). One store lookup."""
+        last = self._channel
+        if self._p2p is None or last is None or (failure := last.poll()) is None:
+            return
+        warnings.warn(
+            "the last pipeline step failed on another rank after this rank finished it "
+            f"({error_for(failure, last.rank)}); this rank's gradients of that step are "
+            "complete, the failing rank's are not",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        set_aside(self._p2p)
+        abort_set_aside(self._p2p)
+        self._p2p = None
+        self._edges.clear()
+
+    def _reset(self, error: RankError | None) -> None:
+        """After a failed step: forget the descriptions (the peer may not have seen the
+        last), set the private group of the failed step's transfers aside (receives posted
+        ahead that gloo cannot cancel, sends never received; every rank saw the failure and
+        makes a fresh one next step) to be aborted once its poison went out (next step, or
+        at exit), and leave waiter threads parked on those transfers.
+        A rank that stopped answering is remembered: the next step checks it first."""
+        self._lost = (
+            error.failure if error is not None and error.failure.kind == "unresponsive" else None
+        )
+        self._edges.clear()
+        if self._p2p is not None:
+            self._dying = (self._p2p, self._wire)
+            set_aside(self._p2p)
+            self._p2p = None
+        for waiter in self._waiters:
+            waiter.close()
+        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
