@@ -78,9 +78,10 @@ class DistributedDataParallel(PicklableDDP, JoinableDDP, _TorchDDP):
     class's ``__init__`` (which would build PyTorch's C++ reducer too), so ``isinstance``
     holds for the code in Lightning, accelerate and transformers that unwraps DDP, and
     dynamo's DDP handling (``DDPOptimizer``, guards) applies (torch's class takes no
-    ``__instancecheck__``; ``ABC.register`` fails dynamo's ``issubclass``). Every method of torch's class that would reach its C++ reducer
-    is overridden; the rest (``_inside_ddp_forward``, ``_register_fused_optim``,
-    ``scatter``/``gather``, ``no_sync``, ``will_sync_module_buffers``) work unchanged.
+    ``__instancecheck__``; ``ABC.register`` fails dynamo's ``issubclass``). Every method
+    of torch's class that would reach its C++ reducer is overridden; the rest
+    (``_inside_ddp_forward``, ``_register_fused_optim``, ``scatter``/``gather``,
+    ``no_sync``, ``will_sync_module_buffers``) work unchanged.
 
     Args:
         module, device_ids, output_device, dim, broadcast_buffers, init_sync,
