@@ -21,8 +21,6 @@ from xgrad.torch_backend.ddp import DistributedDataParallel
 
 __all__ = ["compression_worker"]
 
-_nothing = contextlib.nullcontext
-
 
 def _grad(param: Any) -> Any:
     """A parameter's gradient, which DDP's backward must have written."""
@@ -103,7 +101,11 @@ def compression_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
             for p in params:
                 p.grad = None
             loss = (ddp(x) - y).square().mean()
-            with _counting_allreduces(counted) if step == cfg["steps"] - 1 else _nothing():
+            with (
+                _counting_allreduces(counted)
+                if step == cfg["steps"] - 1
+                else contextlib.nullcontext()
+            ):
                 loss.backward()
             if step == start_iter:
                 got = torch.cat([_grad(p).reshape(-1) for p in params])

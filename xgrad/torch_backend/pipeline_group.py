@@ -45,7 +45,13 @@ class StepGroups(StageState):
         if isinstance(early, Exception):
             channel.post("", f"step failed: {type(early).__name__}: {early}")
             raise early
-        members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        # Only a step that makes a new group waits on the members (a failed step's group
+        # is set aside together with the private group): not looked up on every step.
+        members = (
+            dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            if self._p2p is None
+            else []
+        )
         started = False
         if self._dying is not None:
             # The failed step's group, aborted once no peer can still need its poison:
@@ -101,7 +107,6 @@ class StepGroups(StageState):
             RuntimeWarning,
             stacklevel=3,
         )
-        set_aside(self._p2p)
         abort_set_aside(self._p2p)
         self._p2p = None
         self._edges.clear()
