@@ -4,8 +4,8 @@ Each reduced parameter gets a post-accumulate-grad hook that hands its gradient 
 :meth:`Reducer.mark_ready`; the first hook of a synchronised backward pass queues
 :meth:`Reducer.finalize` on the autograd engine, so the reduction ends with the pass.
 Reduced gradients come back through :meth:`GradientHooks.set_grad` (a copy, fused into
-one ``_foreach_copy_``, or the bucket view itself). PyTorch communication hooks, which
-return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.backend.Work`.
+one ``_foreach_copy_``, or the bucket view itself). Communication hooks are registered
+in :mod:`.ddp_comm_hooks`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from xgrad.backend import Work
-from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
-from xgrad.torch_backend.ddp_watched import WatchedFuture
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -270,60 +268,3 @@ class GradientHooks:
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
-
-
-def _row_major(bucket: GradBucket) -> GradBucket:
-    """``bucket`` as PyTorch's ``GradBucket.gradients()`` shows it: each gradient a row-major
-    view of its slice of the buffer, whatever the parameter's strides. The reducer's own
-    views follow a dense parameter's strides (channels_last), as PyTorch's do; hooks such
-    as PowerSGD reshape the gradients with ``view``, which needs PyTorch's row-major ones."""
-    grads = bucket.gradients()
-    if not any(
-        g is not None and g.layout is torch.strided and not g.is_contiguous() for g in grads
-    ):
-        return bucket
-    flat = bucket.buffer()
-    views = []
-    offset = 0
-    for g in grads:
-        views.append(flat.narrow(0, offset, g.numel()).view(g.shape))
-        offset += g.numel()
-    return GradBucket(bucket.index(), flat, views, bucket.parameters(), bucket.is_last())
-
-
-def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
-    """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
-
-    ``state_of()`` gives the state (it changes when the DDP replaces its private group
-    after a failure). The returned future is waited on through ``watch`` (bounded, and
-    stopped by a peer's failure); a hook that returns anything else raises a
-    ``TypeError`` naming it.
-    """
-    if not callable(hook):
-        raise TypeError(f"Communication hook must be callable, got {hook!r}")
-    name = getattr(hook, "__name__", type(hook).__name__)
-
-    def run(bucket: GradBucket) -> Work:
-        future = hook(state_of(), _row_major(bucket))
-        if not isinstance(future, torch._C.Future):
-            raise TypeError(
-                f"communication hook {name} returned {type(future).__name__}, "
-                "expected torch.futures.Future[torch.Tensor]"
-            )
-        return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
-
-    return run
-
-
-def builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
-    """The Python twin of a PyTorch built-in C++ hook (``dist.BuiltinCommHookType``)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    hooks = {
-        "ALLREDUCE": default_hooks.allreduce_hook,
-        "FP16_COMPRESS": default_hooks.fp16_compress_hook,
-    }
-    name = getattr(comm_hook_type, "name", str(comm_hook_type))
-    if name not in hooks:
-        raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
-    return hooks[name]
