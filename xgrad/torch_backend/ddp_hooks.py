@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +31,10 @@ from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_f
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 
 current_graph_task = torch._C._current_graph_task_id
+
+#: the DDPs of this process whose synchronised backward pass has begun and not finished
+#: (empty between good steps): one that stays here past its pass failed part-way.
+_UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
 
 
 class GradientHooks:
@@ -67,6 +73,8 @@ class GradientHooks:
         self.arrivals: ArrivalLog  # set by attach
         #: the autograd graph task of the synchronised pass under way.
         self._task = -1
+        #: the thread of the last synchronised forward pass (the one its backward runs from).
+        self.forward_thread = 0
 
     def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
         """Register the autograd hooks that feed ``reducer``.
@@ -96,6 +104,7 @@ class GradientHooks:
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
                 self.finalize_queued = True
+                _UNFINISHED.add(self)
                 if self.arrivals.enabled:
                     self._task = current_graph_task()
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
@@ -138,6 +147,7 @@ class GradientHooks:
     def expect_backward(self) -> None:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
         self.sync_pending = True
+        self.forward_thread = threading.get_ident()
         arrivals = self.arrivals
         arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
@@ -149,6 +159,7 @@ class GradientHooks:
         if self.arrivals.log:
             self._drain()
         self.finalize_queued = False
+        _UNFINISHED.discard(self)
         done = reducer.num_iterations
         try:
             reducer.finalize()
@@ -187,15 +198,14 @@ class GradientHooks:
         """
         reducer = self.reducer
         assert reducer is not None
+        if _UNFINISHED:
+            post_failed_passes(self)
         rank = reducer.comm.rank
         if self.arrivals.log:
             # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
             # reduction is reported by the next prepare_for_backward.
             self._drain()
-        if self.finalize_queued:
-            self.finalize_queued = False
-            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
-            reducer.fail(str(error))
+        self.post_failed_pass(watch)
         dropped = reducer.recover()
         if dropped is not None or also:
             warnings.warn(
@@ -206,6 +216,18 @@ class GradientHooks:
                 RuntimeWarning,
                 stacklevel=5,
             )
+
+    def post_failed_pass(self, watch: StepWatch) -> None:
+        """If the last synchronised backward pass began and never finished (autograd raised
+        part-way), post that to its step's failure channel: the peers waiting for this
+        rank's buckets stop at once, naming it. The reducer drops the pass at
+        :meth:`recover`."""
+        if self.finalize_queued:
+            self.finalize_queued = False
+            _UNFINISHED.discard(self)
+            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
+            assert self.reducer is not None
+            self.reducer.fail(str(error))
 
     def lend(self, index: int, view: torch.Tensor) -> bool:
         """Make ``view`` the gradient when the old one is seen by its parameter only."""
@@ -268,3 +290,21 @@ class GradientHooks:
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
+
+
+def post_failed_passes(current: GradientHooks) -> None:
+    """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
+
+    A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
+    on with another DDP would otherwise post the failure only at the failed DDP's next
+    forward pass, while its peers wait for its buckets and it waits for them in the
+    other DDP's collectives: both until a timeout. Only the passes begun from this thread
+    are looked at, and only outside any backward pass (a forward pass run by a hook or by
+    checkpointing's recomputation is part of a pass still under way).
+    """
+    if current_graph_task() != -1:
+        return
+    me = threading.get_ident()
+    for hooks in list(_UNFINISHED):
+        if hooks is not current and hooks.forward_thread == me:
+            hooks.post_failed_pass(hooks.watch)
