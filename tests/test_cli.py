@@ -97,6 +97,24 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),
+        (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
+        # Folders and files that exist or can be named but not made: /proc takes no new entry.
+        (["crosscheck", "--backends", "reference", "--out", "/proc/xg"], "--out: cannot make"),
+        (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/proc/xg"], "--out: cann"),
+        (
+            [
+                "bench",
+                "graph",
+                "--nodes",
+                "8",
+                "--edges",
+                "8",
+                "--no-baseline",
+                "--json",
+                "/proc/g",
+            ],
+            "xgrad bench graph: error: [Errno 2] No such file or directory: '/proc/g'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(argv: list[str], message: str) -> None:

@@ -101,7 +101,12 @@ def run_experiment(name: str, argv: Sequence[str]) -> tuple[int, Report | None]:
         from xgrad.cli import run_module
 
         return run_module(EXPERIMENTS[name], f"xgrad experiment run {name}", argv), None
-    args = build_parser(name, module).parse_args(list(argv))
+    parser = build_parser(name, module)
+    args = parser.parse_args(list(argv))
+    try:  # before the run, so an --out that cannot be made does not cost the experiment
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"argument --out: cannot make folder {str(args.out)!r}: {err.strerror or err}")
     ok, why = backend_available(args.backend)
     if not ok:
         raise RuntimeError(f"experiment {name}: backend {args.backend!r} cannot run here: {why}")
