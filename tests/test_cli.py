@@ -97,6 +97,8 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),
+        (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
+        (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
         # Folders and files that exist or can be named but not made: /proc takes no new entry.
         (["crosscheck", "--backends", "reference", "--out", "/proc/xg"], "--out: cannot make"),

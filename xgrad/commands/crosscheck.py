@@ -7,7 +7,13 @@ import os
 import sys
 import time
 
-from xgrad.commands.options import output_folder, positive_float, positive_int, size
+from xgrad.commands.options import (
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    size,
+)
 
 HELP = (
     "Run the same model on the same data with the same bucket plan through every runner of "
@@ -56,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comm hook (none: sum, then divide by the world size)",
     )
     parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seeds the weights and the batch"
+    )
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
     default = crosscheck.runner_names()
     every = crosscheck.runner_entries(check=False, every=True)
