@@ -100,9 +100,13 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
         (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
-        # Folders and files that exist or can be named but not made: /proc takes no new entry.
-        (["crosscheck", "--backends", "reference", "--out", "/proc/xg"], "--out: cannot make"),
-        (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/proc/xg"], "--out: cann"),
+        # Results folders that cannot be made: refused before the run, not after it.
+        (
+            ["crosscheck", "--backends", "reference", "--out", "/proc/xg"],
+            "xgrad crosscheck: error: [Errno 2] No such file or directory: '/proc/xg'",
+        ),
+        (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/dev/null/x"], "--out: ca"),
+        # A file that cannot be written once the run is done (/proc takes no new entry).
         (
             [
                 "bench",

@@ -14,6 +14,7 @@ from xgrad.commands.options import (
     positive_int,
     size,
 )
+from xgrad.tables import unmakeable_folder
 
 HELP = (
     "Run the same model on the same data with the same bucket plan through every runner of "
@@ -118,14 +119,9 @@ def run(args: argparse.Namespace) -> int:
         # JAX shares the GPUs with torch's ranks: it must not grab most of their memory.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     start = time.perf_counter()
-    try:  # before the run: an --out that cannot be made must not cost the whole crosscheck
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        print(
-            f"xgrad crosscheck: error: argument --out: cannot make folder {str(args.out)!r}: "
-            f"{err.strerror or err}",
-            file=sys.stderr,
-        )
+    why = unmakeable_folder(args.out)  # before the run, which it would otherwise cost
+    if why is not None:
+        print(f"xgrad crosscheck: error: argument --out: {why}", file=sys.stderr)
         return 2
     try:
         case = crosscheck.Case(
@@ -152,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"xgrad crosscheck: error: {err}", file=sys.stderr)
         return 2
     print(crosscheck.format_report(report, per_bucket=not args.no_buckets))
+    args.out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = crosscheck.write_outputs(report, args.out)
     print(f"wrote {json_path} and {csv_path} ({time.perf_counter() - start:.1f} s in all)")
     return 0 if report.ok else 1

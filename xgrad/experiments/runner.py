@@ -16,6 +16,7 @@ from xgrad.experiments.link import DEFAULT_ALPHA, DEFAULT_BETA
 from xgrad.experiments.output import format_report, write_report
 from xgrad.experiments.report import Report
 from xgrad.help_format import HelpFormatter, with_help_lines
+from xgrad.tables import unmakeable_folder
 
 __all__ = ["DEFAULT_OUT", "build_parser", "load", "run_experiment"]
 
@@ -103,10 +104,9 @@ def run_experiment(name: str, argv: Sequence[str]) -> tuple[int, Report | None]:
         return run_module(EXPERIMENTS[name], f"xgrad experiment run {name}", argv), None
     parser = build_parser(name, module)
     args = parser.parse_args(list(argv))
-    try:  # before the run, so an --out that cannot be made does not cost the experiment
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        parser.error(f"argument --out: cannot make folder {str(args.out)!r}: {err.strerror or err}")
+    why = unmakeable_folder(args.out)  # before the run, which it would otherwise cost
+    if why is not None:
+        parser.error(f"argument --out: {why}")
     ok, why = backend_available(args.backend)
     if not ok:
         raise RuntimeError(f"experiment {name}: backend {args.backend!r} cannot run here: {why}")
