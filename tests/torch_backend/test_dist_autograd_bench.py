@@ -68,6 +68,8 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "dist-autograd", "--world", "1"])
     with pytest.raises(ValueError, match="--iters must be >= 1, got 0"):
         main(["bench", "dist-autograd", "--iters", "0"])
+    with pytest.raises(ValueError, match="--warmup must be >= 0, got -1"):
+        main(["bench", "dist-autograd", "--warmup", "-1"])
     with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds, got -1\.0"):
         main(["bench", "dist-autograd", "--timeout", "-1"])
     with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts

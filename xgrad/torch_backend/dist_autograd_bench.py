@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
         raise ValueError(f"--world must be >= 2 for a distributed backward, got {args.world}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     import torch.distributed.rpc as rpc
