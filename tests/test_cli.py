@@ -97,6 +97,30 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),
+        (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
+        (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
+        (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
+        # Results folders that cannot be made: refused before the run, not after it.
+        (
+            ["crosscheck", "--backends", "reference", "--out", "/proc/xg"],
+            "xgrad crosscheck: error: [Errno 2] No such file or directory: '/proc/xg'",
+        ),
+        (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/dev/null/x"], "--out: ca"),
+        # A file that cannot be written once the run is done (/proc takes no new entry).
+        (
+            [
+                "bench",
+                "graph",
+                "--nodes",
+                "8",
+                "--edges",
+                "8",
+                "--no-baseline",
+                "--json",
+                "/proc/g",
+            ],
+            "xgrad bench graph: error: [Errno 2] No such file or directory: '/proc/g'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(argv: list[str], message: str) -> None:

@@ -264,6 +264,11 @@ def test_an_unavailable_or_unsupporting_backend_is_skipped_with_its_reason(
     assert [b.status for b in report.backends] == ["skipped", "skipped"]
     assert report.backends[0].reason == "its available() says no"
     assert report.backends[1].reason == "f32-only runs float32 only, not float64"
+    # Nothing was compared: the last line does not say PASS (it did, as on a machine
+    # without CUDA under --device cuda).
+    assert crosscheck.format_report(report).splitlines()[-1] == (
+        "NOTHING RAN: every backend was skipped (see why above)"
+    )
     with pytest.raises(ValueError, match="no backend named"):
         crosscheck.run_crosscheck(Case(steps=1), backends=[])
 

@@ -95,3 +95,22 @@ def test_table_outputs_are_checked_before_a_run_and_leave_stdout_parseable(
     assert (tmp_path / "t.csv").read_text() == "a,ratio\n1,nan\n"
     print_tables(parser.parse_args([]), [table], "the text")
     assert capsys.readouterr().out == "the text\n"
+
+
+def test_a_results_folder_that_cannot_be_made_is_named_without_making_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xgrad.tables import unmakeable_folder
+
+    (tmp_path / "f").write_text("")
+    assert unmakeable_folder(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists()
+    assert unmakeable_folder(tmp_path / "f") == f"{str(tmp_path / 'f')!r} is a file, not a folder"
+    assert unmakeable_folder(tmp_path / "f" / "x" / "y") == (
+        f"cannot make folder {str(tmp_path / 'f' / 'x' / 'y')!r}: {str(tmp_path / 'f')!r} is a file"
+    )
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # as a read-only folder is
+    assert unmakeable_folder(tmp_path / "x") == (
+        f"cannot make folder {str(tmp_path / 'x')!r}: {str(tmp_path)!r} is not writable"
+    )
+    assert unmakeable_folder(tmp_path) == f"folder {str(tmp_path)!r} is not writable"

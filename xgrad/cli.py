@@ -72,14 +72,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Run as the command (no ``argv``), a ``ValueError`` or ``TypeError`` that escapes a
     subcommand is bad input and printed as one line naming the subcommand, exit status 2
-    (``XGRAD_TRACEBACK=1`` shows the traceback); called from Python with ``argv`` it
-    propagates, so callers and tests see the exception itself.
+    (``XGRAD_TRACEBACK=1`` shows the traceback); so is an ``OSError`` (an output file that
+    cannot be written once the run is done: the message names the path); called from
+    Python with ``argv`` it propagates, so callers and tests see the exception itself.
     """
     if argv is not None:
         return _dispatch(list(argv))
     try:
         return _dispatch(sys.argv[1:])
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:
         if os.environ.get("XGRAD_TRACEBACK"):
             raise
         words = [w for w in sys.argv[1:3] if not w.startswith("-")]

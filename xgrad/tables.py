@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,24 @@ def to_csv(tables: Sequence[Table]) -> str:
         for record in t.records():
             writer.writerow([t.title, *(record.get(c, "") for c in columns)])
     return out.getvalue()
+
+
+def unmakeable_folder(path: Path) -> str | None:
+    """Why ``path`` cannot be a folder to write results into, or None if it can (checked
+    before a long run, without making anything): it is a file, or its nearest existing
+    ancestor is a file or not writable."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{str(path)!r} is a file, not a folder"
+        return None if os.access(path, os.W_OK) else f"folder {str(path)!r} is not writable"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot make folder {str(path)!r}: {str(ancestor)!r} is a file"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot make folder {str(path)!r}: {str(ancestor)!r} is not writable"
+    return None
 
 
 def output_file(text: str) -> Path:

@@ -30,6 +30,24 @@ def test_unknown_names_and_backends_are_refused(capsys: pytest.CaptureFixture[st
         main(["experiment", "run", "schedules", "--stages", "0", "--out", "/nonexistent"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["overlap", "--cap-mb", "0"], "--cap-mb must be a finite number of MiB > 0, got 0.0"),
+        (["scaling", "--flops", "0"], "--flops must be a finite number > 0, got 0.0"),
+        (["scaling", "--target-gbps", "-1"], "--target-gbps must be a finite number > 0, got -1"),
+        (["scaling", "--target-alpha", "-1"], r"LinkModel\(alpha=-1.0"),
+    ],
+)
+def test_bad_experiment_options_are_named_before_anything_runs(
+    argv: list[str], message: str, tmp_path: Path
+) -> None:
+    # They ended in a rank's traceback (--cap-mb) or a ZeroDivisionError after the
+    # validation runs (scaling).
+    with pytest.raises(ValueError, match=message):
+        main(["experiment", "run", *argv, "--quick", "--out", str(tmp_path)])
+
+
 def test_run_prints_the_table_and_verdicts_and_writes_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -58,6 +58,17 @@ def runs(
             out[f"{mode}-{'local' if local else 'global'}"] = {
                 k: _host(g) for k, g in grads.items()
             }
+
+    # What NumPy gives by default (float64, JAX in 32-bit mode), an RNG key and a Python
+    # float given whole: JAX's own device_put refused each across processes.
+    def noisy(params: Any, x: Any, y: Any, key: Any, scale: float) -> Any:
+        return loss(params, x + scale * jax.random.normal(key, x.shape[1:]), y)
+
+    step = data_parallel_value_and_grad(
+        noisy, world_size=world, in_axes=(0, 0, None, None), devices=devices
+    )
+    host = x.astype(np.float64), y.astype(np.float64), jax.random.key(0), 0.1
+    out["host-values"] = {k: _host(g) for k, g in step(params, *host)[1].items()}
     if not full:
         return out
     step = data_parallel_value_and_grad(
@@ -84,6 +95,16 @@ def runs(
             out["uneven"] = "no error"
         except ValueError as exc:
             out["uneven"] = str(exc)
+        # Process 0's devices only, each process passing its rows: process 1's rows had
+        # nowhere to go (process 0 returned the gradient of its own rows alone).
+        step = data_parallel_value_and_grad(
+            loss, world_size=world // num_processes, local_batch=True
+        )
+        try:
+            step(params, *mine)
+            out["devices"] = "no error"
+        except ValueError as exc:
+            out["devices"] = str(exc)
     return out
 
 
@@ -103,6 +124,11 @@ def _check(results: list[dict[str, Any]], single: dict[str, Any], n: int) -> Non
                 "batch argument 0 has 6 rows on process 0, 10 rows on process 1: with "
                 "local_batch=True every process passes the same number of rows (its share of "
                 "the global batch)"
+            )
+            assert result.pop("devices").startswith(
+                "local_batch=True splits each process's rows over its own devices of the step, "
+                "so every process needs as many of them; the step's 1 devices are 1 on process "
+                "0, 0 on process 1"
             )
         for key, grads in result.items():
             if key in ("world", "processes"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+from typing import Any
 
 import pytest
 
@@ -67,7 +68,55 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "dist-autograd", "--world", "1"])
     with pytest.raises(ValueError, match="--iters must be >= 1, got 0"):
         main(["bench", "dist-autograd", "--iters", "0"])
+    with pytest.raises(ValueError, match="--warmup must be >= 0, got -1"):
+        main(["bench", "dist-autograd", "--warmup", "-1"])
     with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds, got -1\.0"):
         main(["bench", "dist-autograd", "--timeout", "-1"])
     with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts
         main(["bench", "dist-autograd", "--csv", "no/such/folder/r.csv"])
+
+
+def _count_fetches(rank: int, world: int, cfg: dict[str, Any]) -> Any:
+    """The bench's worker with its CPU clock replaced by a count of this process's remote
+    gradient fetches (``_rpc_grad`` calls): its CPU figures then count the fetches in the
+    timed windows."""
+    import time
+    import types
+
+    import torch.distributed.rpc as rpc
+
+    from xgrad.torch_backend import dist_autograd_bench as bench
+
+    fetches = [0]
+    sync = rpc.rpc_sync
+
+    def counting(to: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        fetches[0] += func is bench._rpc_grad
+        return sync(to, func, *args, **kwargs)
+
+    rpc.rpc_sync = counting
+    bench.time = types.SimpleNamespace(  # type: ignore[assignment]
+        perf_counter=time.perf_counter, process_time=lambda: float(fetches[0])
+    )
+    return bench._worker(rank, world, cfg), fetches[0]
+
+
+def test_the_cpu_per_pass_leaves_out_fetching_the_gradients_for_the_check(
+    tmp_path: pathlib.Path,
+) -> None:
+    # PyTorch's remote gradients are fetched (one RPC per rank) only to compare them with
+    # xgrad's: neither forward nor backward, so not in the timed CPU the row reports.
+    import torch.distributed.rpc as rpc
+
+    from xgrad.torch_backend.spawn import spawn
+
+    if not rpc.is_available():
+        pytest.skip("torch.distributed.rpc is not available in this build of torch")
+    cfg = {
+        "size": 4, "batch": 2, "iters": 2, "warmup": 1, "dtype": "float64", "timeout": 60.0,
+        "rounds": 1, "rpc_init": f"file://{tmp_path}/rpc", "execute": "nodes", "ab": False,
+    }  # fmt: skip
+    (result, fetched), *_ = spawn(_count_fetches, 2, args=(cfg,), timeout=120.0)
+    assert fetched > 0  # the gradients were still fetched, and compared
+    assert result["diff"] < 1e-12
+    assert result["torch_cpu"] == 0.0 and result["xgrad_cpu"] == 0.0

@@ -95,3 +95,23 @@ def test_the_ratio_is_the_median_of_per_step_pairs() -> None:
     ratios = sorted([0.010 / 0.021, 0.030 / 0.020, 0.010 / 0.090, 0.011 / 0.020, 0.012 / 0.020])
     assert ratio == pytest.approx(ratios[2])
     assert (q1, q3) == pytest.approx((ratios[1], ratios[3]))
+
+
+def test_a_receiver_woken_before_its_send_ended_counts_as_no_latency() -> None:
+    """The receiver of 0SEND_F0 wakes 50 us before the send action ends (it preempted its
+    sender): no message latency, as the replay takes it, not -50 us in the column and the
+    pooled model."""
+    from xgrad.torch_backend.pipeline_report import report
+
+    per_rank = _results(step=0.01, busy=0.006)
+    records = [
+        [("0F0", 0.0, 1e-3, 0.0), ("0SEND_F0", 1e-3, 1.5e-3, 0.0)],
+        [("1F0", 1e-3, 2e-3, 4.5e-4)],
+    ]
+    for rank, res in enumerate(per_rank):
+        res["gpipe"] |= {"records": [records[rank]], "xgrad_steps": [0.01], "torch_steps": [0.02]}
+    args = argparse.Namespace(stages=2, microbatches=2, batch=8, width=4, layers=1)
+    args.backend, args.steps = "gloo", 1
+    _, tables = report(args, per_rank, ["gpipe"])
+    (row,) = tables[1].records()
+    assert row["message_us"] == 0.0

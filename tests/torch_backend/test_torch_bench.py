@@ -99,6 +99,7 @@ def test_unknown_model_is_refused() -> None:
         (["--world-size", "0"], "--world-size must be at least 2, got 0"),
         (["--wide-world-size", "1"], "--wide-world-size must be 0 (none) or >= 2, got 1"),
         (["--iters", "0"], "--iters must be at least 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
     ],
 )
 def test_bad_numbers_are_refused_naming_the_option(argv: list[str], message: str) -> None:

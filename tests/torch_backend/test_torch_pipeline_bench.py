@@ -73,6 +73,8 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "pipeline", "-p", "1"])
     with pytest.raises(ValueError, match="--width must be > 0, got 0"):
         main(["bench", "pipeline", "--width", "0"])
+    with pytest.raises(ValueError, match="--warmup must be >= 0, got -1"):
+        main(["bench", "pipeline", "--warmup", "-1"])
     with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts
         main(["bench", "pipeline", "--json", "no/such/folder/p.json"])
     with pytest.raises(ValueError, match="choose from gpipe"):

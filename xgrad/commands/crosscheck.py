@@ -7,7 +7,14 @@ import os
 import sys
 import time
 
-from xgrad.commands.options import output_folder, positive_float, positive_int, size
+from xgrad.commands.options import (
+    non_negative_int,
+    output_folder,
+    positive_float,
+    positive_int,
+    size,
+)
+from xgrad.tables import unmakeable_folder
 
 HELP = (
     "Run the same model on the same data with the same bucket plan through every runner of "
@@ -56,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comm hook (none: sum, then divide by the world size)",
     )
     parser.add_argument("--batch-per-rank", type=positive_int, default=4, help="samples per rank")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=0, help="seeds the weights and the batch"
+    )
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
     default = crosscheck.runner_names()
     every = crosscheck.runner_entries(check=False, every=True)
@@ -110,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
         # JAX shares the GPUs with torch's ranks: it must not grab most of their memory.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     start = time.perf_counter()
+    why = unmakeable_folder(args.out)  # before the run, which it would otherwise cost
+    if why is not None:
+        print(f"xgrad crosscheck: error: argument --out: {why}", file=sys.stderr)
+        return 2
     try:
         case = crosscheck.Case(
             model=args.model,

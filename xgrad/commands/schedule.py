@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--comms", action="store_true", help="show the sends and receives")
     parser.add_argument("--timeline", action="store_true", help="also print the time grid")
-    parser.add_argument("--png", metavar="FILE", help="save the timeline as a PNG")
+    parser.add_argument(
+        "--png", type=output_file, metavar="FILE", help="save the timeline as a PNG"
+    )
     parser.add_argument(
         "--csv",
         type=output_file,

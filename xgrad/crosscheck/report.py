@@ -106,7 +106,13 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         lines.append("attribution")
         lines.extend(f"  {line}" for line in report.attribution)
     lines.append("")
-    lines.append("PASS: every backend that ran is within tolerance" if report.ok else "FAIL")
+    if not report.ok:
+        lines.append("FAIL")
+    elif all(b.status == "skipped" for b in report.backends):
+        # Nothing was compared: a PASS here would vouch for numbers no backend gave.
+        lines.append("NOTHING RAN: every backend was skipped (see why above)")
+    else:
+        lines.append("PASS: every backend that ran is within tolerance")
     return "\n".join(lines)
 
 

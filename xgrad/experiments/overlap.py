@@ -17,6 +17,7 @@ alpha-beta cost model's prediction for this run is checked as well.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from xgrad.experiments.costmodel import ddp_iteration
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> Report:
     for label in ("width", "layers", "batch"):
         if getattr(args, label) < 1:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
+    if not math.isfinite(args.cap_mb) or args.cap_mb <= 0:  # before the ranks start
+        raise ValueError(f"--cap-mb must be a finite number of MiB > 0, got {args.cap_mb}")
     cfg = {
         "width": args.width,
         "layers": args.layers,

@@ -16,6 +16,7 @@ from xgrad.experiments.link import DEFAULT_ALPHA, DEFAULT_BETA
 from xgrad.experiments.output import format_report, write_report
 from xgrad.experiments.report import Report
 from xgrad.help_format import HelpFormatter, with_help_lines
+from xgrad.tables import unmakeable_folder
 
 __all__ = ["DEFAULT_OUT", "build_parser", "load", "run_experiment"]
 
@@ -101,7 +102,11 @@ def run_experiment(name: str, argv: Sequence[str]) -> tuple[int, Report | None]:
         from xgrad.cli import run_module
 
         return run_module(EXPERIMENTS[name], f"xgrad experiment run {name}", argv), None
-    args = build_parser(name, module).parse_args(list(argv))
+    parser = build_parser(name, module)
+    args = parser.parse_args(list(argv))
+    why = unmakeable_folder(args.out)  # before the run, which it would otherwise cost
+    if why is not None:
+        parser.error(f"argument --out: {why}")
     ok, why = backend_available(args.backend)
     if not ok:
         raise RuntimeError(f"experiment {name}: backend {args.backend!r} cannot run here: {why}")

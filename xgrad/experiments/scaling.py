@@ -15,6 +15,7 @@ under ring allreduce (Fig. 9), the best bucket cap moving up with the world size
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from xgrad.experiments import overlap
@@ -95,9 +96,15 @@ def _validate(args: argparse.Namespace, link: LinkModel) -> tuple[list[tuple[Any
 
 
 def run(args: argparse.Namespace) -> Report:
+    for label in ("flops", "target_gbps"):  # before the validation runs, not after them
+        value = getattr(args, label)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"--{label.replace('_', '-')} must be a finite number > 0, got {value}"
+            )
+    target = LinkModel(args.target_alpha, 1 / (args.target_gbps * 1e9))
     link = LinkModel(args.alpha, args.beta)
     rows, here = _validate(args, link)
-    target = LinkModel(args.target_alpha, 1 / (args.target_gbps * 1e9))
     ext, series, caps_rows = [], [], []
     worlds = WORLDS[::3] if args.quick else WORLDS
     for name, build in ARCHITECTURES.items():

@@ -131,6 +131,72 @@ def check_local_rows(batch: Sequence[Any], axes: Sequence[Axis]) -> None:
             )
 
 
+def check_local_devices(devices: Sequence[Any]) -> None:
+    """With ``local_batch=True`` over several processes: every process holds the same
+    number of the step's devices (at least one).
+
+    Each process's rows fill its own devices' shards. A process with none of them (a
+    ``world_size`` smaller than every device) had its rows dropped: process 0 returned the
+    gradient of its own rows alone, without an error, and process 1 "generator raised
+    StopIteration".
+
+    Raises:
+        ValueError: on every process alike (the devices are the same list everywhere),
+            naming each process's count.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return
+    held = [sum(d.process_index == p for d in devices) for p in range(count)]
+    if min(held) == 0 or len(set(held)) > 1:
+        each = ", ".join(f"{n} on process {p}" for p, n in enumerate(held))
+        raise ValueError(
+            f"local_batch=True splits each process's rows over its own devices of the step, "
+            f"so every process needs as many of them; the step's {len(devices)} devices are "
+            f"{each} (give a world_size or devices= with as many devices of every process)"
+        )
+
+
+def _portable(leaf: Any) -> Any:
+    """A host value as ``device_put`` onto several processes' devices takes it.
+
+    With JAX's default 32-bit mode, ``device_put`` of a float64 NumPy array or a Python
+    float that float32 cannot hold exactly (``np.random.randn`` data, ``0.1``) onto
+    another process's devices fails JAX's own same-on-every-process check ("... is not
+    the same on each process") although every process passed the same value; converted
+    by ``jnp.asarray`` first (the dtype ``device_put`` would give it, weak types kept),
+    it passes.
+    """
+    if isinstance(leaf, jax.Array | jax.core.Tracer):
+        return leaf
+    import jax.numpy as jnp
+
+    return jnp.asarray(leaf)
+
+
+def put_across(tree: Any, sharding: NamedSharding) -> Any:
+    """``jax.device_put(tree, sharding)`` that also works across processes for host
+    values (see :func:`_portable`) and typed PRNG keys (``jax.random.key``: JAX refuses
+    to put a key array on devices other processes hold; its key data goes instead)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def put(leaf: Any) -> Any:
+        leaf = _portable(leaf)
+        dtype = getattr(leaf, "dtype", None)
+        if (
+            dtype is not None
+            and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            and not isinstance(leaf, jax.core.Tracer)
+            and leaf.is_fully_addressable
+        ):
+            data = jax.device_put(jax.random.key_data(leaf), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
+        return jax.device_put(leaf, sharding)
+
+    return jax.tree_util.tree_map(put, tree)
+
+
 def place(
     batch: Sequence[Any],
     axes: Sequence[Axis],
@@ -151,9 +217,9 @@ def place(
         if not traced and isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             return leaf
         if axis is None:
-            return jax.device_put(leaf, replicated)
+            return put_across(leaf, replicated)
         if not local_batch:
-            return jax.device_put(leaf, split)
+            return put_across(leaf, split)
         if traced:
             raise ValueError(
                 "local_batch=True assembles each process's rows into a global array, which "

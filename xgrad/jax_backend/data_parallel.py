@@ -42,10 +42,12 @@ from xgrad.buckets import BucketPlan
 from xgrad.jax_backend import powersgd
 from xgrad.jax_backend.batch import (
     check_batch,
+    check_local_devices,
     check_local_rows,
     devices_for,
     normalize_in_axes,
     place,
+    put_across,
 )
 from xgrad.jax_backend.pmap import pmap_call
 from xgrad.jax_backend.reduce import (
@@ -182,6 +184,7 @@ class DataParallelStep:
         if self.mode == "pmap":
             return pmap_call(self, params, batch, axes, hook_state)
         if self.local_batch:
+            check_local_devices(self.devices)
             local = len([d for d in self.devices if d.process_index == jax.process_index()])
             check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
             check_local_rows(batch, axes)
@@ -189,7 +192,7 @@ class DataParallelStep:
             check_batch(batch, axes, self.world_size, f"world_size={self.world_size}")
         replicated = NamedSharding(self.mesh, P())
         split = NamedSharding(self.mesh, P(self.axis_name))
-        params = jax.device_put(params, replicated)
+        params = put_across(params, replicated)
         placed = place(batch, axes, split, replicated, self.local_batch)
         if self.mode == "jit":
             return self._jit(params, placed)

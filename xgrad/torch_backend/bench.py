@@ -72,9 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(models) - set(MODELS))
+    if not models:
+        raise ValueError(f"--models {args.models!r} names no model; expected some of {MODELS}")
     if unknown:
         raise ValueError(f"--models: unknown model(s) {unknown}; expected some of {MODELS}")
-    for label, least in (("world_size", 2), ("rounds", 1), ("iters", 1), ("threads", 1)):
+    for label, least in (
+        ("world_size", 2),
+        ("rounds", 1),
+        ("iters", 1),
+        ("warmup", 0),
+        ("threads", 1),
+    ):
         value = getattr(args, label)
         if value is not None and value < least:
             raise ValueError(f"--{label.replace('_', '-')} must be at least {least}, got {value}")

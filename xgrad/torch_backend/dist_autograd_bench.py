@@ -118,7 +118,9 @@ def _xgrad_pass(
         return seconds, da.get_gradients(cid)[w]
 
 
-def _torch_pass(world: int, x: Any, w: Any) -> tuple[float, list[Any]]:
+def _torch_pass(world: int, x: Any, w: Any, fetch: bool = False) -> tuple[float, list[Any]]:
+    """One pass over RPC; with ``fetch`` also every rank's gradient (one RPC per rank,
+    for the check only: a timed pass leaves it out, it is neither forward nor backward)."""
     import torch
     import torch.distributed.autograd as torch_da
     import torch.distributed.rpc as rpc
@@ -129,6 +131,8 @@ def _torch_pass(world: int, x: Any, w: Any) -> tuple[float, list[Any]]:
         start = time.perf_counter()
         torch_da.backward(cid, [loss])
         seconds = time.perf_counter() - start
+        if not fetch:
+            return seconds, []
         grads = [torch_da.get_gradients(cid)[w]]
         grads += [rpc.rpc_sync(f"w{r}", _rpc_grad, args=(cid,)) for r in range(1, world)]
         return seconds, grads
@@ -188,10 +192,13 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
             dist.barrier()
             before = time.process_time()
             for _ in range(n if rank == 0 else 0):
-                seconds, grads = _torch_pass(world, x, w)
+                seconds, _ = _torch_pass(world, x, w)
                 theirs.append(seconds)
             dist.barrier()
             cpu["torch"] += time.process_time() - before
+            if rank == 0:  # the gradients to compare, from one more pass, untimed
+                grads = _torch_pass(world, x, w, fetch=True)[1]
+            dist.barrier()
         finally:
             rpc.shutdown()
         dist.barrier()
@@ -220,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
         raise ValueError(f"--world must be >= 2 for a distributed backward, got {args.world}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     import torch.distributed.rpc as rpc

@@ -243,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{label} must be >= 1, got {value}")
     if p < 2:
         raise ValueError(f"--stages must be >= 2 for a pipeline, got {p}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     for label in ("batch", "width", "layers", "threads", "timeout"):
         if not getattr(args, label) > 0:
             raise ValueError(f"--{label} must be > 0, got {getattr(args, label)}")

@@ -75,7 +75,8 @@ def report(
         steps = [
             [res[name]["records"][k] for res in per_rank] for k in range(_count(per_rank, name))
         ]
-        lags = [x for recs in steps for x in message_latencies(sched, recs).values()]
+        # Below zero (a receiver that preempted its sender) is none, as the replay takes it.
+        lags = [max(0.0, x) for recs in steps for x in message_latencies(sched, recs).values()]
         latency = statistics.mean(lags) if lags else message
         pooled_step, pooled_bubble = _pooled(per_rank, name, sched, latency, fixed)
         times = [
