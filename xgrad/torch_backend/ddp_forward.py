@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
+from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def pre_forward(
 
 
 def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
-    """Everything DDP does after the module ran; returns the output unchanged."""
+    """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp.require_forward_param_sync = True
         unused: Sequence[int] = ()
@@ -70,6 +71,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
             unused = find_unused_parameters(
                 output, ddp._param_index, len(ddp._params), accumulators
             )
+            output = route_outputs(output)  # a loss may leave outputs out (PyTorch's sink)
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
         ddp._grad_hooks.expect_backward()
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
