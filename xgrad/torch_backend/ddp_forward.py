@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
+from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
 
@@ -36,6 +37,8 @@ def pre_forward(
 ) -> tuple[Any, Any]:
     """Everything DDP does before the module runs; returns the inputs to run it on."""
     ddp._forward_started = time.perf_counter()
+    if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
+        setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
     ddp._watch.start_forward(ddp._grad_hooks, sync)
     ddp._still_training = notify_join_context(ddp)
