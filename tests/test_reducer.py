@@ -122,6 +122,33 @@ def test_unused_parameters_marked_at_first_hook_and_globally_unused_left_alone()
         np.testing.assert_array_equal(got[0], grads_for(0)[0] * half + grads_for(1)[0] * half)
 
 
+@pytest.mark.parametrize("many", [False, True])
+def test_a_hook_without_a_gradient_counts_as_unused_on_that_rank(many: bool) -> None:
+    """PyTorch's local used map counts defined gradients only (an output the loss left out)."""
+
+    def body(comm: ReferenceComm) -> dict[int, np.ndarray]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got, find_unused_parameters=True)
+        reducer.prepare_for_backward()  # the search found every parameter reachable
+        g = grads_for(comm.rank)
+        # Parameter 3's hook fires without a gradient everywhere; 1 only on rank 0.
+        none = (3, 1) if comm.rank == 0 else (3,)
+        order = (3, 2, 1, 0)
+        grads = [None if i in none else g[i] for i in order]
+        if many:
+            reducer.mark_many(order, grads)
+        else:
+            for i, grad in zip(order, grads, strict=True):
+                reducer.mark_ready(i, grad)
+        reducer.finalize()
+        return got
+
+    half = np.float32(0.5)
+    for got in spawn(body, 2):
+        assert 3 not in got  # no rank gave a gradient: left untouched
+        np.testing.assert_array_equal(got[1], grads_for(1)[1] * half)
+
+
 @pytest.mark.parametrize("with_unused", [False, True])
 def test_discarded_forward_leaves_nothing_behind(with_unused: bool) -> None:
     """PyTorch's test_ignored_output pair at the reducer level."""

@@ -230,7 +230,19 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
         if self.static_graph and self._counts.hold(index, grad, now, self._delay_launch):
             self._require_finalize = True
             return
+        if grad is None:
+            self._no_gradient(index)
         self._mark(index, grad, now)
+
+    def _no_gradient(self, index: int) -> None:
+        """A hook fired without a gradient (an output the loss left out, see ddp_sink).
+
+        Under ``find_unused_parameters`` the parameter counts as unused on this rank, as
+        PyTorch's local used map counts defined gradients only: a parameter no rank gave
+        a gradient keeps ``.grad`` untouched.
+        """
+        if self.find_unused_parameters and not self.static_graph:
+            self._unused.local.append(index)
 
     def _begin_at(self, now: float) -> None:
         """The pass's first mark: it starts the clock and marks the unused parameters."""
@@ -261,6 +273,8 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             self._begin_at(now)
         for index, grad in zip(indices, grads, strict=True):
             self.marking = index
+            if grad is None:
+                self._no_gradient(index)
             self._mark(index, grad, now)
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
@@ -304,7 +318,9 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
-            raise buckets_never_reduced(self._missing(), self.names, self.comm.rank)
+            raise buckets_never_reduced(
+                self._missing(), self.names, self.comm.rank, self.find_unused_parameters
+            )
         globally_unused = self._unused.on_every_rank(
             self.comm, self.ops, self.params[0], **self._search
         )

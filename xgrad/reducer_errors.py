@@ -45,12 +45,21 @@ def marked_ready_twice(index: int, names: Sequence[str], rank: int) -> RuntimeEr
     )
 
 
-def buckets_never_reduced(missing: Sequence[int], names: Sequence[str], rank: int) -> RuntimeError:
+def buckets_never_reduced(
+    missing: Sequence[int], names: Sequence[str], rank: int, find_unused: bool = False
+) -> RuntimeError:
     """The backward pass ended with buckets still waiting for gradients."""
+    advice = (
+        "find_unused_parameters is on, so they were reachable from the forward's outputs "
+        "but the backward pass did not reach them: it did not start from the outputs, or "
+        "the loss left out a tensor DDP could not route (return tuples, lists, dicts or "
+        "namedtuples, not dataclasses). "
+        if find_unused
+        else "Pass find_unused_parameters=True if parts of the model are legitimately unused. "
+    )
     return RuntimeError(
         "Some parameters received no gradient in this backward pass, so their "
-        "buckets were never reduced. Pass find_unused_parameters=True if parts of the "
-        "model are legitimately unused. " + describe_missing(missing, names, rank)
+        "buckets were never reduced. " + advice + describe_missing(missing, names, rank)
     )
 
 

@@ -7,6 +7,8 @@ re-exports them.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -142,6 +144,23 @@ class GradBucket(Generic[A]):
         return self._is_last
 
     def set_buffer(self, buffer: A) -> None:
+        """Replace the flat buffer; :meth:`gradients` become row-major views of the new one.
+
+        PyTorch's ``GradBucket`` slices its gradients from the current buffer, so a hook
+        that swaps the buffer and calls another (``fp16_compress_wrapper(powerSGD_hook)``)
+        hands it the gradients in the new buffer's dtype. A buffer of another length (a
+        compressed one) leaves them as they were.
+        """
+        grads: list[Any] = self._gradients
+        flat: Any = buffer
+        if all(g is not None for g in grads):
+            sizes = [math.prod(g.shape) for g in grads]
+            if sum(sizes) == math.prod(flat.shape):
+                starts = itertools.accumulate(sizes, initial=0)
+                self._gradients = [
+                    flat[start : start + size].reshape(g.shape)
+                    for g, start, size in zip(grads, starts, sizes, strict=False)
+                ]
         self._buffer = buffer
 
 

@@ -201,10 +201,10 @@ def _hooks(rank: int, world: int) -> dict[str, Any]:
 
         return wrap
 
-    def torch_ddp_with(hook: Any) -> Callable[[nn.Module], nn.Module]:
+    def torch_ddp_with(hook: Any, state: Any = None) -> Callable[[nn.Module], nn.Module]:
         def wrap(m: nn.Module) -> nn.Module:
             ddp = TorchDDP(m)
-            ddp.register_comm_hook(None, hook)
+            ddp.register_comm_hook(state, hook)
             return ddp
 
         return wrap
@@ -251,6 +251,15 @@ def _hooks(rank: int, world: int) -> dict[str, Any]:
         base, with_torch_hook(psgd.powerSGD_hook, state, bucket_cap_mb=1e-5), xs, ys, steps=4
     )[0]
     out["full4"] = _train(base, None, x, y, steps=4)[0]
+    # A wrapper that swaps the bucket's buffer around another hook: PowerSGD must read the
+    # gradients from the fp16 buffer (PyTorch's GradBucket slices them from the current one).
+    for who in ("xgrad", "torch"):
+        state = psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        hook = default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)
+        wrap = with_torch_hook(hook, state) if who == "xgrad" else torch_ddp_with(hook, state)
+        out[f"{who}-fp16-powersgd"] = _train(base, wrap, xs, ys, steps=4)[0]
     return out
 
 
@@ -487,6 +496,20 @@ def test_pytorch_hooks_match_pytorch_ddp(battery: tuple[int, Results], name: str
         # The neutral hook does the same arithmetic.
         _assert_equal(
             h[f"neutral-{name}"], h[f"torch-{name}"], rtol=0.0 if world == 2 else 1e-6, what=name
+        )
+
+
+def test_a_hook_wrapping_powersgd_in_fp16_matches_pytorch_ddp(
+    battery: tuple[int, Results],
+) -> None:
+    world, results = battery
+    for result in results:
+        h = result["hooks"]
+        _assert_equal(
+            h["xgrad-fp16-powersgd"],
+            h["torch-fp16-powersgd"],
+            rtol=0.0 if world == 2 else 1e-6,
+            what="fp16_compress_wrapper(powerSGD_hook)",
         )
 
 

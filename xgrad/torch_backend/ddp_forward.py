@@ -20,6 +20,8 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
+from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
+from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ def pre_forward(
 ) -> tuple[Any, Any]:
     """Everything DDP does before the module runs; returns the inputs to run it on."""
     ddp._forward_started = time.perf_counter()
+    if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
+        setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
     ddp._watch.start_forward(ddp._grad_hooks, sync)
     ddp._still_training = notify_join_context(ddp)
@@ -59,7 +63,7 @@ def pre_forward(
 
 
 def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
-    """Everything DDP does after the module ran; returns the output unchanged."""
+    """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp.require_forward_param_sync = True
         unused: Sequence[int] = ()
@@ -70,6 +74,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
             unused = find_unused_parameters(
                 output, ddp._param_index, len(ddp._params), accumulators
             )
+            output = route_outputs(output)  # a loss may leave outputs out (PyTorch's sink)
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
         ddp._grad_hooks.expect_backward()
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
