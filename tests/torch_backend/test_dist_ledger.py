@@ -192,11 +192,7 @@ def test_misuse_is_named_on_every_rank_at_once_and_the_next_contexts_work() -> N
     for name, text in expected.items():
         for rank in RANKS:
             got, elapsed, after = outs[rank][name]
-            if name == "unreceived_no_grad" and rank == 2:
-                # Its sends and receives all matched: it left before the other two disagreed.
-                assert got == "no error", got
-            else:
-                assert got.startswith("DistBackwardError: " + text), (name, rank, got)
+            assert got.startswith("DistBackwardError: " + text), (name, rank, got)
             # The timeout is 20 s: the misuse is seen within a second or so (loaded machine).
             assert elapsed < 6.0, (name, rank, elapsed)
             assert max(after) < 1e-12, (name, rank, after)

@@ -178,18 +178,17 @@ class Context:
         """Make sure every send was received: an exit barrier on the store, then the sends.
 
         Every rank leaves through the barrier (whether a rank still has sends in flight is
-        not known to the others), which passes once each peer's exit keys agree with this
-        rank's counts (:meth:`Ledger.exit_keys`), so past it every receive was made; a
-        disagreement is named by the ledger's probe. After a failure this rank already
+        not known to the others), which passes once every rank arrived and every tensor
+        sent was received (:meth:`Ledger.exit_amount`), so past it every receive was made;
+        a disagreement is named by the ledger's probe. After a failure this rank already
         raised (and the user caught), nothing is awaited.
         """
         if self.reported:
             bury_sent(self.works)
             return
-        keys = self.ledger.exit_keys()
-        store = self.channel.store
-        if keys:
-            self.wait_for(lambda: store.check(keys), "exit, waiting for every rank")
+        store, key, world = self.channel.store, f"{self.channel.prefix}/exit", len(self.ranks)
+        store.add(key, self.ledger.exit_amount())
+        self.wait_for(lambda: int(store.get(key)) == world, "exit, waiting for every rank")
         self.ledger.enter("forward")  # past the barrier: nothing left to probe
         for peer, (work, _) in self.works:
             self.wait(work, f"context exit, send to rank {peer}", peer)

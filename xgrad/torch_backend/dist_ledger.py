@@ -13,11 +13,10 @@ where the failure channel is read: every wait of a context does) does the rank w
 record to the group's store and read the others'; records that prove a deadlock
 (:func:`diagnose`) are posted as a failure naming the rank that did the odd thing, e.g.
 ``"Error on rank 1 in backward pass 2: called backward 2 times in this context, ranks 0,
-2 once"``, and every rank raises it at once. At the exit, each rank writes its final record
-together with one key per peer naming the counts the two share
-(:func:`exit_keys`): the exit barrier waits for the keys it expects from each peer, so it
-passes only when every peer agrees with this rank (the same cost as a plain barrier: one
-write, then reads of keys), and a disagreement is a wait that lasts, then a diagnosis.
+2 once"``, and every rank raises it at once. At the exit, each rank adds its balance of
+tensors received minus sent to the barrier's count (:data:`BALANCE`), so the barrier
+passes only when every send was received (the same store traffic as a plain barrier: one
+add, then reads), and a tensor nobody received is a wait that lasts, then a diagnosis.
 
 A record is a snapshot; a diagnosis uses only what cannot change any more: a rank at the
 exit (final), a rank in backward pass ``k`` while no rank has finished pass ``k`` (a pass
@@ -35,7 +34,15 @@ from dataclasses import dataclass, field
 
 from xgrad.failure import FailureChannel, KeyValueStore, error_for
 
-__all__ = ["PROBE_AFTER", "PROBE_EVERY", "Ledger", "ProbingChannel", "Record", "diagnose"]
+__all__ = [
+    "BALANCE",
+    "PROBE_AFTER",
+    "PROBE_EVERY",
+    "Ledger",
+    "ProbingChannel",
+    "Record",
+    "diagnose",
+]
 
 #: seconds a state (a wait in a pass, a receive, the exit) lasts before the rank writes
 #: its record and reads the others'; then every PROBE_EVERY seconds while it lasts.
@@ -167,8 +174,10 @@ def diagnose(records: Mapping[int, Record], ranks: Sequence[int]) -> tuple[int, 
     )
 
 
-def _pair(p: int, q: int, sent: int, recvd: int) -> str:
-    return f"pair/{p}>{q}/{sent}/{recvd}"
+#: the exit barrier's count: each rank adds 1 + BALANCE * (tensors received - sent), so
+#: it reaches the world size exactly when every rank arrived and every send was received
+#: (a partial sum never does: the balance term is a multiple of BALANCE > world size).
+BALANCE = 1 << 24
 
 
 class Ledger:
@@ -234,24 +243,10 @@ class Ledger:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/ledger/{rank}"
 
-    def exit_keys(self) -> list[str]:
-        """Enter the exit: write the final record and one key per peer (one store write);
-        returns the keys to wait for, one per peer, which exist once it agrees."""
+    def exit_amount(self) -> int:
+        """Enter the exit; what this rank adds to the exit barrier's count (see BALANCE)."""
         self.enter("exit")
-        keys, values = [self._key(self.me)], [self.record().to_bytes()]
-        for p in self.ranks:
-            if p != self.me:
-                keys.append(
-                    f"{self.prefix}/{_pair(self.me, p, self.sent.get(p, 0), self.recvd.get(p, 0))}"
-                )
-                values.append(b"")
-        self.store.multi_set(keys, values)  # type: ignore[attr-defined]
-        self._written = True
-        return [
-            f"{self.prefix}/{_pair(p, self.me, self.recvd.get(p, 0), self.sent.get(p, 0))}"
-            for p in self.ranks
-            if p != self.me
-        ]
+        return 1 + BALANCE * (sum(self.recvd.values()) - sum(self.sent.values()))
 
     def probe(self, channel: FailureChannel) -> None:
         """If the current state lasted: write this rank's record, read the others', post a
