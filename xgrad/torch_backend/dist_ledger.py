@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from xgrad.failure import FailureChannel, KeyValueStore, error_for
+from xgrad.failure import FailureChannel, KeyValueStore, RankError, error_for
 
 __all__ = [
     "BALANCE",
@@ -250,7 +250,7 @@ class Ledger:
 
     def probe(self, channel: FailureChannel) -> None:
         """If the current state lasted: write this rank's record, read the others', post a
-        proven deadlock; after a failure seen in a pass, answer what peers may wait for."""
+        proven deadlock (and answer what peers may wait for, in a pass)."""
         now = time.monotonic()
         if now - self._since < PROBE_AFTER or now < self._next or self.state == "forward":
             return
@@ -258,9 +258,6 @@ class Ledger:
             return
         try:
             self._next = now + PROBE_EVERY
-            if channel.poll() is not None:
-                self._answer()
-                return
             if not self._written:
                 self.store.set(self._key(self.me), self.record().to_bytes())
                 self._written = True
@@ -273,8 +270,17 @@ class Ledger:
                 origin, where, message = found
                 channel.post(where, message, rank=origin)
                 self._answer()
+        except Exception:  # the store failed: the wait's own timeout still bounds it
+            pass
         finally:
             self._lock.release()
+
+    def failed(self) -> None:
+        """A live rank's failure was seen: if this rank has waited in a pass a while (where
+        a peer may wait on it, blocked), answer what peers may wait for."""
+        if self.state == "pass" and time.monotonic() - self._since >= PROBE_AFTER:
+            with self._lock:
+                self._answer()
 
     def _answer(self) -> None:
         if self.state == "pass" and not self._released:
@@ -290,9 +296,14 @@ class ProbingChannel(FailureChannel):
         self.ledger: Ledger | None = None
 
     def check(self, *, prefix: str = "") -> None:
-        super().check(prefix=prefix)
-        if self.ledger is not None:
-            self.ledger.probe(self)
-            failure = self.poll()
-            if failure is not None:
-                raise error_for(failure, self.rank, prefix)
+        ledger = self.ledger
+        try:
+            super().check(prefix=prefix)
+        except RankError as exc:
+            if ledger is not None and exc.failure.kind == "error":
+                ledger.failed()
+            raise
+        if ledger is not None:
+            ledger.probe(self)
+            if self._failure is not None:
+                raise error_for(self._failure, self.rank, prefix)
