@@ -98,7 +98,7 @@ class JoinAndRecovery:
         What a joined rank does for each iteration of the others (``join()``): every
         bucket reduced in bucket order through the same hook, from fresh zero buffers
         (its own gradients stay as they are), then the used-parameter map if one is
-        summed, with nothing used here.
+        summed: this rank's last summed map again, as PyTorch's joined rank sends.
 
         Args:
             sparse_zero: for a parameter with a sparse gradient, an empty sparse
@@ -128,7 +128,7 @@ class JoinAndRecovery:
         finally:
             self._buckets = real
         # The used-parameter map, when the training ranks sum one (not after a static
-        # graph's first iteration): this rank used nothing.
+        # graph's first iteration): this rank used nothing, it sends its last sum again.
         self._unused.on_every_rank(
             self.comm,
             self.ops,

@@ -4,6 +4,12 @@ DDP marks a locally unused parameter ready with a zero gradient (so the buckets 
 line up across ranks) but leaves the gradient of a parameter that *no* rank used
 untouched; finding those costs one extra allreduce of a per-rank used map. With a
 static graph the unused set is learned once, in the first iteration, and reused.
+
+A rank that has joined (run out of inputs) sends, as PyTorch's DDP does, the last
+summed map it has (PyTorch's joined rank re-sends its reducer's map, which the
+allreduce overwrote with the sum), updated by each sum it takes part in: a parameter
+used anywhere in that rank's last iteration, or since, counts as used, so the ranks
+still training give it a zero gradient rather than none (SGD's momentum then moves it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ class UnusedParams:
         self.static: list[int] | None = None
         self._static_global: set[int] | None = None
         self._pending: Work | None = None
+        #: the last summed used map (per parameter, how many ranks used it): what a
+        #: joined rank sends instead of its own.
+        self._last_sum: np.ndarray | None = None
 
     def prepare(self, unused: list[int], static_graph: bool) -> None:
         """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
@@ -76,13 +85,16 @@ class UnusedParams:
     ) -> None:
         """Start the used-map allreduce once every bucket is launched (DDP overlaps it too).
 
-        ``used_nothing``: this rank took no part (a joined rank shadowing the others).
+        ``used_nothing``: this rank took no part (a joined rank shadowing the others):
+        it sends the last summed map instead (PyTorch's joined rank does).
         """
         if self._pending is not None or not self._searched(find_unused, static_graph):
             return
-        used = np.zeros(self.num_params, dtype=np.int32)
-        if not used_nothing:
-            used[:] = 1
+        if used_nothing:
+            last = self._last_sum
+            used = np.zeros(self.num_params, dtype=np.int32) if last is None else last.copy()
+        else:
+            used = np.ones(self.num_params, dtype=np.int32)
             used[list(self.current)] = 0
         self._pending = comm.allreduce(ops.from_numpy(used, like))
 
@@ -102,7 +114,7 @@ class UnusedParams:
         summed with one extra allreduce, as DDP does (once, for a static graph), started
         by :meth:`launch` when the last bucket went out, or here. A joined rank passes
         ``used_nothing`` and keeps the same state as the ranks still training, so it
-        enters exactly the collectives they do.
+        enters exactly the collectives they do. The sum is kept for a joined rank's map.
         """
         if not self._searched(find_unused, static_graph):
             return set() if self._static_global is None else self._static_global
@@ -116,8 +128,9 @@ class UnusedParams:
         )
         work, self._pending = self._pending, None
         assert work is not None
-        total = ops.to_numpy(work.wait()).tolist()
-        found = {i for i, count in enumerate(total) if not count}
+        total = np.array(ops.to_numpy(work.wait()), dtype=np.int32)  # a copy
+        self._last_sum = total
+        found = {i for i, count in enumerate(total.tolist()) if not count}
         if static_graph:
             self._static_global = found
         return found

@@ -236,3 +236,69 @@ def test_a_comm_hooks_callback_raising_is_named_within_two_seconds() -> None:
         assert "in comm hook hook, bucket 0: " in message, message
         assert "ValueError: unpack failed on rank " in message, message
         assert seconds < 2.0, (message, seconds)
+
+
+def _two_ddps(rank: int, world: int) -> dict[str, Any]:
+    """Two DDPs used in turn; rank 1's backward of the first fails at step 1 (a user's
+    hook), and the next thing it runs is the second DDP, whose collectives need rank 0,
+    which still waits in the first DDP's backward for rank 1's buckets."""
+    model_a, x, y, torch = _setup(rank, world)
+    torch.manual_seed(1)
+    model_b = type(model_a)(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    from xgrad.torch_backend import DistributedDataParallel
+
+    xs, ys = x[rank * SHARD : (rank + 1) * SHARD], y[rank * SHARD : (rank + 1) * SHARD]
+    expected = {"a": _full_batch_grads(model_a, x, y), "b": _full_batch_grads(model_b, x, y)}
+    step = [0]
+
+    def fault(grad: Any) -> Any:
+        if rank == 1 and step[0] == 1:
+            raise RuntimeError("boom in backward on rank 1")
+        return grad
+
+    # The first layer's gradient comes last: the pass's reduction has begun when it fails.
+    model_a[0].weight.register_hook(fault)
+    ddps = {
+        "a": (model_a, DistributedDataParallel(model_a, timeout=TIMEOUT)),
+        "b": (model_b, DistributedDataParallel(model_b, timeout=TIMEOUT)),
+    }
+    out: dict[str, Any] = {}
+    for s in range(4):
+        step[0] = s
+        for name, (model, ddp) in ddps.items():
+            key = f"{name}{s}"
+            model.zero_grad()
+            start = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    ((ddp(xs) - ys) ** 2).mean().backward()
+                    out[key] = all(
+                        torch.allclose(p.grad, expected[name][n], rtol=1e-5, atol=1e-6)
+                        for n, p in model.named_parameters()
+                    )
+                except Exception as exc:
+                    out[key] = f"{type(exc).__name__}: {exc}"
+            out[f"{key}_seconds"] = time.monotonic() - start
+            out[f"{key}_warning"] = " | ".join(str(w.message) for w in caught)
+    return out
+
+
+def test_a_failed_backward_reaches_peers_at_the_next_forward_of_another_ddp() -> None:
+    results, codes = run_ranks(_two_ddps, 2, timeout=90)
+    assert all(c == 0 for c in codes.values()), (codes, results)
+    out = {}
+    for rank, (status, value) in results.items():
+        assert status == "ok", value
+        out[rank] = value
+    assert "boom in backward on rank 1" in out[1]["a1"], out[1]
+    error = out[0]["a1"]
+    assert "rank 1 in backward" in error, error
+    # Posted when rank 1 enters the other DDP, not when its timeout ends rank 0's wait.
+    assert out[0]["a1_seconds"] < 2.0 + 2.0, out[0]
+    for rank in (0, 1):
+        assert out[rank]["b1"] is True, out[rank]
+        assert out[rank]["b1_seconds"] < 2.0 + 2.0, out[rank]
+        assert "dropped" in out[rank]["a2_warning"], out[rank]
+        for key in ("a0", "b0", "a2", "b2", "a3", "b3"):
+            assert out[rank][key] is True, (rank, key, out[rank])

@@ -54,11 +54,17 @@ def _batches(rank: int) -> list[torch.Tensor]:
     return [torch.randn(4, 5, generator=g) for _ in range(3 + rank)]
 
 
-def _train(ddp: nn.Module, module: nn.Module, ctx: Any, rank: int) -> dict[str, Any]:
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+def _train(
+    ddp: nn.Module, module: nn.Module, ctx: Any, rank: int, changing: bool = False
+) -> dict[str, Any]:
+    """``changing``: ``c`` used on every other step, not on the same steps on every rank,
+    and SGD with momentum (a zero gradient moves a parameter, a ``None`` one does not)."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9 if changing else 0.0)
     grads = []
     with ctx:
-        for x in _batches(rank):
+        for step, x in enumerate(_batches(rank)):
+            if changing:
+                module.use_c = (rank + step) % 2 == 1
             opt.zero_grad()
             ddp(x).square().sum().backward()
             grads.append(
@@ -83,6 +89,9 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     cases = {
         "plain": ({}, {}, True),
         "unused": ({"find_unused_parameters": True}, {}, False),
+        # Unused sets that change: a joined rank re-sends its last summed used map, as
+        # PyTorch's does, so what a rank used in its last step keeps a (zero) gradient.
+        "unused_changing": ({"find_unused_parameters": True}, {}, True),
         "effective_world": ({}, {"divide_by_initial_world_size": False}, True),
         # After its first iteration a static graph sums no used-parameter map: a joined
         # rank must not either, or the collectives of the ranks still training mismatch.
@@ -96,9 +105,14 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
         ours = DistributedDataParallel(m1, **kw)
         theirs = TorchDDP(m2, **kw)
+        changing = case == "unused_changing"
+        if changing:  # PyTorch's context manager over both
+            ctxs = (TorchJoin([ours]), TorchJoin([theirs]))
+        else:
+            ctxs = (ours.join(**join_kw), theirs.join(**join_kw))
         out[case] = {
-            "xgrad": _train(ours, m1, ours.join(**join_kw), rank),
-            "torch": _train(theirs, m2, theirs.join(**join_kw), rank),
+            "xgrad": _train(ours, m1, ctxs[0], rank, changing),
+            "torch": _train(theirs, m2, ctxs[1], rank, changing),
         }
     # A sparse gradient: a joined rank offers an empty one to the sparse bucket's
     # reduction. PyTorch's DDP cannot be the reference (its joined rank offers a dense
@@ -179,14 +193,22 @@ def world(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 
 
 def _close(
-    a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str, atol: float = 1e-7
+    a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str, atol: float | None = 1e-7
 ) -> None:
+    """Equal names, values within ``atol`` (``None``: bit for bit)."""
     assert sorted(a) == sorted(b), what
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=atol, err_msg=f"{what} {name}")
+        if atol is None:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{what} {name}")
+        else:
+            np.testing.assert_allclose(
+                a[name], b[name], rtol=1e-6, atol=atol, err_msg=f"{what} {name}"
+            )
 
 
-@pytest.mark.parametrize("case", ["plain", "unused", "effective_world", "static", "sparse"])
+@pytest.mark.parametrize(
+    "case", ["plain", "unused", "unused_changing", "effective_world", "static", "sparse"]
+)
 def test_gradients_and_final_model_equal_pytorchs_under_join(
     world: tuple[int, list[dict[str, Any]]], case: str
 ) -> None:
@@ -195,7 +217,7 @@ def test_gradients_and_final_model_equal_pytorchs_under_join(
         pytest.skip(f"{case} runs at world size 2 only")
     # sparse: the reference's buckets hold the embedding too, so at 3 ranks gloo sums the
     # dense gradients in another order (float32, last bits).
-    atol = 1e-6 if case == "sparse" else 1e-7
+    atol = {"sparse": 1e-6, "unused_changing": None}.get(case, 1e-7)
     for rank, result in enumerate(results):
         ours, theirs = result[case]["xgrad"], result[case]["torch"]
         assert len(ours["grads"]) == 3 + rank
@@ -206,6 +228,11 @@ def test_gradients_and_final_model_equal_pytorchs_under_join(
         _close(ours["final"], results[-1][case]["xgrad"]["final"], f"rank {rank} vs last")
     if case == "unused":
         assert "c.weight" not in results[0][case]["xgrad"]["grads"][0]
+    if case == "unused_changing":
+        # The last step: one rank trains, without c; c was used in the joined ranks' last
+        # step, so it has a zero gradient (PyTorch's), not none.
+        last = results[-1][case]["xgrad"]["grads"][-1]
+        assert "c.weight" in last and not np.any(last["c.weight"]), last
 
 
 def test_pytorchs_join_context_drives_xgrads_ddp(world: tuple[int, list[dict[str, Any]]]) -> None:

@@ -20,9 +20,10 @@ One training step, as PyTorch's DDP does it::
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
-``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_stats``, ``ddp_mixed``
-(mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile`` (dynamo),
-``ddp_pickle`` (copies), ``join``; this is the wrapper.
+``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_comm_hooks``
+(communication hooks), ``ddp_stats``, ``ddp_mixed`` (mixed precision), ``ddp_delay``
+(delayed all-reduce), ``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this
+is the wrapper.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
@@ -47,6 +47,7 @@ from xgrad.torch_backend.ddp_checks import (
     resolve_caps,
     resolve_timeout,
 )
+from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
@@ -56,7 +57,7 @@ from xgrad.torch_backend.ddp_forward import (
     pre_forward,
     sync_buffers,
 )
-from xgrad.torch_backend.ddp_hooks import GradientHooks, builtin_hook, future_hook
+from xgrad.torch_backend.ddp_hooks import GradientHooks
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
@@ -71,7 +72,7 @@ __all__ = ["DistributedDataParallel", "IterationTimes"]
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
-class DistributedDataParallel(PicklableDDP, JoinableDDP, _TorchDDP):
+class DistributedDataParallel(PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
@@ -282,44 +283,7 @@ class DistributedDataParallel(PicklableDDP, JoinableDDP, _TorchDDP):
     def _check_agreement(self) -> None:
         check_agreement_once(self)
 
-    # --- hooks
-
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
-        """Register a PyTorch communication hook, ``hook(state, bucket) -> Future``.
-
-        PyTorch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
-        ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``, the fused optimizer of
-        ``_register_fused_optim``) run unchanged: the bucket they get has
-        ``GradBucket``'s methods. The returned future is waited on with this module's
-        timeout. Call once, before the first forward pass.
-        """
-        # Gloo runs a future's callbacks as collectives complete, in an order that differs
-        # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
-        # gloo buckets' hooks run one after another. NCCL keeps stream order: overlap.
-        serial = dist.get_backend(self.comm.group) != "nccl"
-        watch = self._watch
-        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
-        run = future_hook(lambda: watch.group if state is None else state, hook, watch)
-        self.reducer.register_hook(
-            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", run, bucket),
-            serial=serial,
-        )
-        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
-
-    def register_hook(self, hook: Hook) -> None:
-        """Register a backend-neutral hook with its state bound (``bucket -> Work``).
-
-        Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
-        """
-        watch = self._watch
-        self.reducer.register_hook(
-            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
-        )
-        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
-
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
-        self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
+    # --- graph
 
     def _set_static_graph(self) -> None:
         """PyTorch's late ``static_graph=True``: call before the first iteration."""

@@ -4,16 +4,18 @@ Each reduced parameter gets a post-accumulate-grad hook that hands its gradient 
 :meth:`Reducer.mark_ready`; the first hook of a synchronised backward pass queues
 :meth:`Reducer.finalize` on the autograd engine, so the reduction ends with the pass.
 Reduced gradients come back through :meth:`GradientHooks.set_grad` (a copy, fused into
-one ``_foreach_copy_``, or the bucket view itself). PyTorch communication hooks, which
-return ``torch.futures.Future``, are adapted to the reducer's :class:`~xgrad.backend.Work`.
+one ``_foreach_copy_``, or the bucket view itself). Communication hooks are registered
+in :mod:`.ddp_comm_hooks`.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,15 +24,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from xgrad.backend import Work
-from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
-from xgrad.torch_backend.ddp_watched import WatchedFuture
 
 current_graph_task = torch._C._current_graph_task_id
+
+#: the DDPs of this process whose synchronised backward pass has begun and not finished
+#: (empty between good steps): one that stays here past its pass failed part-way.
+_UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
 
 
 class GradientHooks:
@@ -69,6 +73,8 @@ class GradientHooks:
         self.arrivals: ArrivalLog  # set by attach
         #: the autograd graph task of the synchronised pass under way.
         self._task = -1
+        #: the thread of the last synchronised forward pass (the one its backward runs from).
+        self.forward_thread = 0
 
     def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
         """Register the autograd hooks that feed ``reducer``.
@@ -98,6 +104,7 @@ class GradientHooks:
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
                 self.finalize_queued = True
+                _UNFINISHED.add(self)
                 if self.arrivals.enabled:
                     self._task = current_graph_task()
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
@@ -140,6 +147,7 @@ class GradientHooks:
     def expect_backward(self) -> None:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
         self.sync_pending = True
+        self.forward_thread = threading.get_ident()
         arrivals = self.arrivals
         arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
@@ -151,6 +159,7 @@ class GradientHooks:
         if self.arrivals.log:
             self._drain()
         self.finalize_queued = False
+        _UNFINISHED.discard(self)
         done = reducer.num_iterations
         try:
             reducer.finalize()
@@ -189,15 +198,14 @@ class GradientHooks:
         """
         reducer = self.reducer
         assert reducer is not None
+        if _UNFINISHED:
+            post_failed_passes(self)
         rank = reducer.comm.rank
         if self.arrivals.log:
             # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
             # reduction is reported by the next prepare_for_backward.
             self._drain()
-        if self.finalize_queued:
-            self.finalize_queued = False
-            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
-            reducer.fail(str(error))
+        self.post_failed_pass(watch)
         dropped = reducer.recover()
         if dropped is not None or also:
             warnings.warn(
@@ -208,6 +216,18 @@ class GradientHooks:
                 RuntimeWarning,
                 stacklevel=5,
             )
+
+    def post_failed_pass(self, watch: StepWatch) -> None:
+        """If the last synchronised backward pass began and never finished (autograd raised
+        part-way), post that to its step's failure channel: the peers waiting for this
+        rank's buckets stop at once, naming it. The reducer drops the pass at
+        :meth:`recover`."""
+        if self.finalize_queued:
+            self.finalize_queued = False
+            _UNFINISHED.discard(self)
+            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
+            assert self.reducer is not None
+            self.reducer.fail(str(error))
 
     def lend(self, index: int, view: torch.Tensor) -> bool:
         """Make ``view`` the gradient when the old one is seen by its parameter only."""
@@ -272,58 +292,19 @@ class GradientHooks:
                     p.grad = view
 
 
-def _row_major(bucket: GradBucket) -> GradBucket:
-    """``bucket`` as PyTorch's ``GradBucket.gradients()`` shows it: each gradient a row-major
-    view of its slice of the buffer, whatever the parameter's strides. The reducer's own
-    views follow a dense parameter's strides (channels_last), as PyTorch's do; hooks such
-    as PowerSGD reshape the gradients with ``view``, which needs PyTorch's row-major ones."""
-    grads = bucket.gradients()
-    if not any(
-        g is not None and g.layout is torch.strided and not g.is_contiguous() for g in grads
-    ):
-        return bucket
-    flat = bucket.buffer()
-    views = []
-    offset = 0
-    for g in grads:
-        views.append(flat.narrow(0, offset, g.numel()).view(g.shape))
-        offset += g.numel()
-    return GradBucket(bucket.index(), flat, views, bucket.parameters(), bucket.is_last())
+def post_failed_passes(current: GradientHooks) -> None:
+    """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
 
-
-def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
-    """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
-
-    ``state_of()`` gives the state (it changes when the DDP replaces its private group
-    after a failure). The returned future is waited on through ``watch`` (bounded, and
-    stopped by a peer's failure); a hook that returns anything else raises a
-    ``TypeError`` naming it.
+    A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
+    on with another DDP would otherwise post the failure only at the failed DDP's next
+    forward pass, while its peers wait for its buckets and it waits for them in the
+    other DDP's collectives: both until a timeout. Only the passes begun from this thread
+    are looked at, and only outside any backward pass (a forward pass run by a hook or by
+    checkpointing's recomputation is part of a pass still under way).
     """
-    if not callable(hook):
-        raise TypeError(f"Communication hook must be callable, got {hook!r}")
-    name = getattr(hook, "__name__", type(hook).__name__)
-
-    def run(bucket: GradBucket) -> Work:
-        future = hook(state_of(), _row_major(bucket))
-        if not isinstance(future, torch._C.Future):
-            raise TypeError(
-                f"communication hook {name} returned {type(future).__name__}, "
-                "expected torch.futures.Future[torch.Tensor]"
-            )
-        return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
-
-    return run
-
-
-def builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
-    """The Python twin of a PyTorch built-in C++ hook (``dist.BuiltinCommHookType``)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    hooks = {
-        "ALLREDUCE": default_hooks.allreduce_hook,
-        "FP16_COMPRESS": default_hooks.fp16_compress_hook,
-    }
-    name = getattr(comm_hook_type, "name", str(comm_hook_type))
-    if name not in hooks:
-        raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
-    return hooks[name]
+    if current_graph_task() != -1:
+        return
+    me = threading.get_ident()
+    for hooks in list(_UNFINISHED):
+        if hooks is not current and hooks.forward_thread == me:
+            hooks.post_failed_pass(hooks.watch)

@@ -15,7 +15,7 @@ parameters of a rank that left last. The sequence, the same on both sides::
     allreduce(require_backward_grad_sync)        allreduce(0) -> skip the rest if 0
     plan agreement (when the plan changed)       plan agreement (when the plan changed)
     bucket 0, 1, ... reduced in bucket order     bucket 0, 1, ... of zeros
-    used-parameter map (find_unused_parameters) zeros (used nowhere on this rank)
+    used-parameter map (find_unused_parameters) its last summed map (PyTorch's)
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is

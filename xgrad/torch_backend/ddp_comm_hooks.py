@@ -1,0 +1,128 @@
+"""Communication hooks on the DDP: PyTorch's ``hook(state, bucket) -> Future`` and xgrad's own.
+
+PyTorch's hooks (``default_hooks``, PowerSGD, the fused optimizer of
+``_register_fused_optim``) run unchanged on the reducer's buckets: the bucket they get has
+``GradBucket``'s methods and row-major gradients, the future they return becomes the
+reducer's :class:`~xgrad.backend.Work`, waited on with the DDP's timeout. Every hook runs
+under the DDP's failure watch, so a hook that raises on one rank makes every rank raise,
+naming it and the bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xgrad.backend import Work
+from xgrad.reducer import GradBucket, Hook, Reducer
+from xgrad.torch_backend.ddp_failure import StepWatch
+from xgrad.torch_backend.ddp_watched import WatchedFuture
+
+__all__ = ["CommHookDDP", "builtin_hook", "future_hook"]
+
+
+class CommHookDDP:
+    """Mixed into the DDP: ``register_comm_hook`` (PyTorch's) and ``register_hook`` (xgrad's)."""
+
+    reducer: Reducer
+    process_group: Any
+    comm: Any
+    _watch: StepWatch
+    _hook_name: str
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Register a PyTorch communication hook, ``hook(state, bucket) -> Future``.
+
+        PyTorch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``, the fused optimizer of
+        ``_register_fused_optim``) run unchanged: the bucket they get has
+        ``GradBucket``'s methods. The returned future is waited on with this module's
+        timeout. Call once, before the first forward pass.
+        """
+        # Gloo runs a future's callbacks as collectives complete, in an order that differs
+        # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
+        # gloo buckets' hooks run one after another. NCCL keeps stream order: overlap.
+        serial = dist.get_backend(self.comm.group) != "nccl"
+        watch = self._watch
+        # PyTorch's hooks reduce over WORLD when their state is None: the private group here.
+        run = future_hook(lambda: watch.group if state is None else state, hook, watch)
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", run, bucket),
+            serial=serial,
+        )
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+
+    def register_hook(self, hook: Hook) -> None:
+        """Register a backend-neutral hook with its state bound (``bucket -> Work``).
+
+        Example: ``ddp.register_hook(xgrad.hooks.fp16_compress_hook(ddp.comm))``.
+        """
+        watch = self._watch
+        self.reducer.register_hook(
+            lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
+        )
+        self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
+        self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
+
+
+def _row_major(bucket: GradBucket) -> GradBucket:
+    """``bucket`` as PyTorch's ``GradBucket.gradients()`` shows it: each gradient a row-major
+    view of its slice of the buffer, whatever the parameter's strides. The reducer's own
+    views follow a dense parameter's strides (channels_last), as PyTorch's do; hooks such
+    as PowerSGD reshape the gradients with ``view``, which needs PyTorch's row-major ones."""
+    grads = bucket.gradients()
+    if not any(
+        g is not None and g.layout is torch.strided and not g.is_contiguous() for g in grads
+    ):
+        return bucket
+    flat = bucket.buffer()
+    views = []
+    offset = 0
+    for g in grads:
+        views.append(flat.narrow(0, offset, g.numel()).view(g.shape))
+        offset += g.numel()
+    return GradBucket(bucket.index(), flat, views, bucket.parameters(), bucket.is_last())
+
+
+def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
+    """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
+
+    ``state_of()`` gives the state (it changes when the DDP replaces its private group
+    after a failure). The returned future is waited on through ``watch`` (bounded, and
+    stopped by a peer's failure); a hook that returns anything else raises a
+    ``TypeError`` naming it.
+    """
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable, got {hook!r}")
+    name = getattr(hook, "__name__", type(hook).__name__)
+
+    def run(bucket: GradBucket) -> Work:
+        future = hook(state_of(), _row_major(bucket))
+        if not isinstance(future, torch._C.Future):
+            raise TypeError(
+                f"communication hook {name} returned {type(future).__name__}, "
+                "expected torch.futures.Future[torch.Tensor]"
+            )
+        return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
+
+    return run
+
+
+def builtin_hook(comm_hook_type: Any) -> Callable[..., Any]:
+    """The Python twin of a PyTorch built-in C++ hook (``dist.BuiltinCommHookType``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {
+        "ALLREDUCE": default_hooks.allreduce_hook,
+        "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+    }
+    name = getattr(comm_hook_type, "name", str(comm_hook_type))
+    if name not in hooks:
+        raise ValueError(f"comm_hook_type={comm_hook_type!r} is not one of {sorted(hooks)}")
+    return hooks[name]
