@@ -369,3 +369,89 @@ def test_a_lost_rank_is_named_within_the_timeout_and_the_others_exit(how: str) -
         assert origin == world - 1
         assert elapsed < 2.0 + 8.0  # heartbeat timeout 2 s, on a loaded machine
         assert codes[rank] == 0
+
+
+def _threads(rank: int, world: int) -> dict[str, Any]:
+    """Contexts from two threads: on one group refused at once; on a group each, correct."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    out: dict[str, Any] = {}
+
+    def pass_on(group: Any, scale: float) -> list[float]:
+        w = torch.full((3,), scale, dtype=torch.float64, requires_grad=True)
+        with da.context(group=group, timeout=20) as cid:
+            if rank == 0:
+                da.send(w * 2, 1)
+                da.backward(cid, [])
+                return list(da.get_gradients(cid)[w].tolist())
+            da.backward(cid, [(da.recv(0) * scale).sum()])
+            return []
+
+    # One group, two threads: the second to open a context on it is refused at once.
+    opened, refused = threading.Event(), threading.Event()
+
+    def second() -> None:
+        opened.wait(10)
+        start = time.monotonic()
+        try:
+            with da.context():
+                out["second"] = "no error"
+        except RuntimeError as exc:
+            out["second"] = str(exc)
+        out["second_took"] = time.monotonic() - start
+        refused.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with da.context(timeout=20) as cid:
+        opened.set()
+        refused.wait(10)
+        # Nested in the same thread: refused as PyTorch does; the open context still works.
+        try:
+            with da.context():
+                out["nested"] = "no error"
+        except RuntimeError as exc:
+            out["nested"] = str(exc)
+        if rank == 0:
+            da.send(w * 3, 1)
+        da.backward(cid, [da.recv(0).sum()] if rank == 1 else [])
+        if rank == 0:
+            out["first"] = da.get_gradients(cid)[w].tolist()
+    t.join(10)
+    # A group per thread: contexts opened concurrently, in a different order on each rank.
+    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    got: dict[int, list[float]] = {}
+
+    def worker(i: int) -> None:
+        time.sleep(0.3 * (i if rank == 0 else 1 - i))
+        for _ in range(3):
+            got[i] = pass_on(groups[i], [1.0, 10.0][i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    out["per_group"] = got
+    return out
+
+
+def test_contexts_need_a_group_per_thread_and_do_not_nest() -> None:
+    results, codes = run_ranks(_threads, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    for rank in range(2):
+        status, out = results[rank]
+        assert status == "ok", out
+        assert out["second"].startswith("process group '0' already has a distributed autograd")
+        assert "one process group per thread" in out["second"], out["second"]
+        assert out["second_took"] < 2.0
+        assert out["nested"].startswith("Already have an autograd context id for this thread")
+    assert results[0][1]["first"] == [3.0, 3.0, 3.0]
+    # Each group's gradient is its own: 2 * 1 and 2 * 10, not swapped.
+    assert results[0][1]["per_group"] == {0: [2.0, 2.0, 2.0], 1: [20.0, 20.0, 20.0]}

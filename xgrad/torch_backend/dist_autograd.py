@@ -29,25 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.failure import RankError, check_seconds, wait_until
+from xgrad.failure import RankError, check_seconds
+from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_graph import build_rank_graph
-from xgrad.torch_backend.dist_inbox import Inbox, bury, bury_sent
-from xgrad.torch_backend.dist_pass import (
-    Accumulate,
-    DistBackwardError,
-    DistBackwardUnresponsiveError,
-    ProcessPass,
-    barrier,
-    end,
-)
+from xgrad.torch_backend.dist_inbox import Inbox, bury_sent
+from xgrad.torch_backend.dist_pass import Accumulate, DistBackwardError, ProcessPass, end
 from xgrad.torch_backend.dist_waves import run_pass
-from xgrad.torch_backend.dist_wire import POISON, Link, header_device
-from xgrad.torch_backend.failure import (
-    failure_channel,
-    group_ranks,
-    transfer_failed,
-    wait_posted,
-)
+from xgrad.torch_backend.failure import transfer_failed
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
 
@@ -61,160 +49,23 @@ EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
 DONE_VIA = os.environ.get("XGRAD_DIST_DONE", "leader")
 
 
-def _error(context_id: int, exc: RankError) -> DistBackwardError:
-    """The user's error for a failure of the context (which is marked as reported)."""
-    ctx = _open.get(context_id)
-    if ctx is not None:
-        ctx.reported = True
-    cls = DistBackwardError if exc.failure.kind == "error" else DistBackwardUnresponsiveError
-    return cls(context_id, exc)
-
-
-class _Context:
-    """The state of one open context on this rank (dropped when it closes)."""
-
-    def __init__(self, context_id: int, pg: Any, name: str, seq: int, timeout: float) -> None:
-        self.id = context_id
-        self.pg = pg
-        self.name = name
-        self.seq = seq
-        self.timeout = timeout
-        self.ranks = group_ranks(pg)
-        self.me = dist.get_rank()
-        self.channel = failure_channel(pg, f"dist_autograd/{seq}")
-        self.device = header_device(pg)
-        self.links: dict[int, Link] = {}
-        self.sends: list[tuple[int, int, torch.Tensor]] = []
-        self.recvs: list[tuple[int, int, torch.Tensor]] = []
-        self.counts: dict[tuple[str, int], int] = {}
-        self.works: list[Any] = []
-        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.passes = 0
-        self.graph_freed = False
-        # Whether this rank already raised the context's failure to the user.
-        self.reported = False
-        # Whether a failed pass already answered what its peers wait for (with poison).
-        self.answered = False
-
-    def link(self, peer: Any, arg: str) -> Link:
-        if not isinstance(peer, int) or isinstance(peer, bool):
-            raise TypeError(f"{arg}={peer!r} must be an int rank")
-        if peer not in self.ranks or peer == self.me:
-            raise ValueError(
-                f"{arg}={peer} is not another rank of the context's group {self.ranks} "
-                f"(this is rank {self.me})"
-            )
-        if peer not in self.links:
-            group_peer = dist.get_group_rank(self.pg, peer)
-            self.links[peer] = Link(
-                self.pg, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
-                self.seq, self.device,
-            )  # fmt: skip
-        return self.links[peer]
-
-    def inbox(self) -> Inbox:
-        """Post the receives of a backward pass: from every peer, its gradients, its "done"."""
-        for peer in self.ranks:
-            if peer != self.me:
-                self.link(peer, "peer")
-        expect: dict[int, list[int]] = {}
-        for peer, _, t in self.sends:
-            expect.setdefault(peer, []).append(t.numel() * t.element_size())
-        return Inbox(
-            self.name, self.links, expect, self.owed(), self.channel, self.timeout,
-            dones=self.dones(),
-        )  # fmt: skip
-
-    def leader(self) -> int | None:
-        """The rank that collects the others' "done" (None: every rank tells every other)."""
-        return min(self.ranks) if DONE_VIA == "leader" else None
-
-    def dones(self) -> list[int]:
-        """The peers this rank exchanges "done" with."""
-        leader = self.leader()
-        if leader is None or leader == self.me:
-            return [p for p in self.ranks if p != self.me]
-        return [leader]
-
-    def owed(self) -> dict[int, list[int]]:
-        """Peer -> byte sizes of the gradients this rank answers it with in each pass."""
-        owe: dict[int, list[int]] = {}
-        for peer, _, t in self.recvs:
-            owe.setdefault(peer, []).append(t.numel() * t.element_size())
-        return owe
-
-    def poison(self) -> None:
-        """A failure outside backward: answer every message a peer's pass would wait for."""
-        owe = self.owed()
-        for peer in self.ranks:
-            if peer == self.me:
-                continue
-            link = self.link(peer, "peer")
-            link.start_backward(owe.get(peer, ()))
-            try:
-                for _ in owe.get(peer, ()):
-                    bury(*link.send_backward(POISON, 0, None))
-                if peer in self.dones():
-                    bury(*link.send_backward(POISON, 0, None, final=True))
-            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
-                continue
-
-    def number(self, what: str, peer: int) -> int:
-        k = self.counts.get((what, peer), 0)
-        self.counts[(what, peer)] = k + 1
-        return k
-
-    def wait(self, work: Any, what: str, peer: int) -> None:
-        """Wait for a transfer whose other side is posted (announced or confirmed)."""
-        try:
-            wait_posted(work, self.channel, timeout=self.timeout, what=what, peer=peer)
-        except RankError as exc:
-            raise _error(self.id, exc) from None
-
-    def wait_for(self, ready: Any, what: str) -> None:
-        try:
-            wait_until(ready, self.channel, timeout=self.timeout, what=what)
-        except RankError as exc:
-            raise _error(self.id, exc) from None
-
-    def close(self) -> None:
-        """Make sure every send was received: a store barrier, then the sends' works.
-
-        Every rank leaves through the barrier (whether a rank still has sends in flight is
-        not known to the others), so past it every receive was made. After a failure
-        this rank already raised (and the user caught), nothing is awaited.
-        """
-        if self.reported:
-            bury_sent(self.works)
-            return
-        try:
-            barrier(self.channel, "exit", len(self.ranks), self.timeout)
-        except RankError as exc:
-            raise _error(self.id, exc) from None
-        for peer, (work, _) in self.works:
-            self.wait(work, f"context exit, send to rank {peer}", peer)
-        try:
-            self.channel.check()
-        except RankError as exc:
-            raise _error(self.id, exc) from None
-
-
 _ids = itertools.count(1)
 _seqs: dict[str, int] = {}
-_open: dict[int, _Context] = {}
+_open: dict[int, Context] = {}
+#: group name -> the thread that has a context open on it
+_holders: dict[str, int] = {}
 _local = threading.local()
 _lock = threading.Lock()
 
 
-def _current(what: str) -> _Context:
-    stack = getattr(_local, "stack", None)
-    if not stack:
+def _current(what: str) -> Context:
+    ctx: Context | None = getattr(_local, "context", None)
+    if ctx is None:
         raise RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
-    ctx: _Context = stack[-1]
     return ctx
 
 
-def _get(context_id: int) -> _Context:
+def _get(context_id: int) -> Context:
     ctx = _open.get(context_id)
     if ctx is None:
         raise ValueError(
@@ -239,18 +90,43 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
 
     An exception raised inside the block is reported to every rank of the context (as
     ``"rank R in forward: ..."``); on leaving, everything of the context is dropped.
+
+    Contexts pair up across ranks in the order each rank opens them on a group, so a
+    group has at most one open context per process: opening one on a group another
+    thread has open raises (threads need a process group each), and, as in PyTorch, a
+    thread opens one context at a time.
     """
     timeout = check_seconds("timeout", timeout)
     pg = dist.group.WORLD if group is None else group
     if pg is None:
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
     name = str(dist.distributed_c10d._get_process_group_name(pg))
+    if getattr(_local, "context", None) is not None:
+        raise RuntimeError(
+            "Already have an autograd context id for this thread (context "
+            f"{_local.context.id}); leave it before opening another"
+        )
+    me = threading.get_ident()
     with _lock:
+        holder = _holders.get(name)
+        if holder is not None:
+            raise RuntimeError(
+                f"process group {name!r} already has a distributed autograd context open in "
+                f"another thread of this process (thread {holder}); contexts pair up across "
+                "ranks in the order each rank opens them, so threads that open contexts at "
+                "the same time need one process group per thread (torch.distributed.new_group)"
+            )
         seq = _seqs[name] = _seqs.get(name, 0) + 1
-        ctx = _Context(next(_ids), pg, name, seq, timeout)
+        _holders[name] = me
+    try:
+        ctx = Context(next(_ids), pg, name, seq, timeout, leader=DONE_VIA == "leader")
+    except BaseException:
+        with _lock:
+            _holders.pop(name, None)
+        raise
+    with _lock:
         _open[ctx.id] = ctx
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(ctx)
+    _local.context = ctx
     ok = False
     try:
         yield ctx.id
@@ -266,9 +142,10 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
             ctx.poison()
         raise
     finally:
-        stack.remove(ctx)
+        _local.context = None
         with _lock:
             _open.pop(ctx.id, None)
+            _holders.pop(name, None)
         if not ok:
             bury_sent(ctx.works)
 
@@ -282,7 +159,8 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     try:
         ctx.works.append((dst, link.send_tensor(tensor)))
     except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
-        raise _error(ctx.id, transfer_failed(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
+        raise ctx.error(transfer_failed(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
+    ctx.ledger.sent_to(dst, tensor.requires_grad)
     if tensor.requires_grad:
         ctx.sends.append((dst, ctx.number("send", dst), tensor))
 
@@ -294,13 +172,14 @@ def recv(src: int) -> torch.Tensor:
     """
     ctx = _current("recv")
     link = ctx.link(src, "src")
+    ctx.ledger.enter("recv", src)
     ctx.wait_for(link.tensor_ready, f"recv from rank {src}")
     try:
         work, buf, requires_grad = link.recv_tensor()
     except RuntimeError as exc:
-        raise _error(
-            ctx.id, transfer_failed(ctx.channel, f"recv from rank {src}", exc, src)
-        ) from exc
+        raise ctx.error(transfer_failed(ctx.channel, f"recv from rank {src}", exc, src)) from exc
+    ctx.ledger.received_from(src, requires_grad)
+    ctx.ledger.enter("forward")
     ctx.wait(work, f"recv from rank {src}", src)
     if requires_grad:
         buf.requires_grad_()
@@ -334,17 +213,21 @@ def backward(
             f"backward was already run in context {context_id} without retain_graph=True"
         )
     roots = list(roots)
-    ctx.passes += 1
+    ctx.ledger.passes += 1
+    ctx.ledger.enter("pass")
     inbox = ctx.inbox()
     try:
         _run(ctx, inbox, roots, retain_graph, accumulate_grad)
     except BaseException:
         ctx.answered = True  # the pass's inbox poisoned what this rank owed
+        ctx.answer_unreceived()
         raise
+    finally:
+        ctx.ledger.enter("forward")
 
 
 def _run(
-    ctx: _Context,
+    ctx: Context,
     inbox: Inbox,
     roots: list[torch.Tensor],
     retain_graph: bool,
@@ -359,7 +242,7 @@ def _run(
     except Exception as exc:  # bad roots: the others must not wait for this rank
         failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")
         end(inbox, failed=True)
-        raise _error(ctx.id, RankError(failure, ctx.me)) from exc
+        raise ctx.error(RankError(failure, ctx.me)) from exc
     sends = [
         (p, k, t, node) for (p, k, t), node in zip(ctx.sends, rank_graph.send_nodes, strict=True)
     ]
@@ -370,7 +253,7 @@ def _run(
     try:
         pass_ = ProcessPass(
             ctx.id, ctx.ranks, ctx.me, inbox, sends, recvs, ctx.channel,
-            lambda exc: _error(ctx.id, exc), unreached, leader=ctx.leader(), keep=ctx.works,
+            ctx.error, unreached, leader=ctx.leader(), keep=ctx.works,
         )  # fmt: skip
     except BaseException:
         end(inbox, failed=True)

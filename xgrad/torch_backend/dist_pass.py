@@ -24,7 +24,6 @@ from xgrad.failure import (
     RankError,
     RankUnresponsiveError,
     default_seconds,
-    wait_until,
 )
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
@@ -35,7 +34,6 @@ __all__ = [
     "DistBackwardError",
     "DistBackwardUnresponsiveError",
     "ProcessPass",
-    "barrier",
     "end",
     "leaf_hooks",
 ]
@@ -335,16 +333,3 @@ def leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
         engine.grads[param] = grad
 
     return run
-
-
-def barrier(channel: FailureChannel, name: str, world: int, timeout: float) -> None:
-    """Wait until ``world`` ranks reached barrier ``name`` of the channel's step (store only)."""
-    store = channel.store
-    key = f"{channel.prefix}/barrier/{name}"
-    store.add(key, 1)
-    wait_until(
-        lambda: int(store.get(key)) >= world,
-        channel,
-        timeout=timeout,
-        what=f"{name}, waiting for every rank",
-    )

@@ -167,6 +167,18 @@ class Link:
         buf = torch.empty(shape, dtype=DTYPES[code], device=self.device)
         return self.pg.recv([buf], self.group_peer, self._tags[FORWARD]), buf, requires_grad
 
+    def unreceived(self) -> int:
+        """How many tensors requiring grad the peer sent that this rank did not receive.
+
+        Read from the forward headers in the store, one lookup each: only after a failure,
+        when the peer may wait for their gradients (:meth:`release` answers each).
+        """
+        n, i = 0, self._count.get(self._in + "f", 0)
+        while self.store.check([f"{self._in}/f/{i}"]):
+            n += int(self.store.get(f"{self._in}/f/{i}").decode().split(",")[1])
+            i += 1
+        return n
+
     # backward: gradients, "done", poison (see the module docstring)
 
     def start_backward(self, replies: Sequence[int]) -> None:
@@ -242,6 +254,19 @@ class Link:
             )
         # One copy into a fresh buffer (a header alone is a shared constant: sends only read).
         buf = parts[0] if len(parts) == 1 else torch.cat(parts)
+        stream = BACKWARD if final else GRADIENTS
+        return self.pg.send([buf], self.group_peer, self._tags[stream]), buf
+
+    def release(self, final: bool) -> tuple[Any, torch.Tensor]:
+        """A poison outside any pass's accounting, for a gradient (or with ``final`` the
+        "done") the peer may wait for: it touches no counter, so another thread may send
+        it while the pass's own thread waits (see :mod:`.dist_ledger`)."""
+        buf = _head(POISON, 0, self.device)
+        if self._exact and not final and self._reply_slot > HEADER_BYTES:
+            pad = torch.zeros(
+                self._reply_slot - HEADER_BYTES, dtype=torch.uint8, device=self.device
+            )
+            buf = torch.cat([buf, pad])
         stream = BACKWARD if final else GRADIENTS
         return self.pg.send([buf], self.group_peer, self._tags[stream]), buf
 

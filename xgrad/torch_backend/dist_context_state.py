@@ -1,0 +1,198 @@
+"""One open distributed autograd context on one rank: its links, sends, receives, ledger, exit.
+
+:mod:`.dist_autograd` is the API; this is the state behind one ``context_id`` until the
+block is left (dropped then, so the next context starts clean).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from xgrad.failure import RankError, wait_until
+from xgrad.torch_backend.dist_inbox import Inbox, bury, bury_sent
+from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
+from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
+from xgrad.torch_backend.dist_wire import POISON, Link, header_device
+from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
+
+__all__ = ["Context"]
+
+
+class Context:
+    """The state of one open context on this rank (dropped when it closes).
+
+    Args:
+        context_id: the user-facing id.
+        pg: the process group; name: its name; seq: the context's number on the group.
+        timeout: seconds any wait of the context may last.
+        leader: whether a pass ends through the group's lowest rank (else every rank
+            tells every other).
+    """
+
+    def __init__(
+        self, context_id: int, pg: Any, name: str, seq: int, timeout: float, *, leader: bool
+    ) -> None:
+        self.id = context_id
+        self.pg = pg
+        self.name = name
+        self.seq = seq
+        self.timeout = timeout
+        self.ranks = group_ranks(pg)
+        self.me = dist.get_rank()
+        self.channel = ProbingChannel(failure_channel(pg, f"dist_autograd/{seq}"))
+        self.ledger = Ledger(
+            self.channel.store, self.channel.prefix, self.me, self.ranks, self.release
+        )
+        self.channel.ledger = self.ledger
+        self.device = header_device(pg)
+        self._leader = leader
+        self.links: dict[int, Link] = {}
+        self.sends: list[tuple[int, int, torch.Tensor]] = []
+        self.recvs: list[tuple[int, int, torch.Tensor]] = []
+        self.counts: dict[tuple[str, int], int] = {}
+        self.works: list[Any] = []
+        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graph_freed = False
+        # Whether this rank already raised the context's failure to the user.
+        self.reported = False
+        # Whether a failed pass already answered what its peers wait for (with poison).
+        self.answered = False
+
+    def error(self, exc: RankError) -> DistBackwardError:
+        """The user's error for a failure of the context (which is marked as reported)."""
+        self.reported = True
+        cls = DistBackwardError if exc.failure.kind == "error" else DistBackwardUnresponsiveError
+        return cls(self.id, exc)
+
+    def link(self, peer: Any, arg: str) -> Link:
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise TypeError(f"{arg}={peer!r} must be an int rank")
+        if peer not in self.ranks or peer == self.me:
+            raise ValueError(
+                f"{arg}={peer} is not another rank of the context's group {self.ranks} "
+                f"(this is rank {self.me})"
+            )
+        if peer not in self.links:
+            group_peer = dist.get_group_rank(self.pg, peer)
+            self.links[peer] = Link(
+                self.pg, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
+                self.seq, self.device,
+            )  # fmt: skip
+        return self.links[peer]
+
+    def inbox(self) -> Inbox:
+        """Post the receives of a backward pass: from every peer, its gradients, its "done"."""
+        for peer in self.ranks:
+            if peer != self.me:
+                self.link(peer, "peer")
+        expect: dict[int, list[int]] = {}
+        for peer, _, t in self.sends:
+            expect.setdefault(peer, []).append(t.numel() * t.element_size())
+        return Inbox(
+            self.name, self.links, expect, self.owed(), self.channel, self.timeout,
+            dones=self.dones(),
+        )  # fmt: skip
+
+    def leader(self) -> int | None:
+        """The rank that collects the others' "done" (None: every rank tells every other)."""
+        return min(self.ranks) if self._leader else None
+
+    def dones(self) -> list[int]:
+        """The peers this rank exchanges "done" with."""
+        leader = self.leader()
+        if leader is None or leader == self.me:
+            return [p for p in self.ranks if p != self.me]
+        return [leader]
+
+    def owed(self) -> dict[int, list[int]]:
+        """Peer -> byte sizes of the gradients this rank answers it with in each pass."""
+        owe: dict[int, list[int]] = {}
+        for peer, _, t in self.recvs:
+            owe.setdefault(peer, []).append(t.numel() * t.element_size())
+        return owe
+
+    def poison(self) -> None:
+        """A failure outside backward: answer every message a peer's pass would wait for."""
+        owe = self.owed()
+        for peer in self.ranks:
+            if peer == self.me:
+                continue
+            link = self.link(peer, "peer")
+            link.start_backward(owe.get(peer, ()))
+            try:
+                for _ in owe.get(peer, ()):
+                    bury(*link.send_backward(POISON, 0, None))
+                if peer in self.dones():
+                    bury(*link.send_backward(POISON, 0, None, final=True))
+            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                continue
+        self.answer_unreceived()
+
+    def answer_unreceived(self) -> None:
+        """After a failure: poison the gradient of every tensor a peer sent that this rank
+        did not receive (a misuse; the peer's pass waits for it, and nothing else of this
+        rank's answers it)."""
+        for link in list(self.links.values()):
+            try:
+                for _ in range(link.unreceived()):
+                    bury(*link.release(final=False))
+            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                continue
+
+    def release(self) -> None:
+        """Misuse seen while this rank is in a pass, maybe on another thread than the pass's:
+        poison every gradient and the "done" a peer may wait for from this rank, the
+        tensors it did not receive too (a poison nobody receives stays in the graveyard;
+        its tag is never reused)."""
+        for peer, link in list(self.links.items()):
+            try:
+                for _ in range(self.ledger.grecvd.get(peer, 0)):
+                    bury(*link.release(final=False))
+                bury(*link.release(final=True))
+            except RuntimeError:  # gloo: that peer's connection is gone; nothing waits
+                continue
+        self.answer_unreceived()
+
+    def number(self, what: str, peer: int) -> int:
+        k = self.counts.get((what, peer), 0)
+        self.counts[(what, peer)] = k + 1
+        return k
+
+    def wait(self, work: Any, what: str, peer: int) -> None:
+        """Wait for a transfer whose other side is posted (announced or confirmed)."""
+        try:
+            wait_posted(work, self.channel, timeout=self.timeout, what=what, peer=peer)
+        except RankError as exc:
+            raise self.error(exc) from None
+
+    def wait_for(self, ready: Any, what: str) -> None:
+        try:
+            wait_until(ready, self.channel, timeout=self.timeout, what=what)
+        except RankError as exc:
+            raise self.error(exc) from None
+
+    def close(self) -> None:
+        """Make sure every send was received: an exit barrier on the store, then the sends.
+
+        Every rank leaves through the barrier (whether a rank still has sends in flight is
+        not known to the others), which passes once every rank arrived and every tensor
+        sent was received (:meth:`Ledger.exit_amount`), so past it every receive was made;
+        a disagreement is named by the ledger's probe. After a failure this rank already
+        raised (and the user caught), nothing is awaited.
+        """
+        if self.reported:
+            bury_sent(self.works)
+            return
+        store, key, world = self.channel.store, f"{self.channel.prefix}/exit", len(self.ranks)
+        store.add(key, self.ledger.exit_amount())
+        self.wait_for(lambda: int(store.get(key)) == world, "exit, waiting for every rank")
+        self.ledger.enter("forward")  # past the barrier: nothing left to probe
+        for peer, (work, _) in self.works:
+            self.wait(work, f"context exit, send to rank {peer}", peer)
+        try:
+            self.channel.check()
+        except RankError as exc:
+            raise self.error(exc) from None
