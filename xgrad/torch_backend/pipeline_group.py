@@ -34,7 +34,7 @@ class StepGroups(StageState):
     _p2p: Any
     _p2p_ranks: list[int]
     _lost: Failure | None
-    _dying: tuple[Any, StepWire] | None
+    _dying: tuple[Any, StepWire | None] | None
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
@@ -92,19 +92,22 @@ class StepGroups(StageState):
         group: Any = self.group or dist.group.WORLD
         return dist.get_group_rank(group, rank)
 
-    def _reset(self, error: RankError | None) -> None:
+    def _reset(self, error: RankError | None, wire: StepWire | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
-        last), set the private group of the failed step's transfers aside (receives posted
-        ahead that gloo cannot cancel, sends never received; every rank saw the failure and
-        makes a fresh one next step) to be aborted once its poison went out (next step, or
-        at exit), and leave waiter threads parked on those transfers.
+        last), set the private group of the failed step's transfers (``wire``'s, None when
+        it failed before any) aside (receives posted ahead that gloo cannot cancel, sends
+        never received; every rank saw the failure and makes a fresh one next step) to be
+        aborted once its poison went out (next step, or at exit), and leave waiter threads
+        parked on those transfers. The next step agrees on the schedule again: a peer's
+        failure may have cut this rank's agreement short where the peer's had completed.
         A rank that stopped answering is remembered: the next step checks it first."""
         self._lost = (
             error.failure if error is not None and error.failure.kind == "unresponsive" else None
         )
         self._edges.clear()
+        self._agreed = False
         if self._p2p is not None:
-            self._dying = (self._p2p, self._wire)
+            self._dying = (self._p2p, wire)
             set_aside(self._p2p)
             self._p2p = None
         for waiter in self._waiters:
