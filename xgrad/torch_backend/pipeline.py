@@ -152,7 +152,8 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
         self._p2p_ranks: list[int] = []
-        self._dying: tuple[Any, StepWire] | None = None  # a failed step's group and wire
+        # A failed step's group and wire (its transfers), until the group is aborted.
+        self._dying: tuple[Any, StepWire | None] | None = None
         self._actions = list(expand(self.schedule.actions[self.rank]))
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
@@ -198,7 +199,14 @@ class PipelineRuntime(StepGroups, StagePasses):
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
-        channel = self._open_step(index, mine, early)
+        try:
+            channel = self._open_step(index, mine, early)
+        except RankError as error:
+            # A peer failed the step while this rank opened it (its agreement may have
+            # completed there, not here): reset as that peer does, so both open the next
+            # step alike (a fresh group, the schedule agreed again).
+            self._reset(error, None)
+            raise
         slots: dict[tuple[int, int], Slot] = {}
 
         def grad_shapes(stage: int, mb: int) -> Any:
@@ -250,13 +258,13 @@ class PipelineRuntime(StepGroups, StagePasses):
             # has stopped already).
             live = error.failure.kind == "error"
             wire.poison(self._pipeline_rank(error.rank) if live else None)
-            self._reset(error)
+            self._reset(error, wire)
             raise
         except Exception as exc:
             where = f"{action} failed" if action is not None else "step failed"
             failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
             wire.poison()
-            self._reset(None)
+            self._reset(None, wire)
             if not split:
                 raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
             raise error_for(failure, channel.rank) from exc

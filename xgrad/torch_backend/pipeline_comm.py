@@ -39,9 +39,10 @@ from typing import Any, cast
 
 import torch
 
-from xgrad.failure import FailureChannel, RankError, error_for
+from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import transfer_failed
+from xgrad.torch_backend.pipeline_close import poisoned
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
 from xgrad.torch_backend.pipeline_frame import frame_of, none_code, with_nones
 from xgrad.torch_backend.pipeline_wire import (
@@ -168,7 +169,7 @@ class StepWire(EdgeBook):
         self._wait(msg.works[0], f"{what} (header)", peer)
         code, got = msg.frame.header(msg.buffers)
         if code == POISON:
-            raise self._poisoned(peer, what)
+            raise poisoned(self.channel, peer, what, self.timeout)
         if got != mb or msg.mb != mb:
             raise RuntimeError(
                 f"{what}: rank {peer} sent microbatch {got} where {mb} was expected; the "
@@ -178,17 +179,6 @@ class StepWire(EdgeBook):
             self._wait(work, what, peer)
         self._proven(edge, mb, peer)
         return msg, code
-
-    def _poisoned(self, peer: int, what: str) -> RankError:
-        """The error of a step whose peer sent poison: its failure, read from the channel."""
-        deadline = time.monotonic() + min(self.timeout, 2.0)
-        while time.monotonic() < deadline:
-            failure = self.channel.poll()
-            if failure is not None:
-                return error_for(failure, self.channel.rank)
-            time.sleep(0.002)
-        failure = self.channel.post(what, f"rank {peer} failed without saying why")
-        return error_for(failure, self.channel.rank)
 
     def receive_forward(self, action: Action, source: int) -> Any:
         """The input of ``action`` (a forward) from stage ``source`` on another rank."""

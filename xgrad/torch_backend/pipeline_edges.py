@@ -22,6 +22,7 @@ import torch.distributed as dist
 from xgrad.failure import FailureChannel, wait_until
 from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import Waiter, transfer_failed
+from xgrad.torch_backend.pipeline_close import StepClose
 from xgrad.torch_backend.pipeline_frame import Frame
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_wire import retire
@@ -85,6 +86,19 @@ class EdgeBook:
         #: this rank's sends lets those sends be awaited at once (see pipeline_posted).
         self.posted: PostedPlan | None = None
         self._unproven: list[tuple[int, int, list[int]]] = []  # (peer, its receive, keys)
+        # The end-of-step exchange, its receives posted now; its tag is that of the edge
+        # from stage 0 to itself, which no step has.
+        first = min(schedule.stages_of(rank))
+        self.closing = StepClose(
+            group,
+            self._ranks,
+            rank,
+            self._tag_of((0, 0, 0), False),
+            device(first),
+            channel,
+            timeout,
+            POISON,
+        )
 
     def _in_edges(self) -> list[tuple[int, int]]:
         sched, out = self.schedule, []
@@ -189,10 +203,12 @@ class EdgeBook:
                     poison = Frame([], self._local_device(edge)).pack(POISON, -1, None)[0]
                     self._send_one(edge, poison)
                 self._remaining[edge] = 0
+        self.closing.poison(origin)
 
     def finish(self, waiter: Waiter) -> None:
         """Wait until every send of the step is done (watching the channel: a peer that
-        failed may never receive), then check that no rank failed meanwhile."""
+        failed may never receive), then until every rank's step is done (or raise the
+        failure of the one that failed: see :mod:`~xgrad.torch_backend.pipeline_close`)."""
         pending = [w for w, _ in self._sends.values()]
         self._forward_sends.clear()
         if pending:
@@ -205,7 +221,7 @@ class EdgeBook:
                 raise transfer_failed(self.channel, "sends", error[0], None) from error[0]
         self._sends.clear()
         self._unproven.clear()
-        self.channel.check()
+        self.closing.run()
 
 
 class _All:

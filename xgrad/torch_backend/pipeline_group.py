@@ -1,7 +1,9 @@
 """The private group of a pipeline step's sends and receives: made at a step's start
 (first step, after a failure), with every rank's start awaited and the schedule agreed;
 set aside when a step fails (its transfers cannot be cancelled) and aborted once its
-poison went out; made anew when a peer failed a step after this rank finished it.
+poison went out. A step fails on every rank or on none (its end is an exchange through
+every rank, :mod:`~xgrad.torch_backend.pipeline_close`), so the ranks always agree on
+whether the next step keeps the group.
 
 :class:`StepGroups` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
 that owns that group; the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
@@ -9,12 +11,11 @@ that owns that group; the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.failure import Failure, FailureChannel, RankError
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
@@ -33,14 +34,13 @@ class StepGroups(StageState):
     _p2p: Any
     _p2p_ranks: list[int]
     _lost: Failure | None
-    _dying: tuple[Any, StepWire] | None
+    _dying: tuple[Any, StepWire | None] | None
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
         ``early``: this rank's split batch, or the exception splitting it raised (posted
         to the channel, then raised)."""
         sched = self.schedule
-        self._rotate_if_failed_late()
         self._channel = channel = failure_channel(self.group, f"pipeline/step{index}")
         if isinstance(early, Exception):
             channel.post("", f"step failed: {type(early).__name__}: {early}")
@@ -92,38 +92,22 @@ class StepGroups(StageState):
         group: Any = self.group or dist.group.WORLD
         return dist.get_group_rank(group, rank)
 
-    def _rotate_if_failed_late(self) -> None:
-        """After a step that succeeded here: did a peer fail it after this rank was done
-        (a failure in its last actions, which send nothing this rank waits for)? That peer
-        makes a fresh private group at its next step, so this rank must too, or the two
-        wait on different groups (it in ``new_group``, without bound). One store lookup."""
-        last = self._channel
-        if self._p2p is None or last is None or (failure := last.poll()) is None:
-            return
-        warnings.warn(
-            "the last pipeline step failed on another rank after this rank finished it "
-            f"({error_for(failure, last.rank)}); this rank's gradients of that step are "
-            "complete, the failing rank's are not",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        abort_set_aside(self._p2p)
-        self._p2p = None
-        self._edges.clear()
-
-    def _reset(self, error: RankError | None) -> None:
+    def _reset(self, error: RankError | None, wire: StepWire | None) -> None:
         """After a failed step: forget the descriptions (the peer may not have seen the
-        last), set the private group of the failed step's transfers aside (receives posted
-        ahead that gloo cannot cancel, sends never received; every rank saw the failure and
-        makes a fresh one next step) to be aborted once its poison went out (next step, or
-        at exit), and leave waiter threads parked on those transfers.
+        last), set the private group of the failed step's transfers (``wire``'s, None when
+        it failed before any) aside (receives posted ahead that gloo cannot cancel, sends
+        never received; every rank saw the failure and makes a fresh one next step) to be
+        aborted once its poison went out (next step, or at exit), and leave waiter threads
+        parked on those transfers. The next step agrees on the schedule again: a peer's
+        failure may have cut this rank's agreement short where the peer's had completed.
         A rank that stopped answering is remembered: the next step checks it first."""
         self._lost = (
             error.failure if error is not None and error.failure.kind == "unresponsive" else None
         )
         self._edges.clear()
+        self._agreed = False
         if self._p2p is not None:
-            self._dying = (self._p2p, self._wire)
+            self._dying = (self._p2p, wire)
             set_aside(self._p2p)
             self._p2p = None
         for waiter in self._waiters:
