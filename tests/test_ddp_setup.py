@@ -78,12 +78,12 @@ def _reducer(comm: ReferenceComm, plan: BucketPlan | None) -> Any:
 
 def test_plan_given_is_used_as_given_and_never_rebuilt() -> None:
     given = BucketPlan(((0,), (1, 2)), (8, 8))
-    rebuild, rebuilt, initial, plan = spawn(2, lambda c: _reducer(c, given))[0]
+    rebuild, rebuilt, initial, plan = spawn(lambda c: _reducer(c, given), 2)[0]
     assert (rebuild, rebuilt, initial, plan) == (False, False, given, given)
 
 
 def test_without_a_plan_ddp_starts_with_one_bucket_and_rebuilds_once() -> None:
-    rebuild, rebuilt, initial, plan = spawn(2, lambda c: _reducer(c, None))[0]
+    rebuild, rebuilt, initial, plan = spawn(lambda c: _reducer(c, None), 2)[0]
     assert rebuild and rebuilt
     assert initial.buckets == ((0, 1, 2),)
     assert plan.buckets == ((2, 1, 0),)  # the ready order
@@ -91,5 +91,5 @@ def test_without_a_plan_ddp_starts_with_one_bucket_and_rebuilds_once() -> None:
 
 def test_plan_for_other_parameters_is_refused() -> None:
     with pytest.raises(RankError) as err:
-        spawn(1, lambda c: _reducer(c, BucketPlan(((0, 1),), (8,))))
+        spawn(lambda c: _reducer(c, BucketPlan(((0, 1),), (8,))), 1)
     assert "plan covers 2 parameters but the module has 3" in str(err.value.__cause__)

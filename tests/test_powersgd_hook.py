@@ -58,7 +58,7 @@ def test_hook_on_reference_ranks_equals_the_stacked_model() -> None:
                     offset += p.size
         return out
 
-    results = reference_spawn(2, rank_main, timeout=30)
+    results = reference_spawn(rank_main, 2, timeout=30)
     model = powersgd_run(rank_grads, inputs.weights, plan, CONFIG, case.steps + 1, "float64")
     for name in names:
         assert np.array_equal(results[0][name], results[1][name])

@@ -397,7 +397,7 @@ def test_rebuild_off_keeps_the_plan_given() -> None:
             _one_iteration(reducer, comm.rank)
         return reducer.has_rebuilt_buckets, reducer.plan
 
-    for rebuilt, plan in spawn(2, body):
+    for rebuilt, plan in spawn(body, 2):
         assert not rebuilt and plan == TWO_BUCKETS
 
 
@@ -421,7 +421,7 @@ def test_hook_installs_once_and_only_before_the_first_iteration() -> None:
             errors.append(str(err.value))
         return errors
 
-    once, hook_late, static_late = spawn(1, body)[0]
+    once, hook_late, static_late = spawn(body, 1)[0]
     assert "can only be called once" in once
     assert "before the first forward/backward pass (rank 0)" in hook_late
     assert "_set_static_graph must be called before" in static_late
@@ -440,7 +440,7 @@ def test_skip_all_reduce_unused_params_launches_no_reduction_for_unused_buckets(
         _one_iteration(reducer, comm.rank, unused=(2, 3))
         return got, list(reducer.records[-1].launch_times)
 
-    for got, launches in spawn(2, body):
+    for got, launches in spawn(body, 2):
         assert sorted(got) == [0, 1]  # b (bucket 0) unused everywhere: untouched
         assert launches[0] == 0.0 and launches[1] > 0  # bucket 0 never launched
         for i in (0, 1):
@@ -454,7 +454,7 @@ def test_batched_grad_copy_divides_the_bucket_once(world: int) -> None:
         _one_iteration(make_reducer(comm, TWO_BUCKETS, got, batched_grad_copy=True), comm.rank)
         return got
 
-    for got in spawn(world, body):
+    for got in spawn(body, world):
         for i in range(4):
             total = sum(grads_for(r)[i] for r in range(world))
             want = (total / np.float32(world)).astype(np.float32)
@@ -466,7 +466,7 @@ def test_sparse_parameter_cannot_share_a_bucket() -> None:
         make_reducer(comm, TWO_BUCKETS, {}, sparse=[False, False, True, False])
 
     with pytest.raises(RankError) as err:
-        spawn(1, body)
+        spawn(body, 1)
     assert "bucket 0 of the plan holds [2, 3]: a parameter with a sparse gradient" in str(
         err.value.__cause__
     )
