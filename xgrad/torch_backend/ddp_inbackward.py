@@ -50,20 +50,26 @@ def setup_in_backward_optimizers(ddp: DistributedDataParallel) -> None:
             p.grad = None
 
     def allreduce_then_step(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        # The all-reduce goes back as a future, so the reducer's bounded, watched wait is
+        # the one that waits for it (a blocking call here would wait on gloo's timeout).
         buffer = bucket.buffer()
-        dist.all_reduce(buffer, group=group)
-        buffer.div_(dist.get_world_size(group))
-        for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            optimizers = getattr(p, "_in_backward_optimizers", None)
-            if optimizers:
-                p.grad = grad
-                for optimizer in optimizers:
-                    optimizer.step()
+        size = dist.get_world_size(group)
         if not queued[0]:  # after the reducer's own end of pass, which writes .grad
             queued[0] = True
             engine.queue_callback(clear_grads)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
-        return done
+
+        def step(_: torch.futures.Future[Any]) -> torch.Tensor:
+            buffer.div_(size)
+            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                optimizers = getattr(p, "_in_backward_optimizers", None)
+                if optimizers:
+                    p.grad = grad
+                    for optimizer in optimizers:
+                        optimizer.step()
+            return buffer
+
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        assert work is not None
+        return work.get_future().then(step)
 
     ddp.register_comm_hook(None, allreduce_then_step)
