@@ -13,6 +13,7 @@ import pytest
 from xgrad.tables import (
     Table,
     add_table_outputs,
+    near_limit,
     print_tables,
     statistics_table,
     to_csv,
@@ -114,3 +115,13 @@ def test_a_results_folder_that_cannot_be_made_is_named_without_making_anything(
         f"cannot make folder {str(tmp_path / 'x')!r}: {str(tmp_path)!r} is not writable"
     )
     assert unmakeable_folder(tmp_path) == f"folder {str(tmp_path)!r} is not writable"
+
+
+def test_near_limit_never_prints_the_limit_for_a_figure_beside_it() -> None:
+    # 3 decimals unless they would read as the limit the figure is judged against.
+    assert near_limit(0.9512) == "0.951"
+    assert near_limit(1.0) == "1.000"
+    assert near_limit(1.0004) == "1.0004"
+    assert near_limit(0.99996) == "0.99996"
+    assert near_limit(1.00000004) == "1.00000004"
+    assert near_limit(2.0004, limit=2.0) == "2.0004"

@@ -33,6 +33,19 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def near_limit(value: float, limit: float = 1.0, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals, or with more where that many would print the limit.
+
+    Why: a bench judges the figure itself against its target, so 1.0004 printed as
+    ``1.000`` next to "missed" reads as a contradiction; one more decimal shows why.
+    """
+    text = f"{value:.{digits}f}"
+    while value != limit and float(text) == limit and digits < 9:
+        digits += 1
+        text = f"{value:.{digits}f}"
+    return text
+
+
 @dataclass(frozen=True)
 class Table:
     """A titled table of plain values (numbers, strings, bools, None)."""

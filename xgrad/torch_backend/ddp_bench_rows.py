@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from xgrad.tables import Table
+from xgrad.tables import Table, near_limit
 
 __all__ = ["CaseResult", "rows_table", "table"]
 
@@ -94,10 +94,11 @@ def table(results: list[CaseResult]) -> str:
     for r in results:
         ratio = "-" if r.torch_memory <= 0 else f"{r.memory_ratio:.3f}"
         cpu = "-" if r.torch_cpu <= 0 else f"{r.cpu_ratio:.3f}"
-        spread = f" [{r.ratio_low:.3f}, {r.ratio_high:.3f}]" if r.paired_ratio else ""
+        low, high = near_limit(r.ratio_low), near_limit(r.ratio_high)
+        spread = f" [{low}, {high}]" if r.paired_ratio else ""
         lines.append(
             f"| {r.model} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
-            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {r.time_ratio:.3f}{spread} "
+            f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {near_limit(r.time_ratio)}{spread} "
             f"| {r.verdict} | {cpu} "
             f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
             f"| {ratio} | {r.hook_seconds * 1e6:.1f} "

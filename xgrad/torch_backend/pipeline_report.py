@@ -13,7 +13,7 @@ from typing import Any
 
 import xgrad.pipeline as xp
 from xgrad.pipeline import Kind
-from xgrad.tables import Table
+from xgrad.tables import Table, near_limit
 from xgrad.torch_backend.memory import HeapMeter
 from xgrad.torch_backend.pipeline_replay import message_latencies, replay_steps
 
@@ -47,7 +47,7 @@ def report(
         speed.append((name, t_torch, t_ours, ratio, q1, q3, ratio <= 1.00))
         verdict = "ok" if ratio <= 1.00 else "MISSED"
         out.append(
-            f"{name:<{w}} {t_torch:>13.5f} {t_ours:>13.5f} {ratio:>7.3f} {q1:>6.3f} {q3:>6.3f}"
+            f"{name:<{w}} {t_torch:>13.5f} {t_ours:>13.5f} {near_limit(ratio):>7} {q1:>6.3f} {q3:>6.3f}"
             f"  {verdict}"
         )
     message = per_rank[0]["message"]
