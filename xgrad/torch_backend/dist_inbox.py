@@ -32,7 +32,7 @@ import torch
 
 from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
-from xgrad.torch_backend.dist_watch import wait_here
+from xgrad.torch_backend.dist_watch import What, text, wait_here
 from xgrad.torch_backend.dist_wire import DONE, POISON, Link
 
 __all__ = ["GRAVEYARD", "WAIT", "Inbox", "Message", "_made", "bury", "bury_sent", "sweep"]
@@ -174,7 +174,7 @@ class Inbox:
             self._owe[peer] -= 1
         self.sent.append((peer, work))
 
-    def next(self, what: str) -> Message:
+    def next(self, what: What) -> Message:
         """The next message: a gradient while any is expected (from whichever peer sends
         first), then the peers' "done"s; bounded by the timeout, watching for failures.
 
@@ -192,7 +192,7 @@ class Inbox:
         self._got[item[0]] += 1
         return item
 
-    def _wait_here(self, what: str) -> Message:
+    def _wait_here(self, what: What) -> Message:
         fifo = self._here or self._dones
         peer, work, buf = fifo[0]
         link = self._links[peer]
@@ -213,7 +213,7 @@ class Inbox:
         self._got[item[0]] += 1
         return item
 
-    def _wait(self, what: str) -> Message:
+    def _wait(self, what: What) -> Message:
         start = time.monotonic()
         deadline = start + self.timeout
         while True:
@@ -224,7 +224,7 @@ class Inbox:
                 pass
             self._channel.check()
             if time.monotonic() >= deadline:
-                raise self._channel.timed_out(what, self.timeout)
+                raise self._channel.timed_out(text(what), self.timeout)
 
     def waiting_for(self) -> list[int]:
         """The peers some message of this pass is still expected from."""

@@ -26,6 +26,7 @@ from xgrad.failure import (
     default_seconds,
 )
 from xgrad.torch_backend.dist_inbox import Inbox, Message
+from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import transfer_failed, wait_posted
 
@@ -141,11 +142,11 @@ class ProcessPass:
             what = f"backward, message to rank {peer}"
             raise transfer_failed(self._channel, what, exc, peer) from exc
 
-    def _next(self, what: str, item: Message | None = None) -> tuple[int, int, int, torch.Tensor]:
+    def _next(self, what: What, item: Message | None = None) -> tuple[int, int, int, torch.Tensor]:
         """The next message from any peer: ``(peer, kind, k, buffer)``; raises a poison's failure."""
         peer, _, buf, error = self._inbox.next(what) if item is None else item
         if error is not None:
-            raise transfer_failed(self._channel, f"{what}, from rank {peer}", error, peer)
+            raise transfer_failed(self._channel, f"{text(what)}, from rank {peer}", error, peer)
         kind, k = header(buf)
         if kind == POISON:
             raise self._inbox.poisoned(peer)
@@ -180,11 +181,13 @@ class ProcessPass:
         """The next ``(send node, gradient)`` from any peer (bounded, watching the channel)."""
         with self._named():
             while True:
-                what = f"backward, gradients from ranks {self._inbox.waiting_for()}"
-                peer, kind, k, buf = self._next(what)
+                peer, kind, k, buf = self._next(self._gradients_from)
                 if kind == DONE:  # a peer that finished early: counted by the inbox
                     continue
                 return self._gradient(peer, kind, k, buf)
+
+    def _gradients_from(self) -> str:
+        return f"backward, gradients from ranks {self._inbox.waiting_for()}"
 
     def receive_landed(self, worker: int) -> list[tuple[int, Any]]:
         """Every ``(send node, gradient)`` that already landed (never waits)."""
@@ -200,7 +203,11 @@ class ProcessPass:
         like = self._sent.get(peer, {}).get(k)
         if like is None:
             raise RuntimeError(f"rank {peer} sent a gradient for send {k}, which was not made")
-        grad = None if kind == NO_GRAD else payload(buf, like).to(like.device)
+        if kind == NO_GRAD:
+            return self._node[(peer, k)], None
+        grad = payload(buf, like)
+        if grad.device != like.device:
+            grad = grad.to(like.device)
         return self._node[(peer, k)], grad
 
     def raise_if_failed(self, worker: int) -> None:
@@ -231,8 +238,7 @@ class ProcessPass:
                 if peer != self.me and leader in (None, peer):
                     self._send(peer, DONE, 0, None, None)
             while not self._inbox.done_from_all():
-                what = f"backward, waiting for ranks {self._inbox.waiting_for()} to finish"
-                peer, kind, _, _ = self._next(what)
+                peer, kind, _, _ = self._next(self._to_finish)
                 if kind != DONE:
                     raise RuntimeError(f"rank {peer} sent a gradient (kind {kind}) after the pass")
             if leader == self.me:
@@ -248,6 +254,9 @@ class ProcessPass:
                         work, self._channel, timeout=self._inbox.timeout, what=what, peer=peer
                     )
             self._inbox.sent.clear()
+
+    def _to_finish(self) -> str:
+        return f"backward, waiting for ranks {self._inbox.waiting_for()} to finish"
 
     def release(self, worker: int) -> None:
         """After a failure: answer what this rank still owes with poison; keep the rest referenced."""

@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -35,7 +36,16 @@ from xgrad.failure import FailureChannel, RankError, RankUnresponsiveError, defa
 from xgrad.torch_backend.dist_wire import SEVER, tag
 from xgrad.torch_backend.failure import transfer_failed
 
-__all__ = ["sever", "wait_here"]
+__all__ = ["What", "sever", "text", "wait_here"]
+
+#: what a wait is for, in its error messages: the text, or a function that makes it (a
+#: wait that ends well never needs it, and making it costs the receiving rank's hop).
+What: TypeAlias = str | Callable[[], str]
+
+
+def text(what: What) -> str:
+    """The text of ``what``."""
+    return what if isinstance(what, str) else what()
 
 
 def sever(pg: Any, group_peer: int) -> None:
@@ -120,7 +130,7 @@ def wait_here(
     pg: Any,
     group_peer: int,
     timeout: float,
-    what: str,
+    what: What,
     peer: int | None,
 ) -> None:
     """Wait for a posted receive on this thread, bounded by ``timeout`` and watched.
@@ -142,8 +152,8 @@ def wait_here(
         if watch.error is not None:
             raise watch.error from exc
         if waited >= timeout - 0.01:
-            raise channel.timed_out(what, timeout) from exc
-        raise transfer_failed(channel, what, exc, peer) from exc
+            raise channel.timed_out(text(what), timeout) from exc
+        raise transfer_failed(channel, text(what), exc, peer) from exc
     _WATCHDOG.end()
     if watch.error is not None:  # it landed as the watchdog closed the group
         raise watch.error
