@@ -88,9 +88,12 @@ class Context:
         for peer in self.ranks:
             if peer != self.me:
                 self.link(peer, "peer")
-        expect: dict[int, list[int]] = {}
+        sizes: dict[int, list[int]] = {}
         for peer, _, t in self.sends:
-            expect.setdefault(peer, []).append(t.numel() * t.element_size())
+            sizes.setdefault(peer, []).append(t.numel() * t.element_size())
+        # the peer sent to last first: its gradients are likely to come back first
+        latest = {peer: i for i, (peer, _, _) in enumerate(self.sends)}
+        expect = {p: sizes[p] for p in sorted(latest, key=latest.__getitem__, reverse=True)}
         return Inbox(
             self.name, self.links, expect, self.owed(), self.channel, self.timeout,
             dones=self.dones(),

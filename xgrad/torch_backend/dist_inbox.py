@@ -7,13 +7,15 @@ gloo writes the peer's message the moment it is sent (no ready round trip, no he
 the store).
 
 The rank waits for them on its own thread (``WAIT = "caller"``, :mod:`.dist_watch`)
-when its gradients come from at most one peer (a chain, a leaf rank: the common case):
-on that peer's receives in order, then on the "done"s, each wait bounded by the
+when its gradients come from at most one peer (a chain, a leaf rank: the common case),
+or when, by its first wait, it owes no peer anything more (a rank that sent tensors to
+several peers and answered every tensor it received, such as a fan-out's first rank):
+on each peer's receives in order, then on the "done"s, each wait bounded by the
 context's timeout and watched for a peer that stopped; no thread hand-off, which costs a
-second wake-up per message. When gradients may come from several peers first (a
-gradient from one may be what lets this rank answer another), or with ``WAIT =
-"threads"``, one daemon thread per peer waits that peer's receives in order and hands
-each completion to one queue; the caller takes whichever lands first, sleeping in the
+second wake-up per message. When gradients may come from several peers first and this
+rank still owes some (a gradient from one may be what lets this rank answer another),
+or with ``WAIT = "threads"``, one daemon thread per peer waits that peer's receives in
+order and hands each completion to one queue; the caller takes whichever lands first, sleeping in the
 queue and reading the failure channel every poll interval. (Gloo's receives from any
 peer would do it on one thread, but a dead peer does not fail them: only their timeout
 would end them.)
@@ -87,7 +89,8 @@ class Inbox:
         group: the process group's name (the waiting threads are kept per group and peer).
         links: peer -> :class:`Link`, for every other rank of the group.
         expect: peer -> byte sizes of the gradient messages expected from it (one per
-            tensor sent to it that requires grad, in the order sent).
+            tensor sent to it that requires grad, in the order sent); the peers in the
+            order their gradients are waited for when waited on this thread.
         owe: peer -> byte sizes of the gradient messages this rank will send it (one per
             tensor received from it that requires grad).
         channel: the context's failure channel.
@@ -124,9 +127,12 @@ class Inbox:
         senders = [p for p in links if expect.get(p)]
         # On NCCL ``wait()`` does not block the caller (it orders the current stream), so
         # only a thread of its own can bound the wait: the per-peer threads do.
-        cpu = all(link.device.type == "cpu" for link in links.values())
-        #: "one" (gradients from at most one peer: waited here) or "threads"
-        self.mode = "one" if WAIT == "caller" and cpu and len(senders) <= 1 else "threads"
+        self._here_ok = WAIT == "caller" and all(
+            link.device.type == "cpu" for link in links.values()
+        )
+        #: "one" (waited here: gradients from at most one peer, or nothing owed any more
+        #: when the first wait comes, see :meth:`arm`) or "threads"
+        self.mode = "one" if self._here_ok and len(senders) <= 1 else "threads"
         # Receives waited on this thread: the gradients, then the dones.
         self._here: deque[tuple[int, Any, torch.Tensor]] = deque()
         self._dones: deque[tuple[int, Any, torch.Tensor]] = deque()
@@ -143,6 +149,13 @@ class Inbox:
         if self._armed:
             return
         self._armed = True
+        if self._here_ok and not any(self._owe.values()):
+            # Nothing this rank still owes a peer can depend on which gradient lands
+            # first: every peer's remaining messages come without this rank's help, so
+            # waiting for them peer by peer on this thread cannot deadlock (a failing
+            # peer's poison or the watchdog still ends each wait), and no thread
+            # hand-off costs a second wake-up per message.
+            self.mode = "one"
         if self.mode == "threads":
             for peer, link in self._links.items():
                 works = link.post_gradients(self._expect.get(peer, ()))
@@ -151,9 +164,14 @@ class Inbox:
                 self.buffers += works
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
             return
-        for peer, link in self._links.items():
-            works = link.post_gradients(self._expect.get(peer, ()))
+        # Gradients from several peers are waited for peer by peer in the order of
+        # ``expect``: the peer sent a tensor last first, as its gradient is likely to come
+        # back first (a backward pass runs the graph in reverse); a wait on a peer whose
+        # message comes later only delays processing one that already landed.
+        for peer in (*self._expect, *(p for p in self._links if p not in self._expect)):
+            works = self._links[peer].post_gradients(self._expect.get(peer, ()))
             self._here.extend((peer, w, b) for w, b in works)
+        for peer, link in self._links.items():
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))
         self.buffers += [(w, b) for _, w, b in (*self._here, *self._dones)]
