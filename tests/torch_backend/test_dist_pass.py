@@ -109,6 +109,43 @@ def test_gradients_kept_by_the_context_are_its_own() -> None:
     assert gb == [3.0] * 4 and kept == [6.0] * 4 and apart, results
 
 
+def _freed(rank: int, world: int) -> list[bool]:
+    """Whether a context, after a backward pass, is gone once its block is left (no
+    collector: nothing of it in a reference cycle)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        alive = []
+        for _ in range(2):
+            with da.context(timeout=20) as cid:
+                ref = weakref.ref(da._open[cid])
+                if rank == 0:
+                    da.send(w * 2, 1)
+                    roots = []
+                else:
+                    roots = [(da.recv(0) * w).sum()]
+                da.backward(cid, roots)
+            alive.append(ref() is not None)
+        return alive
+    finally:
+        gc.enable()
+
+
+def test_a_context_is_freed_when_its_block_is_left() -> None:
+    results, codes = run_ranks(_freed, 2, timeout=60)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    for rank in range(2):
+        assert results[rank] == ("ok", [False, False]), (rank, results)
+
+
 def _hooked(rank: int, world: int) -> list[Any]:
     import torch
 
