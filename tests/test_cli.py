@@ -190,3 +190,48 @@ def test_schedule_writes_its_figures_as_json(
     assert figures["bubble_fraction"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
     assert [row["rank"] for row in data["ranks"]] == [0, 1]
     assert len(data["timeline"]) == 2 * 4 * 2  # a forward and a backward per microbatch and rank
+
+
+@pytest.mark.parametrize(
+    ("path", "argv", "option", "expected"),
+    [
+        ("xgrad.torch_backend.dist_autograd_bench", [], "size", 256),
+        ("xgrad.torch_backend.dist_autograd_bench", ["--quick"], "size", 8),
+        ("xgrad.torch_backend.dist_autograd_bench", ["--quick", "--iters", "5"], "iters", 5),
+        ("xgrad.torch_backend.faults_bench", [], "worlds", [2, 3]),
+        ("xgrad.torch_backend.faults_bench", ["--quick"], "worlds", [2]),
+        ("xgrad.torch_backend.faults_bench", ["--quick", "--worlds", "3"], "worlds", [3]),
+    ],
+)
+def test_quick_shrinks_only_the_options_not_given(
+    path: str, argv: list[str], option: str, expected: object
+) -> None:
+    """``--quick`` used to overwrite ``--iters 5`` or ``--worlds 3`` silently; now it only
+    changes the defaults, so an explicit option runs what it says."""
+    import importlib
+
+    from xgrad.cli import build_module_parser
+    from xgrad.help_format import settle_quick
+
+    parser = build_module_parser(importlib.import_module(path), "xgrad bench")
+    assert getattr(settle_quick(parser.parse_args(argv)), option) == expected
+
+
+def test_an_experiment_option_given_with_quick_is_what_runs(tmp_path: Path) -> None:
+    from xgrad.experiments.runner import run_experiment
+
+    code, report = run_experiment(
+        "bucket-size", ["--quick", "--layers", "12", "--out", str(tmp_path / "given")]
+    )
+    assert code == 0 and report is not None
+    assert report.config["layers"] == 12  # --quick used to cut it to 8
+    _, quick = run_experiment("bucket-size", ["--quick", "--out", str(tmp_path / "quick")])
+    assert quick is not None and quick.config["layers"] == 8
+
+
+def test_the_help_shows_both_defaults_of_a_quick_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "dist-autograd", "--help"])
+    assert "(default: 256; with --quick 8)" in " ".join(capsys.readouterr().out.split())

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from xgrad.help_format import HelpFormatter as HelpFormatter
-from xgrad.help_format import with_help_lines
+from xgrad.help_format import settle_quick, with_help_lines
 
 #: subcommand -> module implementing it (imported lazily).
 COMMANDS: dict[str, str] = {
@@ -64,7 +64,7 @@ def run_module(path: str, prog: str, argv: Sequence[str]) -> int:
     """
     module = importlib.import_module(path)
     parser = build_module_parser(module, prog)
-    return int(module.run(parser.parse_args(list(argv))) or 0)
+    return int(module.run(settle_quick(parser.parse_args(list(argv)))) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

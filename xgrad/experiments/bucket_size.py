@@ -21,6 +21,7 @@ from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
 from xgrad.experiments.torch_parts import spawn, torch_backend
+from xgrad.help_format import QuickDefault
 from xgrad.reference.clock import LinkModel
 
 HELP = "iteration time vs bucket cap (one bucket per parameter .. one for all): the U shape"
@@ -35,7 +36,7 @@ U_MARGIN = 0.05
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=128, help="MLP width")
-    parser.add_argument("--layers", type=int, default=32, help="MLP layers")
+    parser.add_argument("--layers", type=int, default=QuickDefault(32, 8), help="MLP layers")
     parser.add_argument("--flops", type=float, default=1e10, help="modelled flop/s per rank")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank (torch only)")
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.width < 1 or args.layers < 1:
         raise ValueError(f"--width={args.width} and --layers={args.layers} must be >= 1")
     worlds: tuple[int, ...] = (2, 8) if args.quick else (2, 8, 32)
-    layers = min(args.layers, 8) if args.quick else args.layers
+    layers = args.layers
     config = SweepConfig(
         world_sizes=worlds,
         width=args.width,

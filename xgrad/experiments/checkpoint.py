@@ -15,6 +15,7 @@ from typing import Any
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
 from xgrad.experiments.torch_parts import spawn, torch_backend
+from xgrad.help_format import QuickDefault
 
 HELP = "pipeline checkpointing always / except_last / never: saved-activation memory and time"
 BACKENDS = ("torch",)
@@ -23,14 +24,16 @@ MODES = ("always", "except_last", "never")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--microbatches", "-m", type=int, default=8, help="m: microbatches")
+    parser.add_argument(
+        "--microbatches", "-m", type=int, default=QuickDefault(8, 4), help="m: microbatches"
+    )
     parser.add_argument("--width", type=int, default=256, help="stage width")
     parser.add_argument("--layers", type=int, default=6, help="Linear layers per stage")
     parser.add_argument("--batch", type=int, default=256, help="whole batch (divisible by m)")
 
 
 def run(args: argparse.Namespace) -> Report:
-    m = 4 if args.quick else args.microbatches
+    m = args.microbatches
     if m < 1 or args.batch % m:
         raise ValueError(f"--batch {args.batch} must be divisible by --microbatches {m} >= 1")
     p = 2

@@ -30,6 +30,7 @@ from xgrad.backend import backend_available, get_backend
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict
 from xgrad.experiments.torch_parts import spawn, torch_backend
+from xgrad.help_format import QuickDefault
 
 HELP = "fp16, bf16, PowerSGD ranks 1/2/4: bytes, gradient error and training loss, torch and JAX"
 BACKENDS = ("torch",)
@@ -44,7 +45,7 @@ START = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=60, help="SGD steps per run")
+    parser.add_argument("--steps", type=int, default=QuickDefault(60, 6), help="SGD steps per run")
     parser.add_argument("--batch", type=int, default=64, help="whole batch (both ranks)")
 
 
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> Report:
             f"--steps={args.steps} must be > {START} and --batch={args.batch} even and >= 2"
         )
     variants = {k: VARIANTS[k] for k in ("none", "fp16", "powersgd-1")} if args.quick else VARIANTS
-    steps = 6 if args.quick else args.steps
+    steps = args.steps
     weights = init_weights("mlp", seed=args.seed, dtype="float32")
     batch = make_batch("mlp", seed=args.seed, batch_size=args.batch, dtype="float32")
     cfg = {

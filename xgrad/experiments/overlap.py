@@ -25,6 +25,7 @@ from xgrad.experiments.link import link_description
 from xgrad.experiments.progress import progress
 from xgrad.experiments.report import Panel, Report, Series, Table, Verdict, within
 from xgrad.experiments.torch_parts import spawn, torch_backend
+from xgrad.help_format import QuickDefault
 from xgrad.reference.clock import LinkModel
 
 HELP = "forward, backward and exposed communication with overlap on and off (DDP Fig. 6)"
@@ -38,7 +39,7 @@ LINK_DEFAULTS = (100e-6, 1 / 250e6)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=512, help="MLP width")
-    parser.add_argument("--layers", type=int, default=8, help="MLP layers")
+    parser.add_argument("--layers", type=int, default=QuickDefault(8, 4), help="MLP layers")
     parser.add_argument("--batch", type=int, default=128, help="samples per rank")
     parser.add_argument("--cap-mb", type=float, default=1.0, help="bucket cap (MiB)")
 
@@ -61,8 +62,6 @@ def run(args: argparse.Namespace) -> Report:
         "steps": 3 if args.quick else 15,
         "modes": MODES,
     }
-    if args.quick:
-        cfg["layers"] = min(args.layers, 4)
     world = 2
     res: dict[str, Any] = {}
     for _ in progress([0], "overlap"):

@@ -15,7 +15,7 @@ from xgrad.experiments import EXPERIMENTS, STANDALONE
 from xgrad.experiments.link import DEFAULT_ALPHA, DEFAULT_BETA
 from xgrad.experiments.output import format_report, write_report
 from xgrad.experiments.report import Report
-from xgrad.help_format import HelpFormatter, with_help_lines
+from xgrad.help_format import HelpFormatter, settle_quick, with_help_lines
 from xgrad.tables import unmakeable_folder
 
 __all__ = ["DEFAULT_OUT", "build_parser", "load", "run_experiment"]
@@ -103,7 +103,7 @@ def run_experiment(name: str, argv: Sequence[str]) -> tuple[int, Report | None]:
 
         return run_module(EXPERIMENTS[name], f"xgrad experiment run {name}", argv), None
     parser = build_parser(name, module)
-    args = parser.parse_args(list(argv))
+    args = settle_quick(parser.parse_args(list(argv)))
     why = unmakeable_folder(args.out)  # before the run, which it would otherwise cost
     if why is not None:
         parser.error(f"argument --out: {why}")

@@ -30,6 +30,7 @@ import time
 import warnings
 from typing import Any
 
+from xgrad.help_format import QuickDefault
 from xgrad.tables import Table, add_table_outputs, print_tables
 
 HELP = (
@@ -43,11 +44,18 @@ _STATE: dict[str, Any] = {}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=3, help="processes (ranks), >= 2")
-    parser.add_argument("--size", type=int, default=256, help="width of the square weights")
-    parser.add_argument("--batch", type=int, default=64, help="rows of the input")
-    parser.add_argument("--iters", type=int, default=20, help="timed backward passes each")
     parser.add_argument(
-        "--warmup", type=int, default=3, help="untimed passes at the start of each block"
+        "--size", type=int, default=QuickDefault(256, 8), help="width of the square weights"
+    )
+    parser.add_argument("--batch", type=int, default=QuickDefault(64, 4), help="rows of the input")
+    parser.add_argument(
+        "--iters", type=int, default=QuickDefault(20, 2), help="timed backward passes each"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=QuickDefault(3, 1),
+        help="untimed passes at the start of each block",
     )
     parser.add_argument(
         "--rounds", type=int, default=4, help="blocks per implementation (they alternate)"
@@ -61,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     parser.add_argument(
-        "--quick", action="store_true", help="tiny sizes and 2 passes (for the tests)"
+        "--quick",
+        action="store_true",
+        help="tiny sizes and 2 passes (for the tests); an option given explicitly still wins",
     )
     add_table_outputs(parser, "the row (milliseconds, ratio, gradient difference)")
 
@@ -220,8 +230,6 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
 def run(args: argparse.Namespace) -> int:
     from xgrad.torch_backend.spawn import spawn
 
-    if args.quick:
-        args.size, args.batch, args.iters, args.warmup = 8, 4, 2, 1
     for label in ("world", "size", "batch", "iters", "rounds"):
         if getattr(args, label) < 1:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")

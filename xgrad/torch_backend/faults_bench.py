@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from xgrad.help_format import QuickDefault
 from xgrad.tables import Table, add_table_outputs, print_tables
 from xgrad.torch_backend.faults_cells import FAULTY, HEARTBEAT_ENV, named_origin, run_cell
 from xgrad.torch_backend.gather import OK, gather_ranks
@@ -170,7 +171,9 @@ def table(rows: Sequence[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few cells at world size 2")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3], help="world sizes")
+    parser.add_argument(
+        "--worlds", type=int, nargs="+", default=QuickDefault([2, 3], [2]), help="world sizes"
+    )
     parser.add_argument(
         "--timeout", type=float, default=8.0, help="the DDP's and pipeline's timeout="
     )
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if not cells:
         raise ValueError(f"--systems={systems} --faults={faults}: no cell of the matrix matches")
-    worlds = [2] if args.quick else args.worlds
+    worlds = args.worlds
     for w in worlds:
         if w < 2:
             raise ValueError(f"--worlds: {w} ranks cannot lose one; expected >= 2")
