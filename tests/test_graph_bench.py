@@ -43,3 +43,20 @@ def test_bad_sizes_are_refused_naming_the_options(argv: list[str]) -> None:
 
     with pytest.raises(ValueError, match=r"expected --nodes >= 4, --edges >= --nodes"):
         main(["bench", "graph", *argv])
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (2.5e-4, "250 µs"),
+        (1.234e-3, "1.23 ms"),
+        (0.5, "500 ms"),
+        (3.21, "3.21 s"),
+        (4321.0, "4321 s"),
+    ],
+)
+def test_durations_keep_three_significant_figures(seconds: float, shown: str) -> None:
+    """A small graph's pass printed as "0.000 s" at a fixed three decimals."""
+    from xgrad.graph_bench import _duration
+
+    assert _duration(seconds) == shown

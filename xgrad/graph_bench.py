@@ -76,6 +76,16 @@ def plain_walk(graph: BackwardGraph, roots: list[int], sends: list[int]) -> dict
     return deps
 
 
+def _duration(seconds: float) -> str:
+    """Seconds in a unit that shows three significant figures: a small graph's pass took
+    "0.000 s" at a fixed three decimals, which read as free (or as not measured)."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:.0f} {unit}"
+    return f"{seconds / 1e-6:.3g} µs"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1_000_000, help="number of nodes")
     parser.add_argument("--edges", type=int, default=2_000_000, help="number of edges")
@@ -99,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     built = time.perf_counter() - t0
     lines.append(
         f"graph: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {len(sends)} sends "
-        f"(built in {built:.2f} s)"
+        f"(built in {_duration(built)})"
     )
     t0 = time.perf_counter()
     deps = compute_dependencies(graph, roots, sends)
@@ -113,13 +123,14 @@ def run(args: argparse.Namespace) -> int:
     unused = unused_parameters(graph, roots, sends)
     t_unused = time.perf_counter() - t0
     lines.append(
-        f"compute_dependencies: first call {first:.3f} s (imports, caches), best {best:.3f} s"
+        f"compute_dependencies: first call {_duration(first)} (imports, caches), "
+        f"best {_duration(best)}"
     )
     lines.append(
         f"  reachable {int(deps.reachable.sum()):,}, leaves {deps.leaves.size:,}, "
         f"needed {int(deps.needed.sum()):,}"
     )
-    lines.append(f"unused_parameters: {t_unused:.3f} s ({len(unused):,} unused)")
+    lines.append(f"unused_parameters: {_duration(t_unused)} ({len(unused):,} unused)")
     t_ref: float | None = None
     agree: bool | None = None
     if not args.no_baseline:
@@ -131,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             ref.values()
         )
         lines.append(
-            f"plain Python walk: {t_ref:.3f} s; xgrad is {t_ref / best:.1f}x faster; agree: {agree}"
+            f"plain Python walk: {_duration(t_ref)}; xgrad is {t_ref / best:.1f}x faster; agree: {agree}"
         )
         if not agree:
             lines.append("MISMATCH between xgrad and the plain walk")
