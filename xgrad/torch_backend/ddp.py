@@ -39,6 +39,7 @@ from torch.distributed.algorithms.join import Joinable
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
+from xgrad.raising import raise_from
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
@@ -264,7 +265,7 @@ class DistributedDataParallel(PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP)
         try:
             output = traced_module_call(self, *inputs, **kwargs)
         except Exception as exc:  # every rank raises it, named (ddp_failure)
-            raise self._watch.post("forward", exc) from exc
+            raise_from(self._watch.post("forward", exc), exc)
         return self._post_forward(output)
 
     @outside_dynamo

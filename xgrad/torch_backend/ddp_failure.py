@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
+from xgrad.raising import raise_from
 from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
 from xgrad.torch_backend.ddp_watched import WatchedWork
@@ -134,7 +135,7 @@ class StepWatch:
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            raise self.post(where, exc) from exc
+            raise_from(self.post(where, exc), exc)
 
     def start_forward(self, hooks: Any, sync: bool) -> None:
         """At a forward pass: drop what a failed step left behind, on every rank alike.
@@ -173,9 +174,7 @@ class StepWatch:
         try:
             work.wait()
         except RuntimeError as exc:
-            error = self.explain(exc, what)
-            self.drop_group(error, abort=True)
-            raise error from exc
+            raise_from(self.failed(exc, what), exc)
 
     def wait_event(
         self, done: threading.Event | threading.Lock, what: str, spun: float = 0.0
@@ -215,6 +214,14 @@ class StepWatch:
         if abort:
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group(group)
+
+    def failed(self, exc: Exception, what: str, *, posted: bool = False) -> RankError:
+        """The error for collective ``what`` failing here with ``exc`` (this rank's own,
+        posted, when ``posted``: a comm hook's; else :meth:`explain` ed), its group dropped;
+        returned for :func:`~xgrad.raising.raise_from`, so no frame holds it."""
+        error = self.post(what, exc) if posted else self.explain(exc, what)
+        self.drop_group(error, abort=True)
+        return error
 
     def explain(self, exc: Exception, what: str) -> RankError:
         """A collective that failed locally (gloo's "Connection closed by peer"): the

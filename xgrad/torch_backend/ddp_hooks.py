@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from xgrad.failure import RankError
+from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch
@@ -122,9 +124,7 @@ class GradientHooks:
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
-                error = self.watch.post(f"gradient hook of {reducer.names[index]}", exc)
-                reducer.fail(str(error))
-                raise error from exc
+                raise_from(self._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
 
         return hook
 
@@ -139,10 +139,7 @@ class GradientHooks:
         try:
             reducer.mark_many(indices, grads)
         except Exception as exc:
-            name = reducer.names[reducer.marking]
-            error = self.watch.post(f"gradient hook of {name}", exc)
-            reducer.fail(str(error))
-            raise error from exc
+            raise_from(self._fail(f"gradient hook of {reducer.names[reducer.marking]}", exc), exc)
 
     def expect_backward(self) -> None:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
@@ -172,9 +169,7 @@ class GradientHooks:
         except Exception as exc:
             if not reducer.all_ready():  # gradients never came: DDP's unused-parameter error
                 raise
-            error = self.watch.post("reduction", exc)
-            reducer.fail(str(error))
-            raise error from exc
+            raise_from(self._fail("reduction", exc), exc)
         finally:
             self._copy_dst.clear()
             self._copy_src.clear()
@@ -186,6 +181,17 @@ class GradientHooks:
                 reducer.records[-1], self.forward_seconds, end - self.backward_started
             )
         )
+
+    def _fail(self, where: str, exc: Exception) -> RankError:
+        """Post this rank's failure and fail the reducer's pass; the error to raise.
+
+        Made here, not in the ``except`` block that raises it: a local there would hold
+        the error on its own traceback (see :mod:`xgrad.raising`).
+        """
+        assert self.reducer is not None
+        error = self.watch.post(where, exc)
+        self.reducer.fail(str(error))
+        return error
 
     def recover(self, watch: StepWatch, also: str = "") -> None:
         """At a forward pass: drop a backward pass that failed part-way, with a warning.

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xgrad.raising import raise_from
+
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
 
@@ -67,14 +69,7 @@ class WatchedFuture:
         try:
             value = self._future.value()
         except Exception as exc:  # the collective or the hook's own chain failed
-            raised = _hook_raised(exc)
-            error = (
-                self._watch.post(self._what, exc)
-                if raised
-                else self._watch.explain(exc, self._what)
-            )
-            self._watch.drop_group(error, abort=True)
-            raise error from exc
+            raise_from(self._watch.failed(exc, self._what, posted=_hook_raised(exc)), exc)
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:
             return value[0]
