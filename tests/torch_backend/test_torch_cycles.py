@@ -23,6 +23,7 @@ message. A control step that makes one such cycle shows the judge finds one per 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -159,26 +160,49 @@ def _data(rank: int) -> tuple[Any, Any]:
     return torch.randn(SHARD, 6, generator=g), torch.randn(SHARD, 3, generator=g)
 
 
-def _ddp_step(rank: int, *, branchy: bool = False, **kwargs: Any) -> Callable[[], None]:
+def _ddp_step(
+    rank: int,
+    *,
+    branchy: bool = False,
+    torch_hook: Any = None,
+    hook_state: Callable[[], Any] = lambda: None,
+    in_backward: bool = False,
+    delayed: bool = False,
+    join: bool = False,
+    **kwargs: Any,
+) -> Callable[[], None]:
+    """A DDP training step; ``join``: under ``join()``, rank r with r + 1 batches (uneven)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
     torch.manual_seed(0)
-    model: torch.nn.Module = (
+    model: Any = (
         _Branchy()
         if branchy
         else torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     )
-    hook = kwargs.pop("torch_hook", None)
+    if delayed:  # the last layer reduced when the first layer's weight is ready
+        kwargs["delay_all_reduce_named_params"] = list(model[2].named_parameters(prefix="2"))
+        kwargs["param_to_hook_all_reduce"] = model[0].weight
+    opt = None
+    if in_backward:
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.01})
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
     ddp = DistributedDataParallel(model, timeout=30, **kwargs)
-    if hook is not None:
-        ddp.register_comm_hook(None, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if torch_hook is not None:
+        ddp.register_comm_hook(hook_state(), torch_hook)
     x, y = _data(rank)
 
     def step() -> None:
-        opt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
-        opt.step()
+        if opt is not None:
+            opt.zero_grad()
+        with ddp.join() if join else contextlib.nullcontext():
+            for _ in range(rank + 1 if join else 1):
+                ((ddp(x) - y) ** 2).mean().backward()
+        if opt is not None:
+            opt.step()
 
     return step
 
@@ -201,7 +225,7 @@ def _no_sync_step(rank: int) -> Callable[[], None]:
     return step
 
 
-def _pipeline_step(rank: int, world: int, name: str) -> Callable[[], None]:
+def _pipeline_step(rank: int, world: int, name: str, **kwargs: Any) -> Callable[[], None]:
     import xgrad.pipeline as xp
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
@@ -212,7 +236,7 @@ def _pipeline_step(rank: int, world: int, name: str) -> Callable[[], None]:
         for _ in range(schedule.num_stages)
     ]
     mine = [parts[s] for s in schedule.stages_of(rank)]
-    rt = PipelineRuntime(schedule, mine, torch.nn.functional.mse_loss, timeout=30)
+    rt = PipelineRuntime(schedule, mine, torch.nn.functional.mse_loss, timeout=30, **kwargs)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
     first, last = schedule.placement[0] == rank, schedule.placement[-1] == rank
@@ -415,6 +439,22 @@ def _fp16_hook_step(rank: int, world: int) -> Callable[[], None]:
     return _ddp_step(rank, torch_hook=default_hooks.fp16_compress_hook)
 
 
+def _xgrad_fp16_hook_step(rank: int, world: int) -> Callable[[], None]:
+    from xgrad.hooks import HOOKS
+
+    return _ddp_step(rank, comm_hook=HOOKS["fp16"])
+
+
+def _powersgd_step(rank: int, world: int) -> Callable[[], None]:
+    """PyTorch's PowerSGD hook, compressing from the second step (the warm-up's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def state() -> Any:
+        return psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+
+    return _ddp_step(rank, torch_hook=psgd.powerSGD_hook, hook_state=state)
+
+
 #: name -> (rank, world) -> one step of the scenario, built.
 SCENARIOS: dict[str, Callable[[int, int], Callable[[], None]]] = {
     "ddp": lambda rank, world: _ddp_step(rank),
@@ -426,8 +466,22 @@ SCENARIOS: dict[str, Callable[[int, int], Callable[[], None]]] = {
     "ddp_fp16_hook": _fp16_hook_step,
     "ddp_bucket_view": lambda rank, world: _ddp_step(rank, gradient_as_bucket_view=True),
     "ddp_mixed_precision": _mixed_step,
+    "ddp_xgrad_fp16_hook": _xgrad_fp16_hook_step,
+    "ddp_powersgd_hook": _powersgd_step,
+    "ddp_in_backward_optimizer": lambda rank, world: _ddp_step(rank, in_backward=True),
+    "ddp_delayed_all_reduce": lambda rank, world: _ddp_step(rank, delayed=True),
+    "ddp_join_uneven": lambda rank, world: _ddp_step(rank, join=True),
     "pipeline_1f1b": lambda rank, world: _pipeline_step(rank, world, "1f1b"),
     "pipeline_zb_h1": lambda rank, world: _pipeline_step(rank, world, "zb_h1"),
+    "pipeline_interleaved_1f1b": lambda rank, world: _pipeline_step(
+        rank, world, "interleaved_1f1b"
+    ),
+    "pipeline_1f1b_recompute_always": lambda rank, world: _pipeline_step(
+        rank, world, "1f1b", checkpoint="always"
+    ),
+    "pipeline_1f1b_checkpoint_never": lambda rank, world: _pipeline_step(
+        rank, world, "1f1b", checkpoint="never"
+    ),
     "dist_autograd_chain": lambda rank, world: _chain_step(rank),
     "dist_autograd_round_trip": lambda rank, world: _round_trip_step(rank),
     "crosscheck_runner": _crosscheck_step,
