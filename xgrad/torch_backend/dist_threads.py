@@ -47,17 +47,29 @@ class _PeerThread:
                 return
             peer, works, out = job
             for i, (work, buf) in enumerate(works):
-                self.waiting = True
-                try:
-                    self._wait(work, buf)
-                except BaseException as exc:  # gloo: the peer died; the rest cannot come
-                    out.put((peer, i, buf, exc))
-                    if self.drain:  # each fails at once then, and is done with
-                        continue
+                error = self._caught(work, buf)
+                out.put((peer, i, buf, error))
+                # gloo: the peer died; the rest cannot come (a drain waits each out: each
+                # fails at once then, and is done with).
+                if error is not None and not self.drain:
                     break
-                finally:
-                    self.waiting = False
-                out.put((peer, i, buf, None))
+
+    def _caught(self, work: Any, buf: torch.Tensor) -> BaseException | None:
+        """Wait for one receive; the error it raised (without its traceback), or None.
+
+        The error goes to the pass as data (its type and text name the failure). Its
+        traceback would lead (through ``f_back``) to the frame that holds the pass's queue,
+        which holds the error: a reference cycle, kept until the garbage collector runs
+        when nobody reads the queue (a drain's, a pass that stopped reading).
+        """
+        self.waiting = True
+        try:
+            self._wait(work, buf)
+        except BaseException as exc:
+            return exc.with_traceback(None)
+        finally:
+            self.waiting = False
+        return None
 
     def _wait(self, work: Any, buf: torch.Tensor) -> None:
         """Block until the receive into ``buf`` completed.
