@@ -8,10 +8,12 @@ freeze a rank: the survivors name it, ``destroy_process_group()`` returns and th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -154,6 +156,28 @@ def test_every_step_after_a_failure_gives_the_full_batch_gradients(sequence: Any
         assert not any("Expected to have finished reduction" in st["error"] for st in steps)
 
 
+@contextlib.contextmanager
+def _garbage_of_xgrads(result: dict[str, Any]) -> Iterator[None]:
+    """``result["garbage"]``: the pieces of xgrad's the block left for the garbage
+    collector (collector off meanwhile; see ``test_torch_cycles``)."""
+    import gc
+
+    from test_torch_cycles import _describe, _is_xgrads, _pieces
+
+    gc.collect()
+    gc.disable()
+    gc.freeze()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield
+        gc.collect()
+        result["garbage"] = [_describe(p) for p in _pieces(gc.garbage) if any(map(_is_xgrads, p))]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+
+
 def _peer_stops(rank: int, world: int, how: str) -> dict[str, Any]:
     """Rank 1 is killed or frozen before the forward pass (a buffer broadcast waits on it)."""
     model, x, y, _torch = _setup(rank, world, buffers=True)
@@ -166,20 +190,21 @@ def _peer_stops(rank: int, world: int, how: str) -> dict[str, Any]:
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
-    start = time.monotonic()
     result: dict[str, Any] = {}
-    try:
-        ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["origin"] = getattr(exc, "rank", None)
-    result["seconds"] = time.monotonic() - start
-    start = time.monotonic()
-    try:  # the next step: the same named error again, not a hang
-        ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
-    except Exception as exc:
-        result["again"] = f"{type(exc).__name__}: {exc}"
-    result["again_seconds"] = time.monotonic() - start
+    with _garbage_of_xgrads(result):
+        start = time.monotonic()
+        try:
+            ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["origin"] = getattr(exc, "rank", None)
+        result["seconds"] = time.monotonic() - start
+        start = time.monotonic()
+        try:  # the next step: the same named error again, not a hang
+            ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()
+        except Exception as exc:
+            result["again"] = f"{type(exc).__name__}: {exc}"
+        result["again_seconds"] = time.monotonic() - start
     start = time.monotonic()
     dist.destroy_process_group()
     result["destroy_seconds"] = time.monotonic() - start
@@ -200,6 +225,7 @@ def test_a_killed_or_frozen_peer_is_named_and_the_survivors_exit(how: str, world
         assert value["again"] == value["error"], value
         assert value["again_seconds"] < 4.0, value
         assert value["destroy_seconds"] < TIMEOUT + 4.0, value
+        assert value["garbage"] == [], value  # the failed steps left no reference cycle
         assert codes[rank] == 0
 
 
