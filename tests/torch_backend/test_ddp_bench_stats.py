@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios
+from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios, verdict
 
 
 def test_paired_ratios_pair_by_turn() -> None:
@@ -52,3 +52,42 @@ def test_bad_arguments_are_named() -> None:
         median_interval([])
     with pytest.raises(ValueError, match="confidence must be in"):
         median_interval([1.0], confidence=1.5)
+
+
+@pytest.mark.parametrize(
+    ("intervals", "expected"),
+    [
+        ([(0.95, 0.99)], "met"),
+        ([(0.95, 1.0)], "met"),  # at most 1.00 is the target
+        ([(0.98, 1.02)], "noise"),
+        ([(1.0, 1.05)], "noise"),
+        ([(1.001, 1.05)], "missed"),
+        ([(0.95, 0.99), (0.96, 0.999)], "met"),
+        ([(1.02, 1.08), (1.01, 1.04)], "missed"),
+        # One launch meets and the other misses: which launch the reader got decides.
+        ([(0.96, 0.99), (1.02, 1.08)], "noise"),
+        # The two launches of one measured case: 1.058 [1.024, 1.084], 0.994 [0.960, 1.034].
+        ([(1.024, 1.084), (0.960, 1.034)], "noise"),
+        ([(0.95, 0.99), (0.97, 1.01)], "noise"),
+        ([(1.02, 1.08), (0.99, 1.03)], "noise"),
+        ([(0.95, 0.99), (0.96, 0.98), (0.97, 1.001)], "noise"),
+    ],
+)
+def test_a_verdict_is_one_every_launch_gives(
+    intervals: list[tuple[float, float]], expected: str
+) -> None:
+    assert verdict(intervals) == expected
+    # Launch order does not matter.
+    assert verdict(intervals[::-1]) == expected
+
+
+def test_the_verdict_judges_against_the_limit_given() -> None:
+    assert verdict([(1.05, 1.08), (1.06, 1.09)], limit=1.1) == "met"
+    assert verdict([(0.90, 0.95)], limit=0.8) == "missed"
+
+
+def test_verdict_refuses_no_launch_or_an_inverted_interval() -> None:
+    with pytest.raises(ValueError, match="no launch intervals"):
+        verdict([])
+    with pytest.raises(ValueError, match=r"low <= high, got \(1\.1, 0\.9\)"):
+        verdict([(0.9, 1.0), (1.1, 0.9)])

@@ -1,10 +1,13 @@
 """``xgrad bench ddp``: xgrad's DDP against PyTorch's, same model and data, ratios printed.
 
 Both run in the same processes of one gloo group, alternating step by step so that
-load on the machine hits both alike. Reported per model and per
+load on the machine hits both alike, and each case runs in several launches of fresh
+processes (``--launches``), since what one launch draws moves the ratio more than its
+interval says. Reported per model and per
 ``find_unused_parameters`` setting: median step time of each side (zero_grad, forward,
 backward, optimizer step); the time ratio, the median of the per-turn ratios xgrad step
-/ PyTorch step with its 95% interval (``ddp_bench_stats``); the CPU of the whole process
+/ PyTorch step with its 95% interval and each launch's own, judged launch by launch
+(``ddp_bench_stats``); the CPU of the whole process
 per step (every thread), since a faster step may be bought with CPU; memory (bytes allocated by
 DDP's construction plus the peak of one step above its start, from the C allocator,
 polled by a thread during the step), and xgrad's Python cost per gradient hook."""
@@ -15,7 +18,6 @@ import argparse
 import copy
 import functools
 import gc
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -28,8 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from xgrad.tables import add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
 from xgrad.torch_backend.ddp_bench_models import MODELS, SCALES, build
-from xgrad.torch_backend.ddp_bench_rows import CaseResult, rows_table, table
-from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios
+from xgrad.torch_backend.ddp_bench_rows import CaseSample, pooled, rows_table, table
 from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 from xgrad.torch_backend.spawn import spawn
 
@@ -37,6 +38,10 @@ HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
 
 #: timed (rounds, iterations per round) and warm-up steps when not given, per scale.
 _STEPS = {"full": (12, 10, 4), "tiny": (2, 3, 1)}
+
+#: launches of fresh processes per case when not given, per scale; the rounds are split
+#: between them (``ddp_bench_stats``: why one launch cannot judge a row).
+_LAUNCHES = {"full": 2, "tiny": 1}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
     )
-    parser.add_argument("--rounds", type=int, help="alternations per case (full 12, tiny 2)")
+    parser.add_argument(
+        "--rounds", type=int, help="alternations per case, over all launches (full 12, tiny 2)"
+    )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        help="runs of fresh processes per case, the rounds split between them (full 2, tiny 1)",
+    )
     parser.add_argument(
         "--iters", type=int, help="timed steps per round and side (full 10, tiny 3)"
     )
@@ -79,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     for label, least in (
         ("world_size", 2),
         ("rounds", 1),
+        ("launches", 1),
         ("iters", 1),
         ("warmup", 0),
         ("threads", 1),
@@ -89,36 +102,50 @@ def run(args: argparse.Namespace) -> int:
     if args.wide_world_size == 1 or args.wide_world_size < 0:
         raise ValueError(f"--wide-world-size must be 0 (none) or >= 2, got {args.wide_world_size}")
     rounds, iters, warmup = _STEPS[args.scale]
+    rounds = rounds if args.rounds is None else args.rounds
+    launches = _LAUNCHES[args.scale] if args.launches is None else args.launches
+    if launches > rounds:
+        raise ValueError(
+            f"--launches {launches} needs at least as many rounds to split, got --rounds {rounds}"
+        )
     settings = {
         "models": models,
-        "rounds": rounds if args.rounds is None else args.rounds,
         "iters": iters if args.iters is None else args.iters,
         "warmup": warmup if args.warmup is None else args.warmup,
         "scale": args.scale,
         "find_unused": {"both": (False, True), "no": (False,), "yes": (True,)}[args.find_unused],
     }
-    rows = spawn(
-        _bench, args.world_size, args=(settings,), timeout=args.timeout, num_threads=args.threads
-    )[0]
+    wide = settings | {"models": models[:1], "find_unused": (False,)}
+    runs = [(args.world_size, settings)]
     if args.wide_world_size:
-        wide = settings | {"models": models[:1], "find_unused": (False,)}
-        rows += spawn(
-            _bench,
-            args.wide_world_size,
-            args=(wide,),
-            timeout=args.timeout,
-            num_threads=args.threads,
-        )[0]
-    results = [CaseResult(**r) for r in rows]
+        runs.append((args.wide_world_size, wide))
+    samples: dict[tuple[int, tuple[str, bool, int]], list[CaseSample]] = {}
+    # Launch after launch, every world size in each, so a slow spell of the machine
+    # falls on one launch of many cases rather than on every launch of one case.
+    for k in range(launches):
+        share = {"rounds": rounds // launches + (k < rounds % launches)}
+        for j, (world, case_settings) in enumerate(runs):
+            for row in spawn(
+                _bench,
+                world,
+                args=(case_settings | share,),
+                timeout=args.timeout,
+                num_threads=args.threads,
+            )[0]:
+                sample = CaseSample(**row)
+                samples.setdefault((j, sample.case), []).append(sample)
+    results = [pooled(group) for group in samples.values()]
     steps = sorted({r.steps for r in results})
     head = (
         f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
-        f"{'/'.join(map(str, steps))} timed steps per side (each alternated with the other "
-        "side and with the bare model); time ratio = median over those turns of xgrad step "
-        "/ torch step in the same turn [95% interval of that median]; target: ratio <= 1.00 "
-        "(met: the whole interval is; noise: 1.00 is inside it); CPU ratio = median CPU "
-        "of the whole process per xgrad step / per torch step; "
-        "µs/grad = (DDP step - bare step) / tensors"
+        f"{'/'.join(map(str, steps))} timed steps per side over {launches} launch(es) of "
+        "fresh processes (each step alternated with the other side and with the bare "
+        "model); time ratio = median over those turns of xgrad step / torch step in the "
+        "same turn [95% interval of that median]; launches = each launch's own median; "
+        "target: ratio <= 1.00 (met: every launch's own 95% interval is at most 1.00; "
+        "missed: every launch's is above; noise: otherwise, 1.00 inside one or the "
+        "launches disagree); CPU ratio = median CPU of the whole process per xgrad step / "
+        "per torch step; µs/grad = (DDP step - bare step) / tensors"
     )
     print_tables(args, [rows_table(results)], head + "\n" + table(results))
     return 0
@@ -205,31 +232,23 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             for key in ("xgrad", "torch"):
                 _measure_peak(sides[key], x, y, meter)
             hook = _hook_seconds(sides["xgrad"], x, y)
-            # Turn i timed both DDP steps under the same load: their ratio, then the median.
-            low, mid, high = median_interval(
-                paired_ratios(sides["xgrad"].times, sides["torch"].times)
-            )
             params = list(base.parameters())
             rows.append(
                 asdict(
-                    CaseResult(
+                    CaseSample(
                         model=name,
                         find_unused=find_unused,
+                        world=world,
                         tensors=len(params),
                         parameters=sum(p.numel() for p in params),
-                        xgrad_step=statistics.median(sides["xgrad"].times),
-                        torch_step=statistics.median(sides["torch"].times),
+                        xgrad_times=tuple(sides["xgrad"].times),
+                        torch_times=tuple(sides["torch"].times),
+                        local_times=tuple(sides["local"].times),
+                        xgrad_cpu=tuple(sides["xgrad"].cpu),
+                        torch_cpu=tuple(sides["torch"].cpu),
                         xgrad_memory=sides["xgrad"].construction + sides["xgrad"].peak,
                         torch_memory=sides["torch"].construction + sides["torch"].peak,
                         hook_seconds=hook,
-                        world=world,
-                        steps=len(sides["xgrad"].times),
-                        local_step=statistics.median(sides["local"].times),
-                        paired_ratio=mid,
-                        ratio_low=low,
-                        ratio_high=high,
-                        xgrad_cpu=statistics.median(sides["xgrad"].cpu),
-                        torch_cpu=statistics.median(sides["torch"].cpu),
                     )
                 )
             )

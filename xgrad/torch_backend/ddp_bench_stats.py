@@ -9,6 +9,12 @@ alike (the median of the reciprocals is the reciprocal of the median), so neithe
 is favoured by the choice of numerator. Its 95% interval comes from order statistics
 (distribution-free: no assumption about how step times spread, no random resampling),
 so a reader sees whether 1.00 lies inside the noise of one run.
+
+One run is not enough, though: turns within one launch of processes share what the
+launch drew (process placement, allocator layout, ports), and two launches of the same
+code have given 1.058 [1.024, 1.084] and 0.994 [0.960, 1.034]. So the bench runs each
+case in several launches and :func:`verdict` judges the launches one by one: a verdict
+is printed only when every launch alone would print it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["median_interval", "paired_ratios"]
+__all__ = ["median_interval", "paired_ratios", "verdict"]
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
@@ -60,3 +66,30 @@ def median_interval(
         k += 1
     low, high = ordered[max(k - 1, 0)], ordered[n - max(k, 1)]
     return low, statistics.median(ordered), high
+
+
+def verdict(intervals: Sequence[tuple[float, float]], limit: float = 1.0) -> str:
+    """``met`` / ``missed`` / ``noise``: each launch's ``(low, high)`` interval against ``limit``.
+
+    ``met`` when every launch's interval lies at or below ``limit``, ``missed`` when every
+    one lies above it, otherwise ``noise``. Why not the pooled interval: pooling treats
+    the turns of all launches as independent, yet the turns of one launch share its
+    draw, so the pooled interval narrows with more turns while the drift between
+    launches stays; it said "missed" in one launch and "noise" in the next. This rule
+    is the pooled verdict's honest form: a reader who reran the bench would have got
+    one of these launches, and the verdict printed is one every one of them gives on
+    its own (equivalently, the verdict of the union of the launches' intervals). It
+    costs sensitivity, not honesty: an interval from fewer turns is wider, so a small
+    real gain reads ``noise`` until the launches have turns enough to show it. With one
+    launch it is the verdict of that launch's interval.
+    """
+    if not intervals:
+        raise ValueError("verdict: no launch intervals")
+    bad = [(low, high) for low, high in intervals if not low <= high]
+    if bad:
+        raise ValueError(f"verdict: an interval must have low <= high, got {bad[0]}")
+    if all(high <= limit for _, high in intervals):
+        return "met"
+    if all(low > limit for low, _ in intervals):
+        return "missed"
+    return "noise"
