@@ -235,12 +235,12 @@ def _failures(rank: int, world: int) -> dict[str, Any]:
         attempt(name, body)
         out[f"after_{name}"] = [_run_graph(rank, "fan") for _ in range(3 if name == "node" else 1)]
     # The transfers failed passes left are kept until gloo is done with them, then freed.
-    from xgrad.torch_backend import dist_inbox
+    from xgrad.torch_backend import dist_graveyard
 
     time.sleep(0.5)
-    buried = len(dist_inbox.GRAVEYARD)
-    kept = dist_inbox.sweep()
-    pending = all(not work.is_completed() for work, _ in dist_inbox.GRAVEYARD)
+    buried = len(dist_graveyard.GRAVEYARD)
+    kept = dist_graveyard.sweep()
+    pending = all(not work.is_completed() for work, _ in dist_graveyard.GRAVEYARD)
     out["graveyard"] = (buried, kept, pending)
     da.EXECUTE = default
     # The same tensor in .grad, for ordinary optimizers.

@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import RankError, check_seconds
+from xgrad.torch_backend.dist_accumulate import Accumulate
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_graph import build_rank_graph
-from xgrad.torch_backend.dist_inbox import Inbox, bury_sent
-from xgrad.torch_backend.dist_pass import Accumulate, DistBackwardError, ProcessPass, end
+from xgrad.torch_backend.dist_graveyard import bury_sent
+from xgrad.torch_backend.dist_inbox import Inbox
+from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
 from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.failure import transfer_failed
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import RankError, wait_until
-from xgrad.torch_backend.dist_inbox import Inbox, bury, bury_sent
+from xgrad.torch_backend.dist_graveyard import bury, bury_sent
+from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device

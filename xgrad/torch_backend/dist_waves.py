@@ -33,8 +33,9 @@ from xgrad.dependencies import compute_dependencies
 from xgrad.engine import BackwardError, Engine, run_worker_part
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
 from xgrad.graph import BackwardGraph, NodeKind
+from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
-from xgrad.torch_backend.dist_pass import ProcessPass, leaf_hooks
+from xgrad.torch_backend.dist_pass import ProcessPass
 
 __all__ = ["WavePlan", "plan_waves", "run_pass", "run_waves"]
 
