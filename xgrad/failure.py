@@ -169,6 +169,8 @@ class KeyValueStore(Protocol):
 
     def check(self, keys: list[str]) -> bool: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 class MemoryStore:
     """A :class:`KeyValueStore` in one process's memory (threads as ranks; tests, reference)."""
@@ -194,6 +196,10 @@ class MemoryStore:
     def check(self, keys: list[str]) -> bool:
         with self._lock:
             return all(k in self._data for k in keys)
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
 
 
 class FailureChannel:

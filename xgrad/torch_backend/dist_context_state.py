@@ -221,3 +221,21 @@ class Context:
             self.channel.check()
         except RankError as exc:
             raise self.error(exc) from None
+        self.forget()
+
+    def forget(self) -> None:
+        """Delete what this clean context left in the store, so that a context per step
+        does not grow the store by a key per send and per context for the whole run.
+
+        This rank's forward headers: every one was read (every receive was made, the exit
+        barrier says). The previous context's exit counter, by the group's lowest rank:
+        every rank is past this context's barrier, so none still reads the previous one.
+        This context's own counter is left to the next (a slower rank may still read it).
+        A failed context's keys stay: a peer may still read them to answer its failure.
+        """
+        for link in self.links.values():
+            link.forget_headers()
+        if self.me == min(self.ranks) and self.seq > 1:
+            base, _, seq = self.channel.prefix.rpartition("/")
+            assert seq == str(self.seq), (self.channel.prefix, self.seq)
+            self.channel.store.delete_key(f"{base}/{self.seq - 1}/exit")
