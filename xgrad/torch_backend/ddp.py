@@ -20,10 +20,10 @@ One training step, as PyTorch's DDP does it::
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
-``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_comm_hooks``
-(communication hooks), ``ddp_stats``, ``ddp_mixed`` (mixed precision), ``ddp_delay``
-(delayed all-reduce), ``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this
-is the wrapper.
+``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_recover`` (a failed
+pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (communication hooks),
+``ddp_stats``, ``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce),
+``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from xgrad.torch_backend.ddp_checks import (
 from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
-from xgrad.torch_backend.ddp_failure import StepWatch, WatchedComm
+from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_forward import (
     check_agreement_once,
     post_forward,
@@ -64,6 +64,7 @@ from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_stats import logging_data, statistics
+from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks

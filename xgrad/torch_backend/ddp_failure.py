@@ -14,25 +14,26 @@ so an operation left pending by a failed step expires with it and
 that step's namespace at its next synchronised forward pass, drops the private group
 (whatever was left pending on it, on any rank, goes with it) and makes a fresh one: the
 next step starts in step on every rank.
+
+This module is the watch itself: the step's channel, the private group, the bounded
+waits and what a failed wait drops. The DDP's collectives issued on that group are
+:mod:`.ddp_watched_comm`'s, and what a failed backward pass leaves behind is dropped at
+the next forward pass by :mod:`.ddp_recover`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import pickle
 import threading
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.raising import raise_from
-from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
-from xgrad.torch_backend.ddp_watched import WatchedWork
 from xgrad.torch_backend.failure import (
     check_lost,
     failure_channel,
@@ -40,12 +41,10 @@ from xgrad.torch_backend.failure import (
     transfer_failed,
 )
 
-__all__ = ["StepWatch", "WatchedComm"]
+__all__ = ["StepWatch"]
 
 #: per process: DDP instances in construction order (the same on every rank).
 _instances = itertools.count()
-
-_SUM = dist.AllreduceOptions()  # ReduceOp.SUM
 
 
 def _describe(exc: BaseException) -> str:
@@ -137,25 +136,6 @@ class StepWatch:
         except Exception as exc:
             raise_from(self.post(where, exc), exc)
 
-    def start_forward(self, hooks: Any, sync: bool) -> None:
-        """At a forward pass: drop what a failed step left behind, on every rank alike.
-
-        ``hooks`` (the DDP's gradient hooks) drops a backward pass this rank saw fail;
-        a synchronised pass also starts a new step, and when the previous one failed
-        anywhere (seen in its namespace, the same on every rank) drops this rank's part
-        of it too, with a warning, and replaces the private group.
-        """
-        hooks.recover(self)
-        if not sync:
-            self.current_group()  # a lost group raises its failure again
-            return
-        failed = self.begin_step()
-        if failed is not None:
-            hooks.reducer.fail(failed.text())
-            hooks.recover(
-                self, also=f"reductions moved to a fresh process group after {failed.text()}"
-            )
-
     # ----------------------------------------------------------------- waits
 
     def wait_work(self, work: Any, what: str) -> None:
@@ -233,93 +213,3 @@ class StepWatch:
             return transfer_failed(self.channel, what, exc, None)
         except RankError as error:  # another rank's failure, posted first
             return error
-
-
-class WatchedComm(TorchComm):
-    """:class:`TorchComm` on the watch's private group, every wait through the watch.
-
-    The object collectives are built from tensor collectives (sizes, then padded bytes),
-    because ``broadcast_object_list`` and ``all_gather_object`` have no asynchronous form
-    and so could only be bounded by the group's own timeout.
-    """
-
-    def __init__(self, watch: StepWatch) -> None:
-        super().__init__(watch.user_group, timeout=watch.timeout)
-        self.watch = watch
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(watch.user_group) == "nccl"
-            else torch.device("cpu")
-        )
-
-    @property  # type: ignore[override]
-    def group(self) -> Any:
-        return self.watch.current_group()
-
-    @group.setter
-    def group(self, value: Any) -> None:  # TorchComm's constructor sets the user's group
-        pass
-
-    def _run(self, work: Any, what: str) -> None:
-        self.watch.wait_work(work, what)
-
-    def allreduce(self, buffer: torch.Tensor) -> WatchedWork:  # type: ignore[override]
-        group = self.group
-        if buffer.is_complex():  # c10d reduces complex numbers as pairs of reals
-            work = dist.all_reduce(buffer, group=group, async_op=True)
-        else:
-            # The group's own call: what PyTorch's C++ reducer calls, without the checks
-            # of ``dist.all_reduce`` (which cost as much again, and hold for a bucket).
-            work = group.allreduce([buffer], _SUM)
-        return WatchedWork(work, buffer, self.watch, f"allreduce of {buffer.numel()} elements")
-
-    def _sizes(self, n: int) -> list[int]:
-        mine = torch.tensor([n], dtype=torch.int64, device=self._device)
-        sizes = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(self.size)]
-        self._run(dist.all_gather(sizes, mine, group=self.group, async_op=True), "allgather")
-        return [int(s.item()) for s in sizes]
-
-    def _bytes(self, obj: Any, length: int) -> torch.Tensor:
-        data = pickle.dumps(obj)
-        out = torch.zeros(length, dtype=torch.uint8)
-        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return out.to(self._device)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by group rank (two watched allgathers)."""
-        sizes = self._sizes(len(pickle.dumps(obj)))
-        longest = max(sizes)
-        outs = [torch.zeros(longest, dtype=torch.uint8, device=self._device) for _ in sizes]
-        work = dist.all_gather(outs, self._bytes(obj, longest), group=self.group, async_op=True)
-        self._run(work, "allgather of objects")
-        return [
-            pickle.loads(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)
-        ]
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Group rank ``src``'s ``obj`` on every rank (two watched broadcasts)."""
-        data = pickle.dumps(obj) if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
-        work = dist.broadcast(size, group=self.group, group_src=src, async_op=True)
-        self._run(work, f"broadcast from rank {src}")
-        buf = self._bytes(obj, int(size.item())) if self.rank == src else None
-        if buf is None:
-            buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=self._device)
-        work = dist.broadcast(buf, group=self.group, group_src=src, async_op=True)
-        self._run(work, f"broadcast of an object from rank {src}")
-        return pickle.loads(buf.cpu().numpy().tobytes())
-
-    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
-        """Overwrite ``tensors`` with group rank ``src``'s values (watched, per dtype)."""
-        by_key: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_key.setdefault((t.dtype, t.device), []).append(t)
-        for members in by_key.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in members])
-            work = dist.broadcast(flat, group=self.group, group_src=src, async_op=True)
-            self._run(work, f"broadcast of buffers from rank {src}")
-            offset = 0
-            with torch.no_grad():
-                for t in members:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()

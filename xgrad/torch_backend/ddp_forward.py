@@ -21,6 +21,7 @@ from xgrad.agreement import check_agreement
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
+from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
 
@@ -40,7 +41,7 @@ def pre_forward(
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    ddp._watch.start_forward(ddp._grad_hooks, sync)
+    start_forward(ddp._watch, ddp._grad_hooks, sync)
     ddp._still_training = notify_join_context(ddp)
     if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
         ddp._agreement_pending = True

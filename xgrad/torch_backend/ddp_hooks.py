@@ -5,7 +5,8 @@ Each reduced parameter gets a post-accumulate-grad hook that hands its gradient 
 :meth:`Reducer.finalize` on the autograd engine, so the reduction ends with the pass.
 Reduced gradients come back through :meth:`GradientHooks.set_grad` (a copy, fused into
 one ``_foreach_copy_``, or the bucket view itself). Communication hooks are registered
-in :mod:`.ddp_comm_hooks`.
+in :mod:`.ddp_comm_hooks`; a pass cut short part-way is dropped at the next forward pass
+by :mod:`.ddp_recover`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import itertools
 import operator
 import threading
 import time
-import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,13 +29,10 @@ from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
+from xgrad.torch_backend.ddp_recover import UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 
 current_graph_task = torch._C._current_graph_task_id
-
-#: the DDPs of this process whose synchronised backward pass has begun and not finished
-#: (empty between good steps): one that stays here past its pass failed part-way.
-_UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
 
 
 class GradientHooks:
@@ -106,7 +102,7 @@ class GradientHooks:
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
                 self.finalize_queued = True
-                _UNFINISHED.add(self)
+                UNFINISHED.add(self)
                 if self.arrivals.enabled:
                     self._task = current_graph_task()
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
@@ -120,7 +116,7 @@ class GradientHooks:
                 self.arrivals.log.append(param)
                 return
             if self.arrivals.log:
-                self._drain()
+                self.drain()
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
@@ -128,7 +124,7 @@ class GradientHooks:
 
         return hook
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Mark the gradients whose hooks only logged them, in the order they arrived."""
         reducer = self.reducer
         assert reducer is not None
@@ -154,9 +150,9 @@ class GradientHooks:
         reducer = self.reducer
         assert reducer is not None
         if self.arrivals.log:
-            self._drain()
+            self.drain()
         self.finalize_queued = False
-        _UNFINISHED.discard(self)
+        UNFINISHED.discard(self)
         done = reducer.num_iterations
         try:
             reducer.finalize()
@@ -192,48 +188,6 @@ class GradientHooks:
         error = self.watch.post(where, exc)
         self.reducer.fail(str(error))
         return error
-
-    def recover(self, watch: StepWatch, also: str = "") -> None:
-        """At a forward pass: drop a backward pass that failed part-way, with a warning.
-
-        A pass whose final callback never ran was cut short by an exception (in a hook,
-        a comm hook, autograd): that is posted to the step's failure channel (peers still
-        waiting for this rank's buckets stop at once) and the pass marked failed. The
-        reducer then starts clean instead of blaming unused parameters for the
-        gradients that never came.
-        """
-        reducer = self.reducer
-        assert reducer is not None
-        if _UNFINISHED:
-            post_failed_passes(self)
-        rank = reducer.comm.rank
-        if self.arrivals.log:
-            # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
-            # reduction is reported by the next prepare_for_backward.
-            self._drain()
-        self.post_failed_pass(watch)
-        dropped = reducer.recover()
-        if dropped is not None or also:
-            warnings.warn(
-                f"DistributedDataParallel (rank {rank}): "
-                + "; ".join(x for x in (dropped, also) if x)
-                + "; .grad holds this rank's unreduced gradients of that pass: zero them "
-                "before the next step",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-
-    def post_failed_pass(self, watch: StepWatch) -> None:
-        """If the last synchronised backward pass began and never finished (autograd raised
-        part-way), post that to its step's failure channel: the peers waiting for this
-        rank's buckets stop at once, naming it. The reducer drops the pass at
-        :meth:`recover`."""
-        if self.finalize_queued:
-            self.finalize_queued = False
-            _UNFINISHED.discard(self)
-            error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
-            assert self.reducer is not None
-            self.reducer.fail(str(error))
 
     def lend(self, index: int, view: torch.Tensor) -> bool:
         """Make ``view`` the gradient when the old one is seen by its parameter only."""
@@ -296,21 +250,3 @@ class GradientHooks:
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
-
-
-def post_failed_passes(current: GradientHooks) -> None:
-    """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
-
-    A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
-    on with another DDP would otherwise post the failure only at the failed DDP's next
-    forward pass, while its peers wait for its buckets and it waits for them in the
-    other DDP's collectives: both until a timeout. Only the passes begun from this thread
-    are looked at, and only outside any backward pass (a forward pass run by a hook or by
-    checkpointing's recomputation is part of a pass still under way).
-    """
-    if current_graph_task() != -1:
-        return
-    me = threading.get_ident()
-    for hooks in list(_UNFINISHED):
-        if hooks is not current and hooks.forward_thread == me:
-            hooks.post_failed_pass(hooks.watch)

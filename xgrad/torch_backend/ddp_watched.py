@@ -33,7 +33,7 @@ def _hook_raised(exc: BaseException) -> bool:
 
 
 class WatchedWork:
-    """An in-flight collective of a :class:`~.ddp_failure.WatchedComm`: ``wait()`` is watched and bounded."""
+    """An in-flight collective of a :class:`~.ddp_watched_comm.WatchedComm`: ``wait()`` is watched and bounded."""
 
     __slots__ = ("_result", "_watch", "_what", "_work")
 

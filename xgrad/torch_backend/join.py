@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from xgrad.torch_backend.ddp_recover import start_forward
+
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
@@ -189,7 +191,7 @@ class DDPJoinHook(JoinHook):
             return
         # The ranks still training began a step at this forward pass: begin it here too,
         # so what fails in the shadow pass (a comm hook) is posted where they look.
-        ddp._watch.start_forward(ddp._grad_hooks, True)
+        start_forward(ddp._watch, ddp._grad_hooks, True)
         ddp._check_agreement()
         ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():

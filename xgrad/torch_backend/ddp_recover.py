@@ -1,0 +1,112 @@
+"""A backward pass cut short, dropped at the next forward pass on every rank alike.
+
+Separate from the gradient hooks (:mod:`.ddp_hooks`), which feed the reducer on a pass
+that runs to its end: this is what happens after one did not (a hook, a comm hook or
+autograd raised part-way). The failure is posted to the step's channel so that peers
+waiting for this rank's buckets stop at once, the reducer drops the pass, and a step that
+failed anywhere moves the reductions to a fresh private group (:mod:`.ddp_failure`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_failure import StepWatch
+    from xgrad.torch_backend.ddp_hooks import GradientHooks
+
+__all__ = ["UNFINISHED", "post_failed_pass", "post_failed_passes", "recover", "start_forward"]
+
+current_graph_task = torch._C._current_graph_task_id
+
+#: the DDPs of this process whose synchronised backward pass has begun and not finished
+#: (empty between good steps): one that stays here past its pass failed part-way.
+UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
+
+
+def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool) -> None:
+    """At a forward pass: drop what a failed step left behind, on every rank alike.
+
+    ``hooks`` (the DDP's gradient hooks) drops a backward pass this rank saw fail;
+    a synchronised pass also starts a new step, and when the previous one failed
+    anywhere (seen in its namespace, the same on every rank) drops this rank's part
+    of it too, with a warning, and replaces the private group.
+    """
+    recover(hooks, watch)
+    if not sync:
+        watch.current_group()  # a lost group raises its failure again
+        return
+    failed = watch.begin_step()
+    if failed is not None:
+        assert hooks.reducer is not None
+        hooks.reducer.fail(failed.text())
+        recover(
+            hooks, watch, also=f"reductions moved to a fresh process group after {failed.text()}"
+        )
+
+
+def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
+    """At a forward pass: drop a backward pass that failed part-way, with a warning.
+
+    A pass whose final callback never ran was cut short by an exception (in a hook,
+    a comm hook, autograd): that is posted to the step's failure channel (peers still
+    waiting for this rank's buckets stop at once) and the pass marked failed. The
+    reducer then starts clean instead of blaming unused parameters for the
+    gradients that never came.
+    """
+    reducer = hooks.reducer
+    assert reducer is not None
+    if UNFINISHED:
+        post_failed_passes(hooks)
+    rank = reducer.comm.rank
+    if hooks.arrivals.log:
+        # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
+        # reduction is reported by the next prepare_for_backward.
+        hooks.drain()
+    post_failed_pass(hooks, watch)
+    dropped = reducer.recover()
+    if dropped is not None or also:
+        warnings.warn(
+            f"DistributedDataParallel (rank {rank}): "
+            + "; ".join(x for x in (dropped, also) if x)
+            + "; .grad holds this rank's unreduced gradients of that pass: zero them "
+            "before the next step",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def post_failed_pass(hooks: GradientHooks, watch: StepWatch) -> None:
+    """If the last synchronised backward pass began and never finished (autograd raised
+    part-way), post that to its step's failure channel: the peers waiting for this
+    rank's buckets stop at once, naming it. The reducer drops the pass at
+    :func:`recover`."""
+    if hooks.finalize_queued:
+        hooks.finalize_queued = False
+        UNFINISHED.discard(hooks)
+        error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
+        assert hooks.reducer is not None
+        hooks.reducer.fail(str(error))
+
+
+def post_failed_passes(current: GradientHooks) -> None:
+    """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
+
+    A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
+    on with another DDP would otherwise post the failure only at the failed DDP's next
+    forward pass, while its peers wait for its buckets and it waits for them in the
+    other DDP's collectives: both until a timeout. Only the passes begun from this thread
+    are looked at, and only outside any backward pass (a forward pass run by a hook or by
+    checkpointing's recomputation is part of a pass still under way).
+    """
+    if current_graph_task() != -1:
+        return
+    me = threading.get_ident()
+    for hooks in list(UNFINISHED):
+        if hooks is not current and hooks.forward_thread == me:
+            post_failed_pass(hooks, hooks.watch)
