@@ -6,7 +6,7 @@ their own thread. Each way to wait (the caller's thread, or a thread per peer) a
 end a pass (through the leader, or every rank telling every other) gives the same
 gradients, and a failure in a node reaches every rank with the next pass working; a
 peer that dies or freezes while rank 0 waits on it and rank 1 on rank 0 is named within
-its heartbeat timeout.
+its heartbeat timeout, and the watchdog's error for a frozen peer leaves no reference cycle.
 """
 
 from __future__ import annotations
@@ -150,3 +150,56 @@ def test_a_peer_lost_during_a_wait_on_several_is_named(how: str) -> None:
         assert origin == 2
         assert elapsed < 2.0 + 8.0  # heartbeat timeout 2 s, on a loaded machine
         assert codes[rank] == 0
+
+
+def _caught_here(rank: int, world: int) -> tuple[str, list[str]]:
+    """Rank 1 freezes while rank 0 waits for its message on this thread: the watchdog's
+    error, raised by ``wait_here``; and what that left for the garbage collector once the
+    watchdog thread is gone (while it lives, its last wait may still be referenced)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from test_torch_cycles import _describe, _is_xgrads, _pieces
+
+    from xgrad.failure import RankError
+    from xgrad.torch_backend import dist_watch
+    from xgrad.torch_backend.failure import failure_channel
+
+    os.environ.update(FAST_HEARTBEAT)
+    channel = failure_channel(None, "caught-here")
+    dist.barrier()  # both heartbeats seen before rank 1 stops
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    pg = dist.distributed_c10d._get_default_group()
+    work = pg.recv([torch.empty(1)], 1, 0)
+    dist_watch._WATCHDOG.IDLE_EXIT = 0.0  # the thread ends at its next idle poll
+    gc.collect()
+    gc.disable()
+    gc.freeze()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        try:
+            dist_watch.wait_here(work, channel, pg, 1, 20.0, "recv from rank 1", 1)
+            msg = "no error"
+        except RankError as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+        watchdog = dist_watch._WATCHDOG._thread
+        if watchdog is not None:
+            watchdog.join(5.0)
+        gc.collect()
+        ours = [_describe(p) for p in _pieces(gc.garbage) if any(map(_is_xgrads, p))]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    return msg, ours
+
+
+def test_a_frozen_peer_caught_by_the_watchdog_leaves_no_cycle() -> None:
+    results, _ = run_ranks(_caught_here, 2, timeout=60, frozen=[1])
+    status, value = results[0]
+    assert status == "ok", value
+    msg, garbage = value
+    assert msg.startswith("RankUnresponsiveError: rank 1: stopped answering"), msg
+    assert garbage == [], garbage

@@ -33,6 +33,7 @@ from typing import Any, TypeAlias
 import torch
 
 from xgrad.failure import FailureChannel, RankError, RankUnresponsiveError, default_seconds
+from xgrad.raising import raise_from
 from xgrad.torch_backend.dist_wire import SEVER, tag
 from xgrad.torch_backend.failure import transfer_failed
 
@@ -66,6 +67,14 @@ class _Watch:
         self.since = time.monotonic()
         self.error: RankError | None = None
         self.thread = threading.get_ident()
+
+    def take_error(self) -> RankError:
+        """The watchdog's error, no longer held here: the waiting frame that raises it
+        holds this watch, and would hold the error from its own traceback (a cycle; see
+        :mod:`xgrad.raising`)."""
+        error, self.error = self.error, None
+        assert error is not None
+        return error
 
 
 class _Watchdog:
@@ -150,10 +159,10 @@ def wait_here(
         waited = time.monotonic() - watch.since
         _WATCHDOG.end()
         if watch.error is not None:
-            raise watch.error from exc
+            raise_from(watch.take_error(), exc)
         if waited >= timeout - 0.01:
             raise channel.timed_out(text(what), timeout) from exc
         raise transfer_failed(channel, text(what), exc, peer) from exc
     _WATCHDOG.end()
     if watch.error is not None:  # it landed as the watchdog closed the group
-        raise watch.error
+        raise watch.take_error()
