@@ -105,6 +105,7 @@ def _sequence(rank: int, world: int) -> list[dict[str, Any]]:
                 record["origin"] = getattr(exc, "rank", None)
         record["seconds"] = time.monotonic() - start
         record["warning"] = " | ".join(str(w.message) for w in caught)
+        record["warned_at"] = sorted({w.filename for w in caught})
         out.append(record)
     return out
 
@@ -138,6 +139,8 @@ def test_a_failure_on_every_rank_names_one_and_the_next_step_warns_what_was_drop
     for steps in sequence.values():
         assert "in comm hook, bucket 0: ValueError: boom in hook" in steps[5]["error"]
         assert "iteration" in steps[6]["warning"] and "dropped" in steps[6]["warning"]
+        # At the user's ddp(x) line, not inside torch's Module.__call__ or xgrad.
+        assert steps[6]["warned_at"] == [__file__], steps[6]["warned_at"]
 
 
 def test_a_users_backward_hook_failing_on_one_rank_is_named_and_bounded(sequence: Any) -> None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xgrad.callers import user_stacklevel
+
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
@@ -77,7 +79,7 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
             + "; .grad holds this rank's unreduced gradients of that pass: zero them "
             "before the next step",
             RuntimeWarning,
-            stacklevel=5,
+            stacklevel=user_stacklevel(),
         )
 
 
