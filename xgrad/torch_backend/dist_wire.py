@@ -201,16 +201,11 @@ class Link:
         self._reply_slot = HEADER_BYTES + max(replies, default=0)
         self._replies_left = len(replies)
 
-    def post_backward(self, sizes: Sequence[int]) -> list[tuple[Any, torch.Tensor]]:
-        """Post a pass's receives from the peer: one per expected gradient, then its "done".
-
-        ``sizes``: payload bytes of each expected gradient (the tensors this rank sent the
-        peer that require grad). Returns ``(work, buffer)`` in the order they will complete.
-        """
-        return [*self.post_gradients(sizes), self.post_done()]
-
     def post_gradients(self, sizes: Sequence[int]) -> list[tuple[Any, torch.Tensor]]:
-        """Post the receives of the peer's gradient messages (see :meth:`post_backward`)."""
+        """Post the receives of the peer's gradient messages, one per expected gradient
+        (:meth:`post_done` posts its "done" apart). ``sizes``: payload bytes of each (the
+        tensors this rank sent the peer that require grad). Returns ``(work, buffer)`` in
+        the order they will complete."""
         slot = HEADER_BYTES + max(sizes, default=0)
         return [self._post(slot, GRADIENTS) for _ in sizes]
 
