@@ -33,6 +33,7 @@ from xgrad.torch_backend.pipeline_edges import (
 )
 from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
+from xgrad.torch_backend.pipeline_lanes import default_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
@@ -147,13 +148,14 @@ class PipelineRuntime(StepGroups, StagePasses):
             check_data_parallel(self.schedule, self.rank)
         self._edges = EdgeCache()
         self._agreed = False
-        self._p2p: Any = None
+        self._p2p: tuple[Any, ...] | None = None
+        self._lanes = default_lanes(dist.get_world_size(group))
         self._channel: FailureChannel | None = None
         self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
         self._p2p_ranks: list[int] = []
         # A failed step's group and wire (its transfers), until the group is aborted.
-        self._dying: tuple[Any, StepWire | None] | None = None
+        self._dying: tuple[tuple[Any, ...], StepWire | None] | None = None
         self._actions = list(expand(self.schedule.actions[self.rank]))
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
@@ -213,6 +215,7 @@ class PipelineRuntime(StepGroups, StagePasses):
             slot = slots.get((stage, mb))
             return None if slot is None else slot.grad_shapes
 
+        assert self._p2p is not None  # made by _open_step
         self._wire = StepWire(
             sched,
             self.rank,

@@ -66,8 +66,8 @@ class StepWire(EdgeBook):
 
     Args:
         schedule: the validated schedule (with comms); ``rank`` this rank.
-        group: the private group of the step's transfers; ``ranks[r]`` is schedule rank
-            r's rank in it.
+        groups: the private groups (lanes, see ``pipeline_lanes``) of the step's
+            transfers; ``ranks[r]`` is schedule rank r's rank in them.
         tag: this step's tag base; ``edges`` the descriptions carried last per edge (from
             the previous step: what receives are posted for).
         channel: the step's failure channel; ``timeout`` bounds every wait.
@@ -81,7 +81,7 @@ class StepWire(EdgeBook):
         self,
         schedule: Schedule,
         rank: int,
-        group: Any,
+        groups: Sequence[Any],
         ranks: Sequence[int],
         tag: int,
         edges: EdgeCache,
@@ -91,7 +91,7 @@ class StepWire(EdgeBook):
         grad_shapes: Callable[[int, int], Shapes | None],
         window: int,
     ) -> None:
-        super().__init__(schedule, rank, group, ranks, tag, channel, timeout, device)
+        super().__init__(schedule, rank, groups, ranks, tag, channel, timeout, device)
         self._edges, self._grad_shapes, self._window = edges, grad_shapes, window
         self._start = {e: edges.last(("in", *e)) for e in self._in_edges()}
         self._start.update({e: edges.last(("out", *e)) for e in self._out_edges()})

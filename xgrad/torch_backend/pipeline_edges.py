@@ -24,6 +24,7 @@ from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
 from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_lanes import lane_of
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_wire import retire
 
@@ -66,14 +67,16 @@ class EdgeBook:
         self,
         schedule: Schedule,
         rank: int,
-        group: Any,
+        groups: Sequence[Any],
         ranks: Sequence[int],
         tag: int,
         channel: FailureChannel,
         timeout: float,
         device: Callable[[int], torch.device],
     ) -> None:
-        self.schedule, self.rank, self.group, self._ranks = schedule, rank, group, list(ranks)
+        self.schedule, self.rank, self._ranks = schedule, rank, list(ranks)
+        self.group, self._groups = groups[0], list(groups)
+        self._routes: dict[Edge, tuple[Any, int]] = {}  # edge -> (lane's group, peer in it)
         self.channel, self.timeout = channel, timeout
         self._tag, self._device = tag, device
         self._remaining = self._count_sends()  # (s, t, dir) -> messages still to send
@@ -90,7 +93,7 @@ class EdgeBook:
         # from stage 0 to itself, which no step has.
         first = min(schedule.stages_of(rank))
         self.closing = StepClose(
-            group,
+            self.group,
             self._ranks,
             rank,
             self._tag_of((0, 0, 0), False),
@@ -142,11 +145,23 @@ class EdgeBook:
         s, t, d = edge
         return (((self._tag * n + s) * n + t) * 2 + d) * 2 + int(side)
 
+    def _route(self, edge: Edge) -> tuple[Any, int]:
+        """The group (the lane of the edge's direction) and the peer's rank in it."""
+        route = self._routes.get(edge)
+        if route is None:
+            s, t, d = edge
+            ends = (self.schedule.placement[s], self.schedule.placement[t])
+            sender, receiver = ends if d == 0 else ends[::-1]
+            group = self._groups[lane_of(sender, receiver, len(self._groups))]
+            route = self._routes[edge] = (group, self._ranks[self._peer(edge)])
+        return route
+
     def _send_one(
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> int:
         """Post one send: its key in ``_sends`` (whose work holds the tensor until done)."""
-        work = self.group.send([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+        group, peer = self._route(edge)
+        work = group.send([tensor], peer, self._tag_of(edge, side))
         key = next(self._keys)
         self._sends[key] = (work, tensor)
         return key
@@ -154,7 +169,8 @@ class EdgeBook:
     def _recv_one(
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> Any:
-        return self.group.recv([tensor], self._ranks[self._peer(edge)], self._tag_of(edge, side))
+        group, peer = self._route(edge)
+        return group.recv([tensor], peer, self._tag_of(edge, side))
 
     def _expecting(self, peer: int, receive: Action, keys: list[int]) -> None:
         """Sends ``keys`` are matched by ``peer``'s ``receive`` (posted ahead by it)."""
@@ -255,9 +271,12 @@ def next_step(group: Any) -> int:
     return next(_steps.setdefault(name, itertools.count(1)))
 
 
-def wait_all_started(channel: FailureChannel, members: Sequence[int], timeout: float) -> None:
-    """Before a step makes its private group: every rank of ``members`` started the step
-    (global ranks), or one of them posted a failure to it, raised here.
+def wait_all_started(
+    channel: FailureChannel, members: Sequence[int], timeout: float, lanes: int = 1
+) -> list[int]:
+    """Before a step makes its private groups: every rank of ``members`` started the step
+    (global ranks), or one of them posted a failure to it, raised here. Returns each
+    member's ``lanes`` (the groups it is about to make, see ``pipeline_lanes``).
 
     ``dist.new_group`` waits for its members with no way to be told otherwise, so a rank
     whose step fails before the group (a batch it cannot split) would leave its peers
@@ -265,7 +284,7 @@ def wait_all_started(channel: FailureChannel, members: Sequence[int], timeout: f
     and the peers, waiting here, raise its error.
     """
     store, prefix = channel.store, channel.prefix
-    store.set(f"{prefix}/started/{channel.rank}", b"1")
+    store.set(f"{prefix}/started/{channel.rank}", str(lanes).encode())
     keys = [f"{prefix}/started/{r}" for r in members]
     wait_until(
         lambda: store.check(keys),  # a lookup: a FileStore appends every write
@@ -273,6 +292,7 @@ def wait_all_started(channel: FailureChannel, members: Sequence[int], timeout: f
         timeout=timeout,
         what="the start of the step (every rank calls step)",
     )
+    return [int(store.get(key)) for key in keys]
 
 
 def step_tag(index: int, stages: int) -> int:

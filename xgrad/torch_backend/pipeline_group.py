@@ -20,6 +20,7 @@ from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import abort_set_aside, set_aside, wait_all_started
+from xgrad.torch_backend.pipeline_lanes import check_lanes, open_lanes
 from xgrad.torch_backend.pipeline_stage_base import StageState
 from xgrad.torch_backend.pipeline_wire import EdgeCache
 
@@ -31,10 +32,11 @@ class StepGroups(StageState):
 
     _edges: EdgeCache
     _agreed: bool
-    _p2p: Any
+    _p2p: tuple[Any, ...] | None  # the step's lanes (private groups), lane 0 first
     _p2p_ranks: list[int]
+    _lanes: int
     _lost: Failure | None
-    _dying: tuple[Any, StepWire | None] | None
+    _dying: tuple[tuple[Any, ...], StepWire | None] | None
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
@@ -52,25 +54,28 @@ class StepGroups(StageState):
             if self._p2p is None
             else []
         )
-        started = False
+        counts: list[int] | None = None
         if self._dying is not None:
             # The failed step's group, aborted once no peer can still need its poison:
             # every peer started this step (so it left the failed one), or one is lost.
             # Not once every poison was taken: a peer that raised on the first takes no
             # other, and those sends would hold this step for the whole timeout.
             if self._lost is None:
-                wait_all_started(channel, members, self.timeout)
-                started = True
-            abort_set_aside(self._dying[0])
+                counts = wait_all_started(channel, members, self.timeout, self._lanes)
+            for group in self._dying[0]:
+                abort_set_aside(group)
             self._dying = None
         check_lost(channel, self._lost)  # before a new group waits on a lost rank
         self._lost = None
         if self._p2p is None:
-            # Sends and receives go through a private group of the pipeline's ranks.
-            if not started:
-                wait_all_started(channel, members, self.timeout)
-            self._p2p = dist.new_group(members, use_local_synchronization=True)
-            self._p2p_ranks = [dist.get_group_rank(self._p2p, g) for g in members]
+            # Sends and receives go through private groups of the pipeline's ranks (one
+            # per direction where the cores allow: pipeline_lanes), made once every rank
+            # showed it makes as many.
+            if counts is None:
+                counts = wait_all_started(channel, members, self.timeout, self._lanes)
+            lanes = check_lanes(counts, self.rank)
+            self._p2p = open_lanes(members, lanes)
+            self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
             # everywhere; a hang on a schedule one rank does not share is ruled out.
@@ -108,7 +113,8 @@ class StepGroups(StageState):
         self._agreed = False
         if self._p2p is not None:
             self._dying = (self._p2p, wire)
-            set_aside(self._p2p)
+            for group in self._p2p:
+                set_aside(group)
             self._p2p = None
         for waiter in self._waiters:
             waiter.close()

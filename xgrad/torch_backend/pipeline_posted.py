@@ -10,8 +10,9 @@ order, stopping at a gradient's receive whose forward has not run yet), and a me
 sent at a known action. So a message that arrives from a peer proves which receives that
 peer had posted when it sent it, and the sends those receives match can be awaited on
 the caller's thread without blocking on the peer's compute (the peer's "ready" went out
-on the same connection before the message that proved it). No thread, no guess: the
-copies are freed at the first message back from that peer that proves the receive.
+before the message that proved it: on the same connection, or with two lanes on the
+other one, where it takes a message's latency at most). No thread, no guess: the copies
+are freed at the first message back from that peer that proves the receive.
 
 Every rank must use the same ``post_ahead`` (the runtime's default): the knowledge is
 computed with this rank's window.
