@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
-from xgrad.pipeline import Action, Invocation, Kind, Schedule, expand
+from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.pipeline_args import (
     check_settings,
@@ -39,6 +39,7 @@ from xgrad.torch_backend.pipeline_recompute import (
     CHECKPOINT_MODES,
     check_data_parallel,
 )
+from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
@@ -156,7 +157,8 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._p2p_ranks: list[int] = []
         # A failed step's group and wire (its transfers), until the group is aborted.
         self._dying: tuple[tuple[Any, ...], StepWire | None] | None = None
-        self._actions = list(expand(self.schedule.actions[self.rank]))
+        self._route = WirePlan.of(self.schedule, self.rank)
+        self._actions = self._route.actions
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
         self.post_ahead = 8
@@ -215,24 +217,7 @@ class PipelineRuntime(StepGroups, StagePasses):
             slot = slots.get((stage, mb))
             return None if slot is None else slot.grad_shapes
 
-        assert self._p2p is not None  # made by _open_step
-        self._wire = StepWire(
-            sched,
-            self.rank,
-            self._p2p,
-            self._p2p_ranks,
-            self._tag,
-            self._edges,
-            channel,
-            self.timeout,
-            self._device,
-            grad_shapes,
-            self.post_ahead,
-        )
-        if self.release_sends == "posted":
-            if self._plan is None or self._plan.window != self.post_ahead:
-                self._plan = PostedPlan(sched, self.post_ahead)
-            self._wire.posted = self._plan
+        self._wire = self._new_wire(channel, grad_shapes)
         action: Action | None = None
         wire = self._wire
         split = early is not None

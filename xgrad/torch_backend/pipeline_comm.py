@@ -40,11 +40,12 @@ from typing import Any, cast
 import torch
 
 from xgrad.failure import FailureChannel
-from xgrad.pipeline import Action, Kind, Schedule, expand
+from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import transfer_failed
 from xgrad.torch_backend.pipeline_close import poisoned
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
 from xgrad.torch_backend.pipeline_frame import frame_of, none_code, with_nones
+from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_wire import (
     Description,
     EdgeCache,
@@ -65,6 +66,7 @@ class StepWire(EdgeBook):
     """The sends and receives of one rank in one step (made fresh for every step).
 
     Args:
+        plan: what the step needs of the schedule (the same every step).
         schedule: the validated schedule (with comms); ``rank`` this rank.
         groups: the private groups (lanes, see ``pipeline_lanes``) of the step's
             transfers; ``ranks[r]`` is schedule rank r's rank in them.
@@ -79,6 +81,7 @@ class StepWire(EdgeBook):
 
     def __init__(
         self,
+        plan: WirePlan,
         schedule: Schedule,
         rank: int,
         groups: Sequence[Any],
@@ -91,13 +94,11 @@ class StepWire(EdgeBook):
         grad_shapes: Callable[[int, int], Shapes | None],
         window: int,
     ) -> None:
-        super().__init__(schedule, rank, groups, ranks, tag, channel, timeout, device)
+        super().__init__(plan, schedule, rank, groups, ranks, tag, channel, timeout, device)
         self._edges, self._grad_shapes, self._window = edges, grad_shapes, window
-        self._start = {e: edges.last(("in", *e)) for e in self._in_edges()}
-        self._start.update({e: edges.last(("out", *e)) for e in self._out_edges()})
-        self._actions = list(expand(schedule.actions[rank]))
-        self._recvs = [(i, a) for i, a in enumerate(self._actions) if a.kind.is_comm]
-        self._recvs = [(i, a) for i, a in self._recvs if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        self._start = {e: edges.last(("in", *e)) for e in plan.in_edges}
+        self._start.update({e: edges.last(("out", *e)) for e in plan.out_edges})
+        self._recvs = plan.recvs
         self._next = 0  # next receive action to post
         self._posted: dict[tuple[int, int, int], list[Incoming]] = {}  # (s, t, dir) -> FIFO
         self._posted_actions: set[Action] = set()
@@ -166,6 +167,7 @@ class StepWire(EdgeBook):
             raise RuntimeError(f"{what}: no receive was posted")
         msg = queue.pop(0)
         peer = self._peer(edge)
+        self.closing.post()  # idle now, unless the header is there already
         self._wait(msg.works[0], f"{what} (header)", peer)
         code, got = msg.frame.header(msg.buffers)
         if code == POISON:

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, wait_until
-from xgrad.pipeline import Action, Kind, Schedule, expand
+from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
 from xgrad.torch_backend.pipeline_frame import Frame
-from xgrad.torch_backend.pipeline_lanes import lane_of
 from xgrad.torch_backend.pipeline_posted import PostedPlan
+from xgrad.torch_backend.pipeline_route import Edge, WirePlan
 from xgrad.torch_backend.pipeline_wire import retire
 
 __all__ = [
@@ -45,8 +45,6 @@ POISON = -1
 #: seconds the step's last sends are awaited before the wait also watches the channel.
 _QUICK = 0.05
 
-Edge = tuple[int, int, int]  # (source stage, consumer stage, 0 forward / 1 backward)
-
 
 class Incoming:
     """One expected message: its frame and the buffers (and receives) posted for it."""
@@ -65,6 +63,7 @@ class EdgeBook:
 
     def __init__(
         self,
+        plan: WirePlan,
         schedule: Schedule,
         rank: int,
         groups: Sequence[Any],
@@ -75,11 +74,15 @@ class EdgeBook:
         device: Callable[[int], torch.device],
     ) -> None:
         self.schedule, self.rank, self._ranks = schedule, rank, list(ranks)
-        self.group, self._groups = groups[0], list(groups)
-        self._routes: dict[Edge, tuple[Any, int]] = {}  # edge -> (lane's group, peer in it)
+        self.plan, self.group = plan, groups[0]
+        # Per edge the group of its direction's lane and the peer's rank in it.
+        up = 1 if len(groups) > 1 else 0
+        self._routes = {
+            e: (groups[up if e in plan.upstream else 0], ranks[q]) for e, q in plan.peers.items()
+        }
         self.channel, self.timeout = channel, timeout
         self._tag, self._device = tag, device
-        self._remaining = self._count_sends()  # (s, t, dir) -> messages still to send
+        self._remaining = dict(plan.sends)  # (s, t, dir) -> messages still to send
         # Posted sends not yet waited, with their tensors (a gloo send must be waited once:
         # a second wait blocks for a next send); per (stage, consumer, mb) a forward's.
         self._sends: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -89,8 +92,8 @@ class EdgeBook:
         #: this rank's sends lets those sends be awaited at once (see pipeline_posted).
         self.posted: PostedPlan | None = None
         self._unproven: list[tuple[int, int, list[int]]] = []  # (peer, its receive, keys)
-        # The end-of-step exchange, its receives posted now; its tag is that of the edge
-        # from stage 0 to itself, which no step has.
+        # The end-of-step exchange (its receives posted at the first wait, in _arrive, or
+        # at its run); its tag is that of the edge from stage 0 to itself, which no step has.
         first = min(schedule.stages_of(rank))
         self.closing = StepClose(
             self.group,
@@ -103,37 +106,9 @@ class EdgeBook:
             POISON,
         )
 
-    def _in_edges(self) -> list[tuple[int, int]]:
-        sched, out = self.schedule, []
-        for t in sched.stages_of(self.rank):
-            out += [(s, t) for s in sched.sources(t) if sched.placement[s] != self.rank]
-        return out
-
-    def _out_edges(self) -> list[tuple[int, int]]:
-        sched, out = self.schedule, []
-        for s in sched.stages_of(self.rank):
-            out += [(s, t) for t in sched.consumers(s) if sched.placement[t] != self.rank]
-        return out
-
-    def _count_sends(self) -> dict[tuple[int, int, int], int]:
-        sched = self.schedule
-        counts: dict[tuple[int, int, int], int] = {}
-        for a in expand(self.schedule.actions[self.rank]):
-            if a.kind is Kind.SEND_F:
-                edges = [(a.stage, t, 0) for t in sched.consumers(a.stage)]
-            elif a.kind is Kind.SEND_B:
-                edges = [(s, a.stage, 1) for s in sched.sources(a.stage)]
-            else:
-                continue
-            for s, t, d in edges:
-                if sched.placement[s] != sched.placement[t]:
-                    counts[(s, t, d)] = counts.get((s, t, d), 0) + 1
-        return counts
-
-    def _peer(self, edge: tuple[int, int, int]) -> int:
+    def _peer(self, edge: Edge) -> int:
         """The schedule rank at the other end of ``edge``."""
-        a, b = self.schedule.placement[edge[0]], self.schedule.placement[edge[1]]
-        return b if a == self.rank else a
+        return self.plan.peers[edge]
 
     def _local_device(self, edge: tuple[int, int, int]) -> torch.device:
         """The device of this rank's end of ``edge``."""
@@ -145,22 +120,11 @@ class EdgeBook:
         s, t, d = edge
         return (((self._tag * n + s) * n + t) * 2 + d) * 2 + int(side)
 
-    def _route(self, edge: Edge) -> tuple[Any, int]:
-        """The group (the lane of the edge's direction) and the peer's rank in it."""
-        route = self._routes.get(edge)
-        if route is None:
-            s, t, d = edge
-            ends = (self.schedule.placement[s], self.schedule.placement[t])
-            sender, receiver = ends if d == 0 else ends[::-1]
-            group = self._groups[lane_of(sender, receiver, len(self._groups))]
-            route = self._routes[edge] = (group, self._ranks[self._peer(edge)])
-        return route
-
     def _send_one(
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> int:
         """Post one send: its key in ``_sends`` (whose work holds the tensor until done)."""
-        group, peer = self._route(edge)
+        group, peer = self._routes[edge]
         work = group.send([tensor], peer, self._tag_of(edge, side))
         key = next(self._keys)
         self._sends[key] = (work, tensor)
@@ -169,7 +133,7 @@ class EdgeBook:
     def _recv_one(
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> Any:
-        group, peer = self._route(edge)
+        group, peer = self._routes[edge]
         return group.recv([tensor], peer, self._tag_of(edge, side))
 
     def _expecting(self, peer: int, receive: Action, keys: list[int]) -> None:

@@ -11,6 +11,7 @@ that owns that group; the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -19,8 +20,14 @@ from xgrad.failure import Failure, FailureChannel, RankError
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.pipeline_comm import StepWire
-from xgrad.torch_backend.pipeline_edges import abort_set_aside, set_aside, wait_all_started
+from xgrad.torch_backend.pipeline_edges import (
+    abort_set_aside,
+    set_aside,
+    wait_all_started,
+)
 from xgrad.torch_backend.pipeline_lanes import check_lanes, open_lanes
+from xgrad.torch_backend.pipeline_posted import PostedPlan
+from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_stage_base import StageState
 from xgrad.torch_backend.pipeline_wire import EdgeCache
 
@@ -37,6 +44,11 @@ class StepGroups(StageState):
     _lanes: int
     _lost: Failure | None
     _dying: tuple[tuple[Any, ...], StepWire | None] | None
+    _route: WirePlan
+    _tag: int
+    _plan: PostedPlan | None
+    post_ahead: int
+    release_sends: str
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
@@ -91,6 +103,33 @@ class StepGroups(StageState):
             )
             self._agreed = True
         return channel
+
+    def _new_wire(
+        self, channel: FailureChannel, grad_shapes: Callable[[int, int], Any]
+    ) -> StepWire:
+        """The step's wire on the lanes :meth:`_open_step` made; with ``release_sends``
+        "posted", told which receives the peers posted when (computed once per window)."""
+        if self._p2p is None:
+            raise RuntimeError(f"rank {self.rank}: the step's private groups are not open")
+        wire = StepWire(
+            self._route,
+            self.schedule,
+            self.rank,
+            self._p2p,
+            self._p2p_ranks,
+            self._tag,
+            self._edges,
+            channel,
+            self.timeout,
+            self._device,
+            grad_shapes,
+            self.post_ahead,
+        )
+        if self.release_sends == "posted":
+            if self._plan is None or self._plan.window != self.post_ahead:
+                self._plan = PostedPlan(self.schedule, self.post_ahead)
+            wire.posted = self._plan
+        return wire
 
     def _pipeline_rank(self, rank: int) -> int:
         """The pipeline (group) rank of global ``rank``."""
