@@ -46,6 +46,8 @@ from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
+_SENDS = (Kind.SEND_F, Kind.SEND_B)
+
 
 class PipelineRuntime(StepGroups, StagePasses):
     """Runs this rank's part of a pipeline schedule, as an event loop over its actions.
@@ -230,7 +232,8 @@ class PipelineRuntime(StepGroups, StagePasses):
             loss = None
             self.records = []
             for i, action in enumerate(self._actions):
-                wire.advance(i)
+                if action.kind not in _SENDS:  # a send goes out before receives are posted
+                    wire.advance(i)
                 start = time.perf_counter()
                 wire.waited = 0.0
                 loss = self._perform(action, slots, xs, ys, loss)

@@ -5,14 +5,15 @@ next send), and a wait on a send whose receive is not posted yet blocks until th
 posts it: possibly after the peer waits for something this rank has yet to send. So a
 sent message's packed copy used to be held until its gradient came back. But every rank
 posts its receives in a known order (:class:`~xgrad.torch_backend.pipeline_comm.StepWire`:
-before its action ``k``, every receive of its actions before ``k + window``, in schedule
-order, stopping at a gradient's receive whose forward has not run yet), and a message is
-sent at a known action. So a message that arrives from a peer proves which receives that
-peer had posted when it sent it, and the sends those receives match can be awaited on
-the caller's thread without blocking on the peer's compute (the peer's "ready" went out
-before the message that proved it: on the same connection, or with two lanes on the
-other one, where it takes a message's latency at most). No thread, no guess: the copies
-are freed at the first message back from that peer that proves the receive.
+before its action ``k``, unless ``k`` is a send, every receive of its actions before
+``k + window``, in schedule order, stopping at a gradient's receive whose forward has not
+run yet), and a message is sent at a known action. So a message that arrives from a
+peer proves which receives that peer had posted when it sent it, and the sends those
+receives match can be awaited on the caller's thread without blocking on the peer's
+compute (the peer's "ready" went out before the message that proved it: on the same
+connection, or with two lanes on the other one, where it takes a message's latency at
+most). No thread, no guess: the copies are freed at the first message back from that
+peer that proves the receive.
 
 Every rank must use the same ``post_ahead`` (the runtime's default): the knowledge is
 computed with this rank's window.
@@ -69,7 +70,10 @@ class PostedPlan:
                     self.sent_at[a] = i
             posted, frontier = 0, []
             for k in range(len(actions)):
-                while posted < len(recvs) and recvs[posted][0] < k + window:
+                # A send goes out before the receives due at it are posted (the peer waits
+                # on the send): they are posted before the next action.
+                is_send = actions[k].kind in (Kind.SEND_F, Kind.SEND_B)
+                while not is_send and posted < len(recvs) and recvs[posted][0] < k + window:
                     a = recvs[posted][1]
                     # A gradient's receive waits for its forward (its shapes come from it).
                     if a.kind is Kind.RECV_B and forward_at.get((a.stage, a.microbatch), k) >= k:
