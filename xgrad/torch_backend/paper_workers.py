@@ -29,6 +29,14 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
+def _sleep_until(finish: float) -> None:
+    """Sleep until ``perf_counter()`` reaches ``finish`` (a time read twice may have
+    passed it in between: a negative sleep raises ``ValueError``)."""
+    left = finish - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 def overlap_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of the overlap experiment: median forward and total times per mode of
     ``cfg["modes"]`` (interleaved), the bucket count and the layers' bytes."""
@@ -49,8 +57,7 @@ def overlap_worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
             # As in DDP's hook: the link is booked at launch, the reduction runs within it.
             finish = link.reserve(flat.numel() * flat.element_size()) if link else 0.0
             dist.all_reduce(flat)
-            if finish > time.perf_counter():
-                time.sleep(finish - time.perf_counter())
+            _sleep_until(finish)
             flat /= world
             offset = 0
             for i in bucket:
