@@ -1,6 +1,6 @@
 """The step's lanes (one private group per direction): the count and the direction of a
-message, ranks that would open different counts refused by name on every rank (no hang
-in ``dist.new_group``), and a failed step on two lanes resets both so the next steps give
+message, ranks that ask for different counts all opening the fewest (no hang in
+``dist.new_group``), and a failed step on two lanes resets both so the next steps give
 the whole model's gradients (real gloo ranks)."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import xgrad.pipeline as xp  # noqa: E402
-from xgrad.agreement import DisagreementError  # noqa: E402
 from xgrad.torch_backend import pipeline_lanes  # noqa: E402
 from xgrad.torch_backend.pipeline_lanes import (  # noqa: E402
     LANES_ENV,
-    check_lanes,
+    agree_lanes,
     default_lanes,
     lane_of,
 )
@@ -51,11 +50,11 @@ def test_two_lanes_only_where_every_local_rank_has_a_cpu(monkeypatch: Any) -> No
         default_lanes(2)
 
 
-def test_lane_counts_that_differ_name_the_ranks() -> None:
-    assert check_lanes([2, 2, 2], 1) == 2
-    with pytest.raises(DisagreementError, match=r"rank 2 has '1 lane\(s\)'") as info:
-        check_lanes([2, 2, 1], 0)
-    assert info.value.what == "pipeline lanes" and info.value.ranks == [2]
+def test_every_rank_opens_the_fewest_lanes_any_rank_asked_for() -> None:
+    assert agree_lanes([2, 2, 2]) == 2
+    assert agree_lanes([2, 2, 1]) == agree_lanes([1, 2]) == 1
+    with pytest.raises(ValueError, match=r"lane counts \[2, 3\]: expected 1 or 2"):
+        agree_lanes([2, 3])
 
 
 def _setup(rank: int, world: int) -> tuple[Any, Any, Any, list[list[Any]]]:
@@ -75,37 +74,39 @@ def _setup(rank: int, world: int) -> tuple[Any, Any, Any, list[list[Any]]]:
     return parts[rank], x, y, want
 
 
-def _mismatched_lanes(rank: int, world: int) -> list[tuple[str, float]]:
-    """Rank 0 asks for one lane, rank 1 for two; two steps: per step what was raised."""
+def _mismatched_lanes(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 asks for one lane, rank 1 for two; two steps: the lanes opened, per step
+    the largest relative error of this rank's gradients against the whole model's."""
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
     os.environ[LANES_ENV] = "1" if rank == 0 else "2"
-    part, x, y, _ = _setup(rank, world)
+    part, x, y, want = _setup(rank, world)
     rt = PipelineRuntime(xp.one_f_one_b(world, M), [part], nn.functional.mse_loss, timeout=5)
-    outcome = []
+    errors = []
     for _ in range(2):
-        start = time.monotonic()
-        try:
-            rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
-            outcome.append(("ok", time.monotonic() - start))
-        except Exception as exc:
-            outcome.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
-    return outcome
+        part.zero_grad(set_to_none=True)
+        rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        errors.append(
+            max(
+                float((p.grad - w).norm() / w.norm())
+                for p, w in zip(part.parameters(), want[rank], strict=True)
+            )
+        )
+    return {"lanes": len(rt._p2p or ()), "errors": errors}
 
 
-def test_ranks_that_would_open_different_lane_counts_are_refused_on_every_rank() -> None:
+def test_ranks_that_ask_for_different_lane_counts_all_open_the_fewest() -> None:
+    """Before, such ranks were refused with a DisagreementError (and before that they
+    would have waited in a second ``dist.new_group``): one node's setting, or fewer cores
+    on one machine, is a choice of speed the pipeline can agree on."""
     from ranks import run_ranks
 
     results, codes = run_ranks(_mismatched_lanes, 2, timeout=60)
     for rank in range(2):
         status, out = results[rank]
         assert status == "ok", out
-        for text, seconds in out:
-            assert text.startswith(
-                "DisagreementError: PipelineRuntime: the ranks disagree on the pipeline lanes"
-            ), out
-            assert "rank 0 has '1 lane(s)', rank 1 has '2 lane(s)'" in text, out
-            assert seconds < 4.0, out  # refused, not the 5 s timeout (nor a hang)
+        assert out["lanes"] == 1, out
+        assert all(e < 1e-12 for e in out["errors"]), out
     assert codes == {0: 0, 1: 0}
 
 

@@ -25,7 +25,7 @@ from xgrad.torch_backend.pipeline_edges import (
     set_aside,
     wait_all_started,
 )
-from xgrad.torch_backend.pipeline_lanes import check_lanes, open_lanes
+from xgrad.torch_backend.pipeline_lanes import agree_lanes, open_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_stage_base import StageState
@@ -85,7 +85,7 @@ class StepGroups(StageState):
             # showed it makes as many.
             if counts is None:
                 counts = wait_all_started(channel, members, self.timeout, self._lanes)
-            lanes = check_lanes(counts, self.rank)
+            lanes = agree_lanes(counts)
             self._p2p = open_lanes(members, lanes)
             self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
         if not self._agreed:

@@ -13,10 +13,11 @@ the data goes one way only.
 A second group costs connections and a transport thread per rank, which pays only where
 every rank on this machine has a core of its own (``$LOCAL_WORLD_SIZE`` ranks, as
 torchrun sets it, else the pipeline's size, against the CPUs this process may use); the
-count can be set with ``$XGRAD_PIPELINE_LANES`` (1 or 2). Ranks that would open a
-different number of groups would wait in ``dist.new_group`` for ever, so the counts are
-compared before any group is made (every rank reads every count: the same
-:class:`~xgrad.agreement.DisagreementError` everywhere).
+count can be set with ``$XGRAD_PIPELINE_LANES`` (1 or 2). Ranks that opened a different
+number of groups would wait in ``dist.new_group`` for ever, so every rank reads every
+rank's count before any group is made and all open the fewest: machines with fewer cores
+than ranks, or one node's setting, make the whole pipeline use one lane (a choice of
+speed, not of correctness, so it is not refused).
 """
 
 from __future__ import annotations
@@ -27,9 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.agreement import Fingerprint, disagreement_error
-
-__all__ = ["LANES_ENV", "check_lanes", "default_lanes", "lane_of", "open_lanes"]
+__all__ = ["LANES_ENV", "agree_lanes", "default_lanes", "lane_of", "open_lanes"]
 
 #: environment variable that sets the number of lanes (1 or 2).
 LANES_ENV = "XGRAD_PIPELINE_LANES"
@@ -68,13 +67,12 @@ def lane_of(sender: int, receiver: int, lanes: int) -> int:
     return 0 if lanes == 1 or sender < receiver else 1
 
 
-def check_lanes(counts: Sequence[int], rank: int) -> int:
-    """The lane count every rank gave (``counts``, in pipeline rank order), or the same
-    :class:`~xgrad.agreement.DisagreementError` on every rank when they differ."""
-    if all(c == counts[0] for c in counts):
-        return counts[0]
-    prints = [Fingerprint.of("pipeline lanes", lanes=[f"{c} lane(s)"]) for c in counts]
-    raise disagreement_error(prints, where="PipelineRuntime", rank=rank)
+def agree_lanes(counts: Sequence[int]) -> int:
+    """The lanes every rank opens: the fewest any rank asked for (``counts``, every rank's,
+    read alike on every rank, so all open the same number)."""
+    if not counts or any(c not in (1, 2) for c in counts):
+        raise ValueError(f"lane counts {list(counts)}: expected 1 or 2 from every rank")
+    return min(counts)
 
 
 def open_lanes(members: Sequence[int], lanes: int) -> tuple[Any, ...]:
