@@ -88,28 +88,17 @@ def test_every_way_to_wait_and_end_gives_the_same_gradients_and_errors() -> None
 def _lost(rank: int, world: int, how: str) -> tuple[str, int, float, list[str]]:
     """Rank 2 dies or freezes after the forward pass while rank 0 waits on both peers;
     also what the pass left for the garbage collector (see ``test_torch_cycles``)."""
-    import gc
-
-    from test_torch_cycles import _describe, _is_xgrads, _pieces
+    from garbage import xgrad_garbage
 
     from xgrad.torch_backend import dist_threads
 
-    gc.collect()
-    gc.disable()
-    gc.freeze()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    found: dict[str, Any] = {}
+    with xgrad_garbage(found):
         msg, origin, elapsed = _lost_pass(rank, how)
         for t in list(dist_threads._made):  # the threads that wait out a failed pass
             if t.drain:
                 t.thread.join(5.0)
-        gc.collect()
-        ours = [_describe(p) for p in _pieces(gc.garbage) if any(map(_is_xgrads, p))]
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(0)
-        gc.enable()
-    return msg, origin, elapsed, ours
+    return msg, origin, elapsed, found["garbage"]
 
 
 def _lost_pass(rank: int, how: str) -> tuple[str, int, float]:
@@ -156,11 +145,9 @@ def _caught_here(rank: int, world: int) -> tuple[str, list[str]]:
     """Rank 1 freezes while rank 0 waits for its message on this thread: the watchdog's
     error, raised by ``wait_here``; and what that left for the garbage collector once the
     watchdog thread is gone (while it lives, its last wait may still be referenced)."""
-    import gc
-
     import torch
     import torch.distributed as dist
-    from test_torch_cycles import _describe, _is_xgrads, _pieces
+    from garbage import xgrad_garbage
 
     from xgrad.failure import RankError
     from xgrad.torch_backend import dist_watch
@@ -174,11 +161,8 @@ def _caught_here(rank: int, world: int) -> tuple[str, list[str]]:
     pg = dist.distributed_c10d._get_default_group()
     work = pg.recv([torch.empty(1)], 1, 0)
     dist_watch._WATCHDOG.IDLE_EXIT = 0.0  # the thread ends at its next idle poll
-    gc.collect()
-    gc.disable()
-    gc.freeze()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+    found: dict[str, Any] = {}
+    with xgrad_garbage(found):
         try:
             dist_watch.wait_here(work, channel, pg, 1, 20.0, "recv from rank 1", 1)
             msg = "no error"
@@ -187,13 +171,7 @@ def _caught_here(rank: int, world: int) -> tuple[str, list[str]]:
         watchdog = dist_watch._WATCHDOG._thread
         if watchdog is not None:
             watchdog.join(5.0)
-        gc.collect()
-        ours = [_describe(p) for p in _pieces(gc.garbage) if any(map(_is_xgrads, p))]
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(0)
-        gc.enable()
-    return msg, ours
+    return msg, found["garbage"]
 
 
 def test_a_frozen_peer_caught_by_the_watchdog_leaves_no_cycle() -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from garbage import describe, is_xgrads, pieces
 from ranks import run_ranks
 
 torch = pytest.importorskip("torch")
@@ -36,76 +37,6 @@ torch = pytest.importorskip("torch")
 #: steps whose garbage is judged, after WARMUP steps whose garbage is not.
 STEPS, WARMUP = 4, 3
 SHARD = 4
-
-
-def _is_xgrads(obj: Any) -> bool:
-    """Whether ``obj`` is a tensor, or comes from an ``xgrad`` module (see module doc)."""
-    import os
-    import types
-
-    import xgrad
-
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, types.FrameType):
-        package = os.path.dirname(xgrad.__file__) + os.sep
-        return obj.f_code.co_filename.startswith(package)
-    if isinstance(obj, types.MethodType):
-        obj = obj.__func__
-    if isinstance(obj, (types.FunctionType, type)):
-        return str(getattr(obj, "__module__", "")).startswith("xgrad")
-    return str(type(obj).__module__).startswith("xgrad")
-
-
-def _name(obj: Any) -> str:
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _describe(piece: list[Any]) -> str:
-    """A piece of garbage in a line: its size, tensors, exceptions, xgrad's types and frames."""
-    import os
-    import types
-
-    kinds: set[str] = set()
-    frames, tensors = [], 0
-    for obj in piece:
-        if isinstance(obj, torch.Tensor):
-            tensors += 1
-        elif isinstance(obj, types.FrameType):
-            code = obj.f_code
-            where = f"{os.path.basename(code.co_filename)}:{obj.f_lineno}"
-            frames.append(f"{code.co_name} ({where})")
-        elif isinstance(obj, BaseException) or _is_xgrads(obj):
-            kinds.add(_name(obj))
-    return (
-        f"{len(piece)} objects, {tensors} tensors; "
-        f"{', '.join(sorted(kinds)) or 'no xgrad objects'}; frames: {', '.join(frames) or 'none'}"
-    )
-
-
-def _pieces(garbage: list[Any]) -> list[list[Any]]:
-    """``garbage`` split into its connected pieces (references among it, either way)."""
-    import gc
-
-    index = {id(obj): i for i, obj in enumerate(garbage)}
-    parent = list(range(len(garbage)))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for i, obj in enumerate(garbage):
-        for ref in gc.get_referents(obj):
-            j = index.get(id(ref))
-            if j is not None:
-                parent[root(i)] = root(j)
-    groups: dict[int, list[Any]] = {}
-    for i, obj in enumerate(garbage):
-        groups.setdefault(root(i), []).append(obj)
-    return list(groups.values())
 
 
 def _judge(step: Callable[[], None]) -> dict[str, Any]:
@@ -126,9 +57,9 @@ def _judge(step: Callable[[], None]) -> dict[str, Any]:
         for _ in range(STEPS):
             step()
         gc.collect()
-        pieces = _pieces(gc.garbage)
-        ours = [_describe(p) for p in pieces if any(map(_is_xgrads, p))]
-        others = sum(len(p) for p in pieces if not any(map(_is_xgrads, p)))
+        found = pieces(gc.garbage)
+        ours = [describe(p) for p in found if any(map(is_xgrads, p))]
+        others = sum(len(p) for p in found if not any(map(is_xgrads, p)))
     finally:
         gc.garbage.clear()
         gc.set_debug(0)

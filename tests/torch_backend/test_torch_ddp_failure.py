@@ -8,15 +8,14 @@ freeze a rank: the survivors name it, ``destroy_process_group()`` returns and th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from garbage import xgrad_garbage
 from ranks import run_ranks
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
@@ -159,28 +158,6 @@ def test_every_step_after_a_failure_gives_the_full_batch_gradients(sequence: Any
         assert not any("Expected to have finished reduction" in st["error"] for st in steps)
 
 
-@contextlib.contextmanager
-def _garbage_of_xgrads(result: dict[str, Any]) -> Iterator[None]:
-    """``result["garbage"]``: the pieces of xgrad's the block left for the garbage
-    collector (collector off meanwhile; see ``test_torch_cycles``)."""
-    import gc
-
-    from test_torch_cycles import _describe, _is_xgrads, _pieces
-
-    gc.collect()
-    gc.disable()
-    gc.freeze()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield
-        gc.collect()
-        result["garbage"] = [_describe(p) for p in _pieces(gc.garbage) if any(map(_is_xgrads, p))]
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(0)
-        gc.enable()
-
-
 def _peer_stops(rank: int, world: int, how: str) -> dict[str, Any]:
     """Rank 1 is killed or frozen before the forward pass (a buffer broadcast waits on it)."""
     model, x, y, _torch = _setup(rank, world, buffers=True)
@@ -194,7 +171,7 @@ def _peer_stops(rank: int, world: int, how: str) -> dict[str, Any]:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     result: dict[str, Any] = {}
-    with _garbage_of_xgrads(result):
+    with xgrad_garbage(result):
         start = time.monotonic()
         try:
             ((ddp(x[:SHARD]) - y[:SHARD]) ** 2).mean().backward()

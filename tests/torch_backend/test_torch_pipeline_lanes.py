@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from chain import chain_setup, worst_error
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -58,20 +59,7 @@ def test_every_rank_opens_the_fewest_lanes_any_rank_asked_for() -> None:
 
 
 def _setup(rank: int, world: int) -> tuple[Any, Any, Any, list[list[Any]]]:
-    """This rank's block, the batch (float64) and the whole model's gradients per block."""
-    torch.manual_seed(0)
-    parts = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double() for _ in range(world)]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
-    y = torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64)
-    out = x
-    for part in parts:
-        out = part(out)
-    nn.functional.mse_loss(out, y).backward()
-    want = [[p.grad.clone() for p in part.parameters()] for part in parts]
-    for part in parts:
-        part.zero_grad(set_to_none=True)
-    return parts[rank], x, y, want
+    return chain_setup(rank, world, WIDTH, BATCH)
 
 
 def _mismatched_lanes(rank: int, world: int) -> dict[str, Any]:
@@ -86,12 +74,7 @@ def _mismatched_lanes(rank: int, world: int) -> dict[str, Any]:
     for _ in range(2):
         part.zero_grad(set_to_none=True)
         rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
-        errors.append(
-            max(
-                float((p.grad - w).norm() / w.norm())
-                for p, w in zip(part.parameters(), want[rank], strict=True)
-            )
-        )
+        errors.append(worst_error(part, want[rank]))
     return {"lanes": len(rt._p2p or ()), "errors": errors}
 
 
@@ -136,11 +119,8 @@ def _fails_on_two_lanes(rank: int, world: int) -> tuple[int, list[Any]]:
         try:
             rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
             lanes = len(rt._p2p or ())
-            errors = [
-                float((p.grad - w).norm() / w.norm())
-                for p, w in zip(part.parameters(), want[rank], strict=True)
-            ]
-            outcome.append((("ok", max(errors)), time.monotonic() - start))
+            error = worst_error(part, want[rank])
+            outcome.append((("ok", error), time.monotonic() - start))
         except Exception as exc:
             outcome.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
     return lanes, outcome
