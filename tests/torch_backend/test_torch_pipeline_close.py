@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import pytest
-from chain import chain_setup, worst_error
+from chain import chain_setup, judged_step
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -49,13 +49,7 @@ def _last_w_fails(rank: int, world: int) -> list[Any]:
     for k in range(4):
         armed[0], calls[0] = k == 1, 0
         part.zero_grad(set_to_none=True)
-        start = time.monotonic()
-        try:
-            rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
-            error = worst_error(part, want[rank])
-            outcome.append((("ok", error), time.monotonic() - start))
-        except Exception as exc:
-            outcome.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+        outcome.append(judged_step(rt, part, want[rank], x, y))
     return outcome
 
 
