@@ -128,9 +128,6 @@ class Link:
         self._in = f"{prefix}/{peer}>{me}"
         self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD), tag(seq, GRADIENTS))
         self._count: dict[str, int] = {}
-        # The forward headers this rank wrote, deleted once the context closed cleanly
-        # (:meth:`forget_headers`): a context per step must not grow the store forever.
-        self.written: list[str] = []
         # NCCL receives only a message of the posted size; gloo one up to it.
         self._exact = device.type != "cpu"
         self._reply_slot = HEADER_BYTES
@@ -158,18 +155,16 @@ class Link:
         data = t.detach().to(self.device).contiguous()
         work = self.pg.send([data], self.group_peer, self._tags[FORWARD])
         head = [_CODE[t.dtype], int(t.requires_grad), *t.shape]
-        key = f"{self._out}/f/{self._next('f')}"
-        self.store.set(key, ",".join(map(str, head)).encode())
-        self.written.append(key)
+        self.store.set(f"{self._out}/f/{self._next('f')}", ",".join(map(str, head)).encode())
         return work, data
 
     def forget_headers(self) -> None:
         """Delete the forward headers this rank wrote to the peer. Only once every send of
         the context was received (past the exit barrier): the peer read each header before
-        its receive counted. After a failure they stay (:meth:`unreceived` reads them)."""
-        for key in self.written:
-            self.store.delete_key(key)
-        self.written.clear()
+        its receive counted. After a failure they stay (:meth:`unreceived` reads them).
+        Called once, as the context closes: a context per step must not grow the store."""
+        for i in range(self._count.get("f", 0)):
+            self.store.delete_key(f"{self._out}/f/{i}")
 
     def tensor_ready(self) -> bool:
         """Whether the peer posted the next tensor this rank will receive from it."""
