@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.raising import raise_from
+from xgrad.torch_backend.ddp_skipped import check_skipped, drop_old_skips
 from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
 from xgrad.torch_backend.failure import (
     check_lost,
@@ -65,8 +66,14 @@ class StepWatch:
         self.instance = next(_instances)
         self.step = 0
         self.poll = default_seconds("poll_interval")
+        self.world = dist.get_world_size(group)
         #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
-        self.spin = resolve_spin(dist.get_world_size(group), self.poll)
+        self.spin = resolve_spin(self.world, self.poll)
+        #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still
+        #: to be deleted (:mod:`.ddp_skipped`).
+        self.skipped_steps: list[tuple[int, str]] = []
+        #: the step whose skipped backward pass was last settled (once per step).
+        self.settled = -1
         self.group: Any = self._private_group()
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
@@ -115,6 +122,8 @@ class StepWatch:
         """
         failed = self.channel.poll()
         check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
+        if self.skipped_steps:
+            drop_old_skips(self)
         self.step += 1
         self.channel = self._next_channel()
         if failed is not None or self.group is None:
@@ -166,18 +175,24 @@ class StepWatch:
         try:
             waited = spun
             if spun > 0.0:
-                self.channel.check()
+                self._check()
                 if waited >= self.timeout:
                     raise self.channel.timed_out(what, self.timeout)
             while not wait(timeout=self.poll):
                 waited += self.poll
-                self.channel.check()
+                self._check()
                 if waited >= self.timeout:
                     raise self.channel.timed_out(what, self.timeout)
         except RankError as error:
             # The operation is still pending (a frozen peer): aborting would wait for it.
             self.drop_group(error, abort=False)
             raise
+
+    def _check(self) -> None:
+        """Between naps of a wait: a posted failure, a silent peer, or a peer that said
+        its backward pass of this step never reached DDP (:mod:`.ddp_skipped`) raise."""
+        self.channel.check()
+        check_skipped(self.channel)
 
     def drop_group(self, error: RankError, *, abort: bool) -> None:
         """Stop using the private group when a peer died or froze (or a wait timed out).

@@ -41,7 +41,7 @@ def pre_forward(
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    start_forward(ddp._watch, ddp._grad_hooks, sync)
+    start_forward(ddp._watch, ddp._grad_hooks, sync, ddp._join_config.enable)
     ddp._still_training = notify_join_context(ddp)
     if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
         ddp._agreement_pending = True

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from xgrad.callers import user_stacklevel
+from xgrad.torch_backend.ddp_skipped import settle_skipped
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -31,14 +32,25 @@ current_graph_task = torch._C._current_graph_task_id
 UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
 
 
-def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool) -> None:
+def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool, joining: bool) -> None:
     """At a forward pass: drop what a failed step left behind, on every rank alike.
 
     ``hooks`` (the DDP's gradient hooks) drops a backward pass this rank saw fail;
     a synchronised pass also starts a new step, and when the previous one failed
     anywhere (seen in its namespace, the same on every rank) drops this rank's part
-    of it too, with a warning, and replaces the private group.
+    of it too, with a warning, and replaces the private group. A synchronised step
+    whose backward never reached DDP here is settled with the peers first
+    (:mod:`.ddp_skipped`; not under ``join()``, whose joined ranks run no forward).
     """
+    if (
+        hooks.sync_pending
+        and watch.settled != watch.step
+        and watch.world > 1
+        and not joining
+        and not hooks.arrivals.log
+    ):
+        watch.settled = watch.step
+        settle_skipped(watch)
     recover(hooks, watch)
     if not sync:
         watch.current_group()  # a lost group raises its failure again

@@ -27,6 +27,7 @@ HELP = "the fault matrix: raise, kill and freeze a rank of the DDP, the pipeline
 CELLS: tuple[tuple[str, str, str], ...] = (
     ("ddp", "raise", "forward"),
     ("ddp", "raise", "backward hook"),
+    ("ddp", "raise", "before DDP"),
     ("ddp", "raise", "comm hook"),
     ("ddp", "kill", "comm hook"),
     ("ddp", "freeze", "forward"),
@@ -35,7 +36,7 @@ CELLS: tuple[tuple[str, str, str], ...] = (
     ("pipeline", "freeze", "forward"),
     ("reference", "raise", "comm hook"),
 )
-QUICK_CELLS = (CELLS[2], CELLS[3], CELLS[5], CELLS[8])
+QUICK_CELLS = (CELLS[3], CELLS[4], CELLS[6], CELLS[9])
 
 COLUMNS = ("every rank raised", "origin named", "time to error s", "exited", "next step ok")
 

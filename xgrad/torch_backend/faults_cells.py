@@ -79,9 +79,15 @@ def _ddp_system(rank: int, world: int, inject: Injector, timeout: float) -> Any:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(4, 6, generator=g)
 
+    def before_ddp(grad: Any) -> Any:
+        inject("before DDP")  # on the output: the backward raises before any DDP hook runs
+        return grad
+
     def step() -> list[Any]:
         model.zero_grad()
-        ddp(x).square().mean().backward()
+        out = ddp(x)
+        out.register_hook(before_ddp)
+        out.square().mean().backward()
         return [torch.clone(p.grad) if p.grad is not None else p * 0 for p in model.parameters()]
 
     return step

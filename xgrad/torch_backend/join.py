@@ -191,7 +191,7 @@ class DDPJoinHook(JoinHook):
             return
         # The ranks still training began a step at this forward pass: begin it here too,
         # so what fails in the shadow pass (a comm hook) is posted where they look.
-        start_forward(ddp._watch, ddp._grad_hooks, True)
+        start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
         ddp._check_agreement()
         ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():
