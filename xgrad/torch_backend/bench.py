@@ -7,7 +7,7 @@ interval says. Reported per model and per
 ``find_unused_parameters`` setting: median step time of each side (zero_grad, forward,
 backward, optimizer step); the time ratio, the median of the per-turn ratios xgrad step
 / PyTorch step with its 95% interval and each launch's own, judged launch by launch
-(``ddp_bench_stats``); the CPU of the whole process
+(``xgrad.bench_stats``); the CPU of the whole process
 per step (every thread), since a faster step may be bought with CPU; memory (bytes allocated by
 DDP's construction plus the peak of one step above its start, from the C allocator,
 polled by a thread during the step), and xgrad's Python cost per gradient hook."""
@@ -40,7 +40,7 @@ HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
 _STEPS = {"full": (12, 10, 4), "tiny": (2, 3, 1)}
 
 #: launches of fresh processes per case when not given, per scale; the rounds are split
-#: between them (``ddp_bench_stats``: why one launch cannot judge a row).
+#: between them (``xgrad.bench_stats``: why one launch cannot judge a row).
 _LAUNCHES = {"full": 2, "tiny": 1}
 
 

@@ -8,8 +8,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
+from xgrad.bench_stats import median_interval, paired_ratios, verdict
 from xgrad.tables import Table, near_limit
-from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios, verdict
 
 __all__ = ["CaseResult", "CaseSample", "pooled", "rows_table", "table"]
 

@@ -1,4 +1,4 @@
-"""The bench's statistic: paired ratios, and a distribution-free interval for their median."""
+"""The benches' statistic: paired ratios, and a distribution-free interval for their median."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xgrad.torch_backend.ddp_bench_stats import median_interval, paired_ratios, verdict
+from xgrad.bench_stats import median_interval, paired_ratios, verdict
 
 
 def test_paired_ratios_pair_by_turn() -> None:
