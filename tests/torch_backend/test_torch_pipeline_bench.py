@@ -20,17 +20,19 @@ def test_bench_prints_ratios_bubbles_and_memory(
 ) -> None:
     names = ("gpipe", "1f1b", "interleaved_zb", "dualpipev")
     argv = ["bench", "pipeline", "-p", "2", "-m", "4", "--batch", "8", "--width", "4"]
-    argv += ["--schedules", ",".join(names), "--layers", "2", "--steps", "1", "--warmup", "0"]
+    argv += ["--schedules", ",".join(names), "--layers", "2", "--warmup", "0"]
+    argv += ["--steps", "2", "--launches", "2"]  # one timed step in each launch
     files = ["--json", str(tmp_path / "p.json"), "--csv", str(tmp_path / "p.csv")]
     assert main([*argv, "--timeout", "200", *files]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
+    assert "median of 2 timed steps over 2 launch(es) of fresh processes" in lines[0]
     head = lines.index(next(line for line in lines if line.startswith("schedule ")))
     for name in names:
         rows = [line for line in lines[head:] if line.split()[:1] == [name]]
         assert len(rows) == 2, rows  # the speed row and the simulator row
-        torch_t, ours_t, ratio = (float(v) for v in rows[0].split()[1:4])
-        assert ratio == pytest.approx(ours_t / torch_t, rel=1e-2)
+        verdict, launches = (rows[0].split()[k] for k in (6, 7))
+        assert verdict in ("met", "missed", "noise") and len(launches.split("/")) == 2
         measured, simulated, error = rows[1].split()[1:4]
         assert float(error.rstrip("%")) / 100 == pytest.approx(
             float(simulated) / float(measured) - 1, abs=2e-3
@@ -56,8 +58,20 @@ def test_bench_prints_ratios_bubbles_and_memory(
     data = json.loads((tmp_path / "p.json").read_text())
     assert list(data) == ["bench pipeline", "simulator", "peak memory"]
     assert [r["schedule"] for r in data["bench pipeline"]] == list(names)
-    for r in data["bench pipeline"]:
-        assert r["ratio"] == pytest.approx(r["xgrad_s"] / r["torch_s"])
+    for r, name in zip(data["bench pipeline"], names, strict=True):
+        # One step per launch: each launch's interval is its one ratio; the pooled median
+        # of two is their mean, its interval their range (too few steps for 95%).
+        lows, mids, highs = (
+            [float(v) for v in r[k].split("/")]
+            for k in ("launch_lows", "launch_ratios", "launch_highs")
+        )
+        assert lows == mids == highs and len(mids) == 2
+        assert r["ratio"] == pytest.approx(sum(mids) / 2)
+        assert (r["ratio_low"], r["ratio_high"]) == (min(mids), max(mids))
+        expected = "met" if max(mids) <= 1 else "missed" if min(mids) > 1 else "noise"
+        assert r["verdict"] == expected
+        row = next(line for line in lines[head:] if line.split()[:1] == [name])
+        assert float(row.split()[3]) == pytest.approx(r["ratio"], abs=1e-3)
     for r in data["simulator"]:
         assert r["error"] == pytest.approx(r["simulated_s"] / r["measured_s"] - 1)
     assert len(data["peak memory"]) == 2 * len(names) * 3
@@ -73,6 +87,10 @@ def test_bench_rejects_bad_sizes() -> None:
         main(["bench", "pipeline", "-p", "1"])
     with pytest.raises(ValueError, match="--width must be > 0, got 0"):
         main(["bench", "pipeline", "--width", "0"])
+    with pytest.raises(ValueError, match="--launches must be >= 1, got 0"):
+        main(["bench", "pipeline", "--launches", "0"])
+    with pytest.raises(ValueError, match="--launches 3 needs at least as many steps to split"):
+        main(["bench", "pipeline", "--launches", "3", "--steps", "2"])
     with pytest.raises(ValueError, match="--warmup must be >= 0, got -1"):
         main(["bench", "pipeline", "--warmup", "-1"])
     with pytest.raises(SystemExit):  # argparse's one-line error, before any process starts

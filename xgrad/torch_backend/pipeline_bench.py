@@ -14,9 +14,10 @@ from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 
 HELP = (
     "time per step of xgrad's pipeline runtime against torch.distributed.pipelining on the "
-    "same model, stages and microbatches, for every schedule both implement (ratio, target "
-    "<= 1.00), the measured step time and bubble against the simulator fed measured "
-    "per-action and per-message costs (targets: 10%, 3 points), and memory per stage"
+    "same model, stages and microbatches, for every schedule both implement (ratio with its "
+    "95% interval, target <= 1.00 judged in each of several launches), the measured step "
+    "time and bubble against the simulator fed measured per-action and per-message costs "
+    "(targets: 10%, 3 points), and memory per stage"
 )
 
 #: xgrad schedule name -> torch.distributed.pipelining class name.
@@ -39,13 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=256, help="whole batch size")
     parser.add_argument("--width", type=int, default=512, help="hidden width")
     parser.add_argument("--layers", type=int, default=4, help="Linear layers per stage")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed steps per schedule, over all launches"
+    )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=2,
+        help="runs of fresh processes, the steps split between them: the verdict needs "
+        "every launch to agree, since a launch's steps share what it drew",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per launch")
     parser.add_argument(
         "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (GPU)"
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each launch")
     parser.add_argument(
         "--schedules",
         default=",".join(_TORCH),
@@ -218,6 +228,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "torch_steps": times["torch"],
             "xgrad_steps": times["xgrad"],
             "busy": statistics.median(busy),
+            # Each step's figures too, for the median over several launches' steps.
+            "busy_steps": busy,
+            "dispatch_steps": dispatch,
+            "pre_steps": edges["pre"],
+            "post_steps": edges["post"],
             # Every timed step's actions on the shared monotonic clock, for the latency of
             # each message as the runtime saw it; each action's own times, as sampled.
             "records": all_records,
@@ -238,9 +253,19 @@ def run(args: argparse.Namespace) -> int:
     from xgrad.torch_backend.spawn import spawn
 
     p, m = args.stages, args.microbatches
-    for label, value in (("stages", p), ("microbatches", m), ("steps", args.steps)):
+    for label, value in (
+        ("stages", p),
+        ("microbatches", m),
+        ("steps", args.steps),
+        ("launches", args.launches),
+    ):
         if value < 1:
             raise ValueError(f"--{label} must be >= 1, got {value}")
+    if args.launches > args.steps:
+        raise ValueError(
+            f"--launches {args.launches} needs at least as many steps to split, got "
+            f"--steps {args.steps}"
+        )
     if p < 2:
         raise ValueError(f"--stages must be >= 2 for a pipeline, got {p}")
     if args.warmup < 0:
@@ -263,14 +288,20 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         xp.make(name, p, m)  # a bad (p, m) for a schedule is refused here, before spawning
     cfg["schedules"] = names
-    per_rank = spawn(
-        _worker,
-        p,
-        args=(cfg,),
-        backend=args.backend,
-        timeout=args.timeout,
-        num_threads=args.threads if args.backend == "gloo" else None,
-    )
-    text, tables = report(args, per_rank, names)
+    launches = []
+    for k in range(args.launches):
+        # --steps is the total: each launch its share, the first ones one more if uneven.
+        share = args.steps // args.launches + (k < args.steps % args.launches)
+        launches.append(
+            spawn(
+                _worker,
+                p,
+                args=(cfg | {"steps": share},),
+                backend=args.backend,
+                timeout=args.timeout,
+                num_threads=args.threads if args.backend == "gloo" else None,
+            )
+        )
+    text, tables = report(args, launches, names)
     print_tables(args, tables, text)
     return 0

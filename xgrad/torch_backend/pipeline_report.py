@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import xgrad.pipeline as xp
 from xgrad.pipeline import Kind
 from xgrad.tables import Table, near_limit
 from xgrad.torch_backend.memory import HeapMeter
+from xgrad.torch_backend.pipeline_launches import pool, speed
 from xgrad.torch_backend.pipeline_replay import message_latencies, replay_steps
 
 #: simulations per schedule of the pooled model, each with every (stage, kind)'s cost drawn
@@ -23,33 +25,49 @@ _DRAWS = 25
 
 
 def report(
-    args: argparse.Namespace, per_rank: list[dict[str, Any]], names: list[str]
+    args: argparse.Namespace, launches: Sequence[list[dict[str, Any]]], names: list[str]
 ) -> tuple[str, list[Table]]:
-    """The text the bench prints, and the same figures (seconds, fractions, bytes) as tables."""
+    """The text the bench prints, and the same figures (seconds, fractions, bytes) as tables.
+
+    ``launches`` holds each launch's per-rank results: the speed section judges the
+    launches one by one, the others pool them (:mod:`~xgrad.torch_backend.pipeline_launches`).
+    """
     p, m = args.stages, args.microbatches
+    n = len(launches)
     out = [
         f"pipeline bench: p={p} stages, m={m} microbatches, batch {args.batch}, width "
-        f"{args.width}, {args.layers} layers per stage, {args.backend}, median of {args.steps} steps"
+        f"{args.width}, {args.layers} layers per stage, {args.backend}, median of "
+        f"{args.steps} timed steps over {n} launch(es) of fresh processes"
     ]
-    w = max(len(n) for n in names)
+    w = max(len(name) for name in names)
     out.append(
-        "ratio: the median over steps of xgrad's step over torch's step of the same pair (the "
-        "two alternate, each first in every other pair; a step's time is the slowest rank's), "
-        "with the quartiles of those ratios; s/step: each one's median step"
+        "ratio: the median over every launch's steps of xgrad's step over torch's step of "
+        "the same pair (the two alternate, each first in every other pair; a step's time is "
+        "the slowest rank's) [95% interval of that median, from order statistics]; target "
+        "<= 1.00: met when every launch's own 95% interval is at most 1.00, missed when "
+        "every one is above, noise otherwise (1.00 inside one, or the launches disagree; "
+        "under 6 steps a launch's interval is its whole range); launches: each launch's own "
+        "median; s/step: each one's median step"
     )
+    rows = [(name, speed(launches, name)) for name in names]
+    spans = [f"[{near_limit(s.low)}, {near_limit(s.high)}]" for _, s in rows]
+    ws = max(len("95% interval"), *map(len, spans))
     out.append(
         f"{'schedule':<{w}} {'torch s/step':>13} {'xgrad s/step':>13} {'ratio':>7} "
-        f"{'q1':>6} {'q3':>6}  target <= 1.00"
+        f"{'95% interval':<{ws}} {'target':<7} launches"
     )
-    speed, simulated, memory = [], [], []
-    for name in names:
-        t_torch, t_ours, ratio, q1, q3 = paired(per_rank, name)
-        speed.append((name, t_torch, t_ours, ratio, q1, q3, ratio <= 1.00))
-        verdict = "ok" if ratio <= 1.00 else "MISSED"
+    speed_rows = []
+    for (name, s), span in zip(rows, spans, strict=True):
+        each = [mid for _, mid, _ in s.launches]
+        # Each launch's low, median and high as ``/``-joined text, as the DDP bench's rows.
+        joined = ("/".join(repr(launch[k]) for launch in s.launches) for k in range(3))
+        speed_rows.append((name, s.torch_s, s.xgrad_s, s.ratio, s.low, s.high, *joined, s.verdict))
         out.append(
-            f"{name:<{w}} {t_torch:>13.5f} {t_ours:>13.5f} {near_limit(ratio):>7} {q1:>6.3f} {q3:>6.3f}"
-            f"  {verdict}"
+            f"{name:<{w}} {s.torch_s:>13.5f} {s.xgrad_s:>13.5f} {near_limit(s.ratio):>7} "
+            f"{span:<{ws}} {s.verdict:<7} {'/'.join(map(near_limit, each))}"
         )
+    per_rank = pool(launches, names)
+    simulated, memory = [], []
     message = per_rank[0]["message"]
     out.append(
         "\nsimulator fed measured costs: every action of each rank in order, sends and "
@@ -104,7 +122,7 @@ def report(
             f" {us[0]:>7.0f} {us[1]:>11.0f} {us[2]:>8.0f} {pooled_error:>+7.1%}"
             f"  {'ok' if ok else 'MISSED'}"
         )
-    out.append(f"\npeak memory per stage, MiB ({_memory_legend(args.backend)})")
+    out.append(f"\npeak memory per stage, MiB ({_memory_legend(args.backend, n)})")
     for r, res in enumerate(per_rank):
         cells = []
         for name in names:
@@ -118,7 +136,7 @@ def report(
                 )
             )
         out.append(f"stage {r}: " + " | ".join(cells))
-    return "\n".join(out), _tables(speed, simulated, memory)
+    return "\n".join(out), _tables(speed_rows, simulated, memory)
 
 
 def _pooled(
@@ -154,28 +172,11 @@ def _pooled(
     return predicted, 1.0 - statistics.mean(busies) / (p * predicted)
 
 
-def paired(per_rank: list[dict[str, Any]], name: str) -> tuple[float, ...]:
-    """``(torch s, xgrad s, ratio, q1, q3)``: each side's median step (a step's time is its
-    slowest rank's), the median of the per-step ratios of xgrad's step to torch's in the
-    same pair, and their quartiles. Pairing step by step cancels the machine's slow drift
-    (both sides of a pair ran back to back); results without per-step times give the
-    ratio of the medians."""
-    t_torch = max(r[name]["torch"] for r in per_rank)
-    t_ours = max(r[name]["xgrad"] for r in per_rank)
-    if not all("torch_steps" in r[name] for r in per_rank):
-        ratio = t_ours / t_torch
-        return t_torch, t_ours, ratio, ratio, ratio
-    theirs = [max(ts) for ts in zip(*(r[name]["torch_steps"] for r in per_rank), strict=True)]
-    ours = [max(ts) for ts in zip(*(r[name]["xgrad_steps"] for r in per_rank), strict=True)]
-    ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
-    if len(ratios) < 2:
-        return statistics.median(theirs), statistics.median(ours), ratios[0], ratios[0], ratios[0]
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-    return statistics.median(theirs), statistics.median(ours), statistics.median(ratios), q1, q3
-
-
 #: the columns of the three sections' tables (``--json``/``--csv``).
-_SPEED = ("schedule", "torch_s", "xgrad_s", "ratio", "ratio_q1", "ratio_q3", "ok")
+_SPEED = (
+    *("schedule", "torch_s", "xgrad_s", "ratio", "ratio_low", "ratio_high"),
+    *("launch_lows", "launch_ratios", "launch_highs", "verdict"),
+)
 _SIMULATED = (
     *("schedule", "measured_s", "simulated_s", "error", "bubble_measured"),
     *("bubble_simulated", "bubble_equal_cost", "message_us", "dispatch_us", "fixed_us"),
@@ -197,12 +198,15 @@ def _count(per_rank: list[dict[str, Any]], name: str) -> int:
     return min(len(res[name]["records"]) for res in per_rank)
 
 
-def _memory_legend(backend: str) -> str:
-    """What each figure of the memory section is."""
+def _memory_legend(backend: str, launches: int) -> str:
+    """What each figure of the memory section is (the most any launch measured)."""
     own = "xgrad_activation: xgrad's own count of microbatch activations and their grads held"
     if backend == "nccl":
-        return f"cuda: torch.cuda.max_memory_allocated over one step; {own}"
+        return (
+            f"cuda: torch.cuda.max_memory_allocated over one step, the most of {launches} "
+            f"launch(es); {own}"
+        )
     return (
         f"heap: C heap in use above the step's start ({HeapMeter().source}), peak polled by "
-        f"a thread during the step, max of 3 steps; {own}"
+        f"a thread during the step, max of 3 steps in each of {launches} launch(es); {own}"
     )
