@@ -47,7 +47,7 @@ def report(
         "<= 1.00: met when every launch's own 95% interval is at most 1.00, missed when "
         "every one is above, noise otherwise (1.00 inside one, or the launches disagree; "
         "under 6 steps a launch's interval is its whole range); launches: each launch's own "
-        "median; s/step: each one's median step"
+        "median [and its 95% interval], which the target judges; s/step: each one's median step"
     )
     rows = [(name, speed(launches, name)) for name in names]
     spans = [f"[{near_limit(s.low)}, {near_limit(s.high)}]" for _, s in rows]
@@ -58,13 +58,15 @@ def report(
     )
     speed_rows = []
     for (name, s), span in zip(rows, spans, strict=True):
-        each = [mid for _, mid, _ in s.launches]
+        each = (
+            f"{near_limit(mid)} [{near_limit(lo)}, {near_limit(hi)}]" for lo, mid, hi in s.launches
+        )
         # Each launch's low, median and high as ``/``-joined text, as the DDP bench's rows.
         joined = ("/".join(repr(launch[k]) for launch in s.launches) for k in range(3))
         speed_rows.append((name, s.torch_s, s.xgrad_s, s.ratio, s.low, s.high, *joined, s.verdict))
         out.append(
             f"{name:<{w}} {s.torch_s:>13.5f} {s.xgrad_s:>13.5f} {near_limit(s.ratio):>7} "
-            f"{span:<{ws}} {s.verdict:<7} {'/'.join(map(near_limit, each))}"
+            f"{span:<{ws}} {s.verdict:<7} {'  '.join(each)}"
         )
     per_rank = pool(launches, names)
     simulated, memory = [], []
