@@ -219,3 +219,12 @@ def test_a_receiver_woken_before_its_send_ended_counts_as_no_latency() -> None:
     _, tables = report(args, [per_rank], ["gpipe"])
     (row,) = tables[1].records()
     assert row["message_us"] == 0.0
+
+
+def test_pooling_refuses_launches_of_different_sizes() -> None:
+    from xgrad.torch_backend.pipeline_launches import pool, speed
+
+    with pytest.raises(ValueError, match=r"different numbers of ranks \[1, 2\]"):
+        pool([_launch([0.02]), _launch([0.02])[:1]], ["gpipe"])
+    with pytest.raises(ValueError, match="no launches of 'gpipe'"):
+        speed([], "gpipe")
