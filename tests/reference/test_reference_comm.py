@@ -92,6 +92,29 @@ def test_a_failing_rank_aborts_the_others_quickly() -> None:
     assert info.value.rank == 1
 
 
+def test_a_rank_busy_outside_any_collective_does_not_hang_spawn() -> None:
+    """Rank 0 never reaches a collective; rank 1 fails: spawn raises rank 1's error after
+    the world's timeout, naming rank 0 as left behind, instead of joining it forever."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def body(comm: ReferenceComm) -> None:
+        if comm.rank == 1:
+            raise KeyError("missing weights on this rank")
+        release.wait(60.0)  # busy in its own code: no abort reaches it
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError, match="rank 1 failed: KeyError") as info:
+            spawn(body, 2, timeout=0.3)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 10.0
+    assert "ranks [0] were still running 0.3 s after the world was aborted" in str(info.value)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="world size=0"):
         World(0)

@@ -85,6 +85,11 @@ class World:
             raise ValueError(f"rank={rank} is not in 0..{self.size - 1}")
         return ReferenceComm(self, rank)
 
+    @property
+    def aborted(self) -> bool:
+        """Whether a rank failed (or a collective timed out): no collective completes now."""
+        return self._aborted is not None
+
     def abort(self, rank: int, reason: str) -> None:
         """Rank ``rank`` failed: every rank waiting in a collective stops with an error."""
         with self._cond:
@@ -263,9 +268,9 @@ class ReferenceComm:
 class RankError(RuntimeError):
     """A simulated rank raised; ``rank`` says which, ``__cause__`` is its error."""
 
-    def __init__(self, rank: int, error: BaseException) -> None:
+    def __init__(self, rank: int, error: BaseException, note: str = "") -> None:
         self.rank = rank
-        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
+        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}{note}")
 
 
 def spawn(
@@ -318,11 +323,38 @@ def spawn(
     with single_threaded_blas():
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        stuck = _join_ranks(threads, w)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         own = [(r, e) for r, e in failed if "collective aborted because rank" not in str(e)]
         rank, err = (own or failed)[0]
-        raise RankError(rank, err) from err
+        note = (
+            f" (ranks {stuck} were still running {w.timeout:g} s after the world was "
+            "aborted, outside any collective, where the abort cannot reach them; their "
+            "threads are left behind)"
+            if stuck
+            else ""
+        )
+        raise RankError(rank, err, note) from err
     return results
+
+
+def _join_ranks(threads: list[threading.Thread], world: World) -> list[int]:
+    """Wait for every rank's thread; the ranks still running when given up on.
+
+    A rank that runs long in its own code is waited for as long as it runs, as a process
+    would be. Once the world is aborted (a rank failed, a collective timed out) every
+    rank waiting in a collective stops at once, but one busy outside any collective
+    cannot be reached: the others get the world's ``timeout`` more, not forever, so the
+    failure is raised instead of a hang.
+    """
+    deadline: float | None = None
+    for t in threads:
+        while t.is_alive():
+            now = time.monotonic()
+            if deadline is None and world.aborted:
+                deadline = now + world.timeout
+            if deadline is not None and now >= deadline:
+                return [r for r, other in enumerate(threads) if other.is_alive()]
+            t.join(0.05 if deadline is None else min(0.05, deadline - now))
+    return []
