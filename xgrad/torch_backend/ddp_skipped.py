@@ -2,7 +2,9 @@
 
 A rank whose backward pass raises before any of DDP's gradient hooks ran (a hook on the
 loss, a custom ``Function`` above the model), or that leaves the backward out, has
-nothing of that step to reduce: DDP cannot tell it from a forward pass run for its
+nothing of that step to reduce (nor has one that ran an extra forward pass with
+gradients on, which the others did not: its steps are counted one ahead, and it is
+named the same way, with the advice to evaluate under ``torch.no_grad()``): DDP cannot tell it from a forward pass run for its
 output only (a validation loss with gradients on), which is legal when every rank does
 it. Its peers, meanwhile, wait for its buckets; left alone, its next step's buckets
 would complete theirs, and every later step would reduce one rank's step with another's,
@@ -36,7 +38,9 @@ __all__ = ["MESSAGE", "check_skipped", "drop_old_skips", "settle_skipped"]
 #: what a peer waiting in the step's reduction posts, with the skipping rank as origin.
 MESSAGE = (
     "its backward pass of this step never reached DDP (it raised before any gradient "
-    "hook ran, or was not called) while rank {waiter} reduced its gradients"
+    "hook ran, or was not called, or this rank ran a forward pass with gradients on that "
+    "the others did not: run evaluation under torch.no_grad()) while rank {waiter} "
+    "reduced its gradients"
 )
 
 
