@@ -219,3 +219,14 @@ def test_a_bad_graph_on_one_worker_fails_the_others_at_once() -> None:
     errors = spawn(body, 2, timeout=30.0)
     assert [e.worker for e in errors] == [0, 0]
     assert all("ValueError: recv node 1" in str(e) for e in errors)
+
+
+def test_a_context_refuses_to_be_pickled_and_says_what_works_across_processes() -> None:
+    import pickle
+
+    import pytest
+
+    from xgrad.dist_context import DistContext
+
+    with pytest.raises(TypeError, match=r"xgrad\.torch_backend\.dist_autograd"):
+        pickle.dumps(DistContext([0, 1]))

@@ -55,6 +55,20 @@ class DistContext:
         #: ``(worker, node, node name, message)`` of the first failure, if any.
         self.error: tuple[int, int, str, str] | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Refused with a pointer to what works across processes.
+
+        The context is its workers' shared memory (mailboxes, a lock): a copy in another
+        process would never see the others' gradients, and its workers would wait out
+        the timeout. Processes use the torch backend's distributed autograd instead.
+        """
+        raise TypeError(
+            f"DistContext {self.context_id} cannot be pickled: it is shared by worker threads "
+            "of one process. For workers in several processes use "
+            "xgrad.torch_backend.dist_autograd (context, send, recv, backward, get_gradients) "
+            "on a torch.distributed process group"
+        )
+
     def link(self, send_worker: int, send_node: int, recv_worker: int, recv_node: int) -> None:
         """Record that ``recv_node`` on ``recv_worker`` returns its gradient to ``send_node``."""
         for w in (send_worker, recv_worker):
