@@ -67,6 +67,8 @@ class StepWatch:
         self.step = 0
         self.poll = default_seconds("poll_interval")
         self.world = dist.get_world_size(group)
+        #: the group's lowest global rank (it deletes the keys of skip rounds).
+        self.lowest = min(dist.get_process_group_ranks(group or dist.group.WORLD))
         #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
         self.spin = resolve_spin(self.world, self.poll)
         #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still

@@ -2,12 +2,12 @@
 
 A rank whose backward pass raises before any of DDP's gradient hooks ran (a hook on the
 loss, a custom ``Function`` above the model), or that leaves the backward out, has
-nothing of that step to reduce (nor has one that ran an extra forward pass with
-gradients on, which the others did not: its steps are counted one ahead, and it is
-named the same way, with the advice to evaluate under ``torch.no_grad()``): DDP cannot tell it from a forward pass run for its
+nothing of that step to reduce. DDP cannot tell it from a forward pass run for its
 output only (a validation loss with gradients on), which is legal when every rank does
-it. Its peers, meanwhile, wait for its buckets; left alone, its next step's buckets
-would complete theirs, and every later step would reduce one rank's step with another's,
+it; nor from one rank's extra forward pass with gradients on, which the others did not
+run (it is named the same way, with the advice to evaluate under ``torch.no_grad()``).
+Its peers, meanwhile, wait for its buckets; left alone, its next step's buckets would
+complete theirs, and every later step would reduce one rank's step with another's,
 silently (PyTorch's DDP does that). So at its next forward pass such a rank says so in
 the step's namespace of the failure channel and waits, bounded, until
 
@@ -18,8 +18,9 @@ the step's namespace of the failure channel and waits, bounded, until
   it; every rank then moves to a fresh private group at the same forward pass, as after
   any failed step (:mod:`.ddp_recover`), so the steps line up again.
 
-A good step pays nothing: the notice is looked for only by a wait that already polls
-the channel. A step every rank skipped pays one store round per rank and a wait for the
+A good step pays nothing on its way: the notice is looked for only by a wait that
+already polls the channel (one more store lookup per poll, every 20 ms of a wait past
+its spin). A step every rank skipped pays one store round per rank and a wait for the
 slowest; its keys are deleted by the lowest rank two steps later, when every rank is
 known to have left the wait (a later step's reduction or skip round needed them all).
 """
@@ -62,7 +63,7 @@ def settle_skipped(watch: StepWatch) -> None:
     ticket = store.add(f"{channel.prefix}/skips", 1)
     store.set(_key(channel, ticket), str(channel.rank).encode())
     every = _key(channel, watch.world)
-    if channel.rank == 0:
+    if channel.rank == watch.lowest:
         watch.skipped_steps.append((watch.step, channel.prefix))
     try:
         wait_until(
