@@ -5,7 +5,8 @@ next step, and every later step would reduce one rank's step with another's, sil
 One run goes through: a backward that raises on rank 1 before any DDP hook (a hook on
 the model's output), a forward pass every rank runs without a backward (legal, no
 error), a rank that leaves its backward out, and two forward passes with one backward;
-every step after each must give the full batch's gradients on every rank.
+every step after each must give the full batch's gradients on every rank. Another run
+kills a rank while its peer waits in the round that settles such a step.
 """
 
 from __future__ import annotations
@@ -132,3 +133,36 @@ def test_every_step_after_a_skip_gives_the_full_batch_gradients(runs: Any) -> No
 def test_a_skip_rounds_keys_are_deleted_two_steps_later(runs: Any) -> None:
     assert runs[0]["skip_round"], "rank 0 recorded no skip round at step 4"
     assert not runs[0]["left"]
+
+
+def _peer_dies_during_the_round(rank: int, world: int) -> dict[str, Any]:
+    import signal
+
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    os.environ.update(FAST)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(3, 2), timeout=30.0)
+    x = torch.randn(4, 3)
+    ddp(x).sum().backward()
+    ddp(x)  # no backward: the next forward pass settles the step with the peers
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        ddp(x)  # the skip round: rank 0 never answers
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": "", "seconds": time.monotonic() - start}
+
+
+def test_a_peer_dying_during_a_skip_round_is_named_not_waited_for() -> None:
+    results, codes = run_ranks(_peer_dies_during_the_round, 2, timeout=60)
+    status, value = results[1]
+    assert status == "ok", value
+    assert "rank 0" in value["error"] and "stopped answering" in value["error"], value
+    assert value["seconds"] < 15.0, value  # heartbeats time out in 2 s; not the 30 s timeout
+    assert codes[1] == 0
