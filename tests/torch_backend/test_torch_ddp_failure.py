@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from garbage import xgrad_garbage
 from ranks import run_ranks
+from steps import recorded
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 TIMEOUT = 6.0  # the DDP's timeout= in these runs
@@ -89,23 +90,16 @@ def _sequence(rank: int, world: int) -> list[dict[str, Any]]:
     for s in range(9):
         step[0] = s
         model.zero_grad()
-        record: dict[str, Any] = {"step": s, "error": "", "seconds": 0.0, "warning": ""}
-        start = time.monotonic()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                ((ddp(xs) - ys) ** 2).mean().backward()
-                record["correct"] = all(
-                    torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6)
-                    for n, p in model.named_parameters()
-                )
-            except Exception as exc:
-                record["error"] = f"{type(exc).__name__}: {exc}"
-                record["origin"] = getattr(exc, "rank", None)
-        record["seconds"] = time.monotonic() - start
-        record["warning"] = " | ".join(str(w.message) for w in caught)
-        record["warned_at"] = sorted({w.filename for w in caught})
-        out.append(record)
+        record: dict[str, Any] = {"step": s, "error": ""}
+
+        def body(record: dict[str, Any] = record) -> None:
+            ((ddp(xs) - ys) ** 2).mean().backward()
+            record["correct"] = all(
+                torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6)
+                for n, p in model.named_parameters()
+            )
+
+        out.append(recorded(record, body))
     return out
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any
 
 import pytest
 from ranks import run_ranks
+from steps import recorded
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 SHARD = 4
@@ -52,41 +52,35 @@ def _sequence(rank: int, world: int) -> dict[str, Any]:
         raise RuntimeError(f"boom before DDP on rank {rank}")
 
     steps: list[dict[str, Any]] = []
-    skip_round = ""
+    skip_round: list[str] = []  # rank 0's skip round of step 3, seen at step 4
     for s in range(9):
         kind, ranks = PLAN.get(s, ("", set()))
         mine = kind if rank in ranks else ""
         model.zero_grad()
         record: dict[str, Any] = {"error": "", "origin": None, "correct": None, "scale": 1.0}
-        start = time.monotonic()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                out = ddp(xs)
-                rounds = getattr(ddp._watch, "skipped_steps", [])
-                if s == 4 and rank == 0 and rounds:
-                    skip_round = rounds[-1][1]
-                loss = ((out - ys) ** 2).mean()
-                if mine == "raise before DDP":
-                    out.register_hook(boom)
-                if mine == "two forwards":
-                    loss = loss + ((ddp(xs) - ys) ** 2).mean()
-                    record["scale"] = 2.0
-                if mine != "no backward":
-                    loss.backward()
-                    record["correct"] = all(
-                        torch.allclose(p.grad, record["scale"] * expected[n], atol=1e-6)
-                        for n, p in model.named_parameters()
-                    )
-            except Exception as exc:
-                record["error"] = f"{type(exc).__name__}: {exc}"
-                record["origin"] = getattr(exc, "rank", None)
-        record["seconds"] = time.monotonic() - start
-        record["warning"] = " | ".join(str(w.message) for w in caught)
-        steps.append(record)
+
+        def body(record: dict[str, Any] = record, s: int = s, mine: str = mine) -> None:
+            out = ddp(xs)
+            rounds = getattr(ddp._watch, "skipped_steps", [])
+            if s == 4 and rank == 0 and rounds:
+                skip_round.append(rounds[-1][1])
+            loss = ((out - ys) ** 2).mean()
+            if mine == "raise before DDP":
+                out.register_hook(boom)
+            if mine == "two forwards":
+                loss = loss + ((ddp(xs) - ys) ** 2).mean()
+                record["scale"] = 2.0
+            if mine != "no backward":
+                loss.backward()
+                record["correct"] = all(
+                    torch.allclose(p.grad, record["scale"] * expected[n], atol=1e-6)
+                    for n, p in model.named_parameters()
+                )
+
+        steps.append(recorded(record, body))
     store = ddp._watch.channel.store
-    left = bool(skip_round) and store.check([f"{skip_round}/skipped/1"])
-    return {"steps": steps, "skip_round": skip_round, "left": left}
+    left = bool(skip_round) and store.check([f"{skip_round[0]}/skipped/1"])
+    return {"steps": steps, "skip_round": "".join(skip_round), "left": left}
 
 
 @pytest.fixture(scope="module")
