@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from xgrad.bench_stats import median_interval, paired_ratios, verdict
+from xgrad.bench_stats import launch_intervals, median_interval, paired_ratios, verdict
 
 
 def test_paired_ratios_pair_by_turn() -> None:
@@ -91,3 +91,10 @@ def test_verdict_refuses_no_launch_or_an_inverted_interval() -> None:
         verdict([])
     with pytest.raises(ValueError, match=r"low <= high, got \(1\.1, 0\.9\)"):
         verdict([(0.9, 1.0), (1.1, 0.9)])
+
+
+def test_launch_intervals_pool_every_turn_and_keep_each_launch_apart() -> None:
+    first, second = [0.9, 1.0, 1.1], [1.2, 1.3, 1.4, 1.5]
+    pooled, each = launch_intervals([first, second])
+    assert pooled == median_interval(first + second)
+    assert each == (median_interval(first), median_interval(second))

@@ -25,7 +25,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-__all__ = ["median_interval", "paired_ratios", "verdict"]
+__all__ = ["launch_intervals", "median_interval", "paired_ratios", "verdict"]
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
@@ -68,6 +68,15 @@ def median_interval(
         k += 1
     low, high = ordered[max(k - 1, 0)], ordered[n - max(k, 1)]
     return low, statistics.median(ordered), high
+
+
+def launch_intervals(
+    ratios: Sequence[Sequence[float]],
+) -> tuple[tuple[float, float, float], tuple[tuple[float, float, float], ...]]:
+    """Each launch's per-turn ratios in, two things out: ``(low, median, high)`` of every
+    turn pooled (the row's figure) and of each launch alone (what :func:`verdict` judges)."""
+    pooled = median_interval([r for launch in ratios for r in launch])
+    return pooled, tuple(median_interval(launch) for launch in ratios)
 
 
 def verdict(intervals: Sequence[tuple[float, float]], limit: float = 1.0) -> str:

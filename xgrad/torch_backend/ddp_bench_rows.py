@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
-from xgrad.bench_stats import median_interval, paired_ratios, verdict
+from xgrad.bench_stats import launch_intervals, paired_ratios, verdict
 from xgrad.tables import Table, near_limit
 
 __all__ = ["CaseResult", "CaseSample", "pooled", "rows_table", "table"]
@@ -115,8 +115,9 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
     if len(cases) != 1:
         raise ValueError(f"pooled: samples of different cases {sorted(cases)}")
     first = samples[0]
-    ratios = [paired_ratios(s.xgrad_times, s.torch_times) for s in samples]
-    low, mid, high = median_interval([r for launch in ratios for r in launch])
+    (low, mid, high), each = launch_intervals(
+        [paired_ratios(s.xgrad_times, s.torch_times) for s in samples]
+    )
 
     def every(key: str) -> list[float]:
         return [t for s in samples for t in getattr(s, key)]
@@ -139,7 +140,7 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
         ratio_high=high,
         xgrad_cpu=statistics.median(every("xgrad_cpu")),
         torch_cpu=statistics.median(every("torch_cpu")),
-        launches=tuple(median_interval(r) for r in ratios),
+        launches=each,
     )
 
 

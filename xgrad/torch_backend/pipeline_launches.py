@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xgrad.bench_stats import median_interval, paired_ratios, verdict
+from xgrad.bench_stats import launch_intervals, paired_ratios, verdict
 
 __all__ = ["Speed", "pool", "speed"]
 
@@ -75,15 +75,16 @@ def speed(launches: Sequence[Sequence[Result]], name: str) -> Speed:
     if all("torch_steps" in r[name] for per_rank in launches for r in per_rank):
         theirs = [_slowest(per_rank, name, "torch_steps") for per_rank in launches]
         ours = [_slowest(per_rank, name, "xgrad_steps") for per_rank in launches]
-        ratios = [paired_ratios(o, t) for o, t in zip(ours, theirs, strict=True)]
-        low, mid, high = median_interval([x for launch in ratios for x in launch])
+        (low, mid, high), each = launch_intervals(
+            [paired_ratios(o, t) for o, t in zip(ours, theirs, strict=True)]
+        )
         return Speed(
             statistics.median(t for launch in theirs for t in launch),
             statistics.median(t for launch in ours for t in launch),
             mid,
             low,
             high,
-            tuple(median_interval(launch) for launch in ratios),
+            each,
         )
     torch_s = [max(r[name]["torch"] for r in per_rank) for per_rank in launches]
     xgrad_s = [max(r[name]["xgrad"] for r in per_rank) for per_rank in launches]
