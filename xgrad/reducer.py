@@ -4,6 +4,9 @@ It owns the bucket buffers, counts the gradients each bucket awaits, launches bu
 bucket order (the same on every rank, so collectives match) and writes averages back at
 the end of the backward pass, touching arrays only through :class:`ArrayOps` and the
 group only through :class:`~xgrad.backend.Comm`. Semantics: PyTorch's ``reducer.cpp``.
+This module holds the construction and the per-gradient marks; the launches, the end of
+the pass, recovery and join, and the late setup are mixed in from ``reducer_launch``,
+``reducer_finalize``, ``reducer_recovery`` and ``reducer_setup``.
 """
 
 from __future__ import annotations
@@ -19,18 +22,9 @@ from xgrad.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
 )
-from xgrad.reducer_buckets import (
-    arrive,
-    build_buckets,
-    reclaim,
-    reduced_views,
-    write_back,
-)
-from xgrad.reducer_errors import (
-    buckets_never_reduced,
-    marked_ready_twice,
-    prior_reduction_unfinished,
-)
+from xgrad.reducer_buckets import arrive, build_buckets, reclaim
+from xgrad.reducer_errors import marked_ready_twice, prior_reduction_unfinished
+from xgrad.reducer_finalize import EndOfPass
 from xgrad.reducer_launch import BucketLaunches
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
@@ -46,7 +40,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
+class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -293,62 +287,3 @@ class Reducer(BucketLaunches, JoinAndRecovery, LateSetup, Generic[A]):
             self._fill(bucket)
             if not self._delay_launch:
                 self._launch_ready_buckets()
-
-    def finalize(self) -> None:
-        """End of the backward pass: wait for every bucket and write gradients back.
-
-        Unlike DDP (which notices at the next iteration), a pass that ended with
-        parameters still waiting for a gradient raises here (and again at the next
-        forward), so no step is taken on half-reduced gradients. Parameters no rank
-        used keep their gradient untouched, as in DDP.
-        """
-        if not self._expect_hooks:
-            return
-        if not self._marked_unused:
-            # No hook fired: nothing to reduce.
-            self._expect_hooks = False
-            return
-        delayed = self._delay_launch
-        if delayed:
-            # DDP's delayed allreduce: the first static-graph iteration learns which
-            # parameters are unused, then reduces every bucket at once.
-            for i, grad, when in self._counts.release():
-                self._mark(i, grad, when)
-            for i in self._unused.learn(self._missing()):
-                self._mark(i, None, self.clock())
-            self._launch_ready_buckets()
-        if self._next_bucket < len(self._buckets):
-            raise buckets_never_reduced(
-                self._missing(), self.names, self.comm.rank, self.find_unused_parameters
-            )
-        globally_unused = self._unused.on_every_rank(
-            self.comm, self.ops, self.params[0], **self._search
-        )
-        for bucket in self._buckets:
-            if bucket.skipped:
-                continue  # its parameters are unused: their gradients stay untouched
-            views = reduced_views(
-                bucket,
-                bucket.wait(self.clock),
-                self.params,
-                self.ops,
-                gradient_as_bucket_view=self.gradient_as_bucket_view,
-            )
-            write_back(bucket, views, globally_unused, self.set_grad, self.lender, self.set_grads)
-        end = self.clock()
-        if self._rebuild_order is None and not self.has_rebuilt_buckets and not delayed:
-            self._rebuild_order = self._unused.rebuild_order(self._ready_order)
-        self.records.append(
-            IterationRecord.of(
-                self.num_iterations,
-                self._plan_digest,
-                self._ready_order,
-                self._ready_times,
-                self._buckets,
-                (self._backward_start, end),
-                self._unused.current,
-            )
-        )
-        self.num_iterations += 1
-        self._expect_hooks = False
-        self._require_finalize = False
