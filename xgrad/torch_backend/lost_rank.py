@@ -1,0 +1,95 @@
+"""Naming the rank a failure lost: the peer whose heartbeat stopped, not the rank that noticed.
+
+Gloo fails a send, receive or collective locally ("Connection closed by peer") when a
+peer dies, so the rank that raises is rarely the one at fault. Kept apart from the
+channel, heartbeats and waits in :mod:`xgrad.torch_backend.failure` (which re-exports
+these names) because it only reads a :class:`~xgrad.failure.FailureChannel`'s store and
+heartbeats: it starts nothing and touches no process group. Used after a transfer
+failed (:func:`transfer_failed`) and at the start of the step after one that lost a
+rank (:func:`check_lost`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from xgrad.failure import Failure, FailureChannel, RankError, error_for
+
+__all__ = ["check_lost", "silent_peer", "still_silent", "transfer_failed"]
+
+
+def transfer_failed(
+    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, prefix: str = ""
+) -> RankError:
+    """Post a failed send, receive or collective (``exc``) and return the error to raise.
+
+    Gloo fails a transfer locally ("Connection closed by peer") when a peer died, so the
+    failure is rarely this rank's own: it is worded for the rank that stopped answering.
+    A failure another rank posted first is the origin. Otherwise the heartbeats are read
+    until a peer is seen stopped (within 1.5 heartbeat timeouts; ``peer``, the other side
+    of a send or receive, first when it is among them): that rank is named. When every
+    peer still beats, ``peer`` is named if given (its side of the transfer failed), else
+    this rank in ``what``.
+    """
+    channel.check(prefix=prefix)
+    text = f"{type(exc).__name__}: {exc}"
+    silent = silent_peer(channel, prefer=peer)
+    if silent is None:
+        silent = peer
+    if silent is None:
+        failure = channel.post(what, text)
+    else:
+        if silent == peer:
+            message = f"stopped answering: {what} failed: {text}"
+        else:
+            message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
+        failure = channel.post("", message, kind="unresponsive", rank=silent)
+    return error_for(failure, channel.rank, prefix)
+
+
+def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | None:
+    """The peer whose heartbeat stopped, read for up to 1.5 heartbeat timeouts; None if all beat.
+
+    For a transfer that failed locally: a killed peer's heartbeat stops at once, so it is
+    seen stopped after about one second (or a short heartbeat timeout). A failure another
+    rank posts meanwhile names its own origin; this returns None then (the caller's post
+    returns that failure).
+    """
+    liveness = channel.liveness
+    if liveness is None or not liveness.ranks:
+        return None
+    limit = time.monotonic() + liveness.timeout * 1.5
+    nap = max(liveness.interval, 0.05)
+    while True:
+        if channel.poll() is not None:
+            return None
+        liveness.read(force=True)
+        stale = liveness.stale(older_than=min(liveness.timeout, 1.0))
+        if stale:
+            return prefer if prefer in stale else stale[0]
+        if time.monotonic() >= limit:
+            return None
+        time.sleep(nap)
+
+
+def check_lost(channel: FailureChannel, lost: Failure | None, *, prefix: str = "") -> None:
+    """At the start of a step: raise the last step's failure again if it lost a rank that is
+    still silent (dead or still frozen), so the step fails at once, named, instead of waiting
+    on that rank (making a process group with it, a collective)."""
+    if lost is not None and lost.kind == "unresponsive" and still_silent(channel, lost.rank):
+        raise error_for(lost, channel.rank, prefix)
+
+
+def still_silent(channel: FailureChannel, rank: int) -> bool:
+    """Whether ``rank``'s heartbeat is still not moving (over a few beats).
+
+    At the start of a step after one that lost ``rank``: a rank that died or stays frozen
+    makes the new step raise the same named error at once instead of waiting on it.
+    """
+    liveness = channel.liveness
+    if liveness is None or rank not in liveness.ranks:
+        return False
+    liveness.read(force=True)
+    time.sleep(liveness.interval * 3)
+    liveness.read(force=True)
+    return rank in liveness.stale(older_than=liveness.interval * 2.5)
