@@ -22,13 +22,13 @@ One training step, as PyTorch's DDP does it::
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
 ``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_recover`` (a failed
 pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (communication hooks),
-``ddp_stats``, ``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce),
-``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper.
+``ddp_stats`` (plan, timeline, statistics), ``ddp_forward`` (the forward pass),
+``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile``
+(dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper and its construction.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,7 +39,6 @@ from torch.distributed.algorithms.join import Joinable
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
-from xgrad.raising import raise_from
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_checks import (
@@ -49,21 +48,15 @@ from xgrad.torch_backend.ddp_checks import (
     resolve_timeout,
 )
 from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
-from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch
-from xgrad.torch_backend.ddp_forward import (
-    check_agreement_once,
-    post_forward,
-    pre_forward,
-    sync_buffers,
-)
+from xgrad.torch_backend.ddp_forward import ForwardDDP
 from xgrad.torch_backend.ddp_hooks import GradientHooks
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
+from xgrad.torch_backend.ddp_stats import InspectableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
-from xgrad.torch_backend.ddp_stats import logging_data, statistics
 from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.ops import TorchArrayOps
@@ -74,7 +67,9 @@ __all__ = ["DistributedDataParallel", "IterationTimes"]
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
-class DistributedDataParallel(PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP):
+class DistributedDataParallel(
+    ForwardDDP, InspectableDDP, PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP
+):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
     It subclasses ``torch.nn.parallel.DistributedDataParallel`` without running that
@@ -258,33 +253,6 @@ class DistributedDataParallel(PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP)
         if self._casts is not None:
             self._grad_hooks.after_backward = self._casts.frozen_to_full
 
-    # --- forward
-
-    @frame_skipped
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-        try:
-            output = traced_module_call(self, *inputs, **kwargs)
-        except Exception as exc:  # every rank raises it, named (ddp_failure)
-            raise_from(self._watch.post("forward", exc), exc)
-        return self._post_forward(output)
-
-    @outside_dynamo
-    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
-        return pre_forward(self, inputs, kwargs)
-
-    @outside_dynamo
-    def _post_forward(self, output: Any) -> Any:
-        """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
-        return post_forward(self, output)
-
-    def _sync_buffers(self) -> None:
-        sync_buffers(self)
-
-    def _check_agreement(self) -> None:
-        check_agreement_once(self)
-
     # --- graph
 
     def _set_static_graph(self) -> None:
@@ -292,23 +260,3 @@ class DistributedDataParallel(PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP)
         if not self.static_graph:
             self.reducer.set_static_graph()
             self.static_graph = True
-
-    # --- introspection
-
-    @property
-    def plan(self) -> BucketPlan:
-        """The bucket plan in use now (changes once, when the buckets are rebuilt)."""
-        return self.reducer.plan
-
-    @property
-    def timeline(self) -> deque[IterationTimes]:
-        """The kept iterations' timelines, oldest first."""
-        return self._grad_hooks.timeline
-
-    def statistics(self) -> dict[str, Any]:
-        """PyTorch's logging data in seconds and names (see ``ddp_stats.statistics``)."""
-        return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
-
-    def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """PyTorch's logging dictionary, from xgrad's records (nanoseconds)."""
-        return logging_data(self)

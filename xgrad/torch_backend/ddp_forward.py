@@ -4,7 +4,8 @@ Before the module runs: drop a failed backward pass, tell ``join()`` this rank s
 trains, rebuild the buckets once (and re-alias gradient views), broadcast buffers,
 check once per plan that the ranks agree, move and cast the inputs. After it: find the
 unused parameters and prepare the reducer for the backward pass. The wrapper calls
-these through ``torch._dynamo.disable``-d methods, so no collective here is traced.
+these through ``torch._dynamo.disable``-d methods (:class:`ForwardDDP`, mixed into it), so
+no collective here is traced.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 from xgrad.agreement import check_agreement
+from xgrad.raising import raise_from
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_checks import fingerprint
+from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.ddp_sink import route_outputs
@@ -27,6 +30,7 @@ from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, n
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
+    from xgrad.torch_backend.ddp_failure import StepWatch
 
 #: per DDP searching for unused parameters: its parameters' accumulators (see
 #: :func:`~xgrad.torch_backend.autograd_graph.grad_accumulators`), held while it lives.
@@ -100,3 +104,34 @@ def sync_buffers(ddp: DistributedDataParallel) -> None:
         src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
         with torch.no_grad():
             ddp.comm.broadcast_tensors(ddp.modules_buffers, src=src)
+
+
+class ForwardDDP:
+    """Mixed into the DDP: ``forward``, the module traced, the steps around it not (ddp_compile)."""
+
+    _watch: StepWatch
+
+    @frame_skipped
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        try:
+            output = traced_module_call(self, *inputs, **kwargs)
+        except Exception as exc:  # every rank raises it, named (ddp_failure)
+            raise_from(self._watch.post("forward", exc), exc)
+        return self._post_forward(output)
+
+    @outside_dynamo
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
+        return pre_forward(self, inputs, kwargs)  # type: ignore[arg-type]
+
+    @outside_dynamo
+    def _post_forward(self, output: Any) -> Any:
+        """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
+        return post_forward(self, output)  # type: ignore[arg-type]
+
+    def _sync_buffers(self) -> None:
+        sync_buffers(self)  # type: ignore[arg-type]
+
+    def _check_agreement(self) -> None:
+        check_agreement_once(self)  # type: ignore[arg-type]

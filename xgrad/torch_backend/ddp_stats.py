@@ -2,20 +2,27 @@
 
 PyTorch's DDP keeps the same figures in C++ (``_get_ddp_logging_data``); here they are
 computed from the reducer's :class:`~xgrad.reducer.IterationRecord` and the wrapper's
-forward time, so they can be read, compared and plotted.
+forward time, so they can be read, compared and plotted. :class:`InspectableDDP`, mixed
+into the wrapper, is where they are read from it (with the plan in use).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from xgrad.reducer import IterationRecord, Reducer
+
+if TYPE_CHECKING:
+    from collections import deque
+
+    from xgrad.buckets import BucketPlan
+    from xgrad.torch_backend.ddp_hooks import GradientHooks
 
 #: per-iteration timings kept for statistics (the newest).
 TIMINGS_KEPT = 64
@@ -170,3 +177,29 @@ def _sizes(reducer: Reducer, plan: Any) -> list[int]:
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+class InspectableDDP:
+    """Mixed into the DDP: what PyTorch keeps inside C++, read from xgrad's reducer."""
+
+    reducer: Reducer
+    parameter_names: list[str]
+    _grad_hooks: GradientHooks
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket plan in use now (changes once, when the buckets are rebuilt)."""
+        return self.reducer.plan
+
+    @property
+    def timeline(self) -> deque[IterationTimes]:
+        """The kept iterations' timelines, oldest first."""
+        return self._grad_hooks.timeline
+
+    def statistics(self) -> dict[str, Any]:
+        """PyTorch's logging data in seconds and names (see ``ddp_stats.statistics``)."""
+        return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """PyTorch's logging dictionary, from xgrad's records (nanoseconds)."""
+        return logging_data(self)
