@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from xgrad.bench_stats import launch_intervals, median_interval, paired_ratios, verdict
+from xgrad.bench_stats import (
+    LAUNCHES_FOR_SPREAD,
+    launch_intervals,
+    launch_verdict,
+    median_interval,
+    paired_ratios,
+    verdict,
+)
 
 
 def test_paired_ratios_pair_by_turn() -> None:
@@ -98,3 +105,34 @@ def test_launch_intervals_pool_every_turn_and_keep_each_launch_apart() -> None:
     pooled, each = launch_intervals([first, second])
     assert pooled == median_interval(first + second)
     assert each == (median_interval(first), median_interval(second))
+
+
+def _launches(medians: list[float], half_width: float = 0.05) -> list[tuple[float, float, float]]:
+    return [(m - half_width, m, m + half_width) for m in medians]
+
+
+def test_six_launches_are_judged_by_the_interval_of_their_medians() -> None:
+    assert LAUNCHES_FOR_SPREAD == 6
+    # Every launch's median below 1.00, though 1.00 lies inside each launch's own interval:
+    # the typical launch is below the target (per-launch rule: noise).
+    below = _launches([0.95, 0.97, 0.96, 0.98, 0.94, 0.99])
+    assert launch_verdict(below) == "met"
+    assert verdict([(low, high) for low, _, high in below]) == "noise"
+    assert launch_verdict(_launches([1.02, 1.05, 1.01, 1.03, 1.04, 1.06])) == "missed"
+    # One launch across the limit: with six, the interval is the whole range of medians.
+    assert launch_verdict(_launches([0.95, 0.97, 0.96, 0.98, 0.94, 1.01])) == "noise"
+    # With nine, the interval drops the lowest and highest median: one launch above the
+    # limit no longer decides, two do.
+    nine = [0.95, 0.97, 0.96, 0.98, 0.94, 0.99, 0.93, 0.96]
+    assert launch_verdict(_launches([*nine, 1.08])) == "met"
+    assert launch_verdict(_launches([*nine[:-1], 1.02, 1.08])) == "noise"
+    assert launch_verdict(_launches([1.05] * 6), limit=1.1) == "met"
+
+
+def test_fewer_launches_keep_the_rule_of_each_launch_alone() -> None:
+    five = _launches([0.95, 0.97, 0.96, 0.98, 0.94])
+    assert launch_verdict(five) == verdict([(low, high) for low, _, high in five]) == "noise"
+    assert launch_verdict(_launches([0.90, 0.92], half_width=0.03)) == "met"
+    assert launch_verdict([(0.97, 0.98, 1.01)]) == "noise"
+    with pytest.raises(ValueError, match="no launches"):
+        launch_verdict([])

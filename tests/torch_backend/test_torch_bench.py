@@ -145,6 +145,16 @@ def test_pooled_row_pools_the_turns_but_judges_each_launch() -> None:
     assert csv_row["launch_highs"] == "0.9/1.03" and csv_row["verdict"] == "noise"
 
 
+def test_six_launches_are_judged_by_their_medians() -> None:
+    # Each launch has 1.00 inside its own interval, but all six medians are below it.
+    spread = [0.95, 0.96, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 1.03, 1.04]
+    launches = [_sample([t - shift for t in spread]) for shift in (0.0, 0.01, 0.0, 0.02, 0.0, 0.01)]
+    assert all(pooled([one]).verdict == "noise" for one in launches)
+    assert pooled(launches).verdict == "met"
+    # One launch whose median is above 1.00 leaves the six undecided.
+    assert pooled([*launches[:5], _sample([t + 0.02 for t in spread])]).verdict == "noise"
+
+
 def test_pooled_refuses_launches_of_different_cases() -> None:
     other = CaseSample("many", False, 2, 8, 100, (1.0,), (1.0,), (1.0,), (1.0,), (1.0,), 1, 1, 0.0)
     with pytest.raises(ValueError, match=r"different cases \[\('many', False, 2\), \('mlp'"):

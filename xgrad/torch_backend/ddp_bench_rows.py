@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
-from xgrad.bench_stats import launch_intervals, paired_ratios, verdict
+from xgrad.bench_stats import launch_intervals, launch_verdict, paired_ratios
 from xgrad.tables import Table, near_limit
 
 __all__ = ["CaseResult", "CaseSample", "pooled", "rows_table", "table"]
@@ -86,11 +86,11 @@ class CaseResult:
 
     @property
     def verdict(self) -> str:
-        """Against the target (at most 1.00): met or missed by every launch, else noise."""
+        """Against the target (at most 1.00), launch by launch (``launch_verdict``)."""
         if not self.paired_ratio:
             return "met" if self.time_ratio <= 1.0 else "missed"
         launches = self.launches or ((self.ratio_low, self.paired_ratio, self.ratio_high),)
-        return verdict([(low, high) for low, _, high in launches])
+        return launch_verdict(launches)
 
     @property
     def cpu_ratio(self) -> float:

@@ -15,7 +15,7 @@ from xgrad.torch_backend.memory import HeapMeter, PeakWatch
 HELP = (
     "time per step of xgrad's pipeline runtime against torch.distributed.pipelining on the "
     "same model, stages and microbatches, for every schedule both implement (ratio with its "
-    "95% interval, target <= 1.00 judged in each of several launches), the measured step "
+    "95% interval, target <= 1.00 judged over several launches), the measured step "
     "time and bubble against the simulator fed measured per-action and per-message costs "
     "(targets: 10%, 3 points), and memory per stage"
 )
@@ -43,16 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        default=30,
-        help="timed steps per schedule, over all launches (by default 15 per launch: a launch's "
-        "95%% interval is then its 4th to 12th ratio; under 6 steps it is their whole range)",
+        default=60,
+        help="timed steps per schedule, over all launches (by default 10 per launch: a launch's "
+        "95%% interval is then its 2nd to 9th ratio; under 6 steps it is their whole range)",
     )
     parser.add_argument(
         "--launches",
         type=int,
-        default=2,
-        help="runs of fresh processes, the steps split between them: the verdict needs "
-        "every launch to agree, since a launch's steps share what it drew",
+        default=6,
+        help="runs of fresh processes, the steps split between them, since a launch's steps "
+        "share what it drew: from 6 on the verdict judges the interval of the launches' "
+        "medians, with fewer it needs every launch's own interval to agree",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per launch")
     parser.add_argument(

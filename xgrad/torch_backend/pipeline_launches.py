@@ -4,8 +4,8 @@ The bench splits its timed steps between several launches of fresh processes
 (``--launches``), because the steps of one launch share what the launch drew (process
 placement, allocator layout, ports): the same code printed 1.012 for 1F1B at p = 4, with
 1.00 well inside its quartiles, and 0.985 in the next run. So the speed row's verdict
-comes from each launch's own interval (:func:`xgrad.bench_stats.verdict`: met or missed
-only when every launch alone says so), while the simulator and the memory sections take a
+counts launches (:func:`xgrad.bench_stats.launch_verdict`: from six on, the interval of
+their medians; with fewer, met or missed only when every launch alone says so), while the simulator and the memory sections take a
 launch as just more steps: :func:`pool` merges the launches' per-rank results into the
 results of one launch that ran them all.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xgrad.bench_stats import launch_intervals, paired_ratios, verdict
+from xgrad.bench_stats import launch_intervals, launch_verdict, paired_ratios
 
 __all__ = ["Speed", "pool", "speed"]
 
@@ -54,8 +54,8 @@ class Speed:
 
     @property
     def verdict(self) -> str:
-        """Against the target (at most 1.00): met or missed by every launch, else noise."""
-        return verdict([(low, high) for low, _, high in self.launches])
+        """Against the target (at most 1.00), launch by launch (``launch_verdict``)."""
+        return launch_verdict(self.launches)
 
 
 def _slowest(per_rank: Sequence[Result], name: str, key: str) -> list[float]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import xgrad.pipeline as xp
+from xgrad.bench_stats import rule
 from xgrad.pipeline import Kind
 from xgrad.tables import Table, near_limit
 from xgrad.torch_backend.memory import HeapMeter
@@ -44,10 +45,9 @@ def report(
         "ratio: the median over every launch's steps of xgrad's step over torch's step of "
         "the same pair (the two alternate, each first in every other pair; a step's time is "
         "the slowest rank's) [95% interval of that median, from order statistics]; target "
-        "<= 1.00: met when every launch's own 95% interval is at most 1.00, missed when "
-        "every one is above, noise otherwise (1.00 inside one, or the launches disagree; "
-        "under 6 steps a launch's interval is its whole range); launches: each launch's own "
-        "median [and its 95% interval], which the target judges; s/step: each one's median step"
+        f"<= 1.00, {rule(n)} (under 6 steps a launch's interval is its whole range); "
+        "launches: each launch's own median [and its 95% interval]; s/step: each one's "
+        "median step"
     )
     rows = [(name, speed(launches, name)) for name in names]
     spans = [f"[{near_limit(s.low)}, {near_limit(s.high)}]" for _, s in rows]
