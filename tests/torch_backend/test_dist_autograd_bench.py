@@ -58,6 +58,17 @@ def test_bench_reports_a_ratio_and_equal_gradients(
     )
     assert record["cpu_ratio"] == pytest.approx(record["xgrad_cpu_ms"] / record["torch_rpc_cpu_ms"])
     assert cpu_ratio == pytest.approx(record["cpu_ratio"], abs=1e-3)
+    # Rank 0's whole pass (forward, backward, the context's end) outlasts its backward.
+    whole = next(line for line in lines if line.startswith("pass "))
+    torch_pass, xgrad_pass, pass_ratio = (float(v) for v in whole.split()[1:4])
+    assert torch_pass > torch_ms and xgrad_pass > xgrad_ms
+    assert pass_ratio == pytest.approx(xgrad_pass / torch_pass, rel=1e-2)
+    assert record["pass_ratio"] == pytest.approx(
+        record["xgrad_pass_ms"] / record["torch_rpc_pass_ms"]
+    )
+    assert (torch_pass, xgrad_pass) == pytest.approx(
+        (record["torch_rpc_pass_ms"], record["xgrad_pass_ms"]), abs=1e-3
+    )
     rows = list(csv.DictReader((tmp_path / "r.csv").open()))
     (csv_row,) = [row for row in rows if row["table"] == "bench dist-autograd"]
     assert float(csv_row["max_grad_diff"]) == record["max_grad_diff"] < 1e-12
