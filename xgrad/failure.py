@@ -223,6 +223,8 @@ class FailureChannel:
         self.rank = rank
         self.liveness = liveness
         self._failure: Failure | None = None
+        #: tickets this rank's posts took (their records are this rank's to delete).
+        self.tickets: list[int] = []
 
     def post(
         self, where: str, message: str, *, kind: str = "error", rank: int | None = None
@@ -232,11 +234,18 @@ class FailureChannel:
             return self._failure
         failure = Failure(self.rank if rank is None else rank, where, message, kind)
         ticket = self.store.add(f"{self.prefix}/failures", 1)
+        self.tickets.append(ticket)
         self.store.set(f"{self.prefix}/failure/{ticket}", failure.to_bytes())
         if ticket == 1:
             self._failure = failure
             return failure
         return self._first() or failure
+
+    def written(self) -> list[str]:
+        """The keys this rank's posts wrote and it alone may delete (once no rank reads the
+        channel): its tickets' records, and the counter if it took ticket 1 (one rank did)."""
+        keys = [f"{self.prefix}/failure/{t}" for t in self.tickets]
+        return keys + ([f"{self.prefix}/failures"] if 1 in self.tickets else [])
 
     def poll(self) -> Failure | None:
         """The step's first failure, if any rank posted one (one store round trip)."""

@@ -150,6 +150,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
             _holders.pop(name, None)
         if not ok:
             bury_sent(ctx.works)
+            ctx.leave_failed()
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import RankError, wait_until
+from xgrad.torch_backend import dist_leftovers
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
@@ -228,14 +229,20 @@ class Context:
         does not grow the store by a key per send and per context for the whole run.
 
         This rank's forward headers: every one was read (every receive was made, the exit
-        barrier says). The previous context's exit counter, by the group's lowest rank:
-        every rank is past this context's barrier, so none still reads the previous one.
-        This context's own counter is left to the next (a slower rank may still read it).
-        A failed context's keys stay: a peer may still read them to answer its failure.
+        barrier says). What earlier contexts left (:mod:`.dist_leftovers`): every rank is
+        past this context's barrier, so none reads them any more. What a peer may still
+        read, this context's exit counter and probe records, is left to the next.
         """
         for link in self.links.values():
             link.forget_headers()
-        if self.me == min(self.ranks) and self.seq > 1:
-            base, _, seq = self.channel.prefix.rpartition("/")
-            assert seq == str(self.seq), (self.channel.prefix, self.seq)
-            self.channel.store.delete_key(f"{base}/{self.seq - 1}/exit")
+        base, _, seq = self.channel.prefix.rpartition("/")
+        assert seq == str(self.seq), (self.channel.prefix, self.seq)
+        store, lowest = self.channel.store, self.me == min(self.ranks)
+        dist_leftovers.sweep(self.name, store, base, self.seq, lowest=lowest)
+        dist_leftovers.keep(self.name, self.ledger.written() + self.channel.written())
+
+    def leave_failed(self) -> None:
+        """A failed context: keep every key this rank wrote in it, for a later clean
+        context to delete (its peers may read them until they leave this one)."""
+        keys = [key for link in self.links.values() for key in link.headers()]
+        dist_leftovers.keep(self.name, keys + self.ledger.written() + self.channel.written())

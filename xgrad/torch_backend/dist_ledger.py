@@ -212,6 +212,8 @@ class Ledger:
         self.src = -1
         self._since = time.monotonic()
         self._written = False
+        # Whether this rank's record is in the store (deleted after the context).
+        self.stored = False
         self._next = 0.0
         self._release = release
         self._released = False
@@ -243,6 +245,10 @@ class Ledger:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/ledger/{rank}"
 
+    def written(self) -> list[str]:
+        """This rank's record's key, if a probe wrote it (for deletion once nobody reads it)."""
+        return [self._key(self.me)] if self.stored else []
+
     def exit_amount(self) -> int:
         """Enter the exit; what this rank adds to the exit barrier's count (see BALANCE)."""
         self.enter("exit")
@@ -260,7 +266,7 @@ class Ledger:
             self._next = now + PROBE_EVERY
             if not self._written:
                 self.store.set(self._key(self.me), self.record().to_bytes())
-                self._written = True
+                self._written = self.stored = True
             for rank in self.ranks:
                 if rank != self.me and self.store.check([self._key(rank)]):
                     self.records[rank] = Record.from_bytes(self.store.get(self._key(rank)))

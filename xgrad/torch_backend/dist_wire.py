@@ -158,13 +158,18 @@ class Link:
         self.store.set(f"{self._out}/f/{self._next('f')}", ",".join(map(str, head)).encode())
         return work, data
 
+    def headers(self) -> list[str]:
+        """The keys of the forward headers this rank wrote to the peer in the context."""
+        return [f"{self._out}/f/{i}" for i in range(self._count.get("f", 0))]
+
     def forget_headers(self) -> None:
         """Delete the forward headers this rank wrote to the peer. Only once every send of
         the context was received (past the exit barrier): the peer read each header before
-        its receive counted. After a failure they stay (:meth:`unreceived` reads them).
+        its receive counted. After a failure they stay (:meth:`unreceived` reads them)
+        until a later context's exit (:mod:`.dist_leftovers`).
         Called once, as the context closes: a context per step must not grow the store."""
-        for i in range(self._count.get("f", 0)):
-            self.store.delete_key(f"{self._out}/f/{i}")
+        for key in self.headers():
+            self.store.delete_key(key)
 
     def tensor_ready(self) -> bool:
         """Whether the peer posted the next tensor this rank will receive from it."""
