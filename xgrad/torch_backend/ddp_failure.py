@@ -13,7 +13,8 @@ so an operation left pending by a failed step expires with it and
 ``destroy_process_group()`` returns. After a failed step every rank sees the failure in
 that step's namespace at its next synchronised forward pass, drops the private group
 (whatever was left pending on it, on any rank, goes with it) and makes a fresh one: the
-next step starts in step on every rank.
+next step starts in step on every rank. The failed step's keys in the store go once every
+rank has read them (:mod:`.ddp_leftovers`).
 
 This module is the watch itself: the step's channel, the private group, the bounded
 waits and what a failed wait drops. The DDP's collectives issued on that group are
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
 from xgrad.raising import raise_from
+from xgrad.torch_backend.ddp_leftovers import drop_read_failures, read_failure
 from xgrad.torch_backend.ddp_skipped import check_skipped, drop_old_skips
 from xgrad.torch_backend.ddp_spin import resolve_spin, spin_until
 from xgrad.torch_backend.failure import (
@@ -41,6 +43,7 @@ from xgrad.torch_backend.failure import (
     start_heartbeat,
     transfer_failed,
 )
+from xgrad.torch_backend.group_keys import GroupKeys
 
 __all__ = ["StepWatch"]
 
@@ -67,13 +70,18 @@ class StepWatch:
         self.step = 0
         self.poll = default_seconds("poll_interval")
         self.world = dist.get_world_size(group)
-        #: the group's lowest global rank (it deletes the keys of skip rounds).
-        self.lowest = min(dist.get_process_group_ranks(group or dist.group.WORLD))
+        #: the group's global ranks, and the lowest (it deletes the keys of skip rounds and
+        #: of failed steps).
+        self.ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
+        self.lowest = min(self.ranks)
         #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
         self.spin = resolve_spin(self.world, self.poll)
         #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still
         #: to be deleted (:mod:`.ddp_skipped`).
         self.skipped_steps: list[tuple[int, str]] = []
+        #: on the lowest rank: namespaces of failed steps whose keys are still to be
+        #: deleted (:mod:`.ddp_leftovers`).
+        self.failed_steps: list[tuple[str, GroupKeys]] = []
         #: the step whose skipped backward pass was last settled (once per step).
         self.settled = -1
         self.group: Any = self._private_group()
@@ -126,11 +134,16 @@ class StepWatch:
         check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
         if self.skipped_steps:
             drop_old_skips(self)
+        if self.failed_steps:
+            drop_read_failures(self)
         self.step += 1
+        old = self.channel.prefix
         self.channel = self._next_channel()
         if failed is not None or self.group is None:
             self.group = self._private_group()
             self.lost = None
+        if failed is not None:
+            read_failure(self, old)
         return failed
 
     def post(self, where: str, exc: BaseException) -> RankError:

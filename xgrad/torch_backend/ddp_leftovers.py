@@ -1,0 +1,61 @@
+"""The store keys of a failed DDP step: deleted once every rank has read them.
+
+A failed step leaves its failure tickets in its namespace of the failure channel, and
+every rank reads them at the forward pass that begins the next step
+(:meth:`~.ddp_failure.StepWatch.begin_step`: that is how every rank learns the step
+failed and moves to a fresh private group). They cannot be deleted before every rank
+has: a reader looks a key up, then gets it, and a c10d ``get`` of a key deleted in
+between blocks for the store's whole timeout, while a key gone before the lookup would
+make that rank miss the failure and keep the group the others dropped. Nor is it known
+when a slow rank reads (the step after a failure need not need every rank: it may fail
+too, before its reduction). So each rank, past that read and with its new group made,
+marks it in the failed step's namespace (one write per rank and failed step; a good step
+writes nothing), and the group's lowest rank, at each step's start while such a step is
+pending, looks the marks up (one lookup) and, once every rank's is there, deletes the
+step's keys: its tickets, their counter and the marks, and what c10d wrote to make the
+fresh group (:mod:`.group_keys`). A training loop that catches a
+failed step and goes on keeps a bounded store: usually two steps after a failure (the
+step after it needs every rank for its reduction, so each marked) the keys are gone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from xgrad.torch_backend.group_keys import group_keys
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_failure import StepWatch
+
+__all__ = ["drop_read_failures", "read_failure"]
+
+
+def _marks(prefix: str, ranks: list[int]) -> list[str]:
+    return [f"{prefix}/read/{r}" for r in ranks]
+
+
+def read_failure(watch: StepWatch, prefix: str) -> None:
+    """This rank read the failure of the step in namespace ``prefix`` and will not read
+    that namespace again (its channel is the next step's), and made the fresh private
+    group: say so there."""
+    watch.channel.store.set(f"{prefix}/read/{watch.channel.rank}", b"1")
+    if watch.channel.rank == watch.lowest:
+        watch.failed_steps.append((prefix, group_keys(watch.group)))
+
+
+def drop_read_failures(watch: StepWatch) -> None:
+    """On the lowest rank: delete the keys of each failed step every rank has read."""
+    store = watch.channel.store
+    while watch.failed_steps:
+        prefix, made = watch.failed_steps[0]
+        marks = _marks(prefix, watch.ranks)
+        if not store.check(marks):
+            return  # a rank has not begun a later step yet: looked up again next step
+        watch.failed_steps.pop(0)
+        # Every poster took its ticket before it marked (a rank posts to a step only
+        # until it begins the next), so the counter is final.
+        counter = f"{prefix}/failures"
+        tickets = int(store.get(counter)) if store.check([counter]) else 0
+        for key in [*(f"{prefix}/failure/{t}" for t in range(1, tickets + 1)), counter, *marks]:
+            store.delete_key(key)
+        made.delete()  # every rank made the fresh group before it marked
