@@ -98,3 +98,63 @@ def test_a_failure_that_cuts_a_ranks_agreement_short_leaves_the_next_steps_worki
         assert out[1][0] == out[2][0] == "ok", out
         assert out[1][1] < 3.0, out  # not the 5 s timeout
     assert codes == {0: 0, 1: 0}
+
+
+def _failed_steps_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """Good steps, then ``rounds`` of a failed step (an action raising on rank 1, or targets
+    the last rank cannot split) and a good one; the store's key count after each round."""
+    import os
+
+    import torch.distributed as dist
+    from chain import chain_setup, judged_step
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    store = dist.distributed_c10d._get_default_store()
+    part, x, y, want = chain_setup(rank, world, WIDTH, 6)
+    armed = [False]
+
+    def hook(g: Any) -> Any:
+        if armed[0] and rank == 1:
+            raise RuntimeError("boom in backward")
+        return g
+
+    part[0].weight.register_hook(hook)
+    rt = PipelineRuntime(xp.one_f_one_b(world, 3), [part], nn.functional.mse_loss, timeout=5)
+
+    def step(kind: str = "") -> Any:
+        armed[0] = kind == "action"
+        part.zero_grad(set_to_none=True)
+        return judged_step(rt, part, want[rank], x, y[:5] if kind == "batch" else y)[0]
+
+    def count() -> int:
+        dist.barrier()
+        n = int(store.num_keys())
+        dist.barrier()
+        return n
+
+    out: dict[str, Any] = {"good": [step(), step()], "failed": [], "after": []}
+    out["baseline"] = count()
+    for k in range(rounds):
+        out["failed"].append(step(("action", "batch")[k % 2]))
+        out["good"].append(step())
+        out["after"].append(count())
+    return out
+
+
+def test_failed_steps_leave_no_keys_once_a_step_works_again() -> None:
+    """Each failed step used to leave its failure tickets, the ranks' starts of the step
+    after it and the addresses c10d wrote to make its fresh private group: 8 keys a failure
+    on three ranks, for the rest of the run. A good step deletes them, and its own."""
+    from ranks import run_ranks
+
+    rounds = 4
+    results, codes = run_ranks(_failed_steps_keys, 3, (rounds,), timeout=90)
+    assert set(codes.values()) == {0}, (codes, results)
+    for rank, (status, out) in sorted(results.items()):
+        assert status == "ok", (rank, out)
+        assert all(o[0] == "ok" and o[1] < 1e-12 for o in out["good"]), (rank, out)
+        assert all("boom in backward" in e for e in out["failed"][::2]), (rank, out)
+        assert all("not a multiple" in e for e in out["failed"][1::2]), (rank, out)
+        assert out["after"] == [out["baseline"]] * rounds, (rank, out)

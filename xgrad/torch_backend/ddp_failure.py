@@ -43,7 +43,7 @@ from xgrad.torch_backend.failure import (
     start_heartbeat,
     transfer_failed,
 )
-from xgrad.torch_backend.group_keys import GroupKeys
+from xgrad.torch_backend.group_keys import StoreKeys
 
 __all__ = ["StepWatch"]
 
@@ -81,7 +81,7 @@ class StepWatch:
         self.skipped_steps: list[tuple[int, str]] = []
         #: on the lowest rank: namespaces of failed steps whose keys are still to be
         #: deleted (:mod:`.ddp_leftovers`).
-        self.failed_steps: list[tuple[str, GroupKeys]] = []
+        self.failed_steps: list[tuple[str, StoreKeys]] = []
         #: the step whose skipped backward pass was last settled (once per step).
         self.settled = -1
         self.group: Any = self._private_group()

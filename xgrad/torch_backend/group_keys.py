@@ -26,31 +26,32 @@ import torch.distributed as dist
 
 from xgrad.failure import KeyValueStore
 
-__all__ = ["GroupKeys", "group_keys"]
+__all__ = ["StoreKeys", "group_keys"]
 
 
 @dataclass(frozen=True)
-class GroupKeys:
-    """The rendezvous keys of one group, in its store (kept: the group may be gone)."""
+class StoreKeys:
+    """Keys of one store, to delete later (the store is kept: a group's may be gone)."""
 
     store: KeyValueStore | None
     keys: tuple[str, ...]
 
     def delete(self) -> None:
-        """Delete them: only once every member of the group has made it."""
+        """Delete them: only once nobody reads them (for a group's: every member made it)."""
         if self.store is not None:
             for key in self.keys:
                 self.store.delete_key(key)
 
 
-def group_keys(group: Any) -> GroupKeys:
-    """The rendezvous keys of ``group`` (none for a group that is not an eager gloo one)."""
+def group_keys(group: Any, rank: int | None = None) -> StoreKeys:
+    """The rendezvous keys of ``group`` (none for a group that is not an eager gloo one);
+    with ``rank`` (a group rank), only the one that rank wrote."""
     if os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0"):
-        return GroupKeys(None, ())
+        return StoreKeys(None, ())
     config = str(dist.distributed_c10d._world.pg_backend_config.get(group, ""))
     devices = [d for d, _, b in (p.partition(":") for p in config.split(",")) if b == "gloo"]
     if not devices:
-        return GroupKeys(None, ())
+        return StoreKeys(None, ())
     store = cast(KeyValueStore, dist.distributed_c10d._get_process_group_store(group))
-    size = dist.get_world_size(group)
-    return GroupKeys(store, tuple(f"{d}//0/{r}" for d in devices for r in range(size)))
+    ranks = range(dist.get_world_size(group)) if rank is None else [rank]
+    return StoreKeys(store, tuple(f"{d}//0/{r}" for d in devices for r in ranks))

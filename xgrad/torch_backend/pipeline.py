@@ -20,6 +20,7 @@ from torch import nn
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter
+from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
     check_settings,
     reduce_points,
@@ -154,6 +155,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._p2p: tuple[Any, ...] | None = None
         self._lanes = default_lanes(dist.get_world_size(group))
         self._channel: FailureChannel | None = None
+        self._written: list[StoreKeys] = []  # deleted at the end of a good step
         self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
         self._p2p_ranks: list[int] = []
@@ -243,6 +245,8 @@ class PipelineRuntime(StepGroups, StagePasses):
                     self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(slots))
             action = None
             wire.finish(self._waiters[1])
+            if self._written:
+                self._forget()
             return loss
         except RankError as error:
             # The failure is posted: peers waiting on this rank stop now (a live origin

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from xgrad.failure import Failure, FailureChannel, RankError
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.group_keys import StoreKeys, group_keys
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import (
     abort_set_aside,
@@ -49,6 +50,7 @@ class StepGroups(StageState):
     _plan: PostedPlan | None
     post_ahead: int
     release_sends: str
+    _written: list[StoreKeys]
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
@@ -58,6 +60,7 @@ class StepGroups(StageState):
         self._channel = channel = failure_channel(self.group, f"pipeline/step{index}")
         if isinstance(early, Exception):
             channel.post("", f"step failed: {type(early).__name__}: {early}")
+            self._keep_written(channel)
             raise early
         # Only a step that makes a new group waits on the members (a failed step's group
         # is set aside together with the private group): not looked up on every step.
@@ -73,7 +76,7 @@ class StepGroups(StageState):
             # Not once every poison was taken: a peer that raised on the first takes no
             # other, and those sends would hold this step for the whole timeout.
             if self._lost is None:
-                counts = wait_all_started(channel, members, self.timeout, self._lanes)
+                counts = self._all_started(channel, members)
             for group in self._dying[0]:
                 abort_set_aside(group)
             self._dying = None
@@ -84,10 +87,12 @@ class StepGroups(StageState):
             # per direction where the cores allow: pipeline_lanes), made once every rank
             # showed it makes as many.
             if counts is None:
-                counts = wait_all_started(channel, members, self.timeout, self._lanes)
+                counts = self._all_started(channel, members)
             lanes = agree_lanes(counts)
             self._p2p = open_lanes(members, lanes)
             self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
+            me = dist.get_group_rank(self._p2p[0], channel.rank)
+            self._written += [group_keys(group, me) for group in self._p2p]
         if not self._agreed:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
             # everywhere; a hang on a schedule one rank does not share is ruled out.
@@ -103,6 +108,30 @@ class StepGroups(StageState):
             )
             self._agreed = True
         return channel
+
+    def _all_started(self, channel: FailureChannel, members: list[int]) -> list[int]:
+        counts = wait_all_started(channel, members, self.timeout, self._lanes)
+        self._written.append(
+            StoreKeys(channel.store, (f"{channel.prefix}/started/{channel.rank}",))
+        )
+        return counts
+
+    def _keep_written(self, channel: FailureChannel) -> None:
+        """Keep the keys this rank's posts wrote to the step's channel, for :meth:`_forget`."""
+        self._written.append(StoreKeys(channel.store, tuple(channel.written())))
+
+    def _forget(self) -> None:
+        """At the end of a good step: delete the keys this rank wrote to the store in it
+        and in the failed steps before it (their tickets, the ranks' starts, the address
+        this rank wrote to make each private group). The step ended through every rank
+        (:mod:`~xgrad.torch_backend.pipeline_close`), so every rank is past the start of
+        this step and has left the steps before it: none reads those keys any more
+        (deleted earlier, a key could vanish between a reader's lookup and its ``get``,
+        which then blocks for the store's timeout). A loop that catches a failed step and
+        goes on keeps a bounded store; a good step that opened no group deletes nothing."""
+        for keys in self._written:
+            keys.delete()
+        self._written.clear()
 
     def _new_wire(
         self, channel: FailureChannel, grad_shapes: Callable[[int, int], Any]
@@ -148,6 +177,8 @@ class StepGroups(StageState):
         self._lost = (
             error.failure if error is not None and error.failure.kind == "unresponsive" else None
         )
+        if self._channel is not None:
+            self._keep_written(self._channel)
         self._edges.clear()
         self._agreed = False
         if self._p2p is not None:
