@@ -48,10 +48,14 @@ def group_keys(group: Any, rank: int | None = None) -> StoreKeys:
     with ``rank`` (a group rank), only the one that rank wrote."""
     if os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0"):
         return StoreKeys(None, ())
-    config = str(dist.distributed_c10d._world.pg_backend_config.get(group, ""))
+    c10d = dist.distributed_c10d
+    try:  # private to c10d: a torch without them leaves the keys, as before
+        config = str(c10d._world.pg_backend_config.get(group, ""))
+        store = cast(KeyValueStore, c10d._get_process_group_store(group))
+    except (AttributeError, KeyError, RuntimeError, ValueError):
+        return StoreKeys(None, ())
     devices = [d for d, _, b in (p.partition(":") for p in config.split(",")) if b == "gloo"]
     if not devices:
         return StoreKeys(None, ())
-    store = cast(KeyValueStore, dist.distributed_c10d._get_process_group_store(group))
     ranks = range(dist.get_world_size(group)) if rank is None else [rank]
     return StoreKeys(store, tuple(f"{d}//0/{r}" for d in devices for r in ranks))
