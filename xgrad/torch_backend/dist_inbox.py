@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from xgrad.failure import FailureChannel, RankError, check_seconds, default_seconds
+from xgrad.failure import (
+    FailureChannel,
+    RankError,
+    check_seconds,
+    default_seconds,
+    error_for,
+)
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
 from xgrad.torch_backend.dist_watch import What, text, wait_here
@@ -118,6 +124,8 @@ class Inbox:
             # peer's poison or the watchdog still ends each wait), and no thread
             # hand-off costs a second wake-up per message.
             self.mode = "one"
+        if self.mode == "one":
+            self._check_before_waiting_here()
         if self.mode == "threads":
             for peer, link in self._links.items():
                 works = link.post_gradients(self._expect.get(peer, ()))
@@ -137,6 +145,22 @@ class Inbox:
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))
         self.buffers += [(w, b) for _, w, b in (*self._here, *self._dones)]
+
+    def _check_before_waiting_here(self) -> None:
+        """Raise a failure already posted, once, before the pass's first wait on this thread.
+
+        A peer that failed outside a pass answers every tensor this rank sent it with a
+        poison gradient, finding them by their headers in the store. A tensor sent after
+        that read goes unanswered, and a wait on this thread ends only by a message or the
+        timeout (the watchdog leaves a live rank's failure to its poison). This read comes
+        after every send of the context: a failure it misses was posted after it, hence
+        after this rank's headers were written, and the failing rank read the headers
+        after posting, so it found them and answers. One store lookup per pass, made
+        while this rank would wait anyway; the threads' waits read the channel as they go.
+        """
+        failure = self._channel.poll()
+        if failure is not None:
+            raise error_for(failure, self._channel.rank)
 
     def send(
         self,
