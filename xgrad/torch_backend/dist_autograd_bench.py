@@ -13,7 +13,10 @@ each next rank with nested ``rpc_sync`` over TensorPipe inside a
 every rank finished its part). The two alternate in blocks of passes, in the same
 processes; PyTorch's RPC agent is started for each of its blocks and shut down after,
 because while it lives a thread of every process polls its shared-memory transport (an
-idle agent made xgrad's pass 1.8 times slower). Also reported: the CPU time a pass costs
+idle agent made xgrad's pass 1.8 times slower). Each launch of fresh processes runs every
+block; the ratio and its verdict come from the block pairs of every launch
+(:mod:`.dist_autograd_report`). Also reported: rank 0's whole pass (the context from entry to
+exit), the CPU time a pass costs
 all ranks together (every thread, forward and backward: for PyTorch from when rank 0
 starts its timed passes until it finished them, polling included), and the largest
 difference between the two implementations' gradients of every weight.
@@ -24,14 +27,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import warnings
 from typing import Any
 
 from xgrad.help_format import QuickDefault
-from xgrad.tables import Table, add_table_outputs, print_tables
+from xgrad.tables import add_table_outputs, print_tables
+from xgrad.torch_backend.dist_autograd_report import render, summarize
 
 HELP = (
     "time per distributed backward of xgrad's dist_autograd (gloo) against PyTorch's "
@@ -49,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=QuickDefault(64, 4), help="rows of the input")
     parser.add_argument(
-        "--iters", type=int, default=QuickDefault(20, 2), help="timed backward passes each"
+        "--iters",
+        type=int,
+        default=QuickDefault(20, 2),
+        help="timed backward passes each, per launch",
     )
     parser.add_argument(
         "--warmup",
@@ -58,7 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="untimed passes at the start of each block",
     )
     parser.add_argument(
-        "--rounds", type=int, default=4, help="blocks per implementation (they alternate)"
+        "--rounds",
+        type=int,
+        default=4,
+        help="blocks per implementation and launch (they alternate)",
+    )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=QuickDefault(6, 1),
+        help="runs of fresh processes, each with every block: the verdict counts launches, "
+        "since a launch's blocks share what its processes drew (from 6 on: the interval of "
+        "the launches' median block ratios)",
     )
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument(
@@ -227,13 +244,18 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
         return None
     pairs = list(zip(gathered, grads, strict=True))
     diff = max(float((a - b).abs().max()) for (a, _, _), b in pairs)
-    result = {"xgrad": statistics.median(ours), "torch": statistics.median(theirs), "diff": diff}
+    result: dict[str, Any] = {
+        "xgrad_times": ours,
+        "torch_times": theirs,
+        "blocks": _blocks(cfg["iters"], cfg["rounds"]),
+        "diff": diff,
+    }
     for side, times in passes.items():
-        result[f"{side}_pass"] = statistics.median(times)
+        result[f"{side}_pass_times"] = times
     for side in ("xgrad", "torch"):  # per timed pass, summed over the ranks
         result[f"{side}_cpu"] = sum(c[side] for _, _, c in gathered) / cfg["iters"]
     if other:
-        result["other"] = statistics.median(other)
+        result["other_times"] = other
         result["other_diff"] = max(float((a - b).abs().max()) for (_, a, _), b in pairs)
     return result
 
@@ -241,7 +263,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any] | None
 def run(args: argparse.Namespace) -> int:
     from xgrad.torch_backend.spawn import spawn
 
-    for label in ("world", "size", "batch", "iters", "rounds"):
+    for label in ("world", "size", "batch", "iters", "rounds", "launches"):
         if getattr(args, label) < 1:
             raise ValueError(f"--{label} must be >= 1, got {getattr(args, label)}")
     if args.world < 2:
@@ -265,53 +287,15 @@ def run(args: argparse.Namespace) -> int:
         "rpc_init": "file://" + os.path.join(tmp, "rpc"), "execute": execute,
         "ab": args.ab and ("nodes" if execute == "waves" else "waves"),
     }  # fmt: skip
+    launches = []
     try:
-        result = spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0]
+        for k in range(args.launches):
+            # RPC's rendezvous files are per block; a launch of its own names its own.
+            cfg["rpc_init"] = "file://" + os.path.join(tmp, f"rpc{k}-")
+            launches.append(spawn(_worker, args.world, args=(cfg,), timeout=args.timeout)[0])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    ratio = result["xgrad"] / result["torch"]
-    cpu = {"torch": result["torch_cpu"], "xgrad": result["xgrad_cpu"]}
-    cpu_ratio = cpu["xgrad"] / cpu["torch"] if cpu["torch"] > 0 else float("nan")
-    whole = {"torch": result["torch_pass"], "xgrad": result["xgrad_pass"]}
-    pass_ratio = whole["xgrad"] / whole["torch"]
-    text = (
-        f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
-        f"batch {args.batch}, median of {args.iters} backward passes each "
-        f"(in {len(_blocks(args.iters, args.rounds))} alternating blocks)\n"
-        f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}\n"
-        f"{'backward':8} {result['torch'] * 1e3:12.3f} {result['xgrad'] * 1e3:10.3f} {ratio:7.3f}\n"
-        f"{'pass':8} {whole['torch'] * 1e3:12.3f} {whole['xgrad'] * 1e3:10.3f} {pass_ratio:7.3f}\n"
-        f"{'cpu':8} {cpu['torch'] * 1e3:12.3f} {cpu['xgrad'] * 1e3:10.3f} {cpu_ratio:7.3f}\n"
-        f"  (pass: rank 0's whole pass, from entering the context to leaving it: forward,\n"
-        f"  backward and the context's end; the target judges the backward row)\n"
-        f"  (cpu: CPU time of every thread of every rank per timed pass, forward and backward;\n"
-        f"  PyTorch's RPC agent polls its transport on a thread of each process meanwhile)\n"
-        f"largest gradient difference (xgrad vs torch rpc): {result['diff']:.3e}"
-    )
-    columns = ("world", "size", "batch", "dtype", "iters", "torch_rpc_ms", "xgrad_ms", "ratio")
-    setup = (args.world, args.size, args.batch, args.dtype, args.iters)
-    row = (*setup, result["torch"] * 1e3, result["xgrad"] * 1e3, ratio, result["diff"])
-    cpu_row = (cpu["torch"] * 1e3, cpu["xgrad"] * 1e3, cpu_ratio)
-    cpu_columns = ("torch_rpc_cpu_ms", "xgrad_cpu_ms", "cpu_ratio")
-    pass_row = (whole["torch"] * 1e3, whole["xgrad"] * 1e3, pass_ratio)
-    pass_columns = ("torch_rpc_pass_ms", "xgrad_pass_ms", "pass_ratio")
-    tables = [
-        Table(
-            (*columns, "max_grad_diff", *cpu_columns, *pass_columns),
-            ((*row, *cpu_row, *pass_row),),
-            "bench dist-autograd",
-        )
-    ]
-    if "other" in result:
-        ms = {execute: result["xgrad"], cfg["ab"]: result["other"]}
-        text += (
-            f"\nA/B, same blocks: xgrad {execute} (default) {ms[execute] * 1e3:.3f} ms, "
-            f"{cfg['ab']} {result['other'] * 1e3:.3f} ms (ratio to torch rpc "
-            f"{result['other'] / result['torch']:.3f}, gradient difference "
-            f"{result['other_diff']:.3e}); waves/nodes {ms['waves'] / ms['nodes']:.3f}"
-        )
-        ab_row = (*setup, ms["nodes"] * 1e3, ms["waves"] * 1e3, ms["waves"] / ms["nodes"])
-        ab_columns = ("world", "size", "batch", "dtype", "iters", "nodes_ms", "waves_ms", "ratio")
-        tables.append(Table(ab_columns, (ab_row,), "bench dist-autograd waves vs nodes"))
+    blocks = len(_blocks(args.iters, args.rounds))
+    text, tables = render(args, summarize(launches), execute, cfg["ab"] or None, blocks)
     print_tables(args, tables, text)
     return 0
