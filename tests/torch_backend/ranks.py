@@ -30,3 +30,14 @@ def run_ranks(
     """
     wait_for = [r for r in range(world) if r not in frozen]
     return gather_ranks(fn, world, args, limit=timeout, wait_for=wait_for)
+
+
+def key_count(store: Any) -> int:
+    """The store's number of keys, read with every rank at the same point of its run (the
+    store-key tests count what failed and good steps leave)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    n = int(store.num_keys())
+    dist.barrier()
+    return n

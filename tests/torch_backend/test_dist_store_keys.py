@@ -15,19 +15,9 @@ import time
 from typing import Any
 
 from failing import failing_function
-from ranks import run_ranks
+from ranks import key_count, run_ranks
 
 Boom = failing_function("Boom", lambda: ValueError("boom in backward"))
-
-
-def _key_count(store: Any) -> int:
-    """The store's number of keys, read with every rank at the same point of its run."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    n = int(store.num_keys())
-    dist.barrier()
-    return n
 
 
 def _keys(rank: int, world: int) -> dict[str, Any]:
@@ -56,18 +46,18 @@ def _keys(rank: int, world: int) -> dict[str, Any]:
             return da.get_gradients(cid)[w]
 
     out: dict[str, Any] = {"grads": [step()]}
-    out["after_1"] = _key_count(store)
+    out["after_1"] = key_count(store)
     out["grads"] += [step() for _ in range(6)]
-    out["after_7"] = _key_count(store)
+    out["after_7"] = key_count(store)
     try:
         step(fail=rank == 1)
         out["failed"] = None
     except Exception as exc:  # every rank raises the failure of rank 1
         out["failed"] = type(exc).__name__
     out["grads"] += [step()]
-    out["after_failure"] = _key_count(store)
+    out["after_failure"] = key_count(store)
     out["grads"] += [step() for _ in range(6)]
-    out["after_failure_7"] = _key_count(store)
+    out["after_failure_7"] = key_count(store)
     first = out.pop("grads")
     out["same_grads"] = all(torch.equal(g, first[0]) for g in first)
     return out
@@ -114,7 +104,7 @@ def _failed_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
             return da.get_gradients(cid)[w]
 
     out: dict[str, Any] = {"grads": [step(), step()], "failed": []}
-    out["clean"] = _key_count(store)
+    out["clean"] = key_count(store)
     out["after"] = []
     for i in range(rounds):
         kind = ("node", "misuse")[i % 2]
@@ -124,11 +114,11 @@ def _failed_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
         except da.DistBackwardError as exc:
             out["failed"].append(f"{kind}: {exc}")
         out["grads"].append(step())
-        out["after"].append(_key_count(store))
+        out["after"].append(key_count(store))
     out["slow"] = []
     for _ in range(3):
         out["grads"].append(step(slow=True))
-        out["slow"].append(_key_count(store))
+        out["slow"].append(key_count(store))
     first = out.pop("grads")
     out["same_grads"] = all(torch.equal(g, first[0]) for g in first)
     return out

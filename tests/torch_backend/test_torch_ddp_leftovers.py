@@ -13,7 +13,7 @@ import os
 import warnings
 from typing import Any
 
-from ranks import run_ranks
+from ranks import key_count, run_ranks
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 
@@ -66,20 +66,14 @@ def _steps(rank: int, world: int, rounds: int) -> dict[str, Any]:
         )
         return "" if good else "wrong gradients"
 
-    def count() -> int:
-        dist.barrier()
-        n = int(store.num_keys())
-        dist.barrier()
-        return n
-
     out: dict[str, Any] = {"clean": [step(), step()], "failed": [], "after": []}
-    out["baseline"] = count()
+    out["baseline"] = key_count(store)
     for i in range(rounds):
         out["failed"].append(step(("hook", "forward")[i % 2]))
         # The step after a failure needs every rank (its reduction): by the next one's
         # start each rank has read the failure and marked it, and the lowest deletes.
         out["clean"] += [step(), step()]
-        out["after"].append(count())
+        out["after"].append(key_count(store))
     return out
 
 

@@ -107,6 +107,7 @@ def _failed_steps_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
 
     import torch.distributed as dist
     from chain import chain_setup, judged_step
+    from ranks import key_count
 
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
@@ -128,18 +129,12 @@ def _failed_steps_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
         part.zero_grad(set_to_none=True)
         return judged_step(rt, part, want[rank], x, y[:5] if kind == "batch" else y)[0]
 
-    def count() -> int:
-        dist.barrier()
-        n = int(store.num_keys())
-        dist.barrier()
-        return n
-
     out: dict[str, Any] = {"good": [step(), step()], "failed": [], "after": []}
-    out["baseline"] = count()
+    out["baseline"] = key_count(store)
     for k in range(rounds):
         out["failed"].append(step(("action", "batch")[k % 2]))
         out["good"].append(step())
-        out["after"].append(count())
+        out["after"].append(key_count(store))
     return out
 
 
