@@ -7,6 +7,7 @@ import pytest
 import xgrad.pipeline as xp
 from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.pipeline_replay import (
+    action_span,
     message_latencies,
     replay_step,
     replay_steps,
@@ -76,3 +77,16 @@ def test_replayed_steps_give_medians_and_bubbles_from_the_same_compute() -> None
     assert out.bubble_simulated == pytest.approx(1 - busy / (2 * (5.7 + fixed)))
     with pytest.raises(ValueError, match=r"steps \(3\) and times \(2\) must match"):
         replay_steps(schedule, steps, [6.0, 6.4], fixed)
+
+
+def test_each_step_keeps_its_own_time_outside_the_actions() -> None:
+    # Without a fixed part given, each step's is its measured time less its actions'
+    # span (0 to 5.7 here): what the simulator does not model, taken as measured.
+    schedule = xp.gpipe(2, 1)
+    steps = [_gpipe_step(1.5), _gpipe_step(1.5), _gpipe_step(1.5)]
+    assert action_span(steps[0]) == pytest.approx(5.7)
+    out = replay_steps(schedule, steps, [6.0, 6.4, 7.0])
+    assert out.fixed == pytest.approx(0.7)
+    # Each step's own costs and own fixed part give back each step's time.
+    assert out.simulated == pytest.approx(out.measured) == pytest.approx(6.4)
+    assert out.bubble_simulated == pytest.approx(out.bubble_measured)

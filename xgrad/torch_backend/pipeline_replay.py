@@ -29,7 +29,14 @@ import xgrad.pipeline as xp
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.pipeline.simulate import dependencies
 
-__all__ = ["Replayed", "message_latencies", "replay_step", "replay_steps", "step_costs"]
+__all__ = [
+    "Replayed",
+    "action_span",
+    "message_latencies",
+    "replay_step",
+    "replay_steps",
+    "step_costs",
+]
 
 #: one rank's records of one step: ``(action text, start, end, seconds blocked)``.
 Records = Sequence[tuple[str, float, float, float]]
@@ -102,19 +109,36 @@ def replay_step(schedule: Schedule, records: Sequence[Records]) -> tuple[float, 
     return sim.makespan, sum(sim.busy)
 
 
+def action_span(records: Sequence[Records]) -> float:
+    """Seconds from the first action's start on any rank to the last one's end."""
+    starts = [start for recs in records for _, start, _, _ in recs]
+    ends = [end for recs in records for _, _, end, _ in recs]
+    return max(ends) - min(starts)
+
+
 class Replayed:
     """The measured and the simulated figures of a run's steps (medians over steps).
 
     Attributes:
         measured: the median step (a step's time is its slowest rank's).
-        simulated: the median of the steps simulated from their own costs, plus ``fixed``.
+        simulated: the median of the steps simulated from their own costs, plus each
+            step's fixed part.
+        fixed: the median fixed part (the step outside its actions).
         bubble_measured / bubble_simulated: the median over steps of the step's bubble,
             ``1 - compute / (p * step)``, with the same compute on both sides.
     """
 
-    def __init__(self, measured: list[float], simulated: list[float], busy: list[float], p: int):
+    def __init__(
+        self,
+        measured: list[float],
+        simulated: list[float],
+        busy: list[float],
+        p: int,
+        fixed: list[float],
+    ):
         self.measured = statistics.median(measured)
         self.simulated = statistics.median(simulated)
+        self.fixed = statistics.median(fixed)
         self.bubble_measured = statistics.median(
             1 - b / (p * t) for b, t in zip(busy, measured, strict=True)
         )
@@ -124,16 +148,25 @@ class Replayed:
 
 
 def replay_steps(
-    schedule: Schedule, steps: Sequence[Sequence[Records]], times: Sequence[float], fixed: float
+    schedule: Schedule,
+    steps: Sequence[Sequence[Records]],
+    times: Sequence[float],
+    fixed: float | None = None,
 ) -> Replayed:
     """Replay every step (``steps[k]`` its records per rank, ``times[k]`` its measured
-    time) and add ``fixed`` (the step's setup and teardown outside the actions) to each."""
+    time) and add the step's fixed part, its setup and teardown outside the actions, to
+    each: ``fixed`` when given, else each step's own, its measured time less its
+    :func:`action_span` (what the slowest rank spent before the first action anywhere and
+    after the last: the simulator models the actions and messages, not that).
+    """
     if not steps or len(steps) != len(times):
         raise ValueError(f"steps ({len(steps)}) and times ({len(times)}) must match, not empty")
-    simulated, busy = [], []
-    for records in steps:
+    simulated, busy, parts = [], [], []
+    for records, measured in zip(steps, times, strict=True):
         seconds, compute = replay_step(schedule, records)
-        simulated.append(seconds + fixed)
+        part = measured - action_span(records) if fixed is None else fixed
+        simulated.append(seconds + part)
         busy.append(compute)
+        parts.append(part)
     p = schedule.num_ranks
-    return Replayed(list(times), simulated, busy, p)
+    return Replayed(list(times), simulated, busy, p, parts)

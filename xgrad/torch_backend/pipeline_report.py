@@ -77,7 +77,9 @@ def report(
         "action's own time, time blocked on a message left out; every message's latency "
         "from its send's end to the wake-up of the receiver that blocked on it, none when "
         "none blocked; each rank's time between actions) plus the step's fixed setup and "
-        "teardown (before the first action and after the last, to the closing barrier); "
+        "teardown (its measured time less its actions' span: the slowest rank's time before "
+        "the first action on any rank and after the last, to the closing barrier; fixed us: "
+        "their median); "
         "the median over steps, compared with the median measured step (within 10%) and "
         "the median bubble (idle share of compute, the same compute on both sides, within "
         f"3 points). pooled: the step predicted from costs pooled over all steps instead "
@@ -91,6 +93,7 @@ def report(
     )
     for name in names:
         sched = xp.insert_comms(xp.make(name, p, m))
+        # The step outside its actions: without per-step records, the ranks' median edges.
         fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
         steps = [
             [res[name]["records"][k] for res in per_rank] for k in range(_count(per_rank, name))
@@ -98,12 +101,17 @@ def report(
         # Below zero (a receiver that preempted its sender) is none, as the replay takes it.
         lags = [max(0.0, x) for recs in steps for x in message_latencies(sched, recs).values()]
         latency = statistics.mean(lags) if lags else message
-        pooled_step, pooled_bubble = _pooled(per_rank, name, sched, latency, fixed)
         times = [
             max(ts) for ts in zip(*(r[name].get("xgrad_steps", []) for r in per_rank), strict=True)
         ]
+        replayed = None
         if steps and len(times) == len(steps):
-            replayed = replay_steps(sched, steps, times, fixed)
+            # Each step with its own fixed part (its time outside the actions), as with its
+            # own costs; the pooled model takes their median.
+            replayed = replay_steps(sched, steps, times)
+            fixed = replayed.fixed
+        pooled_step, pooled_bubble = _pooled(per_rank, name, sched, latency, fixed)
+        if replayed is not None:
             step, predicted = replayed.measured, replayed.simulated
             measured, bubble = replayed.bubble_measured, replayed.bubble_simulated
         else:  # results without per-step records: each side's medians, the pooled model
