@@ -65,21 +65,20 @@ def summarize(launches: Sequence[Launch]) -> Summary:
     if not launches:
         raise ValueError("summarize: no launches")
 
-    def pooled(key: str) -> float:
+    def pooled(key: str) -> float:  # every launch's passes together
         return statistics.median(t for launch in launches for t in launch[key])
+
+    def across(key: str) -> float:  # one figure per launch
+        return statistics.median(launch[key] for launch in launches)
 
     pooled_ratio, each = launch_intervals([_block_ratios(launch) for launch in launches])
     other = None
     if all("other_times" in launch for launch in launches):
         other = (pooled("other_times"), max(launch["other_diff"] for launch in launches))
-    cpu = tuple(
-        statistics.median(launch[f"{side}_cpu"] for launch in launches)
-        for side in ("torch", "xgrad")
-    )
     return Summary(
         backward=(pooled("torch_times"), pooled("xgrad_times")),
         whole=(pooled("torch_pass_times"), pooled("xgrad_pass_times")),
-        cpu=(cpu[0], cpu[1]),
+        cpu=(across("torch_cpu"), across("xgrad_cpu")),
         ratio=pooled_ratio,
         launches=each,
         diff=max(launch["diff"] for launch in launches),

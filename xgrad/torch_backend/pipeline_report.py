@@ -93,8 +93,6 @@ def report(
     )
     for name in names:
         sched = xp.insert_comms(xp.make(name, p, m))
-        # The step outside its actions: without per-step records, the ranks' median edges.
-        fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
         steps = [
             [res[name]["records"][k] for res in per_rank] for k in range(_count(per_rank, name))
         ]
@@ -110,6 +108,8 @@ def report(
             # own costs; the pooled model takes their median.
             replayed = replay_steps(sched, steps, times)
             fixed = replayed.fixed
+        else:  # the step outside its actions, without per-step records: the ranks' edges
+            fixed = min(r[name]["pre"] for r in per_rank) + min(r[name]["post"] for r in per_rank)
         pooled_step, pooled_bubble = _pooled(per_rank, name, sched, latency, fixed)
         if replayed is not None:
             step, predicted = replayed.measured, replayed.simulated
