@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from xgrad.engine import BackwardError, Engine, NodeFunction
+from xgrad.engine import BackwardError, Deferred, Engine, NodeFunction
 from xgrad.graph import BackwardGraph, GraphBuilder
 from xgrad.reference import mlp_batch, mlp_weights
 from xgrad.reference.models import MLP
@@ -126,6 +126,63 @@ def test_first_error_stops_the_pass_and_the_next_pass_works() -> None:
     assert info.value.message == "FloatingPointError: overflow in add"
     engine.zero_grad()
     assert engine.backward(g, fns, {0: 1.0}).order == (0, 1, 2, 4, 3)
+    assert engine.grads == {0: 76.0, 1: 42.0}
+
+
+def test_deferred_gradients_run_once_nothing_else_is_ready() -> None:
+    g, fns = diamond()
+    log: list[str] = []
+
+    def logged(name: str, fn: NodeFunction) -> NodeFunction:
+        def run(grads: list[Any]) -> Sequence[Any]:
+            log.append(name)
+            return fn(grads)
+
+        return run
+
+    def mul(grads: list[Any]) -> Sequence[Any]:
+        log.append("mul")
+
+        def for_w() -> list[Any]:  # deferred: the B/W split of a zero-bubble schedule
+            log.append("w later")
+            return [grads[0] * 5.0]
+
+        return [grads[0] * 3.0, Deferred(for_w)]
+
+    engine = Engine()
+    fns = {0: logged("loss", fns[0]), 1: mul, 2: logged("add", fns[2])}
+    result = engine.backward(g, fns, {0: 1.0})
+    # add and the bias's accumulator (4) ran before the deferred part, w (3) after it.
+    assert log == ["loss", "mul", "add", "w later"]
+    assert result.order == (0, 1, 2, 4, 3)
+    assert engine.grads == {0: 76.0, 1: 42.0}  # as without the deferral
+
+
+def test_one_deferred_part_may_stand_at_several_places() -> None:
+    b = GraphBuilder()
+    root = b.add_node("function", "root")
+    accs = [b.add_node("accumulate", f"p{i}", param=i) for i in range(3)]
+    for a in accs:
+        b.add_edge(root, a)
+    part = Deferred(lambda: [10.0, 30.0])  # for places 0 and 2, in that order
+    engine = Engine()
+    engine.backward(b.build(), {root: lambda grads: [part, 20.0, part]}, {root: 1.0})
+    assert engine.grads == {0: 10.0, 1: 20.0, 2: 30.0}
+
+
+def test_a_failing_or_short_deferred_part_names_its_node_and_the_next_pass_works() -> None:
+    g, fns = diamond()
+
+    def boom() -> Sequence[Any]:
+        raise ArithmeticError("deferred boom")
+
+    engine = Engine()
+    with pytest.raises(BackwardError, match=r"at node 1 \(mul\): ArithmeticError: deferred boom"):
+        engine.backward(g, {**fns, 1: lambda grads: [grads[0], Deferred(boom)]}, {0: 1.0})
+    with pytest.raises(BackwardError, match="a deferred part returned 0 gradients for 1 next"):
+        engine.backward(g, {**fns, 1: lambda grads: [grads[0], Deferred(lambda: [])]}, {0: 1.0})
+    engine.zero_grad()
+    engine.backward(g, fns, {0: 1.0})
     assert engine.grads == {0: 76.0, 1: 42.0}
 
 

@@ -21,17 +21,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
-
-from xgrad.dependencies import compute_dependencies
 from xgrad.dist_context import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from xgrad.dist_context import DistContext as DistContext
 from xgrad.engine_errors import BackwardError as BackwardError
 from xgrad.engine_errors import DistBackwardError as DistBackwardError
+from xgrad.engine_plan import lists
+from xgrad.engine_plan import plan as make_plan
 from xgrad.graph import BackwardGraph, NodeKind
 
 #: A node's backward: one gradient per input (None where none arrived) -> one per next edge
@@ -41,6 +41,22 @@ NodeFunction = Callable[[list[Any]], Sequence[Any]]
 #: the reducer's ``mark_ready`` has exactly this signature.
 PostAccumulateHook = Callable[[int, Any], None]
 _T = TypeVar("_T")
+
+
+class Deferred:
+    """Gradients of some of a node's edges, computed later: when no node is ready.
+
+    A node function may put one Deferred at the places of several of its next edges;
+    ``compute()`` then returns their gradients in the order of those places. The engine
+    calls it once nothing else is ready (before waiting for a message, and before the pass
+    ends), so what other workers wait for goes first and the rest (a weight's gradient,
+    say) after, as zero-bubble pipeline schedules split a backward into B and W.
+    """
+
+    __slots__ = ("compute",)
+
+    def __init__(self, compute: Callable[[], Sequence[Any]]) -> None:
+        self.compute = compute
 
 
 @dataclass(frozen=True)
@@ -119,7 +135,8 @@ class Engine:
                 nodes default to passing their gradient on). A node that receives no
                 gradient at all (every input None) is not called: None flows on. An
                 accumulator that receives none adds nothing, but its hooks still run with
-                the gradient accumulated so far, as autograd's post hooks do.
+                the gradient accumulated so far, as autograd's post hooks do. A function
+                may return a :class:`Deferred` for some edges.
             grad_roots: ``{root node: gradient for its input 0}``.
             outputs: wanted outputs (see :func:`~xgrad.graph.compute_dependencies`).
 
@@ -168,7 +185,7 @@ class Engine:
         worker: int | None,
     ) -> tuple[int, ...]:
         sends = ctx.sends_of(worker) if ctx is not None and worker is not None else ()
-        plan = _plan(graph, grad_roots.keys(), sends, outputs)
+        plan = make_plan(graph, grad_roots.keys(), sends, outputs)
         recvs_here = ctx.recvs_of(worker) if ctx is not None and worker is not None else {}
         for r in plan.reached_recvs:
             if r not in recvs_here:
@@ -178,7 +195,7 @@ class Engine:
                 )
         counts = list(plan.counts)
         needed = plan.needed
-        kinds, n_in, indptr, dst, input_nr, params, prio = _lists(graph)
+        kinds, n_in, indptr, dst, input_nr, params, prio = lists(graph)
         n = graph.num_nodes
         buffers: dict[int, list[Any]] = {}
 
@@ -197,7 +214,44 @@ class Engine:
         pending_sends = set(sends)
         ran_recvs: set[int] = set()
         order: list[int] = []
-        while ready or pending_sends:
+        # Deferred parts: (node, part, its edges), computed once no node is ready.
+        later: deque[tuple[int, Deferred, list[int]]] = deque()
+
+        def pass_on(u: int, edges: Iterable[int], outs: Sequence[Any]) -> None:
+            parts: dict[int, tuple[Deferred, list[int]]] | None = None
+            for e, g in zip(edges, outs, strict=True):
+                if type(g) is Deferred:
+                    if parts is None:
+                        parts = {}
+                    parts.setdefault(id(g), (g, []))[1].append(e)
+                    continue
+                v = dst[e]
+                if g is not None:
+                    add_into(v, input_nr[e], g)
+                counts[v] -= 1
+                if counts[v] == 0 and needed[v]:
+                    heapq.heappush(ready, prio[v])
+            if parts:
+                later.extend((u, part, es) for part, es in parts.values())
+
+        while ready or pending_sends or later:
+            if not ready and later:
+                u, part, edges = later.popleft()
+                try:
+                    done = part.compute()
+                    if len(done) != len(edges):
+                        raise ValueError(
+                            f"a deferred part returned {len(done)} gradients for "
+                            f"{len(edges)} next edges"
+                        )
+                except DistBackwardError:
+                    raise
+                except Exception as exc:
+                    raise BackwardError(
+                        u, graph.name(u), f"{type(exc).__name__}: {exc}", worker
+                    ) from exc
+                pass_on(u, edges, done)
+                continue
             if not ready:
                 assert ctx is not None and worker is not None
                 send_node, g = ctx.receive(worker)
@@ -242,13 +296,7 @@ class Engine:
                 raise BackwardError(
                     u, graph.name(u), f"{type(exc).__name__}: {exc}", worker
                 ) from exc
-            for e, g in zip(range(lo, hi), outs, strict=True):
-                v = dst[e]
-                if g is not None:
-                    add_into(v, input_nr[e], g)
-                counts[v] -= 1
-                if counts[v] == 0 and needed[v]:
-                    heapq.heappush(ready, prio[v])
+            pass_on(u, range(lo, hi), outs)
         if ctx is not None and worker is not None:
             for r in recvs_here:
                 if r not in ran_recvs:
@@ -260,96 +308,6 @@ class Engine:
             self.grads[param] = self._accumulate(self.grads.get(param), grad)
         for hook in list(self._hooks.get(param, {}).values()):
             hook(param, self.grads.get(param))
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What a pass needs from the dependency computation, as Python data (read-only).
-
-    Attributes:
-        counts: dependency count per node (the pass copies it and counts down).
-        needed: whether the pass executes each node.
-        reached_recvs: the reached recv nodes (each must be linked to a send).
-        ready: the heap of the priorities of the roots ready at the start.
-    """
-
-    counts: tuple[int, ...]
-    needed: tuple[bool, ...]
-    reached_recvs: tuple[int, ...]
-    ready: tuple[int, ...]
-
-
-#: Plans kept per graph (one per roots/sends/outputs); past this the graph's plans are
-#: dropped and recomputed. A graph is immutable, so a plan is never stale for it.
-_PLANS_PER_GRAPH = 16
-
-
-def _plan(
-    graph: BackwardGraph,
-    roots: Iterable[int],
-    sends: Iterable[int],
-    outputs: Iterable[int] | None,
-) -> _Plan:
-    """The dependencies of a pass from ``roots`` and ``sends``, cached on the graph.
-
-    A training loop runs the same graph (the torch backend keeps one graph object per
-    structure) from the same roots and sends on every pass; computing the dependencies
-    and converting them to Python lists again each time costs more than a small graph's
-    pass. The plan depends only on the graph, the roots, the sends and the outputs, which
-    make the key; a computation that raises is not cached, so it raises again.
-    """
-    root_t, send_t = tuple(roots), tuple(sends)
-    out_t = None if outputs is None else tuple(outputs)
-    try:
-        key: Any = (root_t, send_t, out_t)
-        hash(key)
-    except TypeError:  # unhashable ids: compute_dependencies names them
-        key = None
-    plans: dict[Any, _Plan] = graph._cache.setdefault("engine_plans", {})
-    plan = plans.get(key) if key is not None else None
-    if plan is not None:
-        return plan
-    deps = compute_dependencies(graph, root_t, send_t, outputs=out_t)
-    reached_recvs = np.flatnonzero(deps.reachable & (graph.kinds == NodeKind.RECV)).tolist()
-    counts = deps.counts.tolist()
-    needed = deps.needed.tolist()
-    prio = _lists(graph)[-1]
-    ready = [prio[u] for u in deps.roots if counts[u] == 0 and needed[u]]
-    heapq.heapify(ready)
-    plan = _Plan(tuple(counts), tuple(needed), tuple(reached_recvs), tuple(ready))
-    if key is not None:
-        if len(plans) >= _PLANS_PER_GRAPH:
-            plans.clear()
-        plans[key] = plan
-    return plan
-
-
-def _lists(graph: BackwardGraph) -> tuple[list[int], ...]:
-    """The graph's arrays as Python lists (cached on the immutable graph), and each node's
-    priority in the ready heap.
-
-    Python ints, not numpy scalars, in the per-node loop: comparing a numpy integer with a
-    NodeKind costs microseconds, and a small graph's pass is mostly this loop. The heap is
-    a min-heap of ``-priority``: accumulators first (as autograd's AccumulateGrad, whose
-    sequence number is the largest), then later-created nodes first.
-    """
-    lists = graph._cache.get("engine_lists")
-    if lists is None:
-        kinds = graph.kinds.tolist()
-        n = len(kinds)
-        acc = int(NodeKind.ACCUMULATE)
-        prio = [-(u + (n if k == acc else 0)) for u, k in enumerate(kinds)]
-        lists = (
-            kinds,
-            graph.num_inputs().tolist(),
-            graph.indptr.tolist(),
-            graph.dst.tolist(),
-            graph.input_nr.tolist(),
-            graph.params.tolist(),
-            prio,
-        )
-        graph._cache["engine_lists"] = lists
-    return lists  # type: ignore[no-any-return]
 
 
 def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:

@@ -6,7 +6,8 @@ seeds a backward) and from one ``send`` node per tensor this rank sent that requ
 ``AccumulateGrad`` nodes of received tensors become ``recv`` nodes; those of every other
 leaf, parameters and inputs alike, become accumulators numbered in discovery order. The
 node functions call the torch nodes themselves, so xgrad's engine runs the pass with its
-own dependency counts.
+own dependency counts; a matrix product whose input's gradient goes to a peer computes
+that one first and defers its weights' (:mod:`.dist_split`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
 from xgrad.engine import NodeFunction
+from xgrad.engine_plan import lists
 from xgrad.graph import BackwardGraph, NodeKind
+from xgrad.torch_backend import dist_split
+from xgrad.torch_backend.dist_split import SPLITTABLE, fit
 
 __all__ = ["RankGraph", "build_rank_graph"]
 
@@ -93,12 +97,7 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
         grads = []
         for i, want in zip(keep, wants, strict=True):
             g = out[at[i]]
-            if g is not None:
-                if g.shape != want.shape:
-                    g = g.sum_to_size(want.shape)
-                if g.dtype != want.dtype:
-                    g = g.to(want.dtype)
-            grads.append(g)
+            grads.append(None if g is None else fit(g, want))
         return grads
 
     return run
@@ -130,6 +129,21 @@ def _graph(*arrays: list[Any]) -> BackwardGraph:
             _GRAPHS.clear()
         _GRAPHS[key] = graph
     return graph
+
+
+def _split(
+    graph: BackwardGraph,
+    products: list[tuple[int, Any, list[int], list[Any]]],
+    functions: dict[int, NodeFunction],
+) -> None:
+    """Matrix products whose input's gradient goes to a peer compute it first (:mod:`.dist_split`)."""
+    to_peer = dist_split.to_peer(graph)
+    indptr, dst = lists(graph)[2:4]
+    for u, fn, keep, wants in products:
+        first = [to_peer[dst[e]] for e in range(indptr[u], indptr[u + 1])]
+        split = dist_split.split_caller(fn, keep, wants, first, functions[u])
+        if split is not None:
+            functions[u] = split
 
 
 def build_rank_graph(
@@ -209,6 +223,7 @@ def build_rank_graph(
         e = get_gradient_edge(t)
         edge(u, e.node, e.output_nr)
         send_nodes.append(u)
+    products: list[tuple[int, Any, list[int], list[Any]]] = []  # see dist_split
     while stack:
         u, fn = stack.pop()
         keep = []
@@ -219,5 +234,9 @@ def build_rank_graph(
                 wants.append(child._input_metadata[nr])
                 edge(u, child, nr)
         functions[u] = _caller(fn, keep, wants)
+        if names[u] in SPLITTABLE:
+            products.append((u, fn, keep, wants))
     graph = _graph(kinds, src, dst, input_nr, params, names)
+    if products and recv_nodes and dist_split.SPLIT:
+        _split(graph, products, functions)
     return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)

@@ -40,6 +40,7 @@ from xgrad.failure import (
     error_for,
 )
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
+from xgrad.torch_backend.dist_slots import ReceiveViews
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
 from xgrad.torch_backend.dist_watch import What, text, wait_here
 from xgrad.torch_backend.dist_wire import DONE, POISON, Link
@@ -90,6 +91,10 @@ class Inbox:
         self._owe_done = {p: int(p in self._done_peers) for p in links}
         self.sent: list[tuple[int, Any]] = []
         self.buffers: list[tuple[Any, torch.Tensor]] = []  # the receives: (work, buffer)
+        #: the posted gradients' header and payload views (:mod:`.dist_slots`)
+        self.views = ReceiveViews()
+        self._sent_tensors: Mapping[int, Mapping[int, torch.Tensor]] = {}
+        self._owed_tensors: Mapping[Any, tuple[int, torch.Tensor]] = {}
         self._expect = expect
         self._armed = False
         senders = [p for p in links if expect.get(p)]
@@ -106,6 +111,37 @@ class Inbox:
         self._dones: deque[tuple[int, Any, torch.Tensor]] = deque()
         for peer, link in links.items():
             link.start_backward(owe.get(peer, ()))
+
+    def ahead(
+        self,
+        sent: Mapping[int, Mapping[int, torch.Tensor]],
+        owed: Mapping[Any, tuple[int, torch.Tensor]],
+    ) -> None:
+        """What to make buffers for when this rank first waits (:mod:`.dist_slots`): ``sent``,
+        peer -> {k: the k-th grad-requiring tensor sent it}; ``owed``, the received tensors
+        whose gradient is still to be sent, as ``(peer, tensor)`` (the pass's own mapping,
+        read then: what was answered before is left out)."""
+        self._sent_tensors = sent
+        self._owed_tensors = owed
+
+    def _make_ahead(
+        self, posted: Mapping[int, Sequence[torch.Tensor]], *, replies: bool = True
+    ) -> None:
+        """Views of the gradient receives just ``posted`` (peer -> buffers); with
+        ``replies``, the buffers of the gradients still owed."""
+        for peer, bufs in posted.items():
+            sent = self._sent_tensors.get(peer)
+            if sent:
+                self.views.make(bufs, sent)
+        if not replies:
+            return
+        owed: dict[int, list[torch.Tensor]] = {}
+        for peer, t in self._owed_tensors.values():
+            owed.setdefault(peer, []).append(t)
+        for peer, tensors in owed.items():
+            link = self._links[peer]
+            if link.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+                link.replies.make(tensors)
 
     def arm(self) -> None:
         """Post the pass's receives (once; before the first wait).
@@ -129,10 +165,13 @@ class Inbox:
         if self.mode == "threads":
             for peer, link in self._links.items():
                 works = link.post_gradients(self._expect.get(peer, ()))
+                bufs = [b for _, b in works]
                 if peer in self._done_peers:
                     works.append(link.post_done())
                 self.buffers += works
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
+                self._make_ahead({peer: bufs}, replies=False)
+            self._make_ahead({}, replies=True)
             return
         # Gradients from several peers are waited for peer by peer in the order of
         # ``expect``: the peer sent a tensor last first, as its gradient is likely to come
@@ -141,6 +180,10 @@ class Inbox:
         for peer in (*self._expect, *(p for p in self._links if p not in self._expect)):
             works = self._links[peer].post_gradients(self._expect.get(peer, ()))
             self._here.extend((peer, w, b) for w, b in works)
+        posted: dict[int, list[torch.Tensor]] = {}
+        for peer, _, buf in self._here:
+            posted.setdefault(peer, []).append(buf)
+        self._make_ahead(posted)
         for peer, link in self._links.items():
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))

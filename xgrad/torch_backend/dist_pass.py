@@ -107,6 +107,10 @@ class ProcessPass:
             self._sent.setdefault(p, {})[k] = t
             self._node[(p, k)] = node
         self._recvs = recvs
+        # The received tensors not answered yet: their reply buffers are made when this
+        # rank first waits (what was answered by then needs none; :mod:`.dist_slots`).
+        self._owed = {node: (p, t) for node, (p, _, t) in recvs.items()}
+        inbox.ahead(self._sent, self._owed)
         self._channel = channel
         self._make_error = make_error
         self._poll = default_seconds("poll_interval")
@@ -143,7 +147,8 @@ class ProcessPass:
         peer, _, buf, error = self._inbox.next(what) if item is None else item
         if error is not None:
             raise transfer_failed(self._channel, f"{text(what)}, from rank {peer}", error, peer)
-        kind, k = header(buf)
+        made = self._inbox.views.header(buf)
+        kind, k = header(buf) if made is None else made
         if kind == POISON:
             raise self._inbox.poisoned(peer)
         return peer, kind, k, buf
@@ -162,6 +167,7 @@ class ProcessPass:
         accumulating into a leaf.
         """
         peer, k, like = self._recvs[recv_node]
+        self._owed.pop(recv_node, None)
         if grad is not None and like._backward_hooks:
             for hook in list(like._backward_hooks.values()):
                 out = hook(grad)
@@ -201,7 +207,9 @@ class ProcessPass:
             raise RuntimeError(f"rank {peer} sent a gradient for send {k}, which was not made")
         if kind == NO_GRAD:
             return self._node[(peer, k)], None
-        grad = payload(buf, like)
+        grad = self._inbox.views.payload(buf, k)
+        if grad is None:
+            grad = payload(buf, like)
         if grad.device != like.device:
             grad = grad.to(like.device)
         return self._node[(peer, k)], grad

@@ -28,13 +28,13 @@ so nothing of a failed context matches a message of a later one.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from xgrad.failure import KeyValueStore
+from xgrad.torch_backend.dist_slots import HEADER, HEADER_BYTES, ReplyBuffers
 
 __all__ = [
     "BACKWARD",
@@ -75,10 +75,8 @@ _SEQ_MOD = 1 << 25
 #: streams of a context's tags: forward tensors, "done", gradients; SEVER only ever times
 #: out (closes a lost group's connections).
 FORWARD, BACKWARD, GRADIENTS, SEVER = 0, 1, 2, 3
-#: kinds of backward messages, and the size of their header (two int64).
+#: kinds of backward messages (their header's layout: :mod:`.dist_slots`).
 GRAD, NO_GRAD, DONE, POISON = 0, 1, 2, 3
-HEADER_BYTES = 16
-_HEADER = struct.Struct("=qq")
 
 
 def tag(seq: int, stream: int) -> int:
@@ -132,6 +130,8 @@ class Link:
         self._exact = device.type != "cpu"
         self._reply_slot = HEADER_BYTES
         self._replies_left = 0
+        #: the buffers of the gradients owed the peer, made when this rank first waits
+        self.replies = ReplyBuffers()
 
     def _next(self, stream: str) -> int:
         i = self._count.get(stream, 0)
@@ -200,6 +200,7 @@ class Link:
         """Begin a pass: ``replies`` are the payload bytes of the gradients owed to the peer."""
         self._reply_slot = HEADER_BYTES + max(replies, default=0)
         self._replies_left = len(replies)
+        self.replies.clear()
 
     def post_gradients(self, sizes: Sequence[int]) -> list[tuple[Any, torch.Tensor]]:
         """Post the receives of the peer's gradient messages, one per expected gradient
@@ -249,14 +250,20 @@ class Link:
                     f"the gradient for rank {self.peer} has shape {tuple(grad.shape)}, "
                     f"the received tensor {tuple(like.shape)}"
                 )
+            made = None
             try:
-                if grad.dtype != like.dtype or grad.device != self.device:
-                    grad = grad.to(self.device, like.dtype)
-                parts.append(grad.contiguous().view(-1).view(torch.uint8))
+                # a buffer made ahead (gloo): the header written, the gradient copied and cast
+                made = None if self._exact else self.replies.fill(kind, k, grad, like)
+                if made is None:
+                    if grad.dtype != like.dtype or grad.device != self.device:
+                        grad = grad.to(self.device, like.dtype)
+                    parts.append(grad.contiguous().view(-1).view(torch.uint8))
             except RuntimeError as exc:
                 raise ValueError(
                     f"the gradient for rank {self.peer} cannot be sent: {exc}"
                 ) from exc
+            if made is not None:
+                return self.pg.send([made], self.group_peer, self._tags[GRADIENTS]), made
             used += like.numel() * like.element_size()
         if reply and self._exact and self._reply_slot > used:
             parts.append(
@@ -302,7 +309,7 @@ def header(buf: torch.Tensor) -> tuple[int, int]:
     receiving rank's hop); the header was written as two native int64.
     """
     if buf.device.type == "cpu":
-        kind, k = _HEADER.unpack_from(buf.numpy().data)
+        kind, k = HEADER.unpack_from(buf.numpy().data)
         return kind, k
     kind, k = buf[:HEADER_BYTES].view(torch.int64).tolist()
     return int(kind), int(k)
