@@ -234,7 +234,7 @@ def build_rank_graph(
                 wants.append(child._input_metadata[nr])
                 edge(u, child, nr)
         functions[u] = _caller(fn, keep, wants)
-        if names[u] in SPLITTABLE:
+        if len(keep) > 1 and names[u] in SPLITTABLE:
             products.append((u, fn, keep, wants))
     graph = _graph(kinds, src, dst, input_nr, params, names)
     if products and recv_nodes and dist_split.SPLIT:
