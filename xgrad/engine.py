@@ -247,9 +247,7 @@ class Engine:
                 except DistBackwardError:
                     raise
                 except Exception as exc:
-                    raise BackwardError(
-                        u, graph.name(u), f"{type(exc).__name__}: {exc}", worker
-                    ) from exc
+                    raise _failed(graph, u, exc, worker) from exc
                 pass_on(u, edges, done)
                 continue
             if not ready:
@@ -293,9 +291,7 @@ class Engine:
             except DistBackwardError:
                 raise
             except Exception as exc:
-                raise BackwardError(
-                    u, graph.name(u), f"{type(exc).__name__}: {exc}", worker
-                ) from exc
+                raise _failed(graph, u, exc, worker) from exc
             pass_on(u, range(lo, hi), outs)
         if ctx is not None and worker is not None:
             for r in recvs_here:
@@ -308,6 +304,11 @@ class Engine:
             self.grads[param] = self._accumulate(self.grads.get(param), grad)
         for hook in list(self._hooks.get(param, {}).values()):
             hook(param, self.grads.get(param))
+
+
+def _failed(graph: BackwardGraph, u: int, exc: Exception, worker: int | None) -> BackwardError:
+    """The error of node ``u`` (its function, or a deferred part of it) raising ``exc``."""
+    return BackwardError(u, graph.name(u), f"{type(exc).__name__}: {exc}", worker)
 
 
 def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
