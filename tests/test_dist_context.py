@@ -230,3 +230,50 @@ def test_a_context_refuses_to_be_pickled_and_says_what_works_across_processes() 
 
     with pytest.raises(TypeError, match=r"xgrad\.torch_backend\.dist_autograd"):
         pickle.dumps(DistContext([0, 1]))
+
+
+@pytest.mark.parametrize("peer_first", [True, False])
+def test_work_toward_a_peer_goes_before_a_ready_recv_and_leaf_work_after(
+    peer_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker 0: loss -> {recv a, g -> recv b, h -> acc p0}; worker 1 sent both a and b.
+
+    With ``PEER_FIRST`` g (toward recv b) runs before the ready recv a, and h (leaves
+    only) after both recvs; without it, later-created nodes first, as a local pass.
+    """
+    from xgrad import engine_plan
+
+    monkeypatch.setattr(engine_plan, "PEER_FIRST", peer_first)
+    b0 = GraphBuilder()
+    loss = b0.add_node("function", "loss")
+    recv_a = b0.add_node("recv", "recv a")
+    g = b0.add_node("function", "g")
+    recv_b = b0.add_node("recv", "recv b")
+    h = b0.add_node("function", "h")
+    p0 = b0.add_node("accumulate", "p0", param=0)
+    for u, v in ((loss, recv_a), (loss, g), (g, recv_b), (loss, h), (h, p0)):
+        b0.add_edge(u, v)
+    b1 = GraphBuilder()
+    send_a = b1.add_node("send", "send a")
+    send_b = b1.add_node("send", "send b")
+    p1 = b1.add_node("accumulate", "p1", param=1)
+    b1.add_edge(send_a, p1)
+    b1.add_edge(send_b, p1)
+    graphs = (b0.build(), b1.build())
+    ctx = DistContext([0, 1])
+    ctx.link(send_worker=1, send_node=send_a, recv_worker=0, recv_node=recv_a)
+    ctx.link(send_worker=1, send_node=send_b, recv_worker=0, recv_node=recv_b)
+    engines = [Engine(), Engine()]
+    fns = {loss: scale(1.0, 2.0, 3.0), g: scale(5.0), h: scale(7.0)}
+
+    def rank_main(comm: ReferenceComm) -> Any:
+        if comm.rank == 0:
+            return engines[0].backward_distributed(ctx, 0, graphs[0], fns, {loss: 1.0})
+        return engines[1].backward_distributed(ctx, 1, graphs[1], {})
+
+    r0, _ = spawn(rank_main, 2, timeout=10.0)
+    if peer_first:
+        assert r0.order == (loss, g, recv_b, recv_a, h, p0)
+    else:
+        assert r0.order == (loss, h, p0, g, recv_b, recv_a)  # later-created first
+    assert engines[1].grads == {1: 1.0 + 2.0 * 5.0} and engines[0].grads == {0: 21.0}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from xgrad.engine import BackwardError, Deferred, Engine, NodeFunction
+from xgrad.engine_plan import reaches_recv
 from xgrad.graph import BackwardGraph, GraphBuilder
 from xgrad.reference import mlp_batch, mlp_weights
 from xgrad.reference.models import MLP
@@ -262,3 +263,21 @@ def test_plans_are_bounded_and_a_failing_plan_is_not_cached() -> None:
         with pytest.raises(ValueError, match="has no outgoing edges"):
             Engine().backward(bad, {0: scale()}, {0: 1.0})
     assert not bad._cache.get("engine_plans")
+
+
+def test_reaches_recv_marks_the_nodes_a_recv_is_reached_from() -> None:
+    b = GraphBuilder()
+    root = b.add_node("function", "root")
+    mm = b.add_node("function", "mm")
+    tanh = b.add_node("function", "tanh")
+    recv = b.add_node("recv", "recv from rank 0")
+    w = b.add_node("accumulate", "w", param=0)
+    t = b.add_node("function", "t")
+    b.add_edge(root, tanh)
+    b.add_edge(tanh, mm)
+    b.add_edge(mm, recv)
+    b.add_edge(mm, t)
+    b.add_edge(t, w)
+    graph = b.build()
+    assert reaches_recv(graph) == [True, True, True, True, False, False]
+    assert reaches_recv(graph) is reaches_recv(graph)  # cached on the immutable graph

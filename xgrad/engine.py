@@ -262,7 +262,7 @@ class Engine:
             if ctx is not None and worker is not None:
                 ctx.raise_if_failed(worker)
             u = -heapq.heappop(ready)
-            u = u - n if u >= n else u
+            u %= n
             inputs = buffers.pop(u, None) or [None] * max(1, n_in[u])
             order.append(u)
             kind = kinds[u]

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from ranks import run_ranks
 
 from xgrad.engine import Deferred
-from xgrad.graph import GraphBuilder
 from xgrad.torch_backend import dist_split
-from xgrad.torch_backend.dist_split import split_caller, to_peer
+from xgrad.torch_backend.dist_split import split_caller
 
 
 def _node_and_grad(kind: str, layout: str, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
@@ -88,24 +87,6 @@ def test_nodes_torch_computes_otherwise_are_not_split() -> None:
     assert split_caller(mm_c, keep, wants, [True, False], lambda g: g) is None
     tanh = torch.tanh(a).grad_fn  # not a matrix product
     assert split_caller(tanh, [0], _edges(tanh)[1], [True], lambda g: g) is None
-
-
-def test_to_peer_marks_the_nodes_a_recv_is_reached_from() -> None:
-    b = GraphBuilder()
-    root = b.add_node("function", "root")
-    mm = b.add_node("function", "mm")
-    tanh = b.add_node("function", "tanh")
-    recv = b.add_node("recv", "recv from rank 0")
-    w = b.add_node("accumulate", "w", param=0)
-    t = b.add_node("function", "t")
-    b.add_edge(root, tanh)
-    b.add_edge(tanh, mm)
-    b.add_edge(mm, recv)
-    b.add_edge(mm, t)
-    b.add_edge(t, w)
-    graph = b.build()
-    assert to_peer(graph) == [True, True, True, True, False, False]
-    assert to_peer(graph) is to_peer(graph)  # cached on the immutable graph
 
 
 def _layers(rank: int, world: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import get_gradient_edge
 
 from xgrad.engine import NodeFunction
-from xgrad.engine_plan import lists
+from xgrad.engine_plan import lists, reaches_recv
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend import dist_split
 from xgrad.torch_backend.dist_split import SPLITTABLE, fit
@@ -137,7 +137,7 @@ def _split(
     functions: dict[int, NodeFunction],
 ) -> None:
     """Matrix products whose input's gradient goes to a peer compute it first (:mod:`.dist_split`)."""
-    to_peer = dist_split.to_peer(graph)
+    to_peer = reaches_recv(graph)
     indptr, dst = lists(graph)[2:4]
     for u, fn, keep, wants in products:
         first = [to_peer[dst[e]] for e in range(indptr[u], indptr[u + 1])]

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from xgrad.engine import Deferred, NodeFunction
-from xgrad.graph import BackwardGraph, NodeKind
 
-__all__ = ["SPLIT", "SPLITTABLE", "fit", "split_caller", "to_peer"]
+__all__ = ["SPLIT", "SPLITTABLE", "fit", "split_caller"]
 
 #: whether a matrix product computes the gradient bound for a peer first (see above).
 SPLIT = True
@@ -39,39 +38,6 @@ _INPUTS: dict[str, tuple[str, ...]] = {
 }
 #: the node types split (by name, as the graph names its nodes).
 SPLITTABLE = frozenset(_INPUTS)
-
-
-def to_peer(graph: BackwardGraph) -> list[bool]:
-    """Per node: whether some path from it leads to a recv (a gradient another rank waits
-    for); cached on the immutable graph."""
-    found = graph._cache.get("dist_to_peer")
-    if found is not None:
-        return found  # type: ignore[no-any-return]
-    kinds = graph.kinds.tolist()
-    indptr = graph.indptr.tolist()
-    dst = graph.dst.tolist()
-    recv = int(NodeKind.RECV)
-    reach = [k == recv for k in kinds]
-    # A DFS in post-order: a node's answer once all its children's are known.
-    done = [False] * len(kinds)
-    for start in range(len(kinds)):
-        stack = [(start, indptr[start])]
-        while stack:
-            u, e = stack[-1]
-            if done[u]:
-                stack.pop()
-                continue
-            if e < indptr[u + 1]:
-                stack[-1] = (u, e + 1)
-                v = dst[e]
-                if not done[v]:
-                    stack.append((v, indptr[v]))
-                continue
-            stack.pop()
-            done[u] = True
-            reach[u] = reach[u] or any(reach[dst[i]] for i in range(indptr[u], indptr[u + 1]))
-    graph._cache["dist_to_peer"] = reach
-    return reach
 
 
 def fit(g: torch.Tensor, want: Any) -> torch.Tensor:
