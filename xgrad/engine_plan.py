@@ -54,13 +54,15 @@ def plan(
     A training loop runs the same graph (the torch backend keeps one graph object per
     structure) from the same roots and sends on every pass; computing the dependencies
     and converting them to Python lists again each time costs more than a small graph's
-    pass. The plan depends only on the graph, the roots, the sends and the outputs, which
-    make the key; a computation that raises is not cached, so it raises again.
+    pass. The plan depends only on the graph, the roots, the sends, the outputs and the
+    order (``PEER_FIRST``), which make the key; a computation that raises is not cached,
+    so it raises again.
     """
     root_t, send_t = tuple(roots), tuple(sends)
     out_t = None if outputs is None else tuple(outputs)
     try:
-        key: Any = (root_t, send_t, out_t)
+        # the ready roots' priorities depend on the order in force (PEER_FIRST)
+        key: Any = (root_t, send_t, out_t, PEER_FIRST)
         hash(key)
     except TypeError:  # unhashable ids: compute_dependencies names them
         key = None
