@@ -144,7 +144,7 @@ def test_a_peer_lost_during_a_wait_on_several_is_named(how: str) -> None:
 def _caught_here(rank: int, world: int) -> tuple[str, list[str]]:
     """Rank 1 freezes while rank 0 waits for its message on this thread: the watchdog's
     error, raised by ``wait_here``; and what that left for the garbage collector once the
-    watchdog thread is gone (while it lives, its last wait may still be referenced)."""
+    watchdog thread is gone."""
     import torch
     import torch.distributed as dist
     from garbage import xgrad_garbage
@@ -181,3 +181,38 @@ def test_a_frozen_peer_caught_by_the_watchdog_leaves_no_cycle() -> None:
     msg, garbage = value
     assert msg.startswith("RankUnresponsiveError: rank 1: stopped answering"), msg
     assert garbage == [], garbage
+
+
+def test_the_watchdog_lets_go_of_a_wait_once_it_ended() -> None:
+    """A wait the watchdog looked at (it lasted past the poll interval) is not kept alive by
+    the watchdog thread after it ended: not its group, not its channel."""
+    import gc
+    import weakref
+
+    from xgrad.failure import default_seconds
+    from xgrad.torch_backend import dist_watch
+
+    class Channel:
+        checked = 0
+
+        def check(self) -> None:
+            Channel.checked += 1
+
+    class Group:
+        pass
+
+    watchdog = dist_watch._Watchdog()
+    watch = dist_watch._Watch(Channel(), Group(), 1)  # type: ignore[arg-type]
+    refs = [weakref.ref(watch), weakref.ref(watch.channel), weakref.ref(watch.pg)]
+    watchdog.begin(watch)
+    poll = default_seconds("poll_interval")
+    deadline = time.monotonic() + 5.0
+    while Channel.checked == 0 and time.monotonic() < deadline:
+        time.sleep(poll)
+    assert Channel.checked > 0  # the watchdog read the channel for this wait
+    watchdog.end()
+    del watch
+    time.sleep(3 * poll)  # the watchdog's next polls; it lives on (IDLE_EXIT)
+    gc.collect()
+    assert watchdog._thread is not None and watchdog._thread.is_alive()
+    assert [r() for r in refs] == [None, None, None]

@@ -116,18 +116,24 @@ class _Watchdog:
                 watches = [
                     w for w in self._watches.values() if now - w.since >= poll and not w.error
                 ]
-            for w in watches:
-                try:
-                    w.channel.check()
-                except RankUnresponsiveError as exc:  # a peer stopped: free the wait
-                    with self._lock:  # unless it ended meanwhile; end() waits for this
-                        if self._watches.get(w.thread) is w:
-                            w.error = exc
-                            sever(w.pg, w.group_peer)
-                except RankError:
-                    pass  # posted by a live rank: its poison (or its peers') ends the wait
-                except Exception:  # the store itself failed: the timeout still bounds it
-                    pass
+            # In a call of its own: a local of this loop would hold the last watch (its
+            # group, its channel) until the thread ends, seconds after the wait did.
+            self._check(watches)
+            del watches
+
+    def _check(self, watches: list[_Watch]) -> None:
+        for w in watches:
+            try:
+                w.channel.check()
+            except RankUnresponsiveError as exc:  # a peer stopped: free the wait
+                with self._lock:  # unless it ended meanwhile; end() waits for this
+                    if self._watches.get(w.thread) is w:
+                        w.error = exc
+                        sever(w.pg, w.group_peer)
+            except RankError:
+                pass  # posted by a live rank: its poison (or its peers') ends the wait
+            except Exception:  # the store itself failed: the timeout still bounds it
+                pass
 
 
 _WATCHDOG = _Watchdog()
