@@ -34,13 +34,12 @@ import torch
 
 from xgrad.failure import (
     FailureChannel,
-    RankError,
     check_seconds,
     default_seconds,
     error_for,
 )
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
-from xgrad.torch_backend.dist_slots import ReceiveViews
+from xgrad.torch_backend.dist_slots import ReceiveViews, make_ahead
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
 from xgrad.torch_backend.dist_watch import What, text, wait_here
 from xgrad.torch_backend.dist_wire import DONE, POISON, Link
@@ -124,25 +123,6 @@ class Inbox:
         self._sent_tensors = sent
         self._owed_tensors = owed
 
-    def _make_ahead(
-        self, posted: Mapping[int, Sequence[torch.Tensor]], *, replies: bool = True
-    ) -> None:
-        """Views of the gradient receives just ``posted`` (peer -> buffers); with
-        ``replies``, the buffers of the gradients still owed."""
-        for peer, bufs in posted.items():
-            sent = self._sent_tensors.get(peer)
-            if sent:
-                self.views.make(bufs, sent)
-        if not replies:
-            return
-        owed: dict[int, list[torch.Tensor]] = {}
-        for peer, t in self._owed_tensors.values():
-            owed.setdefault(peer, []).append(t)
-        for peer, tensors in owed.items():
-            link = self._links[peer]
-            if link.device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
-                link.replies.make(tensors)
-
     def arm(self) -> None:
         """Post the pass's receives (once; before the first wait).
 
@@ -163,15 +143,16 @@ class Inbox:
         if self.mode == "one":
             self._check_before_waiting_here()
         if self.mode == "threads":
+            posted: dict[int, list[torch.Tensor]] = {}
             for peer, link in self._links.items():
                 works = link.post_gradients(self._expect.get(peer, ()))
-                bufs = [b for _, b in works]
+                posted[peer] = [b for _, b in works]
                 if peer in self._done_peers:
                     works.append(link.post_done())
                 self.buffers += works
                 _thread(self._group, link).jobs.put((peer, works, self._queue))
-                self._make_ahead({peer: bufs}, replies=False)
-            self._make_ahead({}, replies=True)
+            # made before this thread reads a message (the threads only wait)
+            make_ahead(self.views, self._links, posted, self._sent_tensors, self._owed_tensors)
             return
         # Gradients from several peers are waited for peer by peer in the order of
         # ``expect``: the peer sent a tensor last first, as its gradient is likely to come
@@ -180,10 +161,10 @@ class Inbox:
         for peer in (*self._expect, *(p for p in self._links if p not in self._expect)):
             works = self._links[peer].post_gradients(self._expect.get(peer, ()))
             self._here.extend((peer, w, b) for w, b in works)
-        posted: dict[int, list[torch.Tensor]] = {}
+        here: dict[int, list[torch.Tensor]] = {}
         for peer, _, buf in self._here:
-            posted.setdefault(peer, []).append(buf)
-        self._make_ahead(posted)
+            here.setdefault(peer, []).append(buf)
+        make_ahead(self.views, self._links, here, self._sent_tensors, self._owed_tensors)
         for peer, link in self._links.items():
             if peer in self._done_peers:
                 self._dones.append((peer, *link.post_done()))
@@ -276,17 +257,6 @@ class Inbox:
     def waiting_for(self) -> list[int]:
         """The peers some message of this pass is still expected from."""
         return [p for p, n in self._expected.items() if self._got[p] < n]
-
-    def poisoned(self, peer: int) -> RankError:
-        """The failure behind a poison header from ``peer`` (posted before the poison was sent)."""
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            self._channel.check()
-            time.sleep(0.001)
-        failure = self._channel.post(
-            "backward", f"rank {peer} sent a poison header, but no failure was posted"
-        )
-        return RankError(failure, self._channel.rank)
 
     def poison(self) -> None:
         """Answer every message still owed with a poison header, so no peer waits for it."""

@@ -26,7 +26,7 @@ from xgrad.failure import (
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
-from xgrad.torch_backend.failure import transfer_failed, wait_posted
+from xgrad.torch_backend.failure import poisoned, transfer_failed, wait_posted
 
 __all__ = [
     "DistBackwardError",
@@ -150,7 +150,7 @@ class ProcessPass:
         made = self._inbox.views.header(buf)
         kind, k = header(buf) if made is None else made
         if kind == POISON:
-            raise self._inbox.poisoned(peer)
+            raise poisoned(self._channel, peer, "backward", self._inbox.timeout)
         return peer, kind, k, buf
 
     def sends_of(self, worker: int) -> tuple[int, ...]:

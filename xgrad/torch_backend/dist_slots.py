@@ -23,12 +23,12 @@ layout is defined here, below both.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["HEADER", "HEADER_BYTES", "ReceiveViews", "ReplyBuffers"]
+__all__ = ["HEADER", "HEADER_BYTES", "ReceiveViews", "ReplyBuffers", "make_ahead"]
 
 #: a backward message's header: two native int64, its kind and k (:mod:`.dist_wire`).
 HEADER = struct.Struct("=qq")
@@ -102,3 +102,27 @@ class ReplyBuffers:
         HEADER.pack_into(head, 0, kind, k)
         view.copy_(grad)
         return out
+
+
+def make_ahead(
+    views: ReceiveViews,
+    links: Mapping[int, Any],
+    posted: Mapping[int, Sequence[torch.Tensor]],
+    sent: Mapping[int, Mapping[int, torch.Tensor]],
+    owed: Mapping[Any, tuple[int, torch.Tensor]],
+) -> None:
+    """What a rank makes when it first waits: views of the gradient receives just
+    ``posted`` (peer -> buffers) as the tensors ``sent`` each peer (peer -> {k: tensor}),
+    and on each link (peer -> :class:`~.dist_wire.Link`) the buffers of the gradients
+    still ``owed`` (``(peer, received tensor)`` values; CPU links and tensors only)."""
+    for peer, bufs in posted.items():
+        tensors = sent.get(peer)
+        if tensors:
+            views.make(bufs, tensors)
+    by_peer: dict[int, list[torch.Tensor]] = {}
+    for peer, t in owed.values():
+        by_peer.setdefault(peer, []).append(t)
+    for peer, received in by_peer.items():
+        link = links[peer]
+        if link.device.type == "cpu" and all(t.device.type == "cpu" for t in received):
+            link.replies.make(received)

@@ -42,7 +42,13 @@ from xgrad.failure import (
     wait_until,
 )
 from xgrad.heartbeat import Heartbeat, Liveness
-from xgrad.torch_backend.lost_rank import check_lost, silent_peer, still_silent, transfer_failed
+from xgrad.torch_backend.lost_rank import (
+    check_lost,
+    poisoned,
+    silent_peer,
+    still_silent,
+    transfer_failed,
+)
 
 __all__ = [
     "Waiter",
@@ -51,6 +57,7 @@ __all__ = [
     "failure_channel",
     "group_ranks",
     "group_store",
+    "poisoned",
     "silent_peer",
     "start_heartbeat",
     "still_silent",

@@ -6,7 +6,7 @@ channel, heartbeats and waits in :mod:`xgrad.torch_backend.failure` (which re-ex
 these names) because it only reads a :class:`~xgrad.failure.FailureChannel`'s store and
 heartbeats: it starts nothing and touches no process group. Used after a transfer
 failed (:func:`transfer_failed`) and at the start of the step after one that lost a
-rank (:func:`check_lost`).
+rank (:func:`check_lost`), and after a peer's poison (:func:`poisoned`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 
-__all__ = ["check_lost", "silent_peer", "still_silent", "transfer_failed"]
+__all__ = ["check_lost", "poisoned", "silent_peer", "still_silent", "transfer_failed"]
 
 
 def transfer_failed(
@@ -93,3 +93,20 @@ def still_silent(channel: FailureChannel, rank: int) -> bool:
     time.sleep(liveness.interval * 3)
     liveness.read(force=True)
     return rank in liveness.stale(older_than=liveness.interval * 2.5)
+
+
+def poisoned(channel: FailureChannel, peer: int, what: str, timeout: float = 2.0) -> RankError:
+    """The error of a wait that got poison from ``peer``.
+
+    A rank that fails while alive posts its failure first, then poisons every message it
+    still owes, so the failure is normally read at once. One that does not show up within
+    ``timeout`` (at most 2 s) is posted for the peer, naming it, so every rank stops.
+    """
+    deadline = time.monotonic() + min(timeout, 2.0)
+    while time.monotonic() < deadline:
+        failure = channel.poll()
+        if failure is not None:
+            return error_for(failure, channel.rank)
+        time.sleep(0.002)
+    failure = channel.post(what, f"rank {peer} sent poison without posting a failure")
+    return error_for(failure, channel.rank)

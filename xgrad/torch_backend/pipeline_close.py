@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from xgrad.failure import FailureChannel, RankError, error_for
-from xgrad.torch_backend.failure import transfer_failed
+from xgrad.failure import FailureChannel
+from xgrad.torch_backend.failure import poisoned, transfer_failed
 
 __all__ = ["LEADER", "StepClose", "poisoned"]
 
@@ -45,20 +45,6 @@ LEADER = 0
 
 #: the message of a rank whose step ended well (its failure otherwise: ``POISON``).
 _DONE = 0
-
-
-def poisoned(channel: FailureChannel, peer: int, what: str, timeout: float) -> RankError:
-    """The error of a step whose ``peer`` sent poison while this rank waited in ``what``:
-    the failure the peer posted before poisoning, read from the channel (one posted for
-    the peer if none shows up within 2 s)."""
-    deadline = time.monotonic() + min(timeout, 2.0)
-    while time.monotonic() < deadline:
-        failure = channel.poll()
-        if failure is not None:
-            return error_for(failure, channel.rank)
-        time.sleep(0.002)
-    failure = channel.post(what, f"rank {peer} failed without saying why")
-    return error_for(failure, channel.rank)
 
 
 class StepClose:

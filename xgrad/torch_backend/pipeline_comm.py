@@ -41,8 +41,7 @@ import torch
 
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Kind, Schedule
-from xgrad.torch_backend.failure import transfer_failed
-from xgrad.torch_backend.pipeline_close import poisoned
+from xgrad.torch_backend.failure import poisoned, transfer_failed
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
 from xgrad.torch_backend.pipeline_frame import frame_of, none_code, with_nones
 from xgrad.torch_backend.pipeline_route import WirePlan
