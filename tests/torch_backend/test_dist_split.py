@@ -68,6 +68,26 @@ def test_split_gradients_are_torchs_own_bit_for_bit(kind: str, layout: str, dtyp
             assert torch.equal(g, want), (kind, layout, first_at)
 
 
+def test_a_frozen_weight_leaves_the_bias_deferred_and_the_input_exact() -> None:
+    """``F.linear`` with a weight that needs no gradient: torch saves no ``mat1`` (only the
+    weight's gradient would use it); the input's gradient goes first, the bias's later."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, generator=g).requires_grad_()
+    w = torch.randn(5, 3, generator=g)
+    b = torch.randn(5, generator=g).requires_grad_()
+    fn = F.linear(x, w, b).grad_fn
+    assert fn._saved_mat1 is None
+    keep, wants = _edges(fn)
+    split = split_caller(fn, keep, wants, [False, True], lambda g: pytest.fail("ran whole"))
+    assert split is not None
+    grad = torch.randn(4, 5, generator=g)
+    bias_later, x_now = split([grad])
+    assert type(bias_later) is Deferred
+    expected = fn(grad)
+    assert torch.equal(x_now, expected[1])
+    assert torch.equal(bias_later.compute()[0], expected[0].sum_to_size(5))
+
+
 def test_nodes_torch_computes_otherwise_are_not_split() -> None:
     a = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(4, 2, requires_grad=True)

@@ -84,7 +84,10 @@ def split_caller(
         mat2 = fn._saved_mat2
     except (AttributeError, RuntimeError):
         return None
-    if any(m.layout != torch.strided or m.is_complex() for m in (mat1, mat2)):
+    # torch saves each operand only for the other's gradient (None otherwise)
+    kept = {names[i] for i in keep}
+    needed = ([mat2] if kept & {"self", "mat1"} else []) + ([mat1] if "mat2" in kept else [])
+    if any(m is None or m.layout != torch.strided or m.is_complex() for m in needed):
         return None
     products = [
         _product(names[i], mat1, mat2, _column_major(mat1_sizes, mat1_strides),
