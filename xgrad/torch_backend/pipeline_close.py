@@ -38,7 +38,7 @@ import torch
 from xgrad.failure import FailureChannel
 from xgrad.torch_backend.failure import poisoned, transfer_failed
 
-__all__ = ["LEADER", "StepClose", "poisoned"]
+__all__ = ["LEADER", "StepClose"]
 
 #: the pipeline rank that gathers every rank's end of step and answers each.
 LEADER = 0
