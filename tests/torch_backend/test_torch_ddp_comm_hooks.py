@@ -17,7 +17,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from xgrad.reducer import GradBucket
-from xgrad.torch_backend.ddp_comm_hooks import _row_major, builtin_hook, future_hook
+from xgrad.torch_backend.ddp_comm_hooks import (
+    _row_major,
+    builtin_hook,
+    callbacks_compute_only,
+    future_hook,
+)
 from xgrad.torch_backend.spawn import spawn
 
 
@@ -65,9 +70,15 @@ def _builtin_fp16(rank: int, world: int) -> bool:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     ref = copy.deepcopy(model)
-    ours, theirs = DistributedDataParallel(model), TorchDDP(ref)
+    # a bucket per parameter: the buckets' hooks overlap on gloo (PyTorch's own hook)
+    cap = 1e-5
+    ours, theirs = (
+        DistributedDataParallel(model, bucket_cap_mb=cap),
+        TorchDDP(ref, bucket_cap_mb=cap),
+    )
     ours._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     theirs._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    assert not ours.reducer.serial_hooks
     g = torch.Generator().manual_seed(rank)
     equal = True
     for _ in range(3):
@@ -84,6 +95,23 @@ def _builtin_fp16(rank: int, world: int) -> bool:
                 p -= 0.1 * p.grad
                 q -= 0.1 * q.grad
     return equal
+
+
+def test_only_pytorchs_compute_only_hooks_overlap_on_gloo() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    for hook in (
+        default_hooks.allreduce_hook,
+        default_hooks.fp16_compress_hook,
+        default_hooks.bf16_compress_hook,
+    ):
+        assert callbacks_compute_only(hook)
+    for hook in (
+        powerSGD_hook.powerSGD_hook,
+        default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+        lambda state, bucket: default_hooks.allreduce_hook(state, bucket),
+    ):
+        assert not callbacks_compute_only(hook)
 
 
 def test_a_builtin_hook_gives_pytorchs_gradients() -> None:
