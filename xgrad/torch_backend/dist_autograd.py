@@ -176,9 +176,17 @@ def recv(src: int) -> torch.Tensor:
     ctx = _current("recv")
     link = ctx.link(src, "src")
     ctx.ledger.enter("recv", src)
-    ctx.wait_for(link.tensor_ready, f"recv from rank {src}")
+    header: list[bytes] = []
+
+    def landed() -> bool:
+        found = link.take_header()
+        if found is not None:
+            header.append(found)
+        return found is not None
+
+    ctx.wait_for(landed, f"recv from rank {src}")
     try:
-        work, buf, requires_grad = link.recv_tensor()
+        work, buf, requires_grad = link.recv_tensor(header[0])
     except RuntimeError as exc:
         raise ctx.error(transfer_failed(ctx.channel, f"recv from rank {src}", exc, src)) from exc
     ctx.ledger.received_from(src, requires_grad)

@@ -69,6 +69,8 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
+#: what ``compare_set`` of an absent forward header returns (no header is this value).
+_ABSENT = b"\x00absent"
 #: tags live above 2**30, clear of the small tags other users of the group pick.
 _TAG_BASE = 1 << 30
 _SEQ_MOD = 1 << 25
@@ -141,11 +143,6 @@ class Link:
     def _peek(self, stream: str) -> str:
         return f"{self._in}/{stream}/{self._count.get(self._in + stream, 0)}"
 
-    def _take(self, stream: str) -> bytes:
-        key = self._peek(stream)
-        self._next(self._in + stream)
-        return self.store.get(key)
-
     # forward: tensors
 
     def send_tensor(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
@@ -171,13 +168,30 @@ class Link:
         for key in self.headers():
             self.store.delete_key(key)
 
-    def tensor_ready(self) -> bool:
-        """Whether the peer posted the next tensor this rank will receive from it."""
-        return self.store.check([self._peek("f")])
+    def take_header(self) -> bytes | None:
+        """The header of the next tensor from the peer, taken, if the peer wrote it; else
+        None. One store round trip where the store has ``compare_set`` (every c10d store):
+        a compare-and-set of a key to the value it would need to hold already returns
+        the key's value, and neither creates nor changes it; a check then a read
+        otherwise. On the forward's path, a receive found its header by polling, then
+        read it: one round trip fewer per received tensor."""
+        key = self._peek("f")
+        compare_set = getattr(self.store, "compare_set", None)
+        if compare_set is None:
+            if not self.store.check([key]):
+                return None
+            value: bytes = self.store.get(key)
+        else:
+            value = compare_set(key, _ABSENT, _ABSENT)
+            if value == _ABSENT:
+                return None
+        self._next(self._in + "f")
+        return value
 
-    def recv_tensor(self) -> tuple[Any, torch.Tensor, bool]:
-        """Post the receive of the next tensor (call once ready): ``(work, buffer, requires_grad)``."""
-        head = [int(v) for v in self._take("f").decode().split(",")]
+    def recv_tensor(self, header: bytes) -> tuple[Any, torch.Tensor, bool]:
+        """Post the receive of the next tensor, whose ``header`` was taken
+        (:meth:`take_header`): ``(work, buffer, requires_grad)``."""
+        head = [int(v) for v in header.decode().split(",")]
         code, requires_grad, shape = head[0], bool(head[1]), head[2:]
         buf = torch.empty(shape, dtype=DTYPES[code], device=self.device)
         return self.pg.recv([buf], self.group_peer, self._tags[FORWARD]), buf, requires_grad
