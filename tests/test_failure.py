@@ -58,6 +58,33 @@ def test_wait_until_raises_a_posted_failure_quickly() -> None:
     assert time.monotonic() - start < 2.0
 
 
+class _CountingStore(MemoryStore):
+    """A store that counts the lookups made of it (the channel's reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        return super().check(keys)
+
+
+def test_wait_until_reads_the_channel_only_once_a_wait_lasts() -> None:
+    # A wait that ends within a millisecond reads no channel (a store round trip on the
+    # forward's path); one that lasts reads it, and still raises a posted failure.
+    store = _CountingStore()
+    channel = FailureChannel(store, "s", 0)
+    landed = iter([False, False, True])
+    wait_until(lambda: next(landed), channel, timeout=5.0, what="recv")
+    assert store.checks == 0
+    FailureChannel(store, "s", 1).post("node", "boom")
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 in node: boom"):
+        wait_until(lambda: False, channel, timeout=5.0, what="recv")
+    assert store.checks >= 1 and time.monotonic() - start < 1.0
+
+
 def test_wait_until_returns_when_done_and_times_out_bounded() -> None:
     flag = threading.Event()
     threading.Timer(0.05, flag.set).start()

@@ -303,6 +303,10 @@ class FailureChannel:
         return self.post("", message, kind="unresponsive", rank=stale[0])
 
 
+#: seconds :func:`wait_until` waits before it first reads the failure channel.
+_FIRST_CHECK = 1e-3
+
+
 def wait_until(
     done: Callable[[], bool] | threading.Event,
     channel: FailureChannel | None,
@@ -317,8 +321,8 @@ def wait_until(
     ``done`` is an event (woken at once when set) or a cheap predicate (a store lookup,
     ``Work.is_completed``), called with sleeps of 50 to 200 µs for the first 10 ms (a
     peer's answer is usually that close) and up to 2 ms after, so a result is seen
-    quickly and a long wait does not spin a core. The channel is read every
-    ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02).
+    quickly and a long wait does not spin a core. The channel is read after 1 ms, then
+    every ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02).
 
     Raises:
         RankError: a failure posted by any rank of the channel, or a peer that stopped
@@ -333,11 +337,12 @@ def wait_until(
     interval = default_seconds("poll_interval") if poll_interval is None else poll_interval
     start = time.monotonic()
     deadline = start + timeout
-    next_check = start
+    # The channel is first read after a millisecond, not at once: most waits end sooner
+    # (a peer's answer is usually that close), and a read costs a store round trip or
+    # more (the heartbeats), which delayed seeing what was waited for.
+    next_check = start + min(interval, _FIRST_CHECK)
     nap = 5e-5
     while True:
-        if ready():
-            return
         now = time.monotonic()
         if now >= next_check:
             if channel is not None:
@@ -352,3 +357,5 @@ def wait_until(
         else:
             time.sleep(nap)
             nap = min(nap * 2, 2e-4 if now - start < 0.01 else 2e-3)
+        if ready():
+            return

@@ -40,4 +40,3 @@ def test_headers_are_taken_in_order_and_a_look_makes_no_key(kind: str) -> None:
     assert receiver.take_header() == b"1,0,5"
     assert receiver.take_header() is None
     assert store.get("ctx/1/0>1/f/0") == b"0,1,2,3"  # taking did not change it
-
