@@ -26,7 +26,13 @@ import numpy as np
 
 from xgrad.graph import BackwardGraph, BoolArray, IntArray, NodeKind
 
-__all__ = ["Dependencies", "compute_dependencies", "reachable_from", "unused_parameters"]
+__all__ = [
+    "Dependencies",
+    "compute_dependencies",
+    "reachable_from",
+    "reaching",
+    "unused_parameters",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,6 +139,14 @@ def reachable_from(graph: BackwardGraph, seeds: Iterable[int]) -> BoolArray:
     """``(n,)`` bool: nodes reachable from ``seeds`` (seeds included), in linear time."""
     s = np.asarray(_check_nodes(graph, seeds, "seeds"), dtype=np.int64)
     return _reach(graph.indptr, graph.dst, graph.num_nodes, np.unique(s))
+
+
+def reaching(graph: BackwardGraph, targets: Iterable[int]) -> BoolArray:
+    """``(n,)`` bool: nodes from which one of ``targets`` is reachable (targets included),
+    in linear time: the walk of :func:`reachable_from` on the reversed edges."""
+    t = np.asarray(_check_nodes(graph, targets, "targets"), dtype=np.int64)
+    rptr, rsrc = _reverse_csr(graph)
+    return _reach(rptr, rsrc, graph.num_nodes, np.unique(t))
 
 
 def compute_dependencies(

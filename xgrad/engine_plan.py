@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from xgrad.dependencies import compute_dependencies
+from xgrad.dependencies import compute_dependencies, reaching
 from xgrad.graph import BackwardGraph, NodeKind
 
 __all__ = ["PEER_FIRST", "Plan", "lists", "plan", "reaches_recv"]
@@ -89,32 +89,10 @@ def reaches_recv(graph: BackwardGraph) -> list[bool]:
     """Per node: whether a path from it leads to a recv node, a gradient another worker
     waits for (cached on the immutable graph)."""
     found = graph._cache.get("reaches_recv")
-    if found is not None:
-        return found  # type: ignore[no-any-return]
-    kinds = graph.kinds.tolist()
-    indptr = graph.indptr.tolist()
-    dst = graph.dst.tolist()
-    recv = int(NodeKind.RECV)
-    reach = [k == recv for k in kinds]
-    # A DFS in post-order: a node's answer once all its children's are known.
-    done = [False] * len(kinds)
-    for start in range(len(kinds)):
-        stack = [(start, indptr[start])]
-        while stack:
-            u, e = stack[-1]
-            if done[u]:
-                stack.pop()
-                continue
-            if e < indptr[u + 1]:
-                stack[-1] = (u, e + 1)
-                if not done[dst[e]]:
-                    stack.append((dst[e], indptr[dst[e]]))
-                continue
-            stack.pop()
-            done[u] = True
-            reach[u] = reach[u] or any(reach[dst[i]] for i in range(indptr[u], indptr[u + 1]))
-    graph._cache["reaches_recv"] = reach
-    return reach
+    if found is None:
+        found = reaching(graph, graph.nodes_of_kind(NodeKind.RECV).tolist()).tolist()
+        graph._cache["reaches_recv"] = found
+    return found  # type: ignore[no-any-return]
 
 
 #: whether, among ready nodes, those leading to a recv go before the recvs themselves

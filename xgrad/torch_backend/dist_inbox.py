@@ -158,12 +158,11 @@ class Inbox:
         # ``expect``: the peer sent a tensor last first, as its gradient is likely to come
         # back first (a backward pass runs the graph in reverse); a wait on a peer whose
         # message comes later only delays processing one that already landed.
+        here: dict[int, list[torch.Tensor]] = {}
         for peer in (*self._expect, *(p for p in self._links if p not in self._expect)):
             works = self._links[peer].post_gradients(self._expect.get(peer, ()))
             self._here.extend((peer, w, b) for w, b in works)
-        here: dict[int, list[torch.Tensor]] = {}
-        for peer, _, buf in self._here:
-            here.setdefault(peer, []).append(buf)
+            here[peer] = [b for _, b in works]
         make_ahead(self.views, self._links, here, self._sent_tensors, self._owed_tensors)
         for peer, link in self._links.items():
             if peer in self._done_peers:

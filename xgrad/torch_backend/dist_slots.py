@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HEADER", "HEADER_BYTES", "ReceiveViews", "ReplyBuffers", "make_ahead"]
+__all__ = ["HEADER", "HEADER_BYTES", "ReceiveViews", "ReplyBuffers", "make_ahead", "payload"]
 
 #: a backward message's header: two native int64, its kind and k (:mod:`.dist_wire`).
 HEADER = struct.Struct("=qq")
@@ -38,7 +38,8 @@ HEADER_BYTES = HEADER.size
 _VIEWS_MAX = 8
 
 
-def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def payload(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The payload of backward message ``buf`` viewed as tensor ``like`` (no copy)."""
     n = like.numel() * like.element_size()
     return buf[HEADER_BYTES : HEADER_BYTES + n].view(like.dtype).view(like.shape)
 
@@ -56,7 +57,7 @@ class ReceiveViews:
         for buf in bufs:
             if buf.device.type != "cpu":
                 return
-            views = {} if len(sent) > _VIEWS_MAX else {k: _typed(buf, t) for k, t in sent.items()}
+            views = {} if len(sent) > _VIEWS_MAX else {k: payload(buf, t) for k, t in sent.items()}
             self._made[id(buf)] = (buf, buf.numpy().data, views)
 
     def header(self, buf: torch.Tensor) -> tuple[int, int] | None:
@@ -90,7 +91,7 @@ class ReplyBuffers:
                 out = torch.empty(
                     HEADER_BYTES + like.numel() * like.element_size(), dtype=torch.uint8
                 )
-                self._made[id(like)] = (like, out, out.numpy().data, _typed(out, like))
+                self._made[id(like)] = (like, out, out.numpy().data, payload(out, like))
 
     def fill(self, kind: int, k: int, grad: torch.Tensor, like: torch.Tensor) -> Any:
         """The message for ``grad`` (the gradient of ``like``) in its buffer, taken out of

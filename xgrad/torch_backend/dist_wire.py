@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from xgrad.failure import KeyValueStore
-from xgrad.torch_backend.dist_slots import HEADER, HEADER_BYTES, ReplyBuffers
+from xgrad.torch_backend.dist_slots import HEADER, HEADER_BYTES, ReplyBuffers, payload
 
 __all__ = [
     "BACKWARD",
@@ -327,9 +327,3 @@ def header(buf: torch.Tensor) -> tuple[int, int]:
         return kind, k
     kind, k = buf[:HEADER_BYTES].view(torch.int64).tolist()
     return int(kind), int(k)
-
-
-def payload(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The gradient in a received GRAD message, for sent tensor ``like`` (a view, no copy)."""
-    n = like.numel() * like.element_size()
-    return buf[HEADER_BYTES : HEADER_BYTES + n].view(like.dtype).view(like.shape)
