@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xgrad import dependencies as deps_mod
-from xgrad.dependencies import compute_dependencies, reachable_from, unused_parameters
+from xgrad.dependencies import (
+    compute_dependencies,
+    reachable_from,
+    reaching,
+    unused_parameters,
+)
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.graph_builder import GraphBuilder
 
@@ -132,6 +137,15 @@ def test_dependencies_match_brute_force(case: tuple) -> None:
     accs = {int(g.params[u]) for u in range(g.num_nodes) if g.kind(u) == NodeKind.ACCUMULATE}
     reached = {int(g.params[u]) for u in reach if g.kind(u) == NodeKind.ACCUMULATE}
     assert unused_parameters(g, roots, sends) == tuple(sorted(accs - reached))
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_graphs())
+def test_reaching_is_every_node_a_target_is_reached_from(case: tuple) -> None:
+    g, roots, sends, _ = case
+    targets = sorted(set(roots + sends))
+    got = reaching(g, targets).tolist()
+    assert got == [bool(_brute_reach(g, [u]) & set(targets)) for u in range(g.num_nodes)]
 
 
 @settings(max_examples=60, deadline=None)
