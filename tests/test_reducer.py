@@ -193,7 +193,7 @@ def test_marked_twice_names_parameter_and_rank() -> None:
     assert "rank 0" in text
 
 
-def test_missing_gradient_raises_at_finalize_and_at_the_next_iteration() -> None:
+def test_missing_gradient_raises_at_finalize_at_the_check_and_at_the_next_iteration() -> None:
     def body(comm: ReferenceComm) -> tuple[str, str]:
         reducer = make_reducer(comm, TWO_BUCKETS, {})
         reducer.prepare_for_backward()
@@ -201,11 +201,14 @@ def test_missing_gradient_raises_at_finalize_and_at_the_next_iteration() -> None
             reducer.mark_ready(i, grads_for(comm.rank)[i])
         with pytest.raises(RuntimeError) as at_end:
             reducer.finalize()
+        with pytest.raises(RuntimeError) as checked:  # DDP's _check_reducer_finalized
+            reducer.check_finalized()
         with pytest.raises(RuntimeError) as at_next:
             reducer.prepare_for_backward()
-        return str(at_end.value), str(at_next.value)
+        return str(at_end.value), str(checked.value), str(at_next.value)
 
-    for rank, (at_end, at_next) in enumerate(spawn(body, 2)):
+    for rank, (at_end, checked, at_next) in enumerate(spawn(body, 2)):
+        assert checked == at_next
         for text in (at_end, at_next):
             assert f"Parameters which did not receive grad for rank {rank}: b.bias" in text
         assert "Expected to have finished reduction in the prior iteration" in at_next

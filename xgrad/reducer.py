@@ -166,6 +166,11 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
             return
         raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
 
+    def check_finalized(self) -> None:
+        """Raise DDP's "Expected to have finished reduction" error if the last pass that
+        expected gradients is still waiting for some (PyTorch's ``check_finalized``)."""
+        self._ensure_prior_reduction_finished()
+
     def prepare_for_backward(
         self, unused: Iterable[int] = (), *, divisor: int | None = None
     ) -> None:

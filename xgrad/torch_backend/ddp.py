@@ -29,6 +29,7 @@ pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (communication hooks
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from xgrad.buckets import BucketPlan, cap_mb_to_bytes
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
+from xgrad.torch_backend.ddp_buffers import BufferSyncDDP
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
@@ -48,6 +50,7 @@ from xgrad.torch_backend.ddp_checks import (
     resolve_timeout,
 )
 from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
+from xgrad.torch_backend.ddp_compat import CompatDDP
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_forward import ForwardDDP
@@ -68,7 +71,14 @@ _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
 class DistributedDataParallel(
-    ForwardDDP, InspectableDDP, PicklableDDP, JoinableDDP, CommHookDDP, _TorchDDP
+    ForwardDDP,
+    BufferSyncDDP,
+    CompatDDP,
+    InspectableDDP,
+    PicklableDDP,
+    JoinableDDP,
+    CommHookDDP,
+    _TorchDDP,
 ):
     """Data parallelism over a process group, with PyTorch DDP's arguments and behaviour.
 
@@ -143,7 +153,7 @@ class DistributedDataParallel(
         cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
         cap_list = (
             None
-            if bucket_cap_mb_list is None
+            if not bucket_cap_mb_list  # PyTorch's: an empty list is no list
             else [
                 cap_mb_to_bytes(c, f"bucket_cap_mb_list[{i}]")
                 for i, c in enumerate(bucket_cap_mb_list)
@@ -189,7 +199,15 @@ class DistributedDataParallel(
             self._params, device_ids, output_device
         )
         self.device = self._params[0].device
-        self.modules_buffers = [b for name, b in module.named_buffers() if name not in ignore]
+        self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
+        self._assign_modules_buffers()  # modules_buffers, named_module_buffers (PyTorch's)
+        #: PyTorch's attributes, for code that reads them (no C++ logger: its
+        #: ``_log_and_throw`` then only raises; ``_get_ddp_logging_data`` is xgrad's).
+        self.logger = None
+        self.broadcast_bucket_size = 250 * 1024 * 1024
+        self.use_side_stream_for_tensor_copies = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        )
 
         if init_sync:
             verify_params_across_ranks(self.comm, self.parameter_names, self._params)
@@ -219,6 +237,9 @@ class DistributedDataParallel(
         )
         #: PyTorch's attribute (dynamo's DDPOptimizer splits graphs at this size).
         self.bucket_bytes_cap = limits.bucket_bytes_cap
+        self.bucket_bytes_cap_list = list(cap_list or ())
+        #: whether the first bucket is PyTorch's small default one (no cap given).
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and cap_list is None
         self.reducer = ddp_reducer(
             self._params,
             self.comm,

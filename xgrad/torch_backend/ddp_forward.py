@@ -1,7 +1,7 @@
 """DDP's steps around the wrapped module's forward pass, outside dynamo's view.
 
 Before the module runs: drop a failed backward pass, tell ``join()`` this rank still
-trains, rebuild the buckets once (and re-alias gradient views), broadcast buffers,
+trains, rebuild the buckets once (and re-alias gradient views), sync buffers (:mod:`.ddp_buffers`),
 check once per plan that the ranks agree, move and cast the inputs. After it: find the
 unused parameters and prepare the reducer for the backward pass. The wrapper calls
 these through ``torch._dynamo.disable``-d methods (:class:`ForwardDDP`, mixed into it), so
@@ -21,12 +21,13 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.raising import raise_from
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
+from xgrad.torch_backend.ddp_buffers import sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.ddp_sink import route_outputs
-from xgrad.torch_backend.join import announce_backward_sync, find_common_rank, notify_join_context
+from xgrad.torch_backend.join import announce_backward_sync, notify_join_context
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -51,7 +52,7 @@ def pre_forward(
         ddp._agreement_pending = True
         if ddp.gradient_as_bucket_view:
             ddp._grad_hooks.alias_grads_to_buckets()
-    if ddp.will_sync_module_buffers():
+    if ddp._check_sync_bufs_pre_fwd():  # PyTorch's: no buffer hook, or one run before
         sync_buffers(ddp)
     if ddp._join_config.enable:
         announce_backward_sync(ddp, sync)
@@ -69,6 +70,8 @@ def pre_forward(
 
 def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
+    if ddp._check_sync_bufs_post_fwd():  # a buffer hook registered to run after
+        sync_buffers(ddp)
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp.require_forward_param_sync = True
         unused: Sequence[int] = ()
@@ -85,6 +88,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
     else:
         ddp.require_forward_param_sync = False
+        ddp._grad_hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
     if ddp._delayed is not None:
         ddp._delayed.point_grads_at_buffer()
     return output
@@ -96,14 +100,6 @@ def check_agreement_once(ddp: DistributedDataParallel) -> None:
         mine = fingerprint(ddp.plan, ddp.parameter_names, ddp._params, ddp._hook_name)
         check_agreement(ddp.comm, mine, where="DistributedDataParallel")
         ddp._agreement_pending = False
-
-
-def sync_buffers(ddp: DistributedDataParallel) -> None:
-    """Broadcast the module's buffers (under join, from the last rank still training)."""
-    if ddp.comm.size > 1:
-        src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
-        with torch.no_grad():
-            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=src)
 
 
 class ForwardDDP:
@@ -129,9 +125,6 @@ class ForwardDDP:
     def _post_forward(self, output: Any) -> Any:
         """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
         return post_forward(self, output)  # type: ignore[arg-type]
-
-    def _sync_buffers(self) -> None:
-        sync_buffers(self)  # type: ignore[arg-type]
 
     def _check_agreement(self) -> None:
         check_agreement_once(self)  # type: ignore[arg-type]

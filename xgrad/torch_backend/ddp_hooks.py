@@ -66,6 +66,8 @@ class GradientHooks:
         self.watch: StepWatch  # set by the DDP before the first pass
         #: run at the end of every synchronised backward pass (mixed precision's casts).
         self.after_backward: Callable[[], None] | None = None
+        #: a buffer comm hook's futures, waited for at the end of the backward pass.
+        self.buffer_futures: list[Any] = []
         self._copy_dst: list[torch.Tensor] = []
         self._copy_src: list[torch.Tensor] = []
         self.arrivals: ArrivalLog  # set by attach
@@ -156,6 +158,7 @@ class GradientHooks:
         done = reducer.num_iterations
         try:
             reducer.finalize()
+            self.wait_buffer_futures()
             if self.arrivals.enabled and reducer.num_iterations > done:
                 record = reducer.records[-1]
                 self.arrivals.relayout(record.ready_order, record.unused, reducer.plan)
@@ -177,6 +180,12 @@ class GradientHooks:
                 reducer.records[-1], self.forward_seconds, end - self.backward_started
             )
         )
+
+    def wait_buffer_futures(self) -> None:
+        """Wait for the buffer comm hook's futures (each bounded and watched), then drop them."""
+        pending, self.buffer_futures = self.buffer_futures, []
+        for future in pending:
+            future.wait()
 
     def _fail(self, where: str, exc: Exception) -> RankError:
         """Post this rank's failure and fail the reducer's pass; the error to raise.

@@ -85,6 +85,7 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
     post_failed_pass(hooks, watch)
     dropped = reducer.recover()
     if dropped is not None or also:
+        hooks.buffer_futures.clear()  # the failed step's buffer hook: not waited for
         warnings.warn(
             f"DistributedDataParallel (rank {rank}): "
             + "; ".join(x for x in (dropped, also) if x)

@@ -182,9 +182,7 @@ class DDPJoinHook(JoinHook):
             ddp._agreement_pending = True
             if ddp.gradient_as_bucket_view:
                 ddp._grad_hooks.alias_grads_to_buckets()
-        if ddp.will_sync_module_buffers():
-            common = find_common_rank(ddp, ddp.comm.rank, False)
-            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=common)
+        ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
         should_sync = _allreduce(ddp, 0.0).item() != 0
         ddp.require_forward_param_sync = should_sync
         if not should_sync:

@@ -1,0 +1,105 @@
+"""The module's buffers across ranks: PyTorch DDP's broadcast, or the user's buffer hook.
+
+What PyTorch 2.13's DDP does with buffers, kept here because each part, missed, gives
+silently different numbers on different ranks:
+
+- The list of buffers is taken again at every sync (PyTorch's ``_assign_modules_buffers``):
+  a module may *reassign* a buffer (``self.running_mean = new``), and broadcasting the
+  old tensor would leave the new one differing between ranks (pytorch/pytorch#63916).
+- The broadcast hides its in-place write from autograd (the version counters are kept):
+  a buffer that a previous forward pass saved for its backward (``x * self.scale``,
+  two forward passes before one backward) is not reported as modified.
+- A buffer communication hook (``_register_buffer_comm_hook``) replaces the broadcast,
+  before or after the forward pass as registered, and the futures it returns are waited
+  for (bounded, watched) at the end of the backward pass, as PyTorch's reducer does; a
+  forward pass that starts no backward pass waits for them at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xgrad.torch_backend.ddp_watched import WatchedFuture
+from xgrad.torch_backend.join import find_common_rank
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp import DistributedDataParallel
+
+__all__ = ["BufferSyncDDP", "sync_buffers"]
+
+
+@contextlib.contextmanager
+def _versions_kept(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Autograd does not see these tensors change inside (one tensor per context: the
+    tuple form is newer than the oldest PyTorch supported)."""
+    with contextlib.ExitStack() as stack:
+        for t in tensors:
+            stack.enter_context(torch.autograd._unsafe_preserve_version_counter(t))
+        yield
+
+
+def sync_buffers(ddp: DistributedDataParallel, src: int | None = None) -> None:
+    """Sync the buffers from group rank ``src`` (default: rank 0, or under ``join()`` the
+    last rank still training), or through the registered buffer hook."""
+    ddp._assign_modules_buffers()  # a buffer the module reassigned since (PyTorch's)
+    hook = getattr(ddp, "buffer_hook", None)
+    if hook is None and ddp.comm.size == 1:
+        return
+    with _versions_kept(ddp.modules_buffers):
+        if hook is not None:
+            futures = hook.buffer_comm_hook(hook.buffer_comm_hook_state, ddp.named_module_buffers)
+            if futures is not None:
+                pending = ddp._grad_hooks.buffer_futures
+                pending += [WatchedFuture(f, ddp._watch, "buffer comm hook") for f in futures]
+            return
+        if src is None:
+            src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
+        with torch.no_grad():
+            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=src)
+
+
+class BufferSyncDDP:
+    """Mixed into the DDP: PyTorch's buffer methods, on the watched communicator."""
+
+    def _sync_buffers(self) -> None:
+        sync_buffers(self)  # type: ignore[arg-type]
+
+    def _sync_module_buffers(self, authoritative_rank: int) -> None:
+        sync_buffers(self, authoritative_rank)  # type: ignore[arg-type]
+
+    def _check_and_sync_module_buffers(self) -> None:
+        """Under ``join()``: the buffers of a rank that agreed, if buffers sync now."""
+        ddp: Any = self
+        if ddp._check_sync_bufs_pre_fwd():
+            sync_buffers(ddp, find_common_rank(ddp, ddp.comm.rank, False))
+
+    def _find_common_rank(self, input_rank: int, rank_cond: bool) -> int:
+        return find_common_rank(self, input_rank, rank_cond)  # type: ignore[arg-type]
+
+    def _default_broadcast_coalesced(
+        self,
+        bufs: Sequence[torch.Tensor] | None = None,
+        bucket_size: int | None = None,
+        authoritative_rank: int = 0,
+    ) -> None:
+        ddp: Any = self
+        tensors = ddp.modules_buffers if bufs is None else bufs
+        self._distributed_broadcast_coalesced(tensors, bucket_size, authoritative_rank)
+
+    def _distributed_broadcast_coalesced(
+        self, tensors: Sequence[torch.Tensor], buffer_size: int | None, authoritative_rank: int = 0
+    ) -> None:
+        """Overwrite ``tensors`` with group rank ``authoritative_rank``'s values (one
+        watched broadcast per dtype; ``buffer_size`` is PyTorch's chunking, not needed)."""
+        ddp: Any = self
+        with torch.no_grad():
+            ddp.comm.broadcast_tensors(list(tensors), src=authoritative_rank)
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        from xgrad.torch_backend.join import sync_final_model
+
+        sync_final_model(self, is_last_joiner)  # type: ignore[arg-type]

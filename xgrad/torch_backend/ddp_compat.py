@@ -1,0 +1,65 @@
+"""PyTorch DDP's remaining reducer-facing methods, on xgrad's reducer.
+
+The DDP subclasses PyTorch's class without building its C++ reducer, so a method of that
+class which would reach ``self.reducer`` (a C++ object there) is answered here or in the
+other mixins, with PyTorch's checks and wording. The few that have no counterpart raise
+``NotImplementedError`` saying so, instead of an ``AttributeError`` from deep inside
+PyTorch's code: the join hook's internals (xgrad's ``join()`` runs its own shadow pass,
+:mod:`.join`) and the sparse-index remapping of ``_set_sparse_metadata``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CompatDDP"]
+
+
+class CompatDDP:
+    """Mixed into the DDP: ``_check_reducer_finalized``, the logging sample rate, and the
+    methods without a counterpart."""
+
+    #: PyTorch's default (``kDDPRuntimeLoggingSampleRate``).
+    _runtime_logging_sample_rate = 100
+
+    def _check_reducer_finalized(self) -> None:
+        """Raise if the last synchronised backward pass left gradients unreduced.
+
+        Raises:
+            RuntimeError: PyTorch's "Expected to have finished reduction in the prior
+                iteration" error, naming the parameters that got no gradient on this rank.
+        """
+        ddp: Any = self
+        ddp.reducer.check_finalized()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """PyTorch samples its runtime statistics every ``sample_rate`` iterations; xgrad
+        records every iteration (``timeline``), so the rate is checked and kept only.
+
+        Raises:
+            ValueError: ``sample_rate`` below 1 (PyTorch's check).
+        """
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate < 1:
+            raise ValueError(
+                f"DDP runtime logging sample rate should be equal or greater than 1, "
+                f"got {sample_rate!r}"
+            )
+        self._runtime_logging_sample_rate = sample_rate
+
+    def _set_sparse_metadata(self, global_unique_ids: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "xgrad's DistributedDataParallel does not remap sparse gradients' indices "
+            "(_set_sparse_metadata); sparse gradients are reduced as PyTorch does without it"
+        )
+
+    def _match_all_reduce_for_bwd_pass(self) -> None:
+        raise NotImplementedError(_JOIN_INTERNAL.format("_match_all_reduce_for_bwd_pass"))
+
+    def _match_unused_params_allreduce(self) -> None:
+        raise NotImplementedError(_JOIN_INTERNAL.format("_match_unused_params_allreduce"))
+
+
+_JOIN_INTERNAL = (
+    "{} is an internal step of PyTorch's join hook; xgrad's DistributedDataParallel.join() "
+    "runs its own shadow pass (xgrad.torch_backend.join)"
+)
