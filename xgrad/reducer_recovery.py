@@ -45,8 +45,14 @@ class JoinAndRecovery:
     _marked_unused: bool
     _failure: str | None = None
     _unused: UnusedParams
+    _hook: Any
+    _serial_hooks: bool
 
     def _launch(self, bucket: BucketState) -> None: ...  # defined by the reducer
+
+    if TYPE_CHECKING:  # LateSetup's, after this class in the reducer's bases: no stub here
+
+        def _set_hook(self, hook: Any, serial: bool) -> None: ...
 
     # ----------------------------------------------------------------- recovery
 
@@ -82,13 +88,29 @@ class JoinAndRecovery:
             f"gradients ready, {self._next_bucket} of {len(self._buckets)} buckets launched, "
             "none written back"
         )
+        self._drop_pass()
+        return dropped
+
+    def _drop_pass(self) -> None:
         self._failure = None
         self._expect_hooks = self._require_finalize = self._marked_unused = False
-        self._ready = bytearray(n)
+        self._ready = bytearray(len(self.params))
         self._next_bucket = 0
         for bucket in self._buckets:
             bucket.reset()
-        return dropped
+
+    def reset_state(self) -> None:
+        """Start over on a new communicator (DDP's ``_update_process_group``).
+
+        PyTorch's ``reset_state``: a pass under way is dropped (a forward pass may follow
+        a backward pass that did not finish), the divisor follows the communicator's new
+        size, and the buckets are rebuilt from the next pass's ready order, rank 0's plan
+        broadcast over the new group, as after construction.
+        """
+        self._drop_pass()
+        self._set_hook(self._hook, self._serial_hooks)
+        self.has_rebuilt_buckets = False
+        self._rebuild_order = None
 
     # ----------------------------------------------------------------- join
 

@@ -6,7 +6,8 @@ autograd), a buffer the module reassigned (synced from rank 0, not left differin
 a buffer comm hook that sums buffers, registered before and after the forward pass (run
 instead of the broadcast, its futures awaited by the end of the backward pass or at once
 without one). Then the attributes PyTorch's code reads, and the reducer-facing methods
-(an unfinished reduction raises at the end of xgrad's backward pass already).
+(an unfinished reduction raises at the end of xgrad's backward pass already), and
+``_update_process_group`` between steps.
 """
 
 from __future__ import annotations
@@ -87,12 +88,26 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             ddp.bucket_bytes_cap_list,
         ]
         default = cls(Scaled())
-        res["default_attributes"] = [default.bucket_bytes_cap_default, default.bucket_bytes_cap_list]
+        res["default_attributes"] = [
+            default.bucket_bytes_cap_default,
+            default.bucket_bytes_cap_list,
+        ]
 
         ddp = cls(Scaled())
         ddp(x).sum().backward()
         ddp._check_reducer_finalized()  # a finished pass: no error on either
         res["finalized"] = True
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        ddp = cls(model)
+        grads = []
+        for step in range(4):  # the group replaced between steps, the buckets rebuilt on it
+            if step == 2:
+                ddp._update_process_group(dist.new_group([0, 1]))
+            model.zero_grad()
+            (ddp(x) * (step + 1)).sum().backward()
+            grads.append(model.weight.grad.tolist())
+        res["updated_group"] = grads
         try:
             ddp._set_ddp_runtime_logging_sample_rate(0)
             res["rate"] = "no error"
@@ -119,6 +134,7 @@ def results() -> list[dict[str, Any]]:
         "list_attributes",
         "default_attributes",
         "finalized",
+        "updated_group",
     ],
 )
 def test_matches_pytorch(results: list[dict[str, Any]], key: str) -> None:

@@ -16,8 +16,8 @@ __all__ = ["CompatDDP"]
 
 
 class CompatDDP:
-    """Mixed into the DDP: ``_check_reducer_finalized``, the logging sample rate, and the
-    methods without a counterpart."""
+    """Mixed into the DDP: ``_check_reducer_finalized``, the logging sample rate,
+    ``_update_process_group``, and the methods without a counterpart."""
 
     #: PyTorch's default (``kDDPRuntimeLoggingSampleRate``).
     _runtime_logging_sample_rate = 100
@@ -45,6 +45,28 @@ class CompatDDP:
                 f"got {sample_rate!r}"
             )
         self._runtime_logging_sample_rate = sample_rate
+
+    def _update_process_group(self, new_process_group: Any) -> None:
+        """Reduce over ``new_process_group`` from the next iteration on (PyTorch's; a
+        fault-tolerant trainer's replaced group).
+
+        The reducer starts over (a pass under way dropped, the buckets rebuilt from the
+        next pass's ready order over the new group, the divisor its size), and the step
+        watch starts over on the new group (a private group and failure channel of its
+        own). The watch and the communicator are re-initialised in place, not replaced:
+        the reducer, the gradient hooks, registered comm hooks, a delayed all-reduce and
+        mixed precision's hook hold them and all move with them. A rank outside the new
+        group only resets its reducer, as PyTorch's does.
+        """
+        from torch.distributed.distributed_c10d import _rank_not_in_group
+
+        ddp: Any = self
+        if not _rank_not_in_group(new_process_group):
+            ddp.process_group = new_process_group
+            ddp._watch.__init__(new_process_group, ddp.timeout)
+            ddp.comm.__init__(ddp._watch)
+            ddp._agreement_pending = True  # plan and parameters compared on the new group
+        ddp.reducer.reset_state()
 
     def _set_sparse_metadata(self, global_unique_ids: dict[str, Any]) -> None:
         raise NotImplementedError(
