@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from xgrad.pipeline import (
     Kind,
@@ -15,6 +16,7 @@ from xgrad.pipeline import (
     one_f_one_b,
 )
 from xgrad.torch_backend.pipeline_args import (
+    check_modules,
     check_settings,
     reduce_points,
     runtime_schedule,
@@ -50,6 +52,16 @@ def test_slots_follow_the_ranks_stages_and_must_exist() -> None:
     assert slot_map(sched, ["a", "b"], None, 0) == {0: 0, 2: 1}
     with pytest.raises(ValueError, match=r"rank 1: needs partitions for slots \[0, 1\], got 1"):
         slot_map(sched, ["a"], None, 1)
+    # One partition too many (a whole nn.Sequential passed as the list): its layers would
+    # silently run nowhere.
+    with pytest.raises(ValueError, match=r"rank 0: the schedule runs partitions \[0, 1\] .*\[2\]"):
+        slot_map(sched, ["a", "b", "c"], None, 0)
+    with pytest.raises(
+        TypeError, match=r"rank 1: partition 1 is a function, not a torch\.nn\.Module"
+    ):
+        check_modules([torch.nn.Linear(1, 1), lambda t: t], 1)
+    with pytest.raises(TypeError, match=r"schedule must be an xgrad\.pipeline\.Schedule"):
+        runtime_schedule("gpipe", 0, 2)  # type: ignore[arg-type]
 
 
 def test_invocations_and_schedule_must_feed_the_stages_alike() -> None:

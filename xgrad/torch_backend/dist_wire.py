@@ -149,7 +149,12 @@ class Link:
         """Post the send of ``t``; returns ``(work, the buffer it reads)``."""
         if t.dtype not in _CODE:
             raise TypeError(f"send: dtype {t.dtype} cannot be sent; supported: {list(DTYPES)}")
-        data = t.detach().to(self.device).contiguous()
+        if t.layout != torch.strided:
+            raise TypeError(f"send: a {t.layout} tensor cannot be sent; send t.to_dense()")
+        # A copy, as PyTorch's RPC serialises at the call: what the receiver gets is the
+        # tensor as it was, whatever the sender writes into it before gloo reads it.
+        data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        data.copy_(t.detach())
         work = self.pg.send([data], self.group_peer, self._tags[FORWARD])
         head = [_CODE[t.dtype], int(t.requires_grad), *t.shape]
         self.store.set(f"{self._out}/f/{self._next('f')}", ",".join(map(str, head)).encode())
@@ -271,7 +276,7 @@ class Link:
                 if made is None:
                     if grad.dtype != like.dtype or grad.device != self.device:
                         grad = grad.to(self.device, like.dtype)
-                    parts.append(grad.contiguous().view(-1).view(torch.uint8))
+                    parts.append(_bytes(grad))
             except RuntimeError as exc:
                 raise ValueError(
                     f"the gradient for rank {self.peer} cannot be sent: {exc}"
@@ -314,6 +319,15 @@ def _head(kind: int, k: int, device: torch.device) -> torch.Tensor:
         head = torch.tensor([kind, k], dtype=torch.int64).view(torch.uint8).to(device)
         _HEADS[(kind, k, device)] = head
     return head
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat. A one-element tensor can be "contiguous" with stride 0 (the
+    gradient of ``sum()`` expanded to shape ``(1,)``), which a byte view refuses: copied."""
+    flat = t.contiguous().view(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)  # clone() keeps stride 0
+    return flat.view(torch.uint8)
 
 
 def header(buf: torch.Tensor) -> tuple[int, int]:

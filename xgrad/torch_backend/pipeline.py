@@ -22,6 +22,7 @@ from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
+    check_modules,
     check_settings,
     reduce_points,
     runtime_schedule,
@@ -136,6 +137,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         self.schedule = runtime_schedule(schedule, self.rank, dist.get_world_size(group))
         self.partitions = list(partitions)
         self._slot_of = slot_map(schedule, self.partitions, invocations, self.rank)
+        check_modules(self.partitions, self.rank)
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
         self._no_sync = no_sync

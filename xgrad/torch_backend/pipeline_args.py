@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torch import nn
+
 from xgrad.pipeline import (
     Invocation,
     Kind,
@@ -22,7 +24,7 @@ from xgrad.pipeline import (
 )
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 
-__all__ = ["check_settings", "reduce_points", "runtime_schedule", "slot_map"]
+__all__ = ["check_modules", "check_settings", "reduce_points", "runtime_schedule", "slot_map"]
 
 
 def check_settings(checkpoint: str, timeout: Any) -> float:
@@ -36,6 +38,11 @@ def check_settings(checkpoint: str, timeout: Any) -> float:
 
 def runtime_schedule(schedule: Schedule, rank: int, world: int) -> Schedule:
     """The schedule the runtime executes: validated, with its comms inserted if it has none."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"schedule must be an xgrad.pipeline.Schedule (e.g. xgrad.pipeline.make(name, p, "
+            f"m)), got {type(schedule).__name__} {schedule!r}"
+        )
     if schedule.num_ranks != world:
         raise ValueError(f"rank {rank}: schedule has {schedule.num_ranks} ranks, the group {world}")
     if schedule.has_comms:
@@ -81,7 +88,26 @@ def slot_map(
             f"rank {rank}: needs partitions for slots {sorted(mine)}, "
             f"got {len(partitions)} partitions"
         )
+    idle = sorted(set(range(len(partitions))) - mine)
+    if idle:
+        # Left running nothing, a partition's layers would silently drop out of the model
+        # (a whole nn.Sequential passed as the list is iterated as its layers).
+        raise ValueError(
+            f"rank {rank}: the schedule runs partitions {sorted(mine)} on this rank, got "
+            f"{len(partitions)} partitions ({idle} would run nowhere); pass one module per "
+            "slot (a single nn.Sequential stage as [stage])"
+        )
     return slot_of
+
+
+def check_modules(partitions: Sequence[Any], rank: int) -> None:
+    """Refuse a partition that is not a module (found at construction, not as an
+    ``AttributeError`` in the first step with no rank named)."""
+    for k, part in enumerate(partitions):
+        if not isinstance(part, nn.Module):
+            raise TypeError(
+                f"rank {rank}: partition {k} is a {type(part).__name__}, not a torch.nn.Module"
+            )
 
 
 def reduce_points(schedule: Schedule, rank: int, slot_of: dict[int, int]) -> dict[int, int]:
