@@ -77,6 +77,24 @@ def test_a_send_without_recv_and_a_recv_without_send_are_named() -> None:
     )
 
 
+def test_receives_that_wait_for_each_other_are_named_and_a_cycle_that_may_move_is_not() -> None:
+    a = Record("recv", 0, recvd={1: 0}, src=1)
+    b = Record("recv", 0, recvd={2: 0}, src=2)
+    c = Record("recv", 0, recvd={0: 0}, src=0)
+    assert diagnose({0: a, 1: b, 2: c}, RANKS) == (
+        0,
+        "recv from rank 1",
+        "waits for tensor 1 from rank 1, and ranks 0 -> 1 -> 2 -> 0 each wait in a recv for "
+        "a tensor the next has not sent (receives that wait for each other: a recv with no "
+        "matching send before it)",
+    )
+    two = {1: Record("recv", 0, src=2), 2: Record("recv", 0, src=1)}
+    assert diagnose(two, RANKS)[:2] == (1, "recv from rank 2")  # type: ignore[index]
+    # Rank 1 already sent rank 0 the tensor it waits for: rank 0 will move on.
+    moving = {0: a, 1: Record("recv", 0, sent={0: 1}, src=2), 2: c}
+    assert diagnose(moving, RANKS) is None
+
+
 def test_records_round_trip_through_bytes() -> None:
     r = Record("recv", 3, {1: 2}, {2: 1}, {1: 1}, {2: 1}, src=2)
     assert Record.from_bytes(r.to_bytes()) == r
@@ -149,8 +167,14 @@ def _misuse(rank: int, world: int) -> dict[str, Any]:
             da.recv(2)
         da.backward(cid, [])
 
+    def mutual(cid: int) -> None:  # ranks 0 and 1 each receive before they send
+        if rank < 2:
+            da.recv(1 - rank)
+        da.backward(cid, [])
+
     out: dict[str, Any] = {"good": _good(rank, da)}
     for name, body in [
+        ("mutual", mutual),
         ("never", never),
         ("twice", twice),
         ("unreceived", unreceived),
@@ -188,6 +212,8 @@ def test_misuse_is_named_on_every_rank_at_once_and_the_next_contexts_work() -> N
         "context, rank 1 received 0",
         "never_sent": "Error on rank 1 in recv from rank 2: waits for tensor 1 from rank 2, "
         "which sent it 0 in this context and is in backward pass 1",
+        "mutual": "Error on rank 0 in recv from rank 1: waits for tensor 1 from rank 1, and "
+        "ranks 0 -> 1 -> 0 each wait in a recv",
     }
     for name, text in expected.items():
         for rank in RANKS:

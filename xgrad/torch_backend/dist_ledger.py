@@ -2,7 +2,8 @@
 
 Misuse deadlocks the ranks of a context without failing any of them: a rank leaves the
 context without calling ``backward`` (or calls it once more than the others, with
-``retain_graph``), a rank sends a tensor nobody receives, or waits for one nobody sends.
+``retain_graph``), a rank sends a tensor nobody receives, or waits for one nobody sends
+(or one whose sender waits in a receive first, for a tensor of this rank's: a cycle).
 No rank raises; each waits for a message that cannot come until the context's timeout,
 and a gloo receive that runs out its timeout closes the group's connections.
 
@@ -129,6 +130,17 @@ def diagnose(records: Mapping[int, Record], ranks: Sequence[int]) -> tuple[int, 
                     f"waits for tensor {want + 1} from rank {r.src}, which sent it {n} in this "
                     f"context and {doing} (a recv with no matching send)",
                 )
+    cycle = _receive_cycle(records)
+    if cycle is not None:
+        rank = cycle[0]
+        r, chain = records[rank], " -> ".join(map(str, [*cycle, rank]))
+        return (
+            rank,
+            f"recv from rank {r.src}",
+            f"waits for tensor {r.recvd.get(r.src, 0) + 1} from rank {r.src}, and ranks "
+            f"{chain} each wait in a recv for a tensor the next has not sent (receives that "
+            "wait for each other: a recv with no matching send before it)",
+        )
     # Tensors sent that their receiver, stopped at the same point, did not receive.
     for p, sender in sorted(records.items()):
         for q, receiver in sorted(records.items()):
@@ -172,6 +184,28 @@ def diagnose(records: Mapping[int, Record], ranks: Sequence[int]) -> tuple[int, 
         where(origin),
         f"{what}{also}, {others} (every rank of the group calls backward the same number of times)",
     )
+
+
+def _receive_cycle(records: Mapping[int, Record]) -> list[int] | None:
+    """Ranks each waiting in a recv for a tensor the next one has not sent, in a cycle
+    (from its lowest rank), or None. Each is stuck: its sender cannot send before its own
+    recv completes, so the snapshot proves it whatever order the records were written in
+    (sends only grow, and a blocked rank sends nothing)."""
+    waits: dict[int, int] = {}
+    for rank, r in records.items():
+        sender = records.get(r.src) if r.state == "recv" else None
+        if sender is not None and sender.sent.get(rank, 0) <= r.recvd.get(r.src, 0):
+            waits[rank] = r.src
+    for start in sorted(waits):
+        path, rank = [start], waits[start]
+        while rank in waits and rank not in path:
+            path.append(rank)
+            rank = waits[rank]
+        if rank in path:
+            cycle = path[path.index(rank) :]
+            low = cycle.index(min(cycle))
+            return cycle[low:] + cycle[:low]
+    return None
 
 
 #: the exit barrier's count: each rank adds 1 + BALANCE * (tensors received - sent), so
