@@ -92,6 +92,12 @@ def test_make_unknown_lists_known() -> None:
         xp.make("pipedream", 2, 2)
 
 
+@pytest.mark.parametrize("chunks", ["x", 0, 1.5, True])
+def test_make_refuses_a_bad_chunks_even_where_it_is_not_used(chunks: object) -> None:
+    with pytest.raises(ValueError, match=r"chunks must be a positive int \(stages per rank\)"):
+        xp.make("gpipe", 2, 4, chunks)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])
 def test_drawings_next_to_the_code_are_what_it_generates(name: str) -> None:
     import inspect

@@ -251,4 +251,8 @@ def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> 
     is used by the multi-stage ones only (:mod:`xgrad.pipeline.multistage`)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        # Checked for every schedule, so a bad value is not silently ignored by the
+        # single-stage ones (which place one stage per rank whatever it is).
+        raise ValueError(f"chunks must be a positive int (stages per rank), got {chunks!r}")
     return SCHEDULES[name](num_stages, num_microbatches, chunks)
