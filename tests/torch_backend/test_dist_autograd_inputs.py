@@ -9,6 +9,8 @@
 - A rank outside the context's group is refused at ``context()``.
 - A transfer that fails after another rank already posted a failure raises the context's
   ``DistBackwardError`` (it once raised the bare ``RankError`` of the failure channel).
+- A group whose connections a timed-out receive closed is said to be lost at the next
+  context (it blamed rank 0 with gloo's "Connection closed by peer" alone).
 """
 
 from __future__ import annotations
@@ -131,3 +133,34 @@ def test_a_transfer_failing_after_a_posted_failure_raises_the_contexts_error() -
         assert text.startswith("Error on rank 2: stopped answering"), text
         assert took < 4.0 + 10.0
         assert codes[rank] == 0
+
+
+def _after_a_timeout(rank: int, world: int) -> list[str]:
+    """Rank 0 sends 2.5 s late into a context with a 1 s timeout; the receive that runs out
+    closes gloo's connections, and the next context says so instead of blaming rank 0."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    out = []
+    for late, timeout in ((2.5, 1.0), (0.0, 10.0)):
+        try:
+            with da.context(timeout=timeout) as cid:
+                if rank == 0:
+                    time.sleep(late)
+                    da.send(torch.ones(2, requires_grad=True) * 2, 1)
+                got = da.recv(0) if rank == 1 else None
+                da.backward(cid, [got.sum()] if got is not None else [])
+            out.append("no error")
+        except da.DistBackwardError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_group_lost_to_a_timeout_is_said_to_be_lost() -> None:
+    results, codes = run_ranks(_after_a_timeout, 3, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    for rank in range(3):
+        first, second = results[rank][1]
+        assert "timed out after 1 s" in first, (rank, first)
+        assert "the group's connection was closed earlier" in second, (rank, second)

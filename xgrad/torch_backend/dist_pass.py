@@ -27,6 +27,7 @@ from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import poisoned, transfer_failed, wait_posted
+from xgrad.torch_backend.lost_rank import CLOSED_BEFORE
 
 __all__ = [
     "DistBackwardError",
@@ -225,6 +226,8 @@ class ProcessPass:
     def fail(self, worker: int, node: int, node_name: str, message: str) -> Exception:
         """Post this rank's failure (the first one posted wins) and return the error to raise."""
         self.failed = True
+        if not node_name and "Connection closed" in message:  # gloo, posting a receive
+            message += f" ({CLOSED_BEFORE})"
         failure = self._channel.post(node_name, message)
         return self._make_error(RankError(failure, self.me))
 

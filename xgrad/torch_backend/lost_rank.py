@@ -15,7 +15,22 @@ import time
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 
-__all__ = ["check_lost", "poisoned", "silent_peer", "still_silent", "transfer_failed"]
+__all__ = [
+    "CLOSED_BEFORE",
+    "check_lost",
+    "poisoned",
+    "silent_peer",
+    "still_silent",
+    "transfer_failed",
+]
+
+
+#: what a closed connection means when every peer still beats.
+CLOSED_BEFORE = (
+    "every rank still answers: the group's connection was closed earlier, by a wait that "
+    "ran out its timeout or a peer that was lost, and the group cannot carry messages "
+    "again; make a new one (torch.distributed.new_group)"
+)
 
 
 def transfer_failed(
@@ -37,6 +52,8 @@ def transfer_failed(
     if silent is None:
         silent = peer
     if silent is None:
+        if "Connection closed" in text:  # every peer still beats: the group was lost before
+            text += f" ({CLOSED_BEFORE})"
         failure = channel.post(what, text)
     else:
         if silent == peer:
