@@ -111,6 +111,7 @@ def ddp_reducer(
     clock: Callable[[], float] = time.perf_counter,
     lender: Lender | None = None,
     set_grads: Callable[[Sequence[int], Sequence[Any]], None] | None = None,
+    get_grad: Callable[[int], Any] | None = None,
 ) -> Reducer:
     """A reducer set up as DDP sets up its own: the initial plan, or ``plan`` used as given.
 
@@ -151,4 +152,5 @@ def ddp_reducer(
         clock=clock,
         lender=lender,
         set_grads=set_grads,
+        get_grad=get_grad,
     )

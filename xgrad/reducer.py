@@ -72,6 +72,9 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         lender: lends bucket views out as gradients instead of ``set_grad`` copies.
         set_grads: ``set_grad`` for a whole bucket at once (indices, views), used where
             nothing in the bucket is lent or skipped.
+        get_grad: a parameter's current gradient (or None). A parameter unused in a pass
+            contributes it to its bucket, as DDP copies ``.grad`` in (the gradient that
+            ``no_sync`` passes accumulated); without it, a zero.
     """
 
     def __init__(
@@ -98,8 +101,10 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         clock: Callable[[], float] = time.perf_counter,
         lender: Lender[A] | None = None,
         set_grads: Callable[[Sequence[int], Sequence[A]], None] | None = None,
+        get_grad: Callable[[int], A | None] | None = None,
     ) -> None:
         self.params = list(params)
+        self.get_grad = get_grad
         self.lender = None if gradient_as_bucket_view else lender
         n = len(self.params)
         if plan.num_params != n:
@@ -222,6 +227,7 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         are reduced with this one. Does nothing when no synced backward is expected.
         """
         if not self._expect_hooks:
+            self._used_unsynced(index, grad)
             return
         now = self.clock()
         if not self._marked_unused:
@@ -232,6 +238,14 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         if grad is None:
             self._no_gradient(index)
         self._mark(index, grad, now)
+
+    def _used_unsynced(self, index: int, grad: Any) -> None:
+        """A gradient outside a synchronised pass (``no_sync``): under
+        ``find_unused_parameters`` it counts as used in the next synchronised pass's used
+        map, as DDP's local used map keeps counting during ``no_sync`` (so a parameter
+        used only in an accumulation pass is still averaged, not left local)."""
+        if grad is not None and self.find_unused_parameters and not self.static_graph:
+            self._unused.used_unsynced.add(index)
 
     def _no_gradient(self, index: int) -> None:
         """A hook fired without a gradient (an output the loss left out, see ddp_sink).
@@ -247,8 +261,9 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         """The pass's first mark: it starts the clock and marks the unused parameters."""
         self._marked_unused = True
         self._backward_start = now
+        get = self.get_grad
         for i in self._unused.local:
-            self._mark(i, None, now)
+            self._mark(i, None if get is None else get(i), now)
 
     @property
     def expecting(self) -> bool:
@@ -262,6 +277,8 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         share one timestamp. When one raises, :attr:`marking` is the index it raised on.
         """
         if not self._expect_hooks or not indices:
+            for index, grad in zip(indices, grads, strict=True):
+                self._used_unsynced(index, grad)
             return
         if self.static_graph and self._counts.active(self._delay_launch):
             for self.marking, grad in zip(indices, grads, strict=True):

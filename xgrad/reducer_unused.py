@@ -41,6 +41,8 @@ class UnusedParams:
         #: the last summed used map (per parameter, how many ranks used it): what a
         #: joined rank sends instead of its own.
         self._last_sum: np.ndarray | None = None
+        #: used in a pass outside synchronisation (``no_sync``) since the last used map.
+        self.used_unsynced: set[int] = set()
 
     def prepare(self, unused: list[int], static_graph: bool) -> None:
         """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
@@ -96,6 +98,8 @@ class UnusedParams:
         else:
             used = np.ones(self.num_params, dtype=np.int32)
             used[list(self.current)] = 0
+            used[sorted(self.used_unsynced)] = 1
+        self.used_unsynced.clear()
         self._pending = comm.allreduce(ops.from_numpy(used, like))
 
     def on_every_rank(

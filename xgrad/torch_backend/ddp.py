@@ -257,6 +257,9 @@ class DistributedDataParallel(
             batched_grad_copy=batched_grad_copy,
             hook=None if self._casts is None else self._casts.hook(self.comm),
             lender=self._grad_hooks,
+            # An unused parameter's bucket slot gets its .grad, as PyTorch's (not with
+            # mixed precision, whose buckets hold the low-precision gradients).
+            get_grad=None if self._casts is not None else self._grad_of,
         )
         self.initial_plan = self.reducer.initial_plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
@@ -273,6 +276,9 @@ class DistributedDataParallel(
             self._grad_hooks.alias_grads_to_buckets()
         if self._casts is not None:
             self._grad_hooks.after_backward = self._casts.frozen_to_full
+
+    def _grad_of(self, index: int) -> torch.Tensor | None:
+        return self._params[index].grad
 
     # --- graph
 

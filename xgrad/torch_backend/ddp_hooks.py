@@ -130,10 +130,7 @@ class GradientHooks:
         """Mark the gradients whose hooks only logged them, in the order they arrived."""
         reducer = self.reducer
         assert reducer is not None
-        if not reducer.expecting:
-            self.arrivals.log.clear()
-            return
-        indices, grads = self.arrivals.take()
+        indices, grads = self.arrivals.take()  # not expecting: only counted as used
         try:
             reducer.mark_many(indices, grads)
         except Exception as exc:
