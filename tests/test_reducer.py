@@ -404,7 +404,7 @@ def test_rebuild_off_keeps_the_plan_given() -> None:
         assert not rebuilt and plan == TWO_BUCKETS
 
 
-def test_hook_installs_once_and_only_before_the_first_iteration() -> None:
+def test_hook_installs_once_and_only_between_iterations() -> None:
     def body(comm: ReferenceComm) -> list[str]:
         errors = []
         reducer = make_reducer(comm, TWO_BUCKETS, {})
@@ -413,20 +413,24 @@ def test_hook_installs_once_and_only_before_the_first_iteration() -> None:
             with pytest.raises(RuntimeError) as err:
                 again()
             errors.append(str(err.value))
+        during = make_reducer(comm, TWO_BUCKETS, {})
+        during.prepare_for_backward()
+        with pytest.raises(RuntimeError) as err:
+            during.register_hook(HOOKS["allreduce"](comm))
+        errors.append(str(err.value))
         late = make_reducer(comm, TWO_BUCKETS, {})
         _one_iteration(late, comm.rank)
-        for call in (
-            lambda: late.register_hook(HOOKS["allreduce"](comm)),
-            late.set_static_graph,
-        ):
-            with pytest.raises(RuntimeError) as err:
-                call()
-            errors.append(str(err.value))
+        late.register_hook(HOOKS["allreduce"](comm))  # between iterations: PyTorch's DDP too
+        with pytest.raises(RuntimeError) as err:
+            late.set_static_graph()
+        errors.append(str(err.value))
         return errors
 
-    once, hook_late, static_late = spawn(body, 1)[0]
+    once, hook_during, static_late = spawn(body, 1)[0]
     assert "can only be called once" in once
-    assert "before the first forward/backward pass (rank 0)" in hook_late
+    assert "cannot be called while a backward pass is expected or under way (rank 0)" in (
+        hook_during
+    )
     assert "_set_static_graph must be called before" in static_late
 
 

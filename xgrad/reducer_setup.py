@@ -41,6 +41,7 @@ class LateSetup:
     sparse: list[bool]
     rebuild_limits: Sequence[int]
     _rebuild_order: list[int] | None
+    _require_finalize: bool
 
     plan: BucketPlan
     _locate: list[tuple[BucketState, int]]
@@ -73,17 +74,21 @@ class LateSetup:
             hook: the hook with its state bound.
             serial: see ``serial_hooks`` in the class docstring.
 
+        Between iterations, as PyTorch's DDP allows: the hook reduces from the next
+        synchronised pass on.
+
         Raises:
-            RuntimeError: a hook is already installed, or an iteration has started.
+            RuntimeError: a hook is already installed, or a pass is under way (between a
+                synchronised forward pass and the end of its backward pass).
         """
         if self._hook is not None:
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once."
             )
-        if self.num_iterations or self._expect_hooks:
+        if self._expect_hooks or self._require_finalize:
             raise RuntimeError(
-                "register_comm_hook must be called before the first forward/backward pass "
-                f"(rank {self.comm.rank})"
+                "register_comm_hook cannot be called while a backward pass is expected or "
+                f"under way (rank {self.comm.rank}): call it between iterations"
             )
         self._set_hook(hook, serial)
 

@@ -7,7 +7,7 @@ a buffer comm hook that sums buffers, registered before and after the forward pa
 instead of the broadcast, its futures awaited by the end of the backward pass or at once
 without one). Then the attributes PyTorch's code reads, and the reducer-facing methods
 (an unfinished reduction raises at the end of xgrad's backward pass already), and
-``_update_process_group`` between steps.
+``_update_process_group`` and ``register_comm_hook`` between steps.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from xgrad.torch_backend.spawn import spawn
 
@@ -108,6 +109,18 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             (ddp(x) * (step + 1)).sum().backward()
             grads.append(model.weight.grad.tolist())
         res["updated_group"] = grads
+
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        ddp = cls(model)
+        grads = []
+        for step in range(3):  # a comm hook registered between iterations
+            if step == 1:
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            model.zero_grad()
+            (ddp(x) * (step + 1)).sum().backward()
+            grads.append(model.weight.grad.tolist())
+        res["late_hook"] = grads
         try:
             ddp._set_ddp_runtime_logging_sample_rate(0)
             res["rate"] = "no error"
@@ -135,6 +148,7 @@ def results() -> list[dict[str, Any]]:
         "default_attributes",
         "finalized",
         "updated_group",
+        "late_hook",
     ],
 )
 def test_matches_pytorch(results: list[dict[str, Any]], key: str) -> None:

@@ -31,6 +31,7 @@ class CommHookDDP:
     process_group: Any
     comm: Any
     _watch: StepWatch
+    _agreement_pending: bool
     _hook_name: str
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
@@ -55,6 +56,7 @@ class CommHookDDP:
             serial=serial,
         )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+        self._agreement_pending = True  # the ranks compare hooks again at the next step
 
     def register_hook(self, hook: Hook) -> None:
         """Register a backend-neutral hook with its state bound (``bucket -> Work``).
@@ -66,6 +68,7 @@ class CommHookDDP:
             lambda bucket: watch.call(f"comm hook, bucket {bucket.index()}", hook, bucket)
         )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+        self._agreement_pending = True  # the ranks compare hooks again at the next step
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
