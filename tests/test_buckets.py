@@ -79,7 +79,7 @@ def test_json_round_trip_and_digest() -> None:
         ({"nbytes": [], "limits": [8]}, "nbytes is empty"),
         ({"nbytes": [4, -1], "limits": [8]}, "nbytes[1] = -1"),
         ({"nbytes": [4], "limits": []}, "limits is empty"),
-        ({"nbytes": [4], "limits": [8, 0]}, "limits[1] = 0"),
+        ({"nbytes": [4], "limits": [8, -1]}, "limits[1] = -1"),
         ({"nbytes": [4, 4], "limits": [8], "keys": ["a"]}, "keys has 1 entries for 2"),
         ({"nbytes": [4, 4], "limits": [8], "sparse": [True]}, "sparse has 1 entries"),
         ({"nbytes": [4, 4], "limits": [8], "order": [0, 0]}, "permutation of 0..1"),
@@ -188,7 +188,7 @@ def test_from_json_takes_text_only() -> None:
     ("value", "error", "needle"),
     [
         (-1, ValueError, "bucket_cap_mb = -1"),
-        (0, ValueError, "bucket_cap_mb = 0"),
+        (-0.5, ValueError, "bucket_cap_mb = -0.5"),
         (float("nan"), ValueError, "bucket_cap_mb = nan"),
         (float("inf"), ValueError, "bucket_cap_mb = inf"),
         ("25", TypeError, "bucket_cap_mb must be a number"),

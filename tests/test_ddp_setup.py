@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from xgrad import assign_buckets
 from xgrad.buckets import NO_LIMIT, BucketPlan
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.numpy_ops import NumpyOps
@@ -48,10 +49,15 @@ def test_limits_follow_pytorch(
     assert DDPLimits.of(**kwargs) == DDPLimits(initial, rebuild, cap)
 
 
-@pytest.mark.parametrize("caps", [[], [0], [MIB, -1], [True]])
+@pytest.mark.parametrize("caps", [[], [MIB, -1], [True]])
 def test_bad_cap_list_is_refused(caps: list[Any]) -> None:
-    with pytest.raises(ValueError, match=r"bucket_cap_mb_list=.*positive bucket caps"):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb_list=.*bucket caps >= 0"):
         DDPLimits.of(bucket_cap_bytes_list=caps)
+
+
+def test_a_zero_cap_is_a_bucket_per_parameter_as_in_pytorch() -> None:
+    assert DDPLimits.of(bucket_cap_bytes_list=[0, MIB]).rebuild == (0, MIB)
+    assert assign_buckets([4, 8, 12], [0]).buckets == ((0,), (1,), (2,))
 
 
 def test_initial_plan_reversed_with_sparse_alone() -> None:

@@ -162,8 +162,9 @@ def _check_inputs(
     if len(limits) == 0:
         raise ValueError("limits is empty: expected at least one bucket cap in bytes")
     for i, lim in enumerate(limits):
-        if isinstance(lim, bool) or not isinstance(lim, int) or lim <= 0:
-            raise ValueError(f"limits[{i}] = {lim!r}: expected a byte cap > 0")
+        if isinstance(lim, bool) or not isinstance(lim, int) or lim < 0:
+            # 0 closes a bucket after every parameter, as PyTorch's assignment does.
+            raise ValueError(f"limits[{i}] = {lim!r}: expected a byte cap >= 0")
     if keys is not None and len(keys) != len(nbytes):
         raise ValueError(f"keys has {len(keys)} entries for {len(nbytes)} parameters")
     if sparse is not None and len(sparse) != len(nbytes):
@@ -246,13 +247,15 @@ def cap_mb_to_bytes(value: object, name: str = "bucket_cap_mb") -> int:
     a bad cap would only surface as ``limits[0] = -1048576``.
 
     Args:
-        value: the cap in MiB, a finite number > 0.
+        value: the cap in MiB, a finite number >= 0 (0, as in PyTorch's DDP: a bucket
+            per parameter).
         name: the argument's name, for the message (``bucket_cap_mb``,
             ``first_bucket_cap_mb``, ``bucket_cap_mb_list[2]``...).
 
     Raises:
         TypeError: ``value`` is not a number (a bool is not one).
-        ValueError: ``value`` is not finite or not > 0.
+        ValueError: ``value`` is not finite or is negative (PyTorch's DDP takes a
+            negative cap as 0; here it is refused as the mistake it likely is).
 
     Example:
         >>> cap_mb_to_bytes(0.5)
@@ -260,8 +263,8 @@ def cap_mb_to_bytes(value: object, name: str = "bucket_cap_mb") -> int:
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of MiB, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} = {value!r}: expected a finite bucket cap in MiB > 0")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} = {value!r}: expected a finite bucket cap in MiB >= 0")
     # A tiny positive cap still means "one parameter per bucket", not a zero-byte cap.
     return max(1, int(value * _MIB))
 

@@ -64,11 +64,11 @@ class DDPLimits:
         if bucket_cap_bytes_list is not None:
             caps = tuple(bucket_cap_bytes_list)
             if not caps or any(
-                isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in caps
+                isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in caps
             ):
                 raise ValueError(
                     f"bucket_cap_mb_list={list(caps)!r}: expected a non-empty list of "
-                    "positive bucket caps"
+                    "bucket caps >= 0"
                 )
             return cls(caps, caps, max(caps))
         first, cap = ddp_bucket_caps(bucket_cap_bytes, first_bucket_cap_bytes)

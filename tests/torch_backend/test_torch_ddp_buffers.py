@@ -121,6 +121,17 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             (ddp(x) * (step + 1)).sum().backward()
             grads.append(model.weight.grad.tolist())
         res["late_hook"] = grads
+        for name, kwargs in (("cap0", {"bucket_cap_mb": 0}), ("out0", {"output_device": 0})):
+            torch.manual_seed(0)
+            model = nn.Linear(4, 4)
+            ddp = cls(model, **kwargs)  # PyTorch takes both (a bucket per parameter; 0 falsy)
+            (ddp(x) * 3).sum().backward()
+            res[name] = model.weight.grad.tolist()
+        try:
+            cls(nn.SyncBatchNorm(4))
+            res["syncbn"] = "no error"
+        except ValueError as exc:
+            res["syncbn"] = str(exc)
         try:
             ddp._set_ddp_runtime_logging_sample_rate(0)
             res["rate"] = "no error"
@@ -149,6 +160,9 @@ def results() -> list[dict[str, Any]]:
         "finalized",
         "updated_group",
         "late_hook",
+        "cap0",
+        "out0",
+        "syncbn",
     ],
 )
 def test_matches_pytorch(results: list[dict[str, Any]], key: str) -> None:

@@ -47,7 +47,7 @@ def _cases(rank: int, world: int) -> dict[str, str]:
     attempt("timeout_zero", lambda: DistributedDataParallel(_model(), timeout=0), False)
     attempt("plan_str", lambda: DistributedDataParallel(_model(), plan='{"buckets":[[0]]}'), False)  # type: ignore[arg-type]
     attempt("cap", lambda: DistributedDataParallel(_model(), bucket_cap_mb=-1), False)
-    attempt("first_cap", lambda: DistributedDataParallel(_model(), first_bucket_cap_mb=0), False)
+    attempt("first_cap", lambda: DistributedDataParallel(_model(), first_bucket_cap_mb=-2), False)
     meta = nn.Linear(3, 3, device="meta")
     attempt("meta", lambda: DistributedDataParallel(meta), False)
     # Same sizes, parameters in another order on rank 1: silently wrong without the check.
@@ -93,7 +93,7 @@ def cases() -> list[dict[str, str]]:
         ("timeout_zero", "ValueError: timeout = 0"),
         ("plan_str", "TypeError: plan must be a BucketPlan, got str"),
         ("cap", "ValueError: bucket_cap_mb = -1"),
-        ("first_cap", "ValueError: first_bucket_cap_mb = 0"),
+        ("first_cap", "ValueError: first_bucket_cap_mb = -2"),
         ("meta", "ValueError: parameters on the meta device have no data to reduce: weight, bias"),
     ],
 )

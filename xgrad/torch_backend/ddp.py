@@ -199,11 +199,13 @@ class DistributedDataParallel(
             self._params, device_ids, output_device
         )
         self.device = self._params[0].device
+        self.logger = None  # set before PyTorch's checks below, which log through it
+        self._passing_sync_batchnorm_handle(module)  # PyTorch's: SyncBatchNorm needs a GPU
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
         self._assign_modules_buffers()  # modules_buffers, named_module_buffers (PyTorch's)
-        #: PyTorch's attributes, for code that reads them (no C++ logger: its
-        #: ``_log_and_throw`` then only raises; ``_get_ddp_logging_data`` is xgrad's).
-        self.logger = None
+        #: PyTorch's attributes, for code that reads them (``logger`` is None, above: no
+        #: C++ logger, so ``_log_and_throw`` only raises; ``_get_ddp_logging_data`` is
+        #: xgrad's).
         self.broadcast_bucket_size = 250 * 1024 * 1024
         self.use_side_stream_for_tensor_copies = (
             os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"

@@ -68,7 +68,8 @@ def resolve_devices(
         )
     device_type = device_types.pop()
     if not device_ids or device_type == "cpu":
-        if device_ids or output_device is not None:
+        # PyTorch's test is truthiness: output_device=0 passes with a CPU module.
+        if device_ids or output_device:
             raise ValueError(
                 "DistributedDataParallel device_ids and output_device arguments only work "
                 f"with single-device GPU modules, but got device_ids {device_ids}, "
