@@ -193,8 +193,10 @@ def assign_buckets(
     parameter index, which is the order PyTorch returns; DDP then launches them reversed
     (see :func:`ddp_initial_plan`). With ``order`` — a rebuild from the order in which
     gradients became ready — buckets keep the order in which they were closed, and the
-    buckets still open at the end follow in the order their keys first appeared (PyTorch
-    leaves that order to a hash map; this makes it deterministic).
+    buckets still open at the end follow in the reverse of the order their keys first
+    appeared, the order PyTorch's hash map of open buckets gives them (it puts each new
+    key first; checked against PyTorch's assignment on random mixed-dtype cases). Where
+    the buckets lie decides which bucket index a comm hook sees for them.
 
     Args:
         nbytes: bytes of each parameter's gradient (numel times element size).
@@ -204,7 +206,7 @@ def assign_buckets(
         order: the order in which to visit parameters (a permutation of their indices).
 
     Raises:
-        ValueError: on negative sizes, empty or non-positive limits, mismatched lengths or
+        ValueError: on negative sizes, empty or negative limits, mismatched lengths or
             an ``order`` that is not a permutation; the message names the value.
     """
     _check_inputs(nbytes, limits, keys, sparse, order)
@@ -229,9 +231,9 @@ def assign_buckets(
             open_indices[key] = []
             open_size[key] = 0
             limit_pos[key] = min(pos + 1, len(limits) - 1)
-    for key, bucket in open_indices.items():
-        if bucket:
-            closed.append((tuple(bucket), open_limit[key]))
+    for key in reversed(open_indices) if order is not None else open_indices:
+        if open_indices[key]:
+            closed.append((tuple(open_indices[key]), open_limit[key]))
     if order is None:
         closed.sort(key=lambda entry: min(entry[0]))
     return BucketPlan(tuple(b for b, _ in closed), tuple(lim for _, lim in closed))
