@@ -12,6 +12,7 @@ without one). Then the attributes PyTorch's code reads, and the reducer-facing m
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -127,6 +128,15 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             ddp = cls(model, **kwargs)  # PyTorch takes both (a bucket per parameter; 0 falsy)
             (ddp(x) * 3).sum().backward()
             res[name] = model.weight.grad.tolist()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(Scaled(), check_reduction=True)
+            cls(Scaled(), static_graph=True, find_unused_parameters=True)._set_static_graph()
+        res["warnings"] = sorted(
+            (w.category.__name__, str(w.message)[:70])
+            for w in caught
+            if w.category in (FutureWarning, UserWarning)
+        )
         try:
             cls(nn.SyncBatchNorm(4))
             res["syncbn"] = "no error"
@@ -163,6 +173,7 @@ def results() -> list[dict[str, Any]]:
         "cap0",
         "out0",
         "syncbn",
+        "warnings",
     ],
 )
 def test_matches_pytorch(results: list[dict[str, Any]], key: str) -> None:
@@ -175,6 +186,8 @@ def test_buffers_end_equal_on_every_rank(results: list[dict[str, Any]]) -> None:
     assert results[0]["xgrad"]["reassigned"] == results[1]["xgrad"]["reassigned"] == [2.0] * 4
     assert results[0]["xgrad"]["hook_POST_FORWARD"] == [3.0] * 4  # 1 + 2, summed
     assert results[1]["xgrad"]["hook_no_grad"] == [6.0] * 4  # 3 + 3, summed once more
+    kinds = [kind for kind, _ in results[0]["xgrad"]["warnings"]]
+    assert kinds == ["FutureWarning", "UserWarning", "UserWarning"]  # check_reduction, twice set
 
 
 def test_logging_sample_rate_is_checked(results: list[dict[str, Any]]) -> None:

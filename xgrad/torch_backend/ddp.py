@@ -30,6 +30,7 @@ pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (communication hooks
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ from xgrad.torch_backend.ddp_checks import (
     check_plan,
     resolve_caps,
     resolve_timeout,
+    warn_as_pytorch,
 )
 from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
 from xgrad.torch_backend.ddp_compat import CompatDDP
@@ -149,6 +151,7 @@ class DistributedDataParallel(
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
+        warn_as_pytorch(check_reduction, static_graph, find_unused_parameters)
         timeout = resolve_timeout(timeout)
         cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
         cap_list = (
@@ -186,6 +189,7 @@ class DistributedDataParallel(
         delayed = list(delay_all_reduce_named_params or ())
         ignore |= {name for name, _ in delayed}
         self.parameters_to_ignore = ignore
+        self._delay_all_reduce_params = [p for _, p in delayed]  # PyTorch's attribute
         self.parameter_names, self._params, sparse = reduced_parameters(module, ignore)
         if not self._params:
             raise RuntimeError(
@@ -286,6 +290,11 @@ class DistributedDataParallel(
 
     def _set_static_graph(self) -> None:
         """PyTorch's late ``static_graph=True``: call before the first iteration."""
-        if not self.static_graph:
-            self.reducer.set_static_graph()
-            self.static_graph = True
+        if self.static_graph:
+            warnings.warn(
+                "You've set static_graph to be True, no need to set it again.", stacklevel=2
+            )
+            return
+        self.reducer.set_static_graph()
+        self.static_graph = True
+        warn_as_pytorch(False, True, self.find_unused_parameters)

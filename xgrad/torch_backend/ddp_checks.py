@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "fingerprint",
     "resolve_caps",
     "resolve_timeout",
+    "warn_as_pytorch",
 ]
 
 #: environment variable that overrides the default ``timeout=`` (seconds).
@@ -112,3 +114,24 @@ def fingerprint(
 ) -> Fingerprint:
     """This rank's plan, parameter list and hook, as the ranks compare them."""
     return data_parallel_fingerprint(plan, describe_params(names, params), hook)
+
+
+def warn_as_pytorch(check_reduction: bool, static_graph: bool, find_unused: bool) -> None:
+    """PyTorch DDP's warnings about its arguments, in its words: ``check_reduction`` is
+    deprecated; a static graph finds unused parameters by itself."""
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` "
+            "module is deprecated. Please avoid using it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if static_graph and find_unused:
+        warnings.warn(
+            "You passed find_unused_parameters=true to DistributedDataParallel, "
+            "`_set_static_graph` will detect unused parameters automatically, so "
+            "you do not need to set find_unused_parameters=true, just be sure these "
+            "unused parameters will not change during training loop while calling "
+            "`_set_static_graph`.",
+            stacklevel=3,
+        )
