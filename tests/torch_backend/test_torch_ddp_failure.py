@@ -302,3 +302,33 @@ def test_a_failed_backward_reaches_peers_at_the_next_forward_of_another_ddp() ->
         assert "dropped" in out[rank]["a2_warning"], out[rank]
         for key in ("a0", "b0", "a2", "b2", "a3", "b3"):
             assert out[rank][key] is True, (rank, key, out[rank])
+
+
+def _one_more_step(rank: int, world: int) -> str:
+    """Rank 1 runs one step more than rank 0 (no join): its reduction waits out the
+    timeout, and the error says every rank still answers (nobody died)."""
+    import torch
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    os.environ.update(FAST)
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2), timeout=2)
+    message = "no error"
+    for _ in range(1 + rank):
+        try:
+            ddp(torch.ones(2, 3)).sum().backward()
+        except RuntimeError as exc:
+            message = str(exc)
+    dist.barrier()
+    return message
+
+
+def test_a_rank_running_one_more_step_is_told_every_rank_still_answers() -> None:
+    results, codes = run_ranks(_one_more_step, 2, timeout=60)
+    assert codes == {0: 0, 1: 0}, codes
+    assert results[0] == ("ok", "no error"), results
+    status, message = results[1]
+    assert status == "ok", message
+    assert message.startswith("rank 1 in "), message
+    assert "every rank still answers: one that runs fewer steps" in message, message

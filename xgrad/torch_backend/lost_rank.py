@@ -17,6 +17,7 @@ from xgrad.failure import Failure, FailureChannel, RankError, error_for
 
 __all__ = [
     "CLOSED_BEFORE",
+    "TIMED_OUT_LIVE",
     "check_lost",
     "poisoned",
     "silent_peer",
@@ -30,6 +31,12 @@ CLOSED_BEFORE = (
     "every rank still answers: the group's connection was closed earlier, by a wait that "
     "ran out its timeout or a peer that was lost, and the group cannot carry messages "
     "again; make a new one (torch.distributed.new_group)"
+)
+
+#: what a transfer that ran out its timeout means when every peer still beats.
+TIMED_OUT_LIVE = (
+    "every rank still answers: one that runs fewer steps or skips this collective or "
+    "transfer leaves the others waiting"
 )
 
 
@@ -54,6 +61,8 @@ def transfer_failed(
     if silent is None:
         if "Connection closed" in text:  # every peer still beats: the group was lost before
             text += f" ({CLOSED_BEFORE})"
+        elif "Timed out" in text or "timed out" in text:
+            text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
     else:
         if silent == peer:
