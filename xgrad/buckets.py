@@ -267,8 +267,9 @@ def cap_mb_to_bytes(value: object, name: str = "bucket_cap_mb") -> int:
         raise TypeError(f"{name} must be a number of MiB, got {value!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} = {value!r}: expected a finite bucket cap in MiB >= 0")
-    # A tiny positive cap still means "one parameter per bucket", not a zero-byte cap.
-    return max(1, int(value * _MIB))
+    # A tiny positive cap still means "one parameter per bucket", not a zero-byte cap;
+    # 0 is PyTorch's zero-byte cap (it closes a bucket after every parameter, even an empty one).
+    return 0 if value == 0 else max(1, int(value * _MIB))
 
 
 def ddp_bucket_caps(
