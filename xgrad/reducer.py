@@ -261,6 +261,8 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
         """The pass's first mark: it starts the clock and marks the unused parameters."""
         self._marked_unused = True
         self._backward_start = now
+        if self._skip_agreed:  # the used map first, on every rank: buckets skip by it
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
         get = self.get_grad
         for i in self._unused.local:
             self._mark(i, None if get is None else get(i), now)

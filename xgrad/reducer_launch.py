@@ -79,12 +79,35 @@ class BucketLaunches:
     def _search(self) -> dict[str, bool]:
         return {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
 
+    @property
+    def _skip_agreed(self) -> bool:
+        """``skip_all_reduce_unused_params`` with unused parameters searched every pass:
+        a bucket is skipped only where no rank used it, read from the used map summed at
+        the start of the backward pass. PyTorch's skips what this rank did not use, and
+        ranks that disagree enter different collectives (gloo aborts the process)."""
+        return (
+            self.skip_all_reduce_unused_params
+            and self.find_unused_parameters
+            and not self.static_graph
+        )
+
     def _all_unused(self, bucket: BucketState) -> bool:
-        return set(bucket.indices) <= set(self._unused.current)
+        if not set(bucket.indices) <= set(self._unused.current):
+            return False
+        if not self._skip_agreed:
+            return True
+        found = self._unused.on_every_rank(
+            self.comm, self.ops, self.params[0], **self._search, keep=True
+        )
+        return set(bucket.indices) <= found
 
     def _launch(self, bucket: BucketState) -> None:
-        if self.serial_hooks and self.hook is not None and bucket.index > 0:
-            self._buckets[bucket.index - 1].wait(self.clock)
+        if self.serial_hooks and self.hook is not None:
+            # The last bucket launched before this one (a skipped one has no reduction).
+            for before in reversed(self._buckets[: bucket.index]):
+                if before.work is not None:
+                    before.wait(self.clock)
+                    break
         bucket.launched_at = self.clock()
         if self.hook is None:
             bucket.work = self.comm.allreduce(bucket.flat)

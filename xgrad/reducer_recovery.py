@@ -50,9 +50,12 @@ class JoinAndRecovery:
 
     def _launch(self, bucket: BucketState) -> None: ...  # defined by the reducer
 
-    if TYPE_CHECKING:  # LateSetup's, after this class in the reducer's bases: no stub here
+    if TYPE_CHECKING:  # LateSetup's and BucketLaunches': no stub here (it would shadow them)
 
         def _set_hook(self, hook: Any, serial: bool) -> None: ...
+
+        @property
+        def _skip_agreed(self) -> bool: ...
 
     # ----------------------------------------------------------------- recovery
 
@@ -141,24 +144,25 @@ class JoinAndRecovery:
                         "has a sparse gradient; pass sparse_zero to make its empty one"
                     )
                 shadow.flat = sparse_zero(self.params[index])
+        search = {"find_unused": self.find_unused_parameters, "static_graph": self.static_graph}
+        if self._skip_agreed:  # the used map first, as the training ranks sum it
+            found = self._unused.on_every_rank(
+                self.comm, self.ops, self.params[0], **search, used_nothing=True, keep=True
+            )
+        else:
+            found = set()
+        launched = [s for s in shadows if not (found and set(s.indices) <= found)]
         real, self._buckets = self._buckets, shadows
         try:
-            for shadow in shadows:
+            for shadow in launched:
                 self._launch(shadow)
-            for shadow in shadows:
+            for shadow in launched:
                 shadow.wait(self.clock)
         finally:
             self._buckets = real
         # The used-parameter map, when the training ranks sum one (not after a static
         # graph's first iteration): this rank used nothing, it sends its last sum again.
-        self._unused.on_every_rank(
-            self.comm,
-            self.ops,
-            self.params[0],
-            find_unused=self.find_unused_parameters,
-            static_graph=self.static_graph,
-            used_nothing=True,
-        )
+        self._unused.on_every_rank(self.comm, self.ops, self.params[0], **search, used_nothing=True)
 
     def needs_rebuild_order(self) -> bool:
         """Whether a rebuild is still to come and this rank has no ready order for it."""

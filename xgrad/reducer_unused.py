@@ -43,11 +43,14 @@ class UnusedParams:
         self._last_sum: np.ndarray | None = None
         #: used in a pass outside synchronisation (``no_sync``) since the last used map.
         self.used_unsynced: set[int] = set()
+        #: this iteration's globally unused set, when it was needed before the end.
+        self._found: set[int] | None = None
 
     def prepare(self, unused: list[int], static_graph: bool) -> None:
         """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
         self.local = self.static if static_graph and self.static is not None else unused
         self._pending = None
+        self._found = None
 
     @property
     def current(self) -> list[int]:
@@ -90,7 +93,9 @@ class UnusedParams:
         ``used_nothing``: this rank took no part (a joined rank shadowing the others):
         it sends the last summed map instead (PyTorch's joined rank does).
         """
-        if self._pending is not None or not self._searched(find_unused, static_graph):
+        if self._pending is not None or self._found is not None:
+            return  # launched, or already summed this iteration
+        if not self._searched(find_unused, static_graph):
             return
         if used_nothing:
             last = self._last_sum
@@ -111,6 +116,7 @@ class UnusedParams:
         find_unused: bool,
         static_graph: bool,
         used_nothing: bool = False,
+        keep: bool = False,
     ) -> set[int]:
         """Parameters that no rank used this iteration (their gradients stay untouched).
 
@@ -119,7 +125,11 @@ class UnusedParams:
         by :meth:`launch` when the last bucket went out, or here. A joined rank passes
         ``used_nothing`` and keeps the same state as the ranks still training, so it
         enters exactly the collectives they do. The sum is kept for a joined rank's map.
+        ``keep``: the set is needed again this iteration (read early, to skip buckets).
         """
+        if self._found is not None:
+            found, self._found = self._found, self._found if keep else None
+            return found
         if not self._searched(find_unused, static_graph):
             return set() if self._static_global is None else self._static_global
         self.launch(
@@ -137,6 +147,8 @@ class UnusedParams:
         found = {i for i, count in enumerate(total.tolist()) if not count}
         if static_graph:
             self._static_global = found
+        if keep:
+            self._found = found
         return found
 
     def _searched(self, find_unused: bool, static_graph: bool) -> bool:
