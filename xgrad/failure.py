@@ -63,7 +63,11 @@ DEFAULTS: dict[str, tuple[str, float]] = {
 
 
 def check_seconds(name: str, value: float) -> float:
-    """``value`` as a positive, finite float; a ``ValueError`` naming ``name`` otherwise."""
+    """``value`` as a positive, finite float; a ``ValueError`` naming ``name`` otherwise
+    (a ``TypeError`` for what is not a number: a string or a bool is not one, as for the
+    DDP's ``timeout``)."""
+    if isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"{name}={value!r} must be a number of seconds")
     try:
         seconds = float(value)
     except (TypeError, ValueError):
