@@ -104,12 +104,58 @@ def test_reused_partition(policy: str) -> None:
 
 
 def test_bad_inputs() -> None:
+    from xgrad.jax_backend.pipeline import pipeline_value_and_grad
+
     s = xp.one_f_one_b(2, 4)
     x, y = data()
-    with pytest.raises(ValueError, match="multiple of the 4"):
+    with pytest.raises(ValueError, match="inputs batch size 6 is not a multiple of the 4"):
         xp_run(s, weights(2), x[:6], y[:6])
     with pytest.raises(ValueError, match="partitions"):
         xp_run(s, weights(1), x, y)
+    # One too many: it would have been left out of the model (a bare KeyError before).
+    with pytest.raises(ValueError, match="the schedule runs 2 partitions, got 3 partitions"):
+        xp_run(s, weights(3), x, y)
+    # Targets of another batch size were broadcast against the outputs, silently.
+    with pytest.raises(ValueError, match="targets have batch size 12, the inputs 24"):
+        xp_run(s, weights(2), x, y[:12])
+    with pytest.raises(ValueError, match="inputs need a batch axis"):
+        xp_run(s, weights(2), x[0, 0], y)
+    with pytest.raises(TypeError, match=r"schedule must be an xgrad\.pipeline\.Schedule"):
+        xp_run("1f1b", weights(2), x, y)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got shape \(6, 5\)"):
+        pipeline_value_and_grad(
+            s, [block] * 2, weights(2), lambda o, t: (o - t) ** 2, jnp.asarray(x), jnp.asarray(y)
+        )
+
+
+def test_pytree_and_integer_inputs_and_targets() -> None:
+    """Inputs and targets as pytrees, token ids into an embedding stage, float32 data with
+    float64 parameters: what the whole model takes (the cotangent has the loss's dtype)."""
+    from xgrad.jax_backend.pipeline import pipeline_value_and_grad
+
+    rng = np.random.default_rng(3)
+    table = {"table": rng.standard_normal((11, WIDTH))}
+    params = [table, weights(1)[0]]
+    ids = rng.integers(0, 11, BATCH).astype(np.int32)
+    _, y = data()
+    inputs = {"ids": jnp.asarray(ids), "scale": jnp.full((BATCH, 1), 0.5, dtype=jnp.float32)}
+    targets = (jnp.asarray(y), jnp.asarray(y) * 0)
+
+    def embed(prm: Any, x: Any) -> Any:
+        return prm["table"][x["ids"]] * x["scale"]
+
+    def loss(out: Any, t: Any) -> Any:
+        return mse(out, t[0]) + jnp.mean(t[1])
+
+    def f(ps: list[Any]) -> Any:
+        return loss(block(ps[1], embed(ps[0], inputs)), targets)
+
+    want_loss, want = jax.value_and_grad(f)(params)
+    got_loss, got = pipeline_value_and_grad(
+        xp.one_f_one_b(2, 4), [embed, block], params, loss, inputs, targets
+    )
+    assert abs(float(got_loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert max_err(got, want) <= 1e-6
 
 
 def test_dag_invocations_with_a_chain_schedule_are_refused() -> None:

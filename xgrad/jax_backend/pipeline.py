@@ -48,6 +48,26 @@ def _partition_ids(schedule: Schedule, invocations: Sequence[Invocation] | None)
     return [number[loc] for loc in locs]
 
 
+def _batch_size(tree: Any, what: str, m: int) -> int:
+    """The leading axis shared by every array leaf of ``tree`` (a multiple of ``m``)."""
+    shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
+    if not shapes or any(not shape for shape in shapes):
+        raise ValueError(f"{what} need a batch axis on every array, got shapes {shapes}")
+    sizes = sorted({int(shape[0]) for shape in shapes})
+    if len(sizes) > 1:
+        raise ValueError(f"{what} have arrays of different batch sizes {sizes}")
+    if sizes[0] % m:
+        raise ValueError(f"{what} batch size {sizes[0]} is not a multiple of the {m} microbatches")
+    return sizes[0]
+
+
+def _microbatches(tree: Any, m: int) -> list[Any]:
+    """``tree`` split along the leading axis of every leaf into ``m`` equal pytrees."""
+    parts = [jnp.split(leaf, m) for leaf in jax.tree_util.tree_leaves(tree)]
+    treedef = jax.tree_util.tree_structure(tree)
+    return [jax.tree_util.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(m)]
+
+
 def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """Every rank's compute actions (overlapped pairs in turn) merged in an order that
     respects the dependencies."""
@@ -89,8 +109,9 @@ def pipeline_value_and_grad(
             is virtual stage k, with them partitions are numbered by first invocation.
         params: a pytree per partition.
         loss_fn: ``loss_fn(output, target)``, a mean over the microbatch.
-        inputs: the whole batch (leading axis split into m microbatches).
-        targets: its targets.
+        inputs: the whole batch, an array or a pytree of arrays (each leading axis split
+            into m microbatches).
+        targets: its targets (the same batch size).
         invocations: fairscale-style invocations (a partition may run at several stages;
             its gradient is the sum).
         devices: one device per rank (default: the first p of ``jax.devices()``).
@@ -98,6 +119,11 @@ def pipeline_value_and_grad(
     Returns:
         ``(loss, grads)``, grads a pytree per partition (on its rank's device).
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"schedule must be an xgrad.pipeline.Schedule (e.g. xgrad.pipeline.make(name, p, "
+            f"m)), got {type(schedule).__name__} {schedule!r}"
+        )
     schedule = validate(strip_comms(schedule))
     if not schedule.is_chain:
         raise ValueError(
@@ -105,22 +131,25 @@ def pipeline_value_and_grad(
             "runtime runs chains only (the torch runtime runs DAGs)"
         )
     ids = _partition_ids(schedule, invocations)
-    if len(partitions) != len(params) or len(partitions) <= max(ids):
+    if len(partitions) != len(params) or len(partitions) != max(ids) + 1:
+        # More than the schedule runs would leave some silently out of the model.
         raise ValueError(
-            f"need {max(ids) + 1} partitions with params, got {len(partitions)} partitions "
+            f"the schedule runs {max(ids) + 1} partitions, got {len(partitions)} partitions "
             f"and {len(params)} param trees"
         )
     p, m, n = schedule.num_ranks, schedule.num_microbatches, schedule.num_stages
     devs = list(jax.devices()[:p] if devices is None else devices)
     if len(devs) < p:
         raise ValueError(f"schedule has {p} ranks, only {len(devs)} devices: {devs}")
-    if inputs.shape[0] % m:
-        raise ValueError(f"batch size {inputs.shape[0]} is not a multiple of the {m} microbatches")
+    batch = _batch_size(inputs, "inputs", m)
+    if _batch_size(targets, "targets", m) != batch:
+        raise ValueError(
+            f"targets have batch size {_batch_size(targets, 'targets', m)}, the inputs {batch}"
+        )
     rank_of_part = {ids[s]: schedule.placement[s] for s in range(n)}
     placed = [jax.device_put(params[k], devs[rank_of_part[k]]) for k in range(len(params))]
     grads: list[Any] = [jax.tree_util.tree_map(jnp.zeros_like, t) for t in placed]
-    xs = jnp.split(inputs, m)
-    ys = jnp.split(targets, m)
+    xs, ys = _microbatches(inputs, m), _microbatches(targets, m)
 
     ys_on = [jax.device_put(y, devs[schedule.placement[-1]]) for y in ys]
 
@@ -131,7 +160,8 @@ def pipeline_value_and_grad(
     saved: dict[tuple[int, int], Any] = {}  # (stage, mb) -> (input, VJP wrt the input)
     arriving: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its input from stage - 1
     cotangent: dict[tuple[int, int], Any] = {}  # (stage, mb) -> gradient of its output
-    loss = jnp.zeros((), dtype=inputs.dtype)
+    loss: Any = 0.0
+    ones: dict[int, Any] = {}  # microbatch -> the cotangent of its loss (the loss's dtype)
     for r, a in _global_order(schedule):
         s, mb = a.stage, a.microbatch
         dev = devs[r]
@@ -141,12 +171,15 @@ def pipeline_value_and_grad(
             y, vjp_x = jax.vjp(lambda x_, _s=s, _p=prm, _mb=mb: run(_s, _p, x_, _mb), x)
             saved[(s, mb)] = (x, vjp_x)
             if s == n - 1:
+                if jnp.shape(y) != ():
+                    raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(y)}")
+                ones[mb] = jnp.ones((), dtype=jnp.result_type(y))
                 loss = loss + jax.device_put(y, devs[schedule.placement[-1]])
             else:
                 arriving[(s + 1, mb)] = jax.device_put(y, devs[schedule.placement[s + 1]])
             continue
         x, vjp_x = saved[(s, mb)]
-        g = jnp.ones((), dtype=inputs.dtype) if s == n - 1 else cotangent[(s, mb)]
+        g = ones[mb] if s == n - 1 else cotangent[(s, mb)]
         if a.kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT) and s > 0:
             (dx,) = vjp_x(g)
             cotangent[(s - 1, mb)] = jax.device_put(dx, devs[schedule.placement[s - 1]])
