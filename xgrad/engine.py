@@ -248,6 +248,9 @@ class Engine:
                     raise
                 except Exception as exc:
                     raise _failed(graph, u, exc, worker) from exc
+                except BaseException as exc:
+                    _mark_node(exc, graph, u)
+                    raise
                 pass_on(u, edges, done)
                 continue
             if not ready:
@@ -292,6 +295,9 @@ class Engine:
                 raise
             except Exception as exc:
                 raise _failed(graph, u, exc, worker) from exc
+            except BaseException as exc:
+                _mark_node(exc, graph, u)
+                raise
             pass_on(u, range(lo, hi), outs)
         if ctx is not None and worker is not None:
             for r in recvs_here:
@@ -311,13 +317,21 @@ def _failed(graph: BackwardGraph, u: int, exc: Exception, worker: int | None) ->
     return BackwardError(u, graph.name(u), f"{type(exc).__name__}: {exc}", worker)
 
 
+def _mark_node(exc: BaseException, graph: BackwardGraph, u: int) -> None:
+    """Note on ``exc`` (a ``KeyboardInterrupt``, a ``SystemExit``: not an ``Exception``,
+    so it stays what it is on this worker) the node it came from, for the others."""
+    if not hasattr(exc, "_xgrad_node"):
+        exc._xgrad_node = (u, graph.name(u))  # type: ignore[attr-defined]
+
+
 def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
     """Run one worker's part of a distributed pass with the pass's ending, whatever runs it.
 
     ``ctx`` is a :class:`DistContext` or anything with its ``fail``/``finish``/``release``
     (the torch backend's per-process pass). A node's error is posted named by its node, any
     other error as the worker's (a bad graph or link: the others must not wait for this
-    worker); a success finishes the part (every worker done); the part is released either way.
+    worker), a ``KeyboardInterrupt`` or ``SystemExit`` too, though it is raised here as it is;
+    a success finishes the part (every worker done); the part is released either way.
     """
     try:
         try:
@@ -328,6 +342,12 @@ def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
             raise ctx.fail(worker, exc.node, exc.node_name, exc.message) from exc
         except Exception as exc:
             raise ctx.fail(worker, -1, "", f"{type(exc).__name__}: {exc}") from exc
+        except BaseException as exc:
+            # Ctrl-C or exit inside the pass: posted (the others stop at once, told where),
+            # then raised here as it is.
+            node, name = getattr(exc, "_xgrad_node", (-1, ""))
+            ctx.fail(worker, node, name, f"{type(exc).__name__}: {exc}")
+            raise
         ctx.finish(worker)
         return out
     finally:

@@ -164,3 +164,58 @@ def test_a_group_lost_to_a_timeout_is_said_to_be_lost() -> None:
         first, second = results[rank][1]
         assert "timed out after 1 s" in first, (rank, first)
         assert "the group's connection was closed earlier" in second, (rank, second)
+
+
+def _interrupted(rank: int, world: int) -> dict[str, Any]:
+    """Ctrl-C inside rank 1's backward (a node raising KeyboardInterrupt): rank 1 gets it as
+    it is, the others a DistBackwardError naming the node at once, and the next context
+    works (it once left the group broken and rank 0 waiting out the timeout)."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    class Interrupt(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 1
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt(f"interrupted on rank {rank}")
+
+    out: dict[str, Any] = {}
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    for attempt, fail in (("first", True), ("next", False)):
+        start = time.monotonic()
+        try:
+            with da.context(timeout=20) as cid:
+                if rank == 0:
+                    da.send(w * 2, 1)
+                    da.backward(cid, [])
+                    out[f"{attempt}_grad"] = da.get_gradients(cid)[w].tolist()
+                elif rank == 1:
+                    got = da.recv(0)
+                    y = Interrupt.apply(got) if fail else got
+                    da.send(y * 3, 2)
+                    da.backward(cid, [])
+                else:
+                    da.backward(cid, [da.recv(1).sum()])
+            out[attempt] = "no error"
+        except BaseException as exc:  # KeyboardInterrupt on rank 1
+            out[attempt] = f"{type(exc).__name__}: {exc}"
+        out[f"{attempt}_took"] = time.monotonic() - start
+    return out
+
+
+def test_a_keyboard_interrupt_in_backward_reaches_every_rank_and_the_group_stays() -> None:
+    results, codes = run_ranks(_interrupted, 3, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    out = [results[r][1] for r in range(3)]
+    assert out[1]["first"] == "KeyboardInterrupt: interrupted on rank 1"
+    for rank in (0, 2):
+        assert out[rank]["first"].startswith(
+            "DistBackwardError: Error on rank 1 in InterruptBackward: KeyboardInterrupt"
+        ), out[rank]["first"]
+        assert out[rank]["first_took"] < 5.0, out[rank]
+    assert all(o["next"] == "no error" for o in out), out
+    assert out[0]["next_grad"] == [6.0, 6.0, 6.0]
