@@ -332,3 +332,47 @@ def test_a_rank_running_one_more_step_is_told_every_rank_still_answers() -> None
     assert status == "ok", message
     assert message.startswith("rank 1 in "), message
     assert "every rank still answers: one that runs fewer steps" in message, message
+
+
+def _interrupted_forward(rank: int, world: int) -> list[str]:
+    """Ctrl-C in rank 1's forward: it used to skip the failure path, so rank 0's step
+    reduced with rank 1's next one (silently wrong) and a later step timed out."""
+    import torch
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.interrupt = False
+
+        def forward(self, x: Any) -> Any:
+            if self.interrupt:
+                raise KeyboardInterrupt(f"ctrl-c on rank {rank}")
+            return self.lin(x)
+
+    stage = Stage()
+    ddp = DistributedDataParallel(stage, timeout=30)
+    out = []
+    for interrupt in (True, False, False):
+        stage.interrupt = interrupt and rank == 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the dropped step's warning
+                ddp(torch.ones(2, 3)).sum().backward()
+            out.append("ok")
+        except BaseException as exc:  # KeyboardInterrupt on rank 1
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_a_keyboard_interrupt_in_forward_reaches_every_rank_and_the_next_steps_work() -> None:
+    results, codes = run_ranks(_interrupted_forward, 2, timeout=60)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    assert results[1][1] == ["KeyboardInterrupt: ctrl-c on rank 1", "ok", "ok"]
+    assert results[0][1] == [
+        "RankError: rank 1 in forward: KeyboardInterrupt: ctrl-c on rank 1",
+        "ok",
+        "ok",
+    ]

@@ -409,3 +409,58 @@ def test_the_step_after_a_failure_does_not_wait_out_the_timeout(
     others to be received (never) before aborting the failed step's group."""
     results, _ = first_action_fails
     assert all(results[rank][1][3] < 3.0 for rank in range(2)), results
+
+
+class _Interruptible(nn.Module):
+    """A stage whose forward raises KeyboardInterrupt (Ctrl-C) when told to."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.rank = rank
+        self.interrupt = False
+
+    def forward(self, x: Any) -> Any:
+        if self.interrupt:
+            raise KeyboardInterrupt(f"ctrl-c on rank {self.rank}")
+        return self.lin(x)
+
+
+def _interrupted(rank: int, world: int) -> list[tuple[str, float]]:
+    import time
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    torch.manual_seed(0)
+    stage = _Interruptible(rank)
+    rt = PipelineRuntime(xp.one_f_one_b(world, 4), [stage], nn.functional.mse_loss, timeout=20)
+    x, y = torch.randn(8, 3), torch.randn(8, 3)
+    out = []
+    for interrupt in (True, False):
+        stage.interrupt = interrupt and rank == 1
+        start = time.monotonic()
+        try:
+            rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
+            out.append(("ok", time.monotonic() - start))
+        except BaseException as exc:  # KeyboardInterrupt on rank 1
+            out.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+        stage.zero_grad()
+    return out
+
+
+def test_a_keyboard_interrupt_in_a_stage_reaches_every_stage_and_the_next_step_works() -> None:
+    """It skipped the failure path: the others waited out the timeout, the next step too."""
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_interrupted, 3, timeout=60)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    for rank in range(3):
+        (first, took), (second, _) = results[rank][1]
+        want = (
+            "KeyboardInterrupt: ctrl-c on rank 1"
+            if rank == 1
+            else ("RankError: rank 1: 1F0 failed: KeyboardInterrupt: ctrl-c on rank 1")
+        )
+        assert first == want, (rank, first)
+        assert took < 5.0, (rank, took)
+        assert second == "ok", (rank, second)

@@ -114,6 +114,9 @@ class ForwardDDP:
             output = traced_module_call(self, *inputs, **kwargs)
         except Exception as exc:  # every rank raises it, named (ddp_failure)
             raise_from(self._watch.post("forward", exc), exc)
+        except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
+            self._watch.post("forward", exc)
+            raise
         return self._post_forward(output)
 
     @outside_dynamo

@@ -258,13 +258,23 @@ class PipelineRuntime(StepGroups, StagePasses):
             self._reset(error, wire)
             raise
         except Exception as exc:
-            where = f"{action} failed" if action is not None else "step failed"
-            failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
-            wire.poison()
-            self._reset(None, wire)
+            failure = self._fail_here(channel, wire, action, exc)
             if not split:
                 raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
             raise error_for(failure, channel.rank) from exc
+        except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
+            self._fail_here(channel, wire, action, exc)
+            raise
+
+    def _fail_here(
+        self, channel: FailureChannel, wire: StepWire, action: Action | None, exc: BaseException
+    ) -> Failure:
+        """Post this rank's failure in ``action``, poison what the peers wait for, reset."""
+        where = f"{action} failed" if action is not None else "step failed"
+        failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+        wire.poison()
+        self._reset(None, wire)
+        return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
         """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
