@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from xgrad.torch_backend.failure import (
     transfer_failed,
 )
 from xgrad.torch_backend.group_keys import StoreKeys
+from xgrad.torch_backend.private_groups import private_group
 
 __all__ = ["StepWatch"]
 
@@ -115,12 +115,7 @@ class StepWatch:
 
     def _private_group(self) -> Any:
         ranks = dist.get_process_group_ranks(self.user_group or dist.group.WORLD)
-        return dist.new_group(
-            ranks,
-            timeout=timedelta(seconds=self.timeout),
-            backend=dist.get_backend(self.user_group),
-            use_local_synchronization=True,
-        )
+        return private_group(ranks, timeout=self.timeout, backend=dist.get_backend(self.user_group))
 
     # ----------------------------------------------------------------- steps
 

@@ -26,9 +26,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
+from xgrad.torch_backend.private_groups import private_group
 
-__all__ = ["LANES_ENV", "agree_lanes", "default_lanes", "lane_of", "open_lanes"]
+__all__ = [
+    "LANES_ENV",
+    "agree_lanes",
+    "default_lanes",
+    "lane_of",
+    "open_lanes",
+]
 
 #: environment variable that sets the number of lanes (1 or 2).
 LANES_ENV = "XGRAD_PIPELINE_LANES"
@@ -77,4 +83,4 @@ def agree_lanes(counts: Sequence[int]) -> int:
 
 def open_lanes(members: Sequence[int], lanes: int) -> tuple[Any, ...]:
     """``lanes`` private groups of ``members`` (global ranks), made alike on every rank."""
-    return tuple(dist.new_group(members, use_local_synchronization=True) for _ in range(lanes))
+    return tuple(private_group(members) for _ in range(lanes))
