@@ -13,7 +13,7 @@ import torch
 from xgrad.torch_backend.spawn import spawn
 
 
-def _after_a_subgroup(rank: int, world: int) -> tuple[list[float], float]:
+def _after_a_subgroup(rank: int, world: int) -> tuple[list[float], float, str]:
     import torch.distributed as dist
     from torch import nn
 
@@ -31,7 +31,14 @@ def _after_a_subgroup(rank: int, world: int) -> tuple[list[float], float]:
     runtime = PipelineRuntime(xp.one_f_one_b(world, 3), [stage], nn.functional.mse_loss, timeout=20)
     x, y = torch.ones(6, 3), torch.zeros(6, 3)
     loss = runtime.step(x if rank == 0 else None, y if rank == world - 1 else None)
-    return model.weight.grad[0].tolist(), 0.0 if loss is None else float(loss)
+    pair = dist.new_group([0, 1])
+    refused = ""
+    if rank == 2:  # not in it: said so, not "num_stages must be an int >= 1, got -1"
+        try:
+            PipelineRuntime(xp.gpipe(2, 2), [stage], nn.functional.mse_loss, group=pair)
+        except ValueError as exc:
+            refused = str(exc)
+    return model.weight.grad[0].tolist(), 0.0 if loss is None else float(loss), refused
 
 
 def test_the_ddp_and_the_pipeline_work_after_a_subgroup_rank_2_is_not_in() -> None:
@@ -39,3 +46,4 @@ def test_the_ddp_and_the_pipeline_work_after_a_subgroup_rank_2_is_not_in() -> No
     # Two rows of x = rank each, averaged over the three ranks.
     assert results[0][0] == results[1][0] == results[2][0] == [2.0, 2.0, 2.0]
     assert results[2][1] > 0.0
+    assert results[2][2].startswith("group: rank 2 is not a member of this process group")

@@ -132,6 +132,11 @@ class PipelineRuntime(StepGroups, StagePasses):
         device: torch.device | str | None = None,
     ) -> None:
         self.timeout = check_settings(checkpoint, timeout)
+        if dist.distributed_c10d._rank_not_in_group(group):
+            raise ValueError(
+                f"group: rank {dist.get_rank()} is not a member of this process group; only "
+                "its ranks run the pipeline"
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.schedule = runtime_schedule(schedule, self.rank, dist.get_world_size(group))
