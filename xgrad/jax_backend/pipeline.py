@@ -141,11 +141,9 @@ def pipeline_value_and_grad(
     devs = list(jax.devices()[:p] if devices is None else devices)
     if len(devs) < p:
         raise ValueError(f"schedule has {p} ranks, only {len(devs)} devices: {devs}")
-    batch = _batch_size(inputs, "inputs", m)
-    if _batch_size(targets, "targets", m) != batch:
-        raise ValueError(
-            f"targets have batch size {_batch_size(targets, 'targets', m)}, the inputs {batch}"
-        )
+    batch, target_batch = _batch_size(inputs, "inputs", m), _batch_size(targets, "targets", m)
+    if target_batch != batch:
+        raise ValueError(f"targets have batch size {target_batch}, the inputs {batch}")
     rank_of_part = {ids[s]: schedule.placement[s] for s in range(n)}
     placed = [jax.device_put(params[k], devs[rank_of_part[k]]) for k in range(len(params))]
     grads: list[Any] = [jax.tree_util.tree_map(jnp.zeros_like, t) for t in placed]

@@ -40,7 +40,7 @@ from xgrad.torch_backend.failure import (
     check_lost,
     failure_channel,
     start_heartbeat,
-    transfer_failed,
+    transfer_error,
 )
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.private_groups import private_group
@@ -234,7 +234,4 @@ class StepWatch:
         :func:`~xgrad.torch_backend.failure.transfer_failed`)."""
         if isinstance(exc, RankError):
             return exc
-        try:
-            return transfer_failed(self.channel, what, exc, None)
-        except RankError as error:  # another rank's failure, posted first
-            return error
+        return transfer_error(self.channel, what, exc, None)

@@ -37,7 +37,8 @@ from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
 from xgrad.torch_backend.dist_waves import run_pass
-from xgrad.torch_backend.failure import transfer_failed
+from xgrad.torch_backend.failure import transfer_error
+from xgrad.torch_backend.private_groups import require_member
 
 __all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
 
@@ -102,11 +103,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     pg = dist.group.WORLD if group is None else group
     if pg is None:
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    if dist.distributed_c10d._rank_not_in_group(pg):
-        raise ValueError(
-            f"group: rank {dist.get_rank()} is not a member of this process group; only its "
-            "ranks enter its contexts"
-        )
+    require_member(pg, "enter its contexts")
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     if getattr(_local, "context", None) is not None:
         raise RuntimeError(
@@ -167,20 +164,10 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     try:
         ctx.works.append((dst, link.send_tensor(tensor)))
     except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
-        raise _transfer_error(ctx, f"send to rank {dst}", exc, dst) from exc
+        raise ctx.error(transfer_error(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
     ctx.ledger.sent_to(dst, tensor.requires_grad)
     if tensor.requires_grad:
         ctx.sends.append((dst, ctx.number("send", dst), tensor))
-
-
-def _transfer_error(ctx: Context, what: str, exc: Exception, peer: int) -> Exception:
-    """The user's error for a failed transfer: this one, or a failure posted before it
-    (which :func:`transfer_failed` raises as it is), as the context's error either way."""
-    try:
-        error = transfer_failed(ctx.channel, what, exc, peer)
-    except RankError as posted:
-        error = posted
-    return ctx.error(error)
 
 
 def recv(src: int) -> torch.Tensor:
@@ -203,7 +190,7 @@ def recv(src: int) -> torch.Tensor:
     try:
         work, buf, requires_grad = link.recv_tensor(header[0])
     except RuntimeError as exc:
-        raise _transfer_error(ctx, f"recv from rank {src}", exc, src) from exc
+        raise ctx.error(transfer_error(ctx.channel, f"recv from rank {src}", exc, src)) from exc
     ctx.ledger.received_from(src, requires_grad)
     ctx.ledger.enter("forward")
     ctx.wait(work, f"recv from rank {src}", src)

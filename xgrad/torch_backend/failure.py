@@ -47,6 +47,7 @@ from xgrad.torch_backend.lost_rank import (
     poisoned,
     silent_peer,
     still_silent,
+    transfer_error,
     transfer_failed,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "start_heartbeat",
     "still_silent",
     "stop_heartbeat",
+    "transfer_error",
     "transfer_failed",
     "wait_posted",
     "wait_work",

@@ -22,6 +22,7 @@ __all__ = [
     "poisoned",
     "silent_peer",
     "still_silent",
+    "transfer_error",
     "transfer_failed",
 ]
 
@@ -61,7 +62,7 @@ def transfer_failed(
     if silent is None:
         if "Connection closed" in text:  # every peer still beats: the group was lost before
             text += f" ({CLOSED_BEFORE})"
-        elif "Timed out" in text or "timed out" in text:
+        elif "timed out" in text.lower():
             text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
     else:
@@ -71,6 +72,17 @@ def transfer_failed(
             message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
         failure = channel.post("", message, kind="unresponsive", rank=silent)
     return error_for(failure, channel.rank, prefix)
+
+
+def transfer_error(
+    channel: FailureChannel, what: str, exc: BaseException, peer: int | None
+) -> RankError:
+    """:func:`transfer_failed`, with a failure another rank posted first returned as the
+    error, not raised: for a caller that wraps whichever it gets."""
+    try:
+        return transfer_failed(channel, what, exc, peer)
+    except RankError as posted:
+        return posted
 
 
 def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | None:

@@ -45,6 +45,7 @@ from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
+from xgrad.torch_backend.private_groups import require_member
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
@@ -132,11 +133,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         device: torch.device | str | None = None,
     ) -> None:
         self.timeout = check_settings(checkpoint, timeout)
-        if dist.distributed_c10d._rank_not_in_group(group):
-            raise ValueError(
-                f"group: rank {dist.get_rank()} is not a member of this process group; only "
-                "its ranks run the pipeline"
-            )
+        require_member(group, "run the pipeline")
         self.group = group
         self.rank = dist.get_rank(group)
         self.schedule = runtime_schedule(schedule, self.rank, dist.get_world_size(group))

@@ -28,13 +28,7 @@ from typing import Any
 
 from xgrad.torch_backend.private_groups import private_group
 
-__all__ = [
-    "LANES_ENV",
-    "agree_lanes",
-    "default_lanes",
-    "lane_of",
-    "open_lanes",
-]
+__all__ = ["LANES_ENV", "agree_lanes", "default_lanes", "lane_of", "open_lanes"]
 
 #: environment variable that sets the number of lanes (1 or 2).
 LANES_ENV = "XGRAD_PIPELINE_LANES"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["private_group"]
+__all__ = ["private_group", "require_member"]
 
 
 def private_group(
@@ -31,3 +31,17 @@ def private_group(
         backend=backend,
         use_local_synchronization=len(ranks) != dist.get_world_size(),
     )
+
+
+def require_member(group: Any, role: str) -> None:
+    """Refuse at once a rank outside ``group`` (PyTorch reports its size as -1 there, and
+    what follows fails far from the cause); ``role``: what the group's ranks do with it.
+
+    Raises:
+        ValueError: this rank is not in ``group``.
+    """
+    if dist.distributed_c10d._rank_not_in_group(group):
+        raise ValueError(
+            f"group: rank {dist.get_rank()} is not a member of this process group; only its "
+            f"ranks {role}"
+        )
