@@ -47,3 +47,46 @@ def test_the_ddp_and_the_pipeline_work_after_a_subgroup_rank_2_is_not_in() -> No
     assert results[0][0] == results[1][0] == results[2][0] == [2.0, 2.0, 2.0]
     assert results[2][1] > 0.0
     assert results[2][2].startswith("group: rank 2 is not a member of this process group")
+
+
+def _on_a_subgroup_after_another(rank: int, world: int) -> tuple[list[float], float, str]:
+    import torch.distributed as dist
+    from torch import nn
+
+    import xgrad.pipeline as xp
+    from xgrad.failure import RankError
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    dist.new_group([0, 1])  # rank 1 registers it, rank 2 does not
+    pair = dist.new_group([1, 2])
+    if rank == 0:
+        return [], 0.0, ""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    ddp = DistributedDataParallel(model, process_group=pair, timeout=20)
+    failed = ""
+    try:  # a failed step replaces the private group: made alike again
+        x = torch.full((2, 3), float(rank))
+        ddp(x if rank == 1 else x[:, :2]).sum().backward()
+    except RankError as exc:
+        failed = str(exc)
+    model.zero_grad()
+    ddp(torch.full((2, 3), float(rank))).sum().backward()
+    assert model.weight.grad is not None
+    runtime = PipelineRuntime(
+        xp.one_f_one_b(2, 2), [nn.Linear(3, 3)], nn.functional.mse_loss, group=pair, timeout=20
+    )
+    x, y = torch.ones(4, 3), torch.zeros(4, 3)
+    loss = runtime.step(x if rank == 1 else None, y if rank == 2 else None)
+    return model.weight.grad[0].tolist(), 0.0 if loss is None else float(loss), failed
+
+
+def test_the_ddp_and_the_pipeline_work_on_a_subgroup_its_ranks_came_to_unlike() -> None:
+    """Ranks 1 and 2 registered different numbers of groups before their own: PyTorch's
+    name for a private group of theirs differed, and the DDP's construction hung."""
+    results = spawn(_on_a_subgroup_after_another, 3, timeout=90)
+    # Two rows of x = rank each, averaged over ranks 1 and 2.
+    assert results[1][0] == results[2][0] == [3.0, 3.0, 3.0]
+    assert results[2][1] > 0.0
+    assert "rank 2" in results[1][2] and "rank 2" in results[2][2]

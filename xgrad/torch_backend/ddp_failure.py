@@ -115,7 +115,12 @@ class StepWatch:
 
     def _private_group(self) -> Any:
         ranks = dist.get_process_group_ranks(self.user_group or dist.group.WORLD)
-        return private_group(ranks, timeout=self.timeout, backend=dist.get_backend(self.user_group))
+        return private_group(
+            ranks,
+            parent=self.user_group,
+            timeout=self.timeout,
+            backend=dist.get_backend(self.user_group),
+        )
 
     # ----------------------------------------------------------------- steps
 

@@ -89,7 +89,7 @@ class StepGroups(StageState):
             if counts is None:
                 counts = self._all_started(channel, members)
             lanes = agree_lanes(counts)
-            self._p2p = open_lanes(members, lanes)
+            self._p2p = open_lanes(members, lanes, self.group)
             self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
             me = dist.get_group_rank(self._p2p[0], channel.rank)
             self._written += [group_keys(group, me) for group in self._p2p]

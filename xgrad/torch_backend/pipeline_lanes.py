@@ -75,6 +75,7 @@ def agree_lanes(counts: Sequence[int]) -> int:
     return min(counts)
 
 
-def open_lanes(members: Sequence[int], lanes: int) -> tuple[Any, ...]:
-    """``lanes`` private groups of ``members`` (global ranks), made alike on every rank."""
-    return tuple(private_group(members) for _ in range(lanes))
+def open_lanes(members: Sequence[int], lanes: int, parent: Any = None) -> tuple[Any, ...]:
+    """``lanes`` private groups of ``members`` (global ranks, those of ``parent``), made
+    alike on every rank."""
+    return tuple(private_group(members, parent=parent) for _ in range(lanes))

@@ -6,31 +6,90 @@ in some earlier group: every rank calls ``new_group`` for it, but only its membe
 register it. Made that way, a private group of every rank would wait for its members under
 different names (a hang, or a store timeout) in any program that made a subgroup first. So
 a group of every rank is made by every rank without local synchronisation, and named by
-the count of groups made so far, which is the same on all. Only a group of some of the
-ranks (a DDP or a pipeline on a subgroup) is made by its members alone.
+the count of groups made so far, which is the same on all.
+
+A group of some of the ranks (a DDP or a pipeline on a subgroup) is made by its members
+alone, and PyTorch's name for it (a hash of its ranks and of the count of groups the
+process registered) differs as well between members that are not in the same earlier
+groups: made that way, the DDP on ranks 1 and 2 after a group of ranks 0 and 1 hung in its
+construction for PyTorch's default 30 minutes. So it is named by the members' own group
+(whose name its members share, or they could not have made it) and by how many private
+groups this process made from that one, the same on every member since they make them in
+the same order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
 __all__ = ["private_group", "require_member"]
 
+#: per name of a members' group, the private groups this process made from it.
+_MADE: dict[str, int] = {}
+
 
 def private_group(
-    ranks: Sequence[int], *, timeout: float | None = None, backend: str | None = None
+    ranks: Sequence[int],
+    *,
+    parent: Any = None,
+    timeout: float | None = None,
+    backend: str | None = None,
 ) -> Any:
-    """A new group of global ``ranks``; every one of them calls this, in the same order."""
+    """A new group of global ``ranks``; every one of them calls this, in the same order.
+
+    ``parent``: the group of those ranks the private one serves (the DDP's or the
+    pipeline's; ``None``: the default group), whose name names a private group of some of
+    the ranks.
+    """
+    delta = None if timeout is None else timedelta(seconds=timeout)
+    members = sorted(ranks)
+    if len(members) != dist.get_world_size():
+        group = _named_after(members, parent, delta, backend)
+        if group is not None:
+            return group
     return dist.new_group(
-        list(ranks),
-        timeout=None if timeout is None else timedelta(seconds=timeout),
+        members,
+        timeout=delta,
         backend=backend,
-        use_local_synchronization=len(ranks) != dist.get_world_size(),
+        use_local_synchronization=len(members) != dist.get_world_size(),
     )
+
+
+def _named_after(
+    members: list[int], parent: Any, timeout: timedelta | None, backend: str | None
+) -> Any:
+    """The group of ``members`` (sorted, this rank among them) named after ``parent``, made
+    as ``new_group`` makes one; ``None`` where that cannot be done here: a default group
+    bound to a device (its subgroups are split from it with every rank), or a PyTorch
+    whose private c10d parts differ."""
+    c10d = dist.distributed_c10d
+    try:
+        world = c10d._world
+        default = c10d._get_default_group()
+        if default.bound_device_id is not None:
+            return None
+        default_backend, store = world.pg_map[default]
+        parent_name = world.pg_names[parent if parent is not None else default]
+        chosen = dist.Backend(backend or default_backend)
+        made = _MADE.get(parent_name, 0)
+        _MADE[parent_name] = made + 1
+        group, _ = c10d._new_process_group_helper(
+            len(members),
+            members.index(dist.get_rank()),
+            members,
+            chosen,
+            store,
+            cast(Any, f"xgrad_private_{parent_name}_{made}"),  # a GroupName, a str
+            timeout=timeout if timeout is not None else c10d._get_default_timeout(chosen),
+        )
+        world.pg_group_ranks[group] = {g: i for i, g in enumerate(members)}
+    except (AttributeError, KeyError, TypeError):
+        return None
+    return group
 
 
 def require_member(group: Any, role: str) -> None:
