@@ -93,6 +93,9 @@ def test_bad_dags_are_refused() -> None:
         xp.placement_of(xp.dag([(0, 0), (1, 0)], [(), (1,)]))
     with pytest.raises(ValueError, match="used by no later invocation"):
         xp.placement_of(xp.dag([(0, 0), (1, 0), (0, 1)], [(), (0,), (0,)]))
+    # It named a "source" mismatch of invocation None, not the input given to invocation 0.
+    with pytest.raises(ValueError, match=r"invocation 0 reads the model input: inputs\[0\]"):
+        xp.dag([(0, 0), (1, 0)], [(0,), (0,)])
     inv = list(xp.dag([(0, 0), (1, 0), (0, 1)], [(), (0,), (1, 0)]))
     with pytest.raises(ValueError, match="source"):
         xp.placement_of([*inv[:2], inv[2]._replace(source=Location(0, 0))])

@@ -123,3 +123,42 @@ def test_1f1b_follows_what_torch_runs_not_its_listed_order() -> None:
     assert ours[:-1] == theirs[:-1]
     assert theirs[-1] == ["2F1", "2B0", "2F2", "2B1", "2F3", "2B2", "2F4", "2B3"]  # listed
     assert ours[-1] == ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]  # executed
+
+
+def test_stage_ops_and_comms_are_torch_lowering_even_with_four_stages_a_rank() -> None:
+    """``insert_comms(add_stage_ops(...))`` is torch's ``pipeline_order_with_comms``,
+    rank by rank. Torch keeps 3 stages unsharded at once: with 4 or 5 on a rank, a stage
+    is resharded and unsharded again between its passes (xgrad used to unshard all at
+    the start and reshard each after its last backward)."""
+    compared = 0
+    for name in TORCH_CLASSES:
+        for p in (2, 3):
+            for m in (2, 3, 4, 6):
+                for v in (2,) if name in ("zbv", "dualpipev") else (1, 2, 4, 5):
+                    try:
+                        theirs = torch_schedule(name, p, m, v).pipeline_order_with_comms
+                    except ValueError:
+                        continue
+                    ours = xp.insert_comms(xp.add_stage_ops(xp.make(name, p, m, chunks=v)))
+                    for r in range(p):
+                        assert [str(a) for a in ours.actions[r]] == [str(a) for a in theirs[r]], (
+                            name,
+                            p,
+                            m,
+                            v,
+                            r,
+                        )
+                    compared += 1
+    assert compared > 60
+    s = xp.add_stage_ops(xp.make("interleaved_1f1b", 2, 2, chunks=4))
+    assert [str(a) for a in s.actions[0][:7]] == [
+        "0UNSHARD",
+        "2UNSHARD",
+        "4UNSHARD",
+        "0F0",
+        "0F1",
+        "0RESHARD",
+        "6UNSHARD",
+    ]
+    with pytest.raises(ValueError, match="max_active_stages must be an int >= 1, got 0"):
+        xp.add_stage_ops(xp.gpipe(2, 2), max_active_stages=0)

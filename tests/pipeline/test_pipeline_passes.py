@@ -73,3 +73,21 @@ def test_add_stage_ops_places_them_as_torch_does() -> None:
     assert xp.strip_comms(s) == xp.zb_h1(2, 2)
     with pytest.raises(ValueError, match="already has stage-level actions"):
         xp.add_stage_ops(s)
+
+
+@pytest.mark.parametrize(
+    ("rank0", "message"),
+    [
+        (["0UNSHARD", "0F0", "0B0", "0UNSHARD"], "stage 0 is unsharded already"),
+        (["0UNSHARD", "0F0", "0RESHARD", "0RESHARD", "0B0"], "stage 0 is not unsharded"),
+        (["0UNSHARD", "0F0", "0RESHARD", "0B0"], "0B0 runs while stage 0 is resharded"),
+        (["0UNSHARD", "0F0", "0B0", "0REDUCE_GRAD", "0REDUCE_GRAD"], "appears twice"),
+    ],
+)
+def test_shard_ops_alternate_and_enclose_the_passes(rank0: list[str], message: str) -> None:
+    s = xp.Schedule((tuple(map(Action.parse, rank0)),), (0,), 1)
+    with pytest.raises(xp.ScheduleError, match=message):
+        xp.validate(s)
+    # A stage resharded and unsharded again between its passes is fine.
+    again = ["0UNSHARD", "0F0", "0RESHARD", "0UNSHARD", "0B0", "0RESHARD"]
+    xp.validate(xp.Schedule((tuple(map(Action.parse, again)),), (0,), 1))

@@ -304,7 +304,7 @@ def test_a_failed_backward_reaches_peers_at_the_next_forward_of_another_ddp() ->
             assert out[rank][key] is True, (rank, key, out[rank])
 
 
-def _one_more_step(rank: int, world: int) -> str:
+def _one_more_step(rank: int, world: int, heartbeat: dict[str, str] = FAST) -> str:
     """Rank 1 runs one step more than rank 0 (no join): its reduction waits out the
     timeout, and the error says every rank still answers (nobody died)."""
     import torch
@@ -312,14 +312,15 @@ def _one_more_step(rank: int, world: int) -> str:
 
     from xgrad.torch_backend import DistributedDataParallel
 
-    os.environ.update(FAST)
+    os.environ.update(heartbeat)
     ddp = DistributedDataParallel(torch.nn.Linear(3, 2), timeout=2)
     message = "no error"
     for _ in range(1 + rank):
+        start = time.monotonic()
         try:
             ddp(torch.ones(2, 3)).sum().backward()
         except RuntimeError as exc:
-            message = str(exc)
+            message = f"{time.monotonic() - start:.2f} {exc}"
     dist.barrier()
     return message
 
@@ -330,8 +331,23 @@ def test_a_rank_running_one_more_step_is_told_every_rank_still_answers() -> None
     assert results[0] == ("ok", "no error"), results
     status, message = results[1]
     assert status == "ok", message
+    seconds, _, message = message.partition(" ")
     assert message.startswith("rank 1 in "), message
     assert "every rank still answers: one that runs fewer steps" in message, message
+    assert float(seconds) < 2.0 + 5.0, seconds
+
+
+def test_a_timed_out_wait_among_live_ranks_raises_soon_after_its_timeout() -> None:
+    """With the default 10 s heartbeat timeout: the heartbeats are read for 2 s after the
+    wait's own 2 s timeout, not 1.5 heartbeat timeouts (the error came after 17 s)."""
+    beat = {"XGRAD_HEARTBEAT_INTERVAL": "0.5", "XGRAD_HEARTBEAT_TIMEOUT": "10"}
+    results, codes = run_ranks(_one_more_step, 2, args=(beat,), timeout=60)
+    assert codes == {0: 0, 1: 0}, codes
+    status, message = results[1]
+    assert status == "ok", message
+    seconds, _, message = message.partition(" ")
+    assert "every rank still answers" in message, message
+    assert float(seconds) < 2.0 + 5.0, seconds
 
 
 def _interrupted_forward(rank: int, world: int) -> list[str]:

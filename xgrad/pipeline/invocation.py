@@ -82,6 +82,10 @@ def dag(
     locs = [loc if isinstance(loc, Location) else Location(*loc) for loc in locations]
     if len(inputs) != len(locs):
         raise ValueError(f"inputs has {len(inputs)} entries for {len(locs)} locations")
+    if locs and tuple(inputs[0]):
+        raise ValueError(
+            f"invocation 0 reads the model input: inputs[0] must be (), got {tuple(inputs[0])}"
+        )
     consumers: dict[int, list[int]] = {}
     for k, ins in enumerate(inputs):
         for i in ins:

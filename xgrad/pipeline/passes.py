@@ -18,9 +18,22 @@ def strip_comms(schedule: Schedule) -> Schedule:
     return replace(schedule, actions=actions)
 
 
-def add_stage_ops(schedule: Schedule) -> Schedule:
-    """Add torch's stage-level actions: UNSHARD before a stage's first pass, REDUCE_GRAD and
-    RESHARD after its last backward (B, or W when split), as torch's lowering places them.
+#: stages a rank keeps unsharded at once when :func:`add_stage_ops` places UNSHARD and
+#: RESHARD: torch's lowering (``_add_unshard_reshard``) prefetches this many.
+MAX_ACTIVE_STAGES = 3
+
+
+def add_stage_ops(schedule: Schedule, max_active_stages: int = MAX_ACTIVE_STAGES) -> Schedule:
+    """Add torch's stage-level actions where torch's lowering places them: REDUCE_GRAD
+    after a stage's last backward (B, or W when split); UNSHARD and RESHARD from a window
+    over the rank's next ``max_active_stages`` distinct stages.
+
+    Before each compute action, the stages that leave the window are resharded (in the
+    order of torch's set of active stages) and those that enter it are unsharded (in the
+    order they come up); what is still unsharded at the end is resharded there. With at
+    most ``max_active_stages`` stages on a rank, each is unsharded once at the start and
+    resharded once, right after its last backward; with more (interleaved schedules of
+    many chunks), a stage may be resharded and unsharded again between its passes.
 
     A runtime reduces a stage's gradients across data-parallel replicas at REDUCE_GRAD (so
     split backward works with data parallelism too) and gathers/frees sharded weights at
@@ -28,6 +41,8 @@ def add_stage_ops(schedule: Schedule) -> Schedule:
     """
     if any(a.kind.is_stage_op for acts in schedule.actions for a in acts):
         raise ValueError(f"schedule {schedule.name!r} already has stage-level actions")
+    if not isinstance(max_active_stages, int) or max_active_stages < 1:
+        raise ValueError(f"max_active_stages must be an int >= 1, got {max_active_stages!r}")
     out = []
     for acts in schedule.actions:
         flat = list(acts)
@@ -36,16 +51,52 @@ def add_stage_ops(schedule: Schedule) -> Schedule:
             for sub in a.sub or (a,):
                 if sub.kind in (Kind.BACKWARD, Kind.BACKWARD_WEIGHT):
                     last[sub.stage] = i
-        stages = sorted({sub.stage for a in flat for sub in (a.sub or (a,)) if sub.kind.is_compute})
-        head = [Action.stage_op(s, Kind.UNSHARD) for s in stages]
-        body: list[Action] = []
-        for i, a in enumerate(flat):
-            body.append(a)
-            for s in stages:
-                if last.get(s) == i:
-                    body += [Action.stage_op(s, Kind.REDUCE_GRAD), Action.stage_op(s, Kind.RESHARD)]
-        out.append(tuple(head + body))
+        body = _unshard_reshard(flat, max_active_stages)
+        with_reduce: list[Action] = []
+        index = 0  # position in flat of the next compute action of body
+        for a in body:
+            with_reduce.append(a)
+            if a.kind.is_stage_op:
+                continue
+            with_reduce += [Action.stage_op(s, Kind.REDUCE_GRAD) for s in _finished(a, index, last)]
+            index += 1
+        out.append(tuple(with_reduce))
     return replace(schedule, actions=tuple(out))
+
+
+def _stages(a: Action) -> list[int]:
+    return [sub.stage for sub in a.sub or (a,)]
+
+
+def _finished(a: Action, index: int, last: dict[int, int]) -> list[int]:
+    """The stages whose last backward is ``a`` (at ``index``), in ``a``'s order."""
+    return [s for s in dict.fromkeys(_stages(a)) if last.get(s) == index]
+
+
+def _unshard_reshard(flat: list[Action], window: int) -> list[Action]:
+    """``flat`` with UNSHARD/RESHARD around it, as torch's lowering places them."""
+    # A set, as torch's: the order RESHARDs come out in is its iteration order, which
+    # follows from the same additions and removals.
+    active: set[int] = set()
+    out: list[Action] = []
+    for i, a in enumerate(flat):
+        upcoming: list[int] = []
+        for b in flat[i:]:
+            upcoming += [s for s in dict.fromkeys(_stages(b)) if s not in upcoming]
+            if len(upcoming) >= window:
+                break
+        for s in [s for s in active if s not in upcoming]:
+            active.remove(s)
+            out.append(Action.stage_op(s, Kind.RESHARD))
+        for s in upcoming:
+            if s not in active:
+                active.add(s)
+                out.append(Action.stage_op(s, Kind.UNSHARD))
+        out.append(a)
+    for s in list(active):
+        active.remove(s)
+        out.append(Action.stage_op(s, Kind.RESHARD))
+    return out
 
 
 def insert_comms(schedule: Schedule) -> Schedule:
@@ -54,8 +105,11 @@ def insert_comms(schedule: Schedule) -> Schedule:
     The ranks are walked in lock step; a rank places its next compute action once its inputs
     are available locally (made on the rank, or already received), and a send is placed on
     the sender and its receive on the receiver at the same moment. Every rank's list is then
-    a subsequence of one global order in which each send sits next to its receive, so the
-    result cannot deadlock even when a send blocks until its receive is posted.
+    a subsequence of one global order in which each send sits next to its receive, so a
+    chain's result cannot deadlock even when a send blocks until its receive is posted.
+    A DAG stage fed by several stages of another rank takes one receive for all their
+    sends, placed with the last: the earlier sends must not block (torch's and xgrad's
+    runtimes post them and go on; ``validate(..., rendezvous=False)`` checks that model).
 
     Raises:
         ValueError: the schedule already has comms.

@@ -68,10 +68,35 @@ def _flat(schedule: Schedule) -> list[list[Action]]:
     return [list(expand(acts)) for acts in schedule.actions]
 
 
+_SHARD_OPS = (Kind.UNSHARD, Kind.RESHARD)
+
+
+def _check_shards(schedule: Schedule, r: int, acts: list[Action]) -> None:
+    """UNSHARD and RESHARD of a stage alternate, from UNSHARD, and a stage that has them
+    computes only while unsharded. A stage may be resharded and unsharded again between
+    its passes (torch's lowering keeps 3 stages unsharded at once)."""
+    stages = {a.stage for a in acts if a.kind in _SHARD_OPS}
+    active: set[int] = set()
+    for i, a in enumerate(acts):
+        if a.kind is Kind.UNSHARD:
+            if a.stage in active:
+                raise ScheduleError(schedule, r, i, f"{a}: stage {a.stage} is unsharded already")
+            active.add(a.stage)
+        elif a.kind is Kind.RESHARD:
+            if a.stage not in active:
+                raise ScheduleError(schedule, r, i, f"{a}: stage {a.stage} is not unsharded")
+            active.remove(a.stage)
+        elif a.kind.is_compute and a.stage in stages and a.stage not in active:
+            raise ScheduleError(
+                schedule, r, i, f"{a} runs while stage {a.stage} is resharded (no UNSHARD)"
+            )
+
+
 def _check_contents(schedule: Schedule) -> None:
     """Placement, duplicates, completeness and the local order of each stage's passes."""
     seen: dict[Action, tuple[int, int]] = {}
     for r, acts in enumerate(_flat(schedule)):
+        _check_shards(schedule, r, acts)
         for i, a in enumerate(acts):
             if schedule.placement[a.stage] != r:
                 raise ScheduleError(
@@ -80,6 +105,8 @@ def _check_contents(schedule: Schedule) -> None:
                     i,
                     f"{a} is for stage {a.stage}, placed on rank {schedule.placement[a.stage]}",
                 )
+            if a.kind in _SHARD_OPS:
+                continue  # they may repeat (_check_shards)
             if a in seen:
                 raise ScheduleError(
                     schedule, r, i, f"{a} appears twice (first at step {seen[a][1]})"

@@ -41,6 +41,14 @@ TIMED_OUT_LIVE = (
 )
 
 
+#: seconds a transfer that ran out its timeout reads the heartbeats for. A peer frozen or
+#: dead during that wait has been silent for the whole timeout already; a second more (and a
+#: beat or two) catches one that stopped just before it ended. Waiting the 1.5 heartbeat
+#: timeouts that a connection closed at once needs made a 5 s DDP timeout raise after 20 s
+#: when every rank was alive.
+_AFTER_TIMEOUT = 2.0
+
+
 def transfer_failed(
     channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, prefix: str = ""
 ) -> RankError:
@@ -56,13 +64,14 @@ def transfer_failed(
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
-    silent = silent_peer(channel, prefer=peer)
+    timed_out = "timed out" in text.lower()
+    silent = silent_peer(channel, prefer=peer, within=_AFTER_TIMEOUT if timed_out else None)
     if silent is None:
         silent = peer
     if silent is None:
         if "Connection closed" in text:  # every peer still beats: the group was lost before
             text += f" ({CLOSED_BEFORE})"
-        elif "timed out" in text.lower():
+        elif timed_out:
             text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
     else:
@@ -85,8 +94,11 @@ def transfer_error(
         return posted
 
 
-def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | None:
-    """The peer whose heartbeat stopped, read for up to 1.5 heartbeat timeouts; None if all beat.
+def silent_peer(
+    channel: FailureChannel, *, prefer: int | None = None, within: float | None = None
+) -> int | None:
+    """The peer whose heartbeat stopped, read for up to ``within`` seconds (default: 1.5
+    heartbeat timeouts); None if all beat.
 
     For a transfer that failed locally: a killed peer's heartbeat stops at once, so it is
     seen stopped after about one second (or a short heartbeat timeout). A failure another
@@ -96,7 +108,9 @@ def silent_peer(channel: FailureChannel, *, prefer: int | None = None) -> int | 
     liveness = channel.liveness
     if liveness is None or not liveness.ranks:
         return None
-    limit = time.monotonic() + liveness.timeout * 1.5
+    if within is None:
+        within = liveness.timeout * 1.5
+    limit = time.monotonic() + within
     nap = max(liveness.interval, 0.05)
     while True:
         if channel.poll() is not None:
