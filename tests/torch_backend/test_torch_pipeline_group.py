@@ -153,3 +153,39 @@ def test_failed_steps_leave_no_keys_once_a_step_works_again() -> None:
         assert all("boom in backward" in e for e in out["failed"][::2]), (rank, out)
         assert all("not a multiple" in e for e in out["failed"][1::2]), (rank, out)
         assert out["after"] == [out["baseline"]] * rounds, (rank, out)
+
+
+def _late_for_the_first_step(rank: int, world: int) -> list[Any]:
+    """Rank 1 comes to its first step after rank 0's 1.5 s timeout ran out (rank 0 has
+    started its next step meanwhile), then both step on."""
+    import os
+
+    from chain import chain_setup, judged_step
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    part, x, y, want = chain_setup(rank, world, WIDTH, 4)
+    rt = PipelineRuntime(xp.one_f_one_b(world, 2), [part], nn.functional.mse_loss, timeout=1.5)
+    if rank == 1:
+        time.sleep(2.5)
+    out = []
+    for _ in range(4):
+        part.zero_grad(set_to_none=True)
+        out.append(judged_step(rt, part, want[rank], x, y)[0])
+    return out
+
+
+def test_a_rank_later_than_the_timeout_is_told_and_the_next_steps_work() -> None:
+    """Rank 1 saw every rank's start of the step (rank 0's too, though rank 0 had given
+    it up) and waited in ``new_group`` for ever; whether a step goes on is now settled
+    once for all ranks."""
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_late_for_the_first_step, 2, timeout=60)
+    assert set(codes.values()) == {0}, (codes, results)
+    for rank in (0, 1):
+        status, out = results[rank]
+        assert status == "ok", (rank, out)
+        assert "the start of the step" in out[0], (rank, out)
+        assert all(o[0] == "ok" and o[1] < 1e-12 for o in out[-2:]), (rank, out)

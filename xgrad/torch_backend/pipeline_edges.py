@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.failure import FailureChannel, wait_until
+from xgrad.failure import FailureChannel, RankError, error_for, wait_until
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
@@ -35,6 +36,7 @@ __all__ = [
     "abort_set_aside",
     "next_step",
     "set_aside",
+    "start_keys",
     "step_tag",
     "wait_all_started",
 ]
@@ -246,17 +248,54 @@ def wait_all_started(
     whose step fails before the group (a batch it cannot split) would leave its peers
     there, to pair their step with its next one. It posts to the step's channel instead,
     and the peers, waiting here, raise its error.
+
+    Whether the step goes on is settled once for every rank (:func:`_settle`): a rank that
+    came later than a peer's timeout saw every start (the peer's too) and went on into
+    ``new_group``, where it waited for ever for the peer that had given up.
     """
     store, prefix = channel.store, channel.prefix
     store.set(f"{prefix}/started/{channel.rank}", str(lanes).encode())
     keys = [f"{prefix}/started/{r}" for r in members]
-    wait_until(
-        lambda: store.check(keys),  # a lookup: a FileStore appends every write
-        channel,
-        timeout=timeout,
-        what="the start of the step (every rank calls step)",
-    )
+    try:
+        wait_until(
+            lambda: store.check(keys),  # a lookup: a FileStore appends every write
+            channel,
+            timeout=timeout,
+            what="the start of the step (every rank calls step)",
+        )
+    except RankError:
+        if not _settle(channel, go=False):
+            raise
+        # A peer saw every start first: all go on, and the failure this rank posted
+        # fails the step on every rank at its next look at the channel.
+    else:
+        if not _settle(channel, go=True):
+            failure = channel.poll() or channel.post(
+                "the start of the step", "another rank gave up the step's start", kind="timeout"
+            )
+            raise error_for(failure, channel.rank)
     return [int(store.get(key)) for key in keys]
+
+
+def start_keys(channel: FailureChannel) -> tuple[str, ...]:
+    """The keys :func:`_settle` writes to a step's channel (to delete after the step)."""
+    return (f"{channel.prefix}/start/deciders", f"{channel.prefix}/start/verdict")
+
+
+def _settle(channel: FailureChannel, *, go: bool) -> bool:
+    """Whether the step goes on: the first rank to decide (it saw every start, ``go``, or
+    gave up) decides for all, through one counter of the store; the others read it."""
+    deciders, verdict = start_keys(channel)
+    store = channel.store
+    if store.add(deciders, 1) == 1:
+        store.set(verdict, b"go" if go else b"stop")
+        return go
+    deadline = time.monotonic() + 1.0  # the first decider writes it right after its ticket
+    while not store.check([verdict]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return store.get(verdict) == b"go"
 
 
 def step_tag(index: int, stages: int) -> int:

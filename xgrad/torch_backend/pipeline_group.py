@@ -24,6 +24,7 @@ from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_edges import (
     abort_set_aside,
     set_aside,
+    start_keys,
     wait_all_started,
 )
 from xgrad.torch_backend.pipeline_lanes import agree_lanes, open_lanes
@@ -112,7 +113,9 @@ class StepGroups(StageState):
     def _all_started(self, channel: FailureChannel, members: list[int]) -> list[int]:
         counts = wait_all_started(channel, members, self.timeout, self._lanes)
         self._written.append(
-            StoreKeys(channel.store, (f"{channel.prefix}/started/{channel.rank}",))
+            StoreKeys(
+                channel.store, (f"{channel.prefix}/started/{channel.rank}", *start_keys(channel))
+            )
         )
         return counts
 
