@@ -112,3 +112,30 @@ def test_seconds_are_checked_and_env_overrides(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("XGRAD_TIMEOUT", "never")
     with pytest.raises(ValueError, match="XGRAD_TIMEOUT='never'"):
         default_seconds("timeout")
+
+
+def test_a_ranks_own_exception_is_raised_as_its_type_too() -> None:
+    """``except ValueError`` around a DDP forward pass catches what PyTorch's DDP raises
+    there; xgrad's step error is also a ValueError on the rank whose code raised it."""
+    import pickle
+
+    from xgrad.failure import Failure, RankError, RankUnresponsiveError, error_for
+    from xgrad.local_errors import as_local
+
+    failure = Failure(1, "forward", "ValueError: bad batch")
+    for cause in (ValueError("bad batch"), KeyError("k"), StopIteration(), OSError(2, "gone")):
+        error = as_local(error_for(failure, 0), cause)
+        assert isinstance(error, type(cause)) and isinstance(error, RankError)
+        assert type(error).__name__ == f"RankError[{type(cause).__name__}]"
+        assert str(error) == "rank 1 in forward: ValueError: bad batch"  # not KeyError's repr
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and back.failure == failure and back.raised_on == 0
+    assert type(as_local(error_for(failure, 0), ValueError("x"))) is type(
+        as_local(error_for(failure, 0), ValueError("y"))
+    )
+    plain = error_for(failure, 0)
+    assert as_local(plain, RuntimeError("r")) is plain  # a RankError is a RuntimeError already
+    assert as_local(plain, KeyboardInterrupt()) is plain  # not an Exception: raised as it is
+    assert as_local(plain, plain) is plain
+    late = as_local(error_for(Failure(1, "", "stopped", "unresponsive"), 0), ValueError("v"))
+    assert isinstance(late, RankUnresponsiveError) and isinstance(late, ValueError)

@@ -88,3 +88,42 @@ def test_a_hook_beyond_the_learned_count_is_marked_twice() -> None:
     assert "Parameter at index 1 with name param[1] has been marked as ready twice" in str(
         err.value.__cause__
     )
+
+
+def _changing(comm: ReferenceComm, used: list[set[int]]) -> None:
+    """A static graph whose parameters used differ between iterations (``used[step]``)."""
+    reducer = Reducer(
+        [np.zeros(s, np.float32) for s in SHAPES],
+        PLAN,
+        comm,
+        NumpyOps(),
+        set_grad=lambda i, v: None,
+        static_graph=True,
+        rebuild=False,
+    )
+    for step, params in enumerate(used):
+        reducer.prepare_for_backward()
+        g = grads(comm.rank, step)
+        for i in sorted(params, reverse=True):
+            reducer.mark_ready(i, g[i])
+        reducer.finalize()
+
+
+@pytest.mark.parametrize(
+    ("used", "words", "names"),
+    [
+        ([{0, 1}, {0, 1, 2}], "is unused in first iteration, but then got used", "param[2]"),
+        ([{0, 1, 2}, {0, 1}], "is used in first iteration, but then got unused", "param[2]"),
+    ],
+)
+def test_a_static_graph_that_changed_says_so_in_pytorchs_words(
+    used: list[set[int]], words: str, names: str
+) -> None:
+    """It said a parameter was marked ready twice (1, 2, 3: none of them the cause), or
+    that some parameters received no gradient, without naming the static graph."""
+    with pytest.raises(RankError) as err:
+        spawn(lambda comm: _changing(comm, used), 2)
+    text = str(err.value.__cause__)
+    assert text.startswith("Your training graph has changed in this iteration, e.g., one"), text
+    assert words in text and "not compatible with static_graph set to True" in text, text
+    assert names in text, text

@@ -23,7 +23,11 @@ from xgrad.buckets import (
     BucketPlan,
 )
 from xgrad.reducer_buckets import arrive, build_buckets, reclaim
-from xgrad.reducer_errors import marked_ready_twice, prior_reduction_unfinished
+from xgrad.reducer_errors import (
+    marked_ready_twice,
+    prior_reduction_unfinished,
+    static_graph_now_used,
+)
 from xgrad.reducer_finalize import EndOfPass
 from xgrad.reducer_launch import BucketLaunches
 from xgrad.reducer_recovery import JoinAndRecovery
@@ -297,6 +301,8 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
 
     def _mark(self, index: int, grad: Any, now: float) -> None:
         if self._ready[index]:
+            if self.static_graph and index in (self._unused.static or ()):
+                raise static_graph_now_used(index, self.names, self.comm.rank)
             raise marked_ready_twice(index, self.names, self.comm.rank)
         self._ready[index] = 1
         self._ready_order.append(index)

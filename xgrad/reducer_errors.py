@@ -45,6 +45,31 @@ def marked_ready_twice(index: int, names: Sequence[str], rank: int) -> RuntimeEr
     )
 
 
+#: PyTorch's words for a static graph whose parameters changed from the first iteration.
+_GRAPH_CHANGED = (
+    "Your training graph has changed in this iteration, e.g., one parameter is {} in first "
+    "iteration, but then got {} in the second iteration. this is not compatible with "
+    "static_graph set to True."
+)
+
+
+def static_graph_now_used(index: int, names: Sequence[str], rank: int) -> RuntimeError:
+    """A static graph's parameter unused in the first iteration got a gradient now."""
+    return RuntimeError(
+        _GRAPH_CHANGED.format("unused", "used")
+        + f" Parameter at index {index} with name {names[index]} on rank {rank}."
+    )
+
+
+def static_graph_now_unused(
+    missing: Sequence[int], names: Sequence[str], rank: int
+) -> RuntimeError:
+    """A static graph's parameters used in the first iteration got no gradient now."""
+    return RuntimeError(
+        _GRAPH_CHANGED.format("used", "unused") + "\n" + describe_missing(missing, names, rank)
+    )
+
+
 def buckets_never_reduced(
     missing: Sequence[int], names: Sequence[str], rank: int, find_unused: bool = False
 ) -> RuntimeError:

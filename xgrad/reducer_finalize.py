@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from xgrad.reducer_buckets import reduced_views, write_back
-from xgrad.reducer_errors import buckets_never_reduced
+from xgrad.reducer_errors import buckets_never_reduced, static_graph_now_unused
 from xgrad.reducer_types import IterationRecord
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ class EndOfPass:
     set_grads: Callable[[Sequence[int], Sequence[Any]], None] | None
     lender: Lender[Any] | None
     find_unused_parameters: bool
+    static_graph: bool
     gradient_as_bucket_view: bool
     records: deque[IterationRecord]
     num_iterations: int
@@ -92,6 +93,8 @@ class EndOfPass:
                 self._mark(i, None, self.clock())
             self._launch_ready_buckets()
         if self._next_bucket < len(self._buckets):
+            if self.static_graph and not delayed:
+                raise static_graph_now_unused(self._missing(), self.names, self.comm.rank)
             raise buckets_never_reduced(
                 self._missing(), self.names, self.comm.rank, self.find_unused_parameters
             )

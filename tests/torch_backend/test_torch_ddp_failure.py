@@ -392,3 +392,64 @@ def test_a_keyboard_interrupt_in_forward_reaches_every_rank_and_the_next_steps_w
         "ok",
         "ok",
     ]
+
+
+def _own_exceptions(rank: int, world: int) -> dict[str, Any]:
+    """A forward pass raising ValueError on every rank, then a comm hook raising KeyError
+    on rank 1 only, each caught as user code catches it under PyTorch's DDP."""
+    import torch
+
+    from xgrad.failure import RankError
+    from xgrad.torch_backend import DistributedDataParallel
+
+    os.environ.update(FAST)
+
+    class Picky(torch.nn.Linear):
+        bad = True
+
+        def forward(self, x: Any) -> Any:
+            if self.bad:
+                raise ValueError(f"bad batch on rank {rank}")
+            return super().forward(x)
+
+    module = Picky(3, 2)
+    ddp = DistributedDataParallel(module, timeout=TIMEOUT)
+    out: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ddp(torch.ones(2, 3))
+        except ValueError as exc:  # PyTorch's DDP raises it as it is
+            out["forward"] = (type(exc).__name__, isinstance(exc, RankError), str(exc))
+        module.bad = False
+        out["after"] = ddp(torch.ones(2, 3)).sum().backward() is None  # no warning: no pass cut
+    out["warnings"] = [str(w.message) for w in caught]
+
+    def hook(state: Any, bucket: Any) -> Any:
+        if rank == 1:
+            raise KeyError("no such bucket")
+        return torch.futures.Future()  # never completes: rank 1's failure ends the wait
+
+    ddp.register_comm_hook(None, hook)
+    try:
+        ddp(torch.ones(2, 3)).sum().backward()
+    except RankError as exc:
+        out["hook"] = (type(exc).__name__, isinstance(exc, KeyError), str(exc))
+    return out
+
+
+def test_a_ranks_own_exception_is_caught_by_its_type_and_names_the_origin() -> None:
+    results, codes = run_ranks(_own_exceptions, 2, timeout=90)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    out = {rank: value for rank, (status, value) in results.items() if status == "ok"}
+    assert len(out) == 2, results
+    for rank in (0, 1):
+        kind, is_rank_error, text = out[rank]["forward"]
+        assert kind == "RankError[ValueError]" and is_rank_error, out[rank]
+        assert text.startswith("rank ") and " in forward: ValueError: bad batch on rank " in text
+        assert out[rank]["after"] is True and out[rank]["warnings"] == [], out[rank]
+    # Only rank 1's hook raised: there the error is also a KeyError; rank 0 gets the RankError.
+    assert out[1]["hook"][:2] == ("RankError[KeyError]", True), out[1]
+    assert out[0]["hook"][:2] == ("RankError", False), out[0]
+    for rank in (0, 1):
+        assert out[rank]["hook"][2].startswith("rank 1 in comm hook"), out[rank]

@@ -32,6 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
+from xgrad.local_errors import as_local
 from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_leftovers import drop_read_failures, read_failure
 from xgrad.torch_backend.ddp_skipped import check_skipped, drop_old_skips
@@ -151,7 +152,9 @@ class StepWatch:
         if isinstance(exc, RankError):
             return exc
         failure = self.channel.post(where, _describe(exc))
-        return error_for(failure, self.channel.rank)
+        # Also an instance of this rank's own exception's type: ``except ValueError``
+        # around a forward pass catches it, as under PyTorch's DDP (xgrad.local_errors).
+        return as_local(error_for(failure, self.channel.rank), exc)
 
     def call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``; a failure is posted and raised as the step's RankError."""

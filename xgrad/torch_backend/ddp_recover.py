@@ -86,6 +86,9 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
     dropped = reducer.recover()
     if dropped is not None or also:
         hooks.buffer_futures.clear()  # the failed step's buffer hook: not waited for
+    # Only a pass cut short leaves .grad to fix. A step that failed in a forward pass (a
+    # bad batch skipped with ``except``) raised on every rank already: no warning more.
+    if dropped is not None:
         warnings.warn(
             f"DistributedDataParallel (rank {rank}): "
             + "; ".join(x for x in (dropped, also) if x)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.group_keys import StoreKeys
@@ -263,7 +264,7 @@ class PipelineRuntime(StepGroups, StagePasses):
             failure = self._fail_here(channel, wire, action, exc)
             if not split:
                 raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
-            raise error_for(failure, channel.rank) from exc
+            raise as_local(error_for(failure, channel.rank), exc) from exc
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._fail_here(channel, wire, action, exc)
             raise
