@@ -57,6 +57,7 @@ from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_forward import ForwardDDP
 from xgrad.torch_backend.ddp_hooks import GradientHooks
+from xgrad.torch_backend.ddp_logging import RuntimeLog, environment
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
@@ -209,7 +210,7 @@ class DistributedDataParallel(
         self._assign_modules_buffers()  # modules_buffers, named_module_buffers (PyTorch's)
         #: PyTorch's attributes, for code that reads them (``logger`` is None, above: no
         #: C++ logger, so ``_log_and_throw`` only raises; ``_get_ddp_logging_data`` is
-        #: xgrad's).
+        #: xgrad's: ddp_logging).
         self.broadcast_bucket_size = 250 * 1024 * 1024
         self.use_side_stream_for_tensor_copies = (
             os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
@@ -274,6 +275,9 @@ class DistributedDataParallel(
         self._divide_by_initial_world_size = True
         self._still_training: int | None = None
         self._forward_started = 0.0
+        #: PyTorch's logger's keys (``_get_ddp_logging_data``): read now, and sampled.
+        self._logging_environment = environment(self.process_group)
+        self._runtime_log = RuntimeLog()
         self._grad_hooks.watch = self._watch
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))

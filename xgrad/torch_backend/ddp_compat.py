@@ -33,8 +33,9 @@ class CompatDDP:
         ddp.reducer.check_finalized()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        """PyTorch samples its runtime statistics every ``sample_rate`` iterations; xgrad
-        records every iteration (``timeline``), so the rate is checked and kept only.
+        """Refresh ``_get_ddp_logging_data``'s runtime keys every ``sample_rate``
+        iterations after the first 10, as PyTorch samples them (``ddp_logging``); xgrad's
+        own ``timeline`` records every iteration.
 
         Raises:
             ValueError: ``sample_rate`` below 1 (PyTorch's check).

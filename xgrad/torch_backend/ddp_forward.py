@@ -48,6 +48,8 @@ def pre_forward(
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
     start_forward(ddp._watch, ddp._grad_hooks, sync, ddp._join_config.enable)
     ddp._still_training = notify_join_context(ddp)
+    if sync:  # PyTorch's logger samples here, before the rebuild
+        ddp._runtime_log.sample(ddp, ddp._runtime_logging_sample_rate)
     if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
         ddp._agreement_pending = True
         if ddp.gradient_as_bucket_view:
@@ -85,6 +87,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
             output = route_outputs(output)  # a loss may leave outputs out (PyTorch's sink)
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
         ddp._grad_hooks.expect_backward()
+        ddp._grad_hooks.forward_started = ddp._forward_started
         ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
     else:
         ddp.require_forward_param_sync = False

@@ -60,6 +60,7 @@ class GradientHooks:
         #: the end-of-backward callback is queued and has not run yet.
         self.finalize_queued = False
         self.forward_seconds = 0.0
+        self.forward_started = 0.0  # time.perf_counter() at the forward pass's start
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []
@@ -174,7 +175,10 @@ class GradientHooks:
         end = time.perf_counter()
         self.timeline.append(
             IterationTimes.of(
-                reducer.records[-1], self.forward_seconds, end - self.backward_started
+                reducer.records[-1],
+                self.forward_seconds,
+                end - self.backward_started,
+                self.forward_started,
             )
         )
 

@@ -1,9 +1,10 @@
-"""DDP's statistics: the per-iteration timeline and the logging-data dictionary.
+"""DDP's statistics: the per-iteration timeline and xgrad's statistics dictionary.
 
-PyTorch's DDP keeps the same figures in C++ (``_get_ddp_logging_data``); here they are
-computed from the reducer's :class:`~xgrad.reducer.IterationRecord` and the wrapper's
-forward time, so they can be read, compared and plotted. :class:`InspectableDDP`, mixed
-into the wrapper, is where they are read from it (with the plan in use).
+PyTorch's DDP keeps the same figures in C++ (``_get_ddp_logging_data``, sampled: see
+:mod:`.ddp_logging`); here every iteration's are computed from the reducer's
+:class:`~xgrad.reducer.IterationRecord` and the wrapper's forward time, so they can be
+read, compared and plotted. :class:`InspectableDDP`, mixed into the wrapper, is where
+they are read from it (with the plan in use).
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from xgrad.reducer import IterationRecord, Reducer
+from xgrad.torch_backend.ddp_logging import logging_data
 
 if TYPE_CHECKING:
     from collections import deque
@@ -39,6 +37,8 @@ class IterationTimes:
         backward_compute: from the first gradient hook to the last gradient ready.
         communication: from the first bucket launched to the last one finished.
         overlap: communication while gradients were still being computed.
+        forward_start: when the forward pass began (``time.perf_counter``, as the
+            reducer's records).
     """
 
     iteration: int
@@ -47,9 +47,12 @@ class IterationTimes:
     backward_compute: float
     communication: float
     overlap: float
+    forward_start: float = 0.0
 
     @classmethod
-    def of(cls, record: IterationRecord, forward: float, backward: float) -> IterationTimes:
+    def of(
+        cls, record: IterationRecord, forward: float, backward: float, forward_start: float = 0.0
+    ) -> IterationTimes:
         """The timeline of ``record``, with the times only the wrapper measures."""
         return cls(
             iteration=record.iteration,
@@ -58,6 +61,7 @@ class IterationTimes:
             backward_compute=record.compute_seconds,
             communication=record.communication_seconds,
             overlap=record.overlap_seconds,
+            forward_start=forward_start,
         )
 
 
@@ -98,83 +102,6 @@ def statistics(
     }
 
 
-def logging_data(ddp: Any) -> dict[str, Any]:
-    """PyTorch's ``_get_ddp_logging_data()`` keys for xgrad's DDP (times in nanoseconds).
-
-    The construction-time keys (module name, flags, bucket cap, dtypes, sizes) and the
-    runtime ones PyTorch fills from its reducer (iteration, rebuilt buckets, ready
-    order, average times) come from the wrapper and the reducer's records; environment
-    keys (``master_addr``, ``gloo_*``) are left out.
-    """
-    reducer: Reducer = ddp.reducer
-    kept = list(ddp.timeline)
-    records = list(reducer.records)
-    last = records[-1] if records else None
-    rebuilt = reducer.has_rebuilt_buckets
-    sizes = reducer.bucket_sizes()
-
-    def ns(values: Sequence[float]) -> int:
-        return int(_mean(values) * 1e9)
-
-    data: dict[str, Any] = {
-        "world_size": reducer.comm.size,
-        "rank": reducer.comm.rank,
-        "module_name": type(ddp.module).__name__,
-        "device_ids": "" if ddp.device_ids is None else ", ".join(map(str, ddp.device_ids)),
-        "output_device": -1 if ddp.output_device is None else ddp.output_device,
-        "broadcast_buffers": int(ddp.forward_sync_buffers),
-        "has_sync_bn": int(any(isinstance(m, nn.SyncBatchNorm) for m in ddp.module.modules())),
-        "bucket_cap_bytes": ddp.bucket_bytes_cap,
-        "find_unused_parameters": int(ddp.find_unused_parameters),
-        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
-        "static_graph": int(ddp.static_graph),
-        "backend_name": dist.get_backend(ddp.process_group),
-        "is_multi_device_module": 0,
-        "dtypes": ", ".join(sorted({_c10_name(p.dtype) for p in reducer.params})),
-        "total_parameter_size_bytes": sum(reducer.nbytes),
-        "num_parameter_tensors": len(reducer.params),
-        # PyTorch logs the construction-time buckets here, the rebuilt ones below.
-        "bucket_sizes": ", ".join(map(str, _sizes(reducer, reducer.initial_plan))),
-        "iteration": max(reducer.num_iterations - 1, 0),
-        "has_rebuilt_buckets": int(rebuilt),
-        "unused_parameter_size": sum(reducer.nbytes[i] for i in last.unused) if last else 0,
-        "num_buckets_reduced": len(sizes),
-        "prev_iteration_grad_ready_order_indices": (
-            ", ".join(map(str, last.ready_order)) if last else ""
-        ),
-        "avg_forward_compute_time": ns([t.forward for t in kept]),
-        "avg_backward_compute_time": ns([t.backward_compute for t in kept]),
-        "avg_backward_comm_time": ns([t.communication for t in kept]),
-        "avg_backward_compute_comm_overlap_time": ns([t.overlap for t in kept]),
-    }
-    if rebuilt:
-        data["rebuilt_bucket_sizes"] = ", ".join(map(str, sizes))
-        data["rebuilt_per_bucket_param_indices"] = ", ".join(
-            " ".join(map(str, b)) for b in reducer.plan.buckets
-        )
-    return data
-
-
-#: PyTorch's logging names of dtypes (c10's type names), for the ones parameters have.
-_C10_NAMES = {
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.float16: "c10::Half",
-    torch.bfloat16: "c10::BFloat16",
-    torch.complex64: "c10::complex<float>",
-    torch.complex128: "c10::complex<double>",
-}
-
-
-def _c10_name(dtype: torch.dtype) -> str:
-    return _C10_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _sizes(reducer: Reducer, plan: Any) -> list[int]:
-    """Bytes per bucket of ``plan``, in launch order."""
-    return [sum(reducer.nbytes[i] for i in b) for b in plan.buckets]
-
-
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -201,5 +128,5 @@ class InspectableDDP:
         return statistics(reducer=self.reducer, names=self.parameter_names, timeline=self.timeline)
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """PyTorch's logging dictionary, from xgrad's records (nanoseconds)."""
+        """PyTorch's logging dictionary, sampled as PyTorch samples it (``ddp_logging``)."""
         return logging_data(self)
