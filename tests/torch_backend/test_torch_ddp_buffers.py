@@ -137,6 +137,11 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             for w in caught
             if w.category in (FutureWarning, UserWarning)
         )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cls(Scaled(), broadcast_buffers=False)
+            cls(Scaled(), broadcast_buffers=False, forward_sync_buffers=True)
+        res["buffer_warnings"] = [str(w.message) for w in caught if w.category is FutureWarning]
         try:
             cls(nn.SyncBatchNorm(4))
             res["syncbn"] = "no error"
@@ -174,6 +179,7 @@ def results() -> list[dict[str, Any]]:
         "out0",
         "syncbn",
         "warnings",
+        "buffer_warnings",
     ],
 )
 def test_matches_pytorch(results: list[dict[str, Any]], key: str) -> None:

@@ -53,7 +53,11 @@ def buffer_sync_flags(
             "`broadcast_buffers` is deprecated and its value is ignored when "
             "`forward_sync_buffers` is provided."
             if forward_sync_buffers is not None
-            else "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.",
+            else "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+            "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+            "syncs buffers at init. If you rely on buffers NOT being synced at init (e.g. "
+            "rank-local buffers), keep using `broadcast_buffers=False` until "
+            "`init_sync_buffers` is available.",
             FutureWarning,
             stacklevel=3,
         )
