@@ -155,9 +155,9 @@ def test_failed_steps_leave_no_keys_once_a_step_works_again() -> None:
         assert out["after"] == [out["baseline"]] * rounds, (rank, out)
 
 
-def _late_for_the_first_step(rank: int, world: int) -> list[Any]:
-    """Rank 1 comes to its first step after rank 0's 1.5 s timeout ran out (rank 0 has
-    started its next step meanwhile), then both step on."""
+def _late_for_the_first_step(rank: int, world: int, after: int = 0) -> list[Any]:
+    """Rank 1 comes to its first step (after ``after`` good ones) after rank 0's 1.5 s
+    timeout ran out (rank 0 has started its next step meanwhile), then both step on."""
     import os
 
     from chain import chain_setup, judged_step
@@ -167,12 +167,12 @@ def _late_for_the_first_step(rank: int, world: int) -> list[Any]:
     os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
     part, x, y, want = chain_setup(rank, world, WIDTH, 4)
     rt = PipelineRuntime(xp.one_f_one_b(world, 2), [part], nn.functional.mse_loss, timeout=1.5)
-    if rank == 1:
-        time.sleep(2.5)
     out = []
-    for _ in range(4):
+    for k in range(after + 4):
+        if rank == 1 and k == after:
+            time.sleep(2.5)
         part.zero_grad(set_to_none=True)
-        out.append(judged_step(rt, part, want[rank], x, y)[0])
+        out.append(judged_step(rt, part, want[rank], x, y))
     return out
 
 
@@ -187,5 +187,23 @@ def test_a_rank_later_than_the_timeout_is_told_and_the_next_steps_work() -> None
     for rank in (0, 1):
         status, out = results[rank]
         assert status == "ok", (rank, out)
-        assert "the start of the step" in out[0], (rank, out)
-        assert all(o[0] == "ok" and o[1] < 1e-12 for o in out[-2:]), (rank, out)
+        assert "the start of the step" in out[0][0], (rank, out)
+        assert all(o[0][0] == "ok" and o[0][1] < 1e-12 for o in out[-2:]), (rank, out)
+
+
+def test_a_live_rank_late_for_a_later_step_is_said_late_not_gone() -> None:
+    """Rank 0's receive from rank 1 runs out its timeout while rank 1 still beats: rank 1
+    "did not answer within the timeout" (it said rank 1 "stopped answering"), soon after
+    the timeout (the heartbeats are read 2 s more, not 1.5 heartbeat timeouts)."""
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_late_for_the_first_step, 2, (1,), timeout=60)
+    assert set(codes.values()) == {0}, (codes, results)
+    status, out = results[0]
+    assert status == "ok", out
+    (text, seconds) = out[1]
+    assert "rank 1: did not answer within the timeout" in text, out
+    assert "every rank still answers" in text, out
+    assert seconds < 1.5 + 2.0 + 3.0, out
+    for rank in (0, 1):
+        assert all(o[0][0] == "ok" and o[0][1] < 1e-12 for o in results[rank][1][-2:]), rank

@@ -59,13 +59,15 @@ def transfer_failed(
     A failure another rank posted first is the origin. Otherwise the heartbeats are read
     until a peer is seen stopped (within 1.5 heartbeat timeouts; ``peer``, the other side
     of a send or receive, first when it is among them): that rank is named. When every
-    peer still beats, ``peer`` is named if given (its side of the transfer failed), else
-    this rank in ``what``.
+    peer still beats, ``peer`` is named if given (its side of the transfer failed; "did
+    not answer within the timeout" when the transfer timed out: it is late, not gone),
+    else this rank in ``what``.
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
     timed_out = "timed out" in text.lower()
     silent = silent_peer(channel, prefer=peer, within=_AFTER_TIMEOUT if timed_out else None)
+    late = silent is None and peer is not None and timed_out  # it still beats
     if silent is None:
         silent = peer
     if silent is None:
@@ -74,6 +76,9 @@ def transfer_failed(
         elif timed_out:
             text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
+    elif late:
+        message = f"did not answer within the timeout: {what} failed: {text} ({TIMED_OUT_LIVE})"
+        failure = channel.post("", message, kind="timeout", rank=silent)
     else:
         if silent == peer:
             message = f"stopped answering: {what} failed: {text}"

@@ -127,7 +127,12 @@ class EdgeBook:
     ) -> int:
         """Post one send: its key in ``_sends`` (whose work holds the tensor until done)."""
         group, peer = self._routes[edge]
-        work = group.send([tensor], peer, self._tag_of(edge, side))
+        try:
+            work = group.send([tensor], peer, self._tag_of(edge, side))
+        except (
+            RuntimeError
+        ) as exc:  # a connection a peer's timed-out wait closed: its post names it
+            raise transfer_failed(self.channel, "send", exc, self._peer(edge)) from exc
         key = next(self._keys)
         self._sends[key] = (work, tensor)
         return key
@@ -136,7 +141,10 @@ class EdgeBook:
         self, edge: tuple[int, int, int], tensor: torch.Tensor, side: bool = False
     ) -> Any:
         group, peer = self._routes[edge]
-        return group.recv([tensor], peer, self._tag_of(edge, side))
+        try:
+            return group.recv([tensor], peer, self._tag_of(edge, side))
+        except RuntimeError as exc:
+            raise transfer_failed(self.channel, "receive", exc, self._peer(edge)) from exc
 
     def _expecting(self, peer: int, receive: Action, keys: list[int]) -> None:
         """Sends ``keys`` are matched by ``peer``'s ``receive`` (posted ahead by it)."""
