@@ -8,6 +8,8 @@ construction ended in a store timeout and the pipeline's first step hung for eve
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from xgrad.torch_backend.spawn import spawn
@@ -90,3 +92,47 @@ def test_the_ddp_and_the_pipeline_work_on_a_subgroup_its_ranks_came_to_unlike() 
     assert results[1][0] == results[2][0] == [3.0, 3.0, 3.0]
     assert results[2][1] > 0.0
     assert "rank 2" in results[1][2] and "rank 2" in results[2][2]
+
+
+def _second_ddp_on_another_subgroup(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0 and 1 run a DDP on [0, 1]; ranks 1 and 2 then one on [1, 2], whose first
+    step fails in rank 2's forward pass."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from xgrad.failure import RankError
+    from xgrad.torch_backend import DistributedDataParallel
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    first, second = dist.new_group([0, 1]), dist.new_group([1, 2])
+    out: dict[str, Any] = {}
+    if rank in (0, 1):
+        DistributedDataParallel(nn.Linear(3, 3), process_group=first, timeout=10)
+    if rank in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 3)
+        ddp = DistributedDataParallel(model, process_group=second, timeout=10)
+        start = time.monotonic()
+        try:
+            ddp(torch.ones(2, 3) if rank == 1 else torch.ones(2, 2)).sum().backward()
+        except RankError as exc:
+            out["error"] = (str(exc), time.monotonic() - start)
+        model.zero_grad()
+        ddp(torch.full((2, 3), float(rank))).sum().backward()
+        out["grad"] = model.weight.grad[0].tolist()
+    return out
+
+
+def test_a_failure_reaches_a_ddps_peer_that_made_more_ddps_before() -> None:
+    """Rank 1's DDP on [1, 2] was its second, rank 2's its first: their failure channels
+    were named apart, so rank 1 waited out the heartbeat and blamed a live rank 2 as
+    stopped, at every later step too."""
+    results = spawn(_second_ddp_on_another_subgroup, 3, timeout=90)
+    for rank in (1, 2):
+        text, seconds = results[rank]["error"]
+        assert text.startswith("rank 2 in forward:"), text
+        assert seconds < 5.0, seconds
+        assert results[rank]["grad"] == [3.0, 3.0, 3.0]

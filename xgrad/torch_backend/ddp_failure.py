@@ -48,8 +48,11 @@ from xgrad.torch_backend.private_groups import private_group
 
 __all__ = ["StepWatch"]
 
-#: per process: DDP instances in construction order (the same on every rank).
-_instances = itertools.count()
+#: per process group's name: its DDP instances in construction order. Counted per group,
+#: not per process: ranks that also run a DDP on another group (that not every member is
+#: in) made more DDPs, and each rank's channels were then named apart (a failure posted
+#: on one was never seen by the other).
+_instances: dict[str, itertools.count[int]] = {}
 
 
 def _describe(exc: BaseException) -> str:
@@ -67,7 +70,9 @@ class StepWatch:
     def __init__(self, group: Any, timeout: float) -> None:
         self.user_group = group
         self.timeout = timeout
-        self.instance = next(_instances)
+        pg: Any = dist.group.WORLD if group is None else group
+        name = str(dist.distributed_c10d._get_process_group_name(pg))
+        self.instance = next(_instances.setdefault(name, itertools.count()))
         self.step = 0
         self.poll = default_seconds("poll_interval")
         self.world = dist.get_world_size(group)

@@ -77,7 +77,7 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
     assert reducer is not None
     if UNFINISHED:
         post_failed_passes(hooks)
-    rank = reducer.comm.rank
+    rank = watch.channel.rank  # the global rank, as the failures name them
     if hooks.arrivals.log:
         # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
         # reduction is reported by the next prepare_for_backward.
