@@ -32,7 +32,7 @@ def _inputs(rank: int, world: int) -> dict[str, Any]:
     from xgrad.torch_backend import dist_autograd as da
 
     out: dict[str, Any] = {}
-    for shape in ((1,), (1, 1), ()):
+    for shape in ((1,), (1, 1), (), (0,), (2, 0)):  # (0,): sum()'s gradient has stride 0 too
         w = torch.full(shape, 3.0, dtype=torch.float64, requires_grad=True)
         with da.context(timeout=20) as cid:
             if rank == 0:
@@ -91,6 +91,7 @@ def test_one_element_gradients_snapshots_sparse_tensors_and_groups() -> None:
     for shape in ((1,), (1, 1), ()):
         want = 2.0 if shape == () else [[2.0]] if len(shape) == 2 else [2.0]
         assert out[0][f"grad{shape}"] == want, shape
+    assert out[0]["grad(0,)"] == [] and out[0]["grad(2, 0)"] == [[], []]
     assert out[1]["snapshot"] == [1.0]
     assert out[0]["sparse"].startswith("TypeError: send: a torch.sparse_coo tensor cannot be sent")
     assert out[1]["sparse"].startswith("DistBackwardError: Error on rank 0 in forward: TypeError")

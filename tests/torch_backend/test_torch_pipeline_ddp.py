@@ -184,3 +184,134 @@ def test_two_by_two_data_and_pipeline_parallel() -> None:
         }
         for name, err in errors.items():
             assert err <= 1e-6, (rank, name, err)
+
+
+class _Raising(torch.autograd.Function):
+    """Identity whose backward raises when armed (a stage's backward failing)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if _Raising.armed:
+            _Raising.armed = False
+            raise ValueError("bad gradient")
+        return g
+
+
+class _Stage(nn.Module):
+    """A block that raises in its forward pass, or arms its backward to raise, when told."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.fail = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail == "forward":
+            self.fail = ""
+            raise ValueError("bad batch")
+        if self.fail == "backward":
+            self.fail = ""
+            _Raising.armed = True
+        return _Raising.apply(self.block(x))
+
+
+def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int) -> list[Any]:
+    """Pipelines {0, 1} and {2, 3} of DDP-wrapped stages (data-parallel groups {0, 2} and
+    {1, 3}, ``no_sync`` but for the last microbatch); at step 1 ``culprit``'s stage
+    raises in its forward or backward pass. Per step: the error, or the worst gradient
+    error against the unpipelined model (both replicas take the same batch)."""
+    import os
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    blocks = _blocks(2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    want = _unpipelined_grads(blocks, x, y)[pp_rank]
+    stage = _Stage(blocks[pp_rank])
+    ddp = DistributedDataParallel(stage, process_group=dp_groups[pp_rank], timeout=20)
+    rt = PipelineRuntime(
+        xp.one_f_one_b(2, M),
+        [ddp],
+        nn.functional.mse_loss,
+        group=pp_groups[replica],
+        timeout=20,
+        no_sync=_no_sync([ddp]),
+    )
+    out: list[Any] = []
+    for step in range(3):
+        stage.zero_grad(set_to_none=True)
+        stage.fail = where if step == 1 and rank == culprit else ""
+        try:
+            rt.step(x if pp_rank == 0 else None, y if pp_rank == 1 else None)
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+            continue
+        out.append(
+            max(
+                float((_grad(p) - w).abs().max())
+                for p, w in zip(blocks[pp_rank].parameters(), want, strict=True)
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(("where", "culprit"), [("forward", 0), ("backward", 1)])
+def test_a_ddp_stages_failure_reaches_every_replica_and_the_next_step_is_right(
+    where: str, culprit: int
+) -> None:
+    """One replica's failed step used to leave the other replica's DDP reduction to pair
+    with its next step (silently wrong gradients, then a gloo abort); a failure of a
+    DDP in another pipeline was taken for one of the pipeline's own (``ValueError:
+    Global rank 0 is not part of group``)."""
+    per_rank = spawn(_ddp_stage_fails, 4, args=(where, culprit), timeout=150)
+    for rank, out in enumerate(per_rank):
+        assert out[0] < 1e-6 and out[2] < 1e-6, (rank, out)
+        assert isinstance(out[1], str) and out[1].startswith("RankError"), (rank, out)
+        assert f"bad {'batch' if where == 'forward' else 'gradient'}" in out[1], (rank, out)
+
+
+def _ddp_then_pipeline(rank: int, world: int) -> tuple[str, float]:
+    """Rank 1's DDP backward raises; rank 1 then steps a pipeline (no DDP forward pass,
+    which is where a failed backward pass used to be posted)."""
+    import os
+    import time
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    stage = _Stage(nn.Linear(WIDTH, WIDTH))
+    # The raise comes after the outer layer's gradients reached DDP: a pass begun.
+    ddp = DistributedDataParallel(nn.Sequential(stage, nn.Linear(WIDTH, WIDTH)), timeout=15)
+    rt = PipelineRuntime(xp.gpipe(2, 2), [nn.Linear(WIDTH, WIDTH)], nn.functional.mse_loss)
+    x = torch.ones(4, WIDTH)
+    stage.fail = "backward" if rank == 1 else ""
+    start = time.monotonic()
+    try:
+        ddp(x).sum().backward()
+        error = "no error"
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - start
+    rt.step(x if rank == 0 else None, x if rank == 1 else None)
+    return error, took
+
+
+def test_a_failed_ddp_backward_is_posted_when_the_rank_steps_a_pipeline() -> None:
+    per_rank = spawn(_ddp_then_pipeline, 2, timeout=120)
+    error, took = per_rank[0]
+    assert error.startswith("RankError: rank 1 in backward"), error
+    assert took < 8.0, took  # not the DDP's 15 s timeout
+    assert "bad gradient" in per_rank[1][0], per_rank[1]

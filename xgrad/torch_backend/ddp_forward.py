@@ -19,19 +19,21 @@ import torch
 from torch.utils._pytree import tree_map
 
 from xgrad.agreement import check_agreement
+from xgrad.failure import RankError
 from xgrad.raising import raise_from
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_buffers import sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
-from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.ddp_recover import abandon_step, start_forward
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, notify_join_context
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
     from xgrad.torch_backend.ddp_failure import StepWatch
+    from xgrad.torch_backend.ddp_hooks import GradientHooks
 
 #: per DDP searching for unused parameters: its parameters' accumulators (see
 #: :func:`~xgrad.torch_backend.autograd_graph.grad_accumulators`), held while it lives.
@@ -46,7 +48,13 @@ def pre_forward(
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    start_forward(ddp._watch, ddp._grad_hooks, sync, ddp._join_config.enable)
+    start_forward(
+        ddp._watch,
+        ddp._grad_hooks,
+        sync,
+        ddp._join_config.enable,
+        accumulate=not ddp.require_backward_grad_sync,
+    )
     ddp._still_training = notify_join_context(ddp)
     if sync:  # PyTorch's logger samples here, before the rebuild
         ddp._runtime_log.sample(ddp, ddp._runtime_logging_sample_rate)
@@ -109,6 +117,7 @@ class ForwardDDP:
     """Mixed into the DDP: ``forward``, the module traced, the steps around it not (ddp_compile)."""
 
     _watch: StepWatch
+    _grad_hooks: GradientHooks
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -116,11 +125,28 @@ class ForwardDDP:
         try:
             output = traced_module_call(self, *inputs, **kwargs)
         except Exception as exc:  # every rank raises it, named (ddp_failure)
-            raise_from(self._watch.post("forward", exc), exc)
+            raise_from(self._forward_failed(exc), exc)
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._watch.post("forward", exc)
             raise
         return self._post_forward(output)
+
+    def _forward_failed(self, exc: Exception) -> RankError:
+        """The error of a forward pass that raised, posted where the peers look: a
+        ``no_sync`` pass's in the step it accumulated for (``abandon_step``)."""
+        if self._grad_hooks.accumulating:
+            error = abandon_step(self._watch, self._grad_hooks, "forward", exc)
+            if error is not None:
+                return error
+        return self._watch.post("forward", exc)
+
+    def _abandon_step(self, where: str, exc: BaseException, since: int | None = None) -> None:
+        """This rank gave up the step the DDP is in or accumulating for: the peers are
+        told at once (a pipeline whose step failed calls this; see ``abandon_step``).
+        ``since``: the DDP's step number when the caller's step began; still the same,
+        the DDP had not begun the step its peers are in."""
+        unbegun = since is not None and self._watch.step == since
+        abandon_step(self._watch, self._grad_hooks, where, exc, unbegun=unbegun)
 
     @outside_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:

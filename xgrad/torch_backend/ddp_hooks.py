@@ -61,6 +61,9 @@ class GradientHooks:
         self.finalize_queued = False
         self.forward_seconds = 0.0
         self.forward_started = 0.0  # time.perf_counter() at the forward pass's start
+        #: no_sync passes ran since the last synchronised forward pass (the first of
+        #: them began the synchronised step they accumulate for).
+        self.accumulating = False
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []

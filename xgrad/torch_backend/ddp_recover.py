@@ -12,18 +12,26 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from xgrad.callers import user_stacklevel
+from xgrad.failure import RankError
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
 
-__all__ = ["UNFINISHED", "post_failed_pass", "post_failed_passes", "recover", "start_forward"]
+__all__ = [
+    "UNFINISHED",
+    "abandon_step",
+    "post_failed_pass",
+    "post_failed_passes",
+    "recover",
+    "start_forward",
+]
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -32,7 +40,9 @@ current_graph_task = torch._C._current_graph_task_id
 UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
 
 
-def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool, joining: bool) -> None:
+def start_forward(
+    watch: StepWatch, hooks: GradientHooks, sync: bool, joining: bool, accumulate: bool = False
+) -> None:
     """At a forward pass: drop what a failed step left behind, on every rank alike.
 
     ``hooks`` (the DDP's gradient hooks) drops a backward pass this rank saw fail;
@@ -41,6 +51,8 @@ def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool, joining: b
     of it too, with a warning, and replaces the private group. A synchronised step
     whose backward never reached DDP here is settled with the peers first
     (:mod:`.ddp_skipped`; not under ``join()``, whose joined ranks run no forward).
+    ``accumulate``: a pass under ``no_sync`` (its gradients, or a checkpointed pass's
+    recomputed ones, are for the next synchronised step).
     """
     if (
         hooks.sync_pending
@@ -53,8 +65,22 @@ def start_forward(watch: StepWatch, hooks: GradientHooks, sync: bool, joining: b
         settle_skipped(watch)
     recover(hooks, watch)
     if not sync:
+        # A no_sync pass accumulates for the next synchronised step, which begins at the
+        # accumulation's first pass on every rank alike: its collectives (a rebuild, a
+        # buffer sync) and a failure in it are then that step's, where the peers look.
+        if accumulate and not hooks.accumulating:
+            _begin_step(watch, hooks)
+            hooks.accumulating = True
         watch.current_group()  # a lost group raises its failure again
         return
+    if hooks.accumulating:  # begun at the accumulation's first pass
+        hooks.accumulating = False
+        return
+    _begin_step(watch, hooks)
+
+
+def _begin_step(watch: StepWatch, hooks: GradientHooks) -> None:
+    """Begin the next synchronised step; after a failed one, drop this rank's part of it."""
     failed = watch.begin_step()
     if failed is not None:
         assert hooks.reducer is not None
@@ -112,7 +138,40 @@ def post_failed_pass(hooks: GradientHooks, watch: StepWatch) -> None:
         hooks.reducer.fail(str(error))
 
 
-def post_failed_passes(current: GradientHooks) -> None:
+def abandon_step(
+    watch: StepWatch,
+    hooks: GradientHooks,
+    where: str,
+    exc: BaseException,
+    unbegun: bool = False,
+) -> Any:
+    """This rank gave up the synchronised step it was in or accumulating for (a pipeline
+    step that failed around the DDP; a ``no_sync`` forward pass that raised): the DDP's
+    peers, which wait or will wait in that step's collectives, are told at once; the
+    error is returned (``None`` where there was nothing to give up).
+
+    A synchronised pass begun and not finished is posted as at a forward pass
+    (:func:`post_failed_pass`). A rank that only accumulated (``no_sync`` passes since
+    its last synchronised step, which began that step) posts the failure to it: the
+    peers raise it in that step's collectives, instead of pairing them with this rank's
+    next step (silently wrong gradients), and every rank replaces the private group at
+    the step after it. ``unbegun``: the caller's step (a pipeline step) failed before this
+    rank's DDP began the step its peers are in: begun now, then posted.
+    """
+    if hooks.finalize_queued:
+        post_failed_pass(hooks, watch)
+        return None
+    if unbegun:
+        _begin_step(watch, hooks)
+    elif not hooks.accumulating:
+        return None
+    hooks.accumulating = False  # the step (begun at the accumulation's first pass) is over
+    if isinstance(exc, RankError):  # another group's failure: posted here as this rank's
+        return watch.post(where, RuntimeError(str(exc)))
+    return watch.post(where, exc)
+
+
+def post_failed_passes(current: GradientHooks | None) -> None:
     """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
 
     A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
@@ -126,5 +185,5 @@ def post_failed_passes(current: GradientHooks) -> None:
         return
     me = threading.get_ident()
     for hooks in list(UNFINISHED):
-        if hooks is not current and hooks.forward_thread == me:
+        if hooks is not current and hooks.forward_thread == me:  # current None: every one
             post_failed_pass(hooks, hooks.watch)

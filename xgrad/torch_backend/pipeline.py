@@ -20,6 +20,7 @@ from torch import nn
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
+from xgrad.torch_backend.ddp_recover import UNFINISHED, post_failed_passes
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
@@ -30,6 +31,7 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_ddps import ddp_steps, stage_ddps, tell_ddps
 from xgrad.torch_backend.pipeline_edges import (
     next_step,
     step_tag,
@@ -179,6 +181,8 @@ class PipelineRuntime(StepGroups, StagePasses):
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
         self._devices = {}
+        self._ddps = stage_ddps(self.partitions)  # told when a step fails (pipeline_ddps)
+        self._ddp_steps: list[int] = []
 
     # -- the event loop ------------------------------------------------------------------
 
@@ -199,6 +203,9 @@ class PipelineRuntime(StepGroups, StagePasses):
         """
         sched = self.schedule
         check_release(self.release_sends, self.post_ahead)
+        if UNFINISHED:  # a DDP's backward pass raised on this thread: its peers are told now
+            post_failed_passes(None)
+        self._ddp_steps = ddp_steps(self._ddps)
         self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
@@ -254,11 +261,17 @@ class PipelineRuntime(StepGroups, StagePasses):
                 self._forget()
             return loss
         except RankError as error:
+            if channel.poll() != error.failure:
+                # Another group's failure (a DDP inside a stage): this rank's action
+                # failed, so the pipeline's peers are told, as for any exception.
+                failure = self._fail_here(channel, wire, action, error)
+                raise error_for(failure, channel.rank) from error
             # The failure is posted: peers waiting on this rank stop now (a live origin
             # has stopped already).
             live = error.failure.kind == "error"
             wire.poison(self._pipeline_rank(error.rank) if live else None)
             self._reset(error, wire)
+            tell_ddps(self._ddps, error, self._ddp_steps)
             raise
         except Exception as exc:
             failure = self._fail_here(channel, wire, action, exc)
@@ -277,6 +290,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
         wire.poison()
         self._reset(None, wire)
+        tell_ddps(self._ddps, error_for(failure, channel.rank), self._ddp_steps)
         return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
