@@ -221,11 +221,12 @@ class _Stage(nn.Module):
         return _Raising.apply(self.block(x))
 
 
-def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int) -> list[Any]:
-    """Pipelines {0, 1} and {2, 3} of DDP-wrapped stages (data-parallel groups {0, 2} and
-    {1, 3}, ``no_sync`` but for the last microbatch); at step 1 ``culprit``'s stage
-    raises in its forward or backward pass. Per step: the error, or the worst gradient
-    error against the unpipelined model (both replicas take the same batch)."""
+def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int, mode: str) -> list[Any]:
+    """Pipelines {0, 1} and {2, 3} (data-parallel groups {0, 2} and {1, 3}) of stages
+    wrapped in DDP (``no_sync`` but for the last microbatch), or reduced at REDUCE_GRAD
+    over ``dp_group`` (``mode``); at step 1 ``culprit``'s stage raises in its forward or
+    backward pass. Per step: the error, or the worst gradient error against the
+    unpipelined model (both replicas take the same batch)."""
     import os
 
     from xgrad.torch_backend import DistributedDataParallel
@@ -240,15 +241,25 @@ def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int) -> list[An
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     want = _unpipelined_grads(blocks, x, y)[pp_rank]
     stage = _Stage(blocks[pp_rank])
-    ddp = DistributedDataParallel(stage, process_group=dp_groups[pp_rank], timeout=20)
-    rt = PipelineRuntime(
-        xp.one_f_one_b(2, M),
-        [ddp],
-        nn.functional.mse_loss,
-        group=pp_groups[replica],
-        timeout=20,
-        no_sync=_no_sync([ddp]),
-    )
+    if mode == "ddp":
+        ddp = DistributedDataParallel(stage, process_group=dp_groups[pp_rank], timeout=20)
+        rt = PipelineRuntime(
+            xp.one_f_one_b(2, M),
+            [ddp],
+            nn.functional.mse_loss,
+            group=pp_groups[replica],
+            timeout=20,
+            no_sync=_no_sync([ddp]),
+        )
+    else:
+        rt = PipelineRuntime(
+            xp.add_stage_ops(xp.zb_h1(2, M)),
+            [stage],
+            nn.functional.mse_loss,
+            group=pp_groups[replica],
+            timeout=20,
+            dp_group=dp_groups[pp_rank],
+        )
     out: list[Any] = []
     for step in range(3):
         stage.zero_grad(set_to_none=True)
@@ -267,15 +278,18 @@ def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int) -> list[An
     return out
 
 
-@pytest.mark.parametrize(("where", "culprit"), [("forward", 0), ("backward", 1)])
-def test_a_ddp_stages_failure_reaches_every_replica_and_the_next_step_is_right(
-    where: str, culprit: int
+@pytest.mark.parametrize(
+    ("where", "culprit", "mode"),
+    [("forward", 0, "ddp"), ("backward", 1, "ddp"), ("backward", 1, "dp_group")],
+)
+def test_a_failed_step_reaches_every_replica_and_the_next_step_is_right(
+    where: str, culprit: int, mode: str
 ) -> None:
-    """One replica's failed step used to leave the other replica's DDP reduction to pair
-    with its next step (silently wrong gradients, then a gloo abort); a failure of a
-    DDP in another pipeline was taken for one of the pipeline's own (``ValueError:
-    Global rank 0 is not part of group``)."""
-    per_rank = spawn(_ddp_stage_fails, 4, args=(where, culprit), timeout=150)
+    """One replica's failed step used to leave the other replica's reduction (DDP's, or
+    REDUCE_GRAD's over ``dp_group``) to pair with its next step: silently wrong
+    gradients, then a gloo abort. A failure of a DDP in another pipeline was taken for
+    one of the pipeline's own (``ValueError: Global rank 0 is not part of group``)."""
+    per_rank = spawn(_ddp_stage_fails, 4, args=(where, culprit, mode), timeout=150)
     for rank, out in enumerate(per_rank):
         assert out[0] < 1e-6 and out[2] < 1e-6, (rank, out)
         assert isinstance(out[1], str) and out[1].startswith("RankError"), (rank, out)

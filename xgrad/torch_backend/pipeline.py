@@ -31,7 +31,12 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
-from xgrad.torch_backend.pipeline_ddps import ddp_steps, stage_ddps, tell_ddps
+from xgrad.torch_backend.pipeline_ddps import (
+    DataParallelSteps,
+    ddp_steps,
+    stage_ddps,
+    tell_replicas,
+)
 from xgrad.torch_backend.pipeline_edges import (
     next_step,
     step_tag,
@@ -154,6 +159,11 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group
         self._reduce_at = reduce_points(self.schedule, self.rank, self._slot_of)
+        self._dp = (
+            None
+            if dp_group is None
+            else DataParallelSteps(dp_group, self.timeout, len(self._reduce_at))
+        )
         self.device = None if device is None else torch.device(device)
         if no_sync is not None:
             check_data_parallel(self.schedule, self.rank)
@@ -206,6 +216,8 @@ class PipelineRuntime(StepGroups, StagePasses):
         if UNFINISHED:  # a DDP's backward pass raised on this thread: its peers are told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
+        if self._dp is not None:
+            self._dp.start()
         self._devices, self._joins = {}, StageJoins()
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
@@ -271,7 +283,7 @@ class PipelineRuntime(StepGroups, StagePasses):
             live = error.failure.kind == "error"
             wire.poison(self._pipeline_rank(error.rank) if live else None)
             self._reset(error, wire)
-            tell_ddps(self._ddps, error, self._ddp_steps)
+            tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
             raise
         except Exception as exc:
             failure = self._fail_here(channel, wire, action, exc)
@@ -290,7 +302,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
         wire.poison()
         self._reset(None, wire)
-        tell_ddps(self._ddps, error_for(failure, channel.rank), self._ddp_steps)
+        tell_replicas(error_for(failure, channel.rank), self._ddps, self._ddp_steps, self._dp)
         return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:

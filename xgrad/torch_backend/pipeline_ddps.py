@@ -19,7 +19,7 @@ from torch import nn
 
 from xgrad.failure import RankError
 
-__all__ = ["ddp_steps", "stage_ddps", "tell_ddps"]
+__all__ = ["DataParallelSteps", "ddp_steps", "stage_ddps", "tell_replicas"]
 
 
 def stage_ddps(partitions: Sequence[nn.Module]) -> list[Any]:
@@ -34,10 +34,73 @@ def ddp_steps(ddps: Sequence[Any]) -> list[int]:
     return [ddp._watch.step for ddp in ddps]
 
 
-def tell_ddps(ddps: Sequence[Any], error: RankError, since: Sequence[int]) -> None:
+def tell_replicas(
+    error: RankError, ddps: Sequence[Any], since: Sequence[int], dp: DataParallelSteps | None
+) -> None:
     """After a failed step (``error``): each DDP whose step this rank gave up (it was
     accumulating for one, its synchronised pass was cut short, or it had not begun the
-    one its peers are in: its number is still ``since``'s) tells its peers at once."""
+    one its peers are in: its number is still ``since``'s) tells its peers at once, and
+    so do the REDUCE_GRAD all-reduces over ``dp_group`` (``dp``)."""
     for ddp, step in zip(ddps, since, strict=True):
         with contextlib.suppress(Exception):  # the step's own error is the one raised
             ddp._abandon_step("pipeline step", error, since=step)
+    if dp is not None:
+        with contextlib.suppress(Exception):
+            dp.abandon(error)
+
+
+class DataParallelSteps:
+    """The REDUCE_GRAD all-reduces of a pipeline with ``dp_group``, step by step, on a
+    failure channel and a private group of that group (a DDP's :class:`StepWatch`).
+
+    Each pipeline step that reduces is one step of the data-parallel group, begun at the
+    step's first REDUCE_GRAD. A replica whose pipeline step fails before its reductions
+    are all done posts that to the data-parallel step (beginning it if it had not): the
+    other replicas, waiting in its all-reduce, raise it instead of pairing it with the
+    failed replica's next step (silently wrong gradients), and every rank moves to a
+    fresh private group at the next step. Once this rank's reductions are all done the
+    other replicas' are too, so a later failure leaves the group as it is.
+
+    Args:
+        group: the data-parallel group.
+        timeout: seconds any wait may last.
+        reductions: this rank's REDUCE_GRADs per step (the partitions it averages).
+    """
+
+    def __init__(self, group: Any, timeout: float, reductions: int) -> None:
+        from xgrad.torch_backend.ddp_failure import StepWatch
+
+        self.watch = StepWatch(group, timeout)
+        self.reductions = reductions
+        self.begun = False
+        self.done = 0
+
+    def start(self) -> None:
+        """A pipeline step begins (its data-parallel step begins at its first reduction)."""
+        self.begun, self.done = False, 0
+
+    def group(self) -> Any:
+        """The private group of this step's all-reduces (the step begun at the first)."""
+        if not self.begun:
+            self.watch.begin_step()
+            self.begun = True
+        return self.watch.current_group()
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for one all-reduce, watching the data-parallel step's channel."""
+        self.watch.wait_work(work, what)
+
+    def finished(self) -> None:
+        """One partition's REDUCE_GRAD is done (all its all-reduces awaited)."""
+        self.done += 1
+
+    def abandon(self, error: BaseException) -> None:
+        """This rank's pipeline step failed (``error``): tell the other replicas, unless
+        its reductions were all done (then theirs are too)."""
+        if self.begun and self.done >= self.reductions:
+            return
+        if not self.begun:
+            self.watch.begin_step()
+            self.begun = True
+        cause = RuntimeError(str(error)) if isinstance(error, RankError) else error
+        self.watch.post("pipeline step", cause)

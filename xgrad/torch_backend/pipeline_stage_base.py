@@ -40,6 +40,7 @@ class StageState:
     _channel: FailureChannel | None
     _waiters: tuple[Waiter, Waiter]
     _dp_group: Any
+    _dp: Any  # the data-parallel steps (pipeline_ddps.DataParallelSteps), with _dp_group
     _reduce_grad: Callable[[int], None] | None
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
     _wire: StepWire  # the step's sends and receives
@@ -111,11 +112,11 @@ class StageState:
                 )
             )
             flat = torch.cat(parts)
-            work = dist.all_reduce(flat, group=self._dp_group, async_op=True)
+            work = dist.all_reduce(flat, group=self._dp.group(), async_op=True)
             launched.append((params, flat, work))
         size = dist.get_world_size(self._dp_group)
         for params, flat, work in launched:
-            self._wait(work, f"{action} (all-reduce)")
+            self._dp.wait(work, f"{action} (all-reduce)")
             counts = flat[-len(params) :].tolist()
             values = flat[: -len(params)]
             values /= size
@@ -131,6 +132,7 @@ class StageState:
                     p.grad = mean.to_sparse(p.grad.sparse_dim())
                 else:
                     p.grad.copy_(mean)
+        self._dp.finished()
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
