@@ -238,6 +238,10 @@ class PipelineRuntime(StepGroups, StagePasses):
             # completed there, not here): reset as that peer does, so both open the next
             # step alike (a fresh group, the schedule agreed again).
             self._reset(error, None)
+            tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
+            raise
+        except Exception as exc:  # this rank's batch it cannot split (posted by _open_step)
+            tell_replicas(exc, self._ddps, self._ddp_steps, self._dp)
             raise
         slots: dict[tuple[int, int], Slot] = {}
 

@@ -35,7 +35,7 @@ def ddp_steps(ddps: Sequence[Any]) -> list[int]:
 
 
 def tell_replicas(
-    error: RankError, ddps: Sequence[Any], since: Sequence[int], dp: DataParallelSteps | None
+    error: BaseException, ddps: Sequence[Any], since: Sequence[int], dp: DataParallelSteps | None
 ) -> None:
     """After a failed step (``error``): each DDP whose step this rank gave up (it was
     accumulating for one, its synchronised pass was cut short, or it had not begun the
