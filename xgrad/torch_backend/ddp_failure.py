@@ -25,7 +25,6 @@ the next forward pass by :mod:`.ddp_recover`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from typing import Any
 
@@ -44,15 +43,9 @@ from xgrad.torch_backend.failure import (
     transfer_error,
 )
 from xgrad.torch_backend.group_keys import StoreKeys
-from xgrad.torch_backend.private_groups import private_group
+from xgrad.torch_backend.private_groups import group_count, private_group
 
 __all__ = ["StepWatch"]
-
-#: per process group's name: its DDP instances in construction order. Counted per group,
-#: not per process: ranks that also run a DDP on another group (that not every member is
-#: in) made more DDPs, and each rank's channels were then named apart (a failure posted
-#: on one was never seen by the other).
-_instances: dict[str, itertools.count[int]] = {}
 
 
 def _describe(exc: BaseException) -> str:
@@ -70,9 +63,10 @@ class StepWatch:
     def __init__(self, group: Any, timeout: float) -> None:
         self.user_group = group
         self.timeout = timeout
-        pg: Any = dist.group.WORLD if group is None else group
-        name = str(dist.distributed_c10d._get_process_group_name(pg))
-        self.instance = next(_instances.setdefault(name, itertools.count()))
+        # Counted per group, not per process: ranks that also ran a DDP on another group
+        # (that not every member is in) made more DDPs, and each rank's channels were then
+        # named apart (a failure posted on one was never seen by the other).
+        self.instance = group_count("DDP", group)
         self.step = 0
         self.poll = default_seconds("poll_interval")
         self.world = dist.get_world_size(group)
@@ -160,6 +154,11 @@ class StepWatch:
         # Also an instance of this rank's own exception's type: ``except ValueError``
         # around a forward pass catches it, as under PyTorch's DDP (xgrad.local_errors).
         return as_local(error_for(failure, self.channel.rank), exc)
+
+    def post_here(self, where: str, exc: BaseException) -> RankError:
+        """:meth:`post`, with another group's failure (a ``RankError`` raised around this
+        DDP: a pipeline's) posted as this rank's, so this DDP's peers see it."""
+        return self.post(where, RuntimeError(str(exc)) if isinstance(exc, RankError) else exc)
 
     def call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``; a failure is posted and raised as the step's RankError."""

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.callers import user_stacklevel
-from xgrad.failure import RankError
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 
 if TYPE_CHECKING:
@@ -166,9 +165,7 @@ def abandon_step(
     elif not hooks.accumulating:
         return None
     hooks.accumulating = False  # the step (begun at the accumulation's first pass) is over
-    if isinstance(exc, RankError):  # another group's failure: posted here as this rank's
-        return watch.post(where, RuntimeError(str(exc)))
-    return watch.post(where, exc)
+    return watch.post_here(where, exc)
 
 
 def post_failed_passes(current: GradientHooks | None) -> None:

@@ -17,8 +17,6 @@ from typing import Any
 
 from torch import nn
 
-from xgrad.failure import RankError
-
 __all__ = ["DataParallelSteps", "ddp_steps", "stage_ddps", "tell_replicas"]
 
 
@@ -102,5 +100,4 @@ class DataParallelSteps:
         if not self.begun:
             self.watch.begin_step()
             self.begun = True
-        cause = RuntimeError(str(error)) if isinstance(error, RankError) else error
-        self.watch.post("pipeline step", cause)
+        self.watch.post_here("pipeline step", error)

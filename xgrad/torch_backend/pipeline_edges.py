@@ -13,12 +13,11 @@ import atexit
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, RankError, error_for, wait_until
 from xgrad.pipeline import Action, Kind, Schedule
@@ -28,6 +27,7 @@ from xgrad.torch_backend.pipeline_frame import Frame
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import Edge, WirePlan
 from xgrad.torch_backend.pipeline_wire import retire
+from xgrad.torch_backend.private_groups import group_count
 
 __all__ = [
     "POISON",
@@ -231,7 +231,6 @@ _TAG_LIMIT = 1 << 30
 
 #: steps started per process group, in this process (every rank counts alike: the channel
 #: namespace and the tag of a step).
-_steps: dict[str, Iterator[int]] = {}
 
 #: private groups of failed steps not aborted yet (aborted at exit at the latest, so that
 #: their pending transfers cannot hold the process).
@@ -240,9 +239,7 @@ _set_aside: set[Any] = set()
 
 def next_step(group: Any) -> int:
     """The number of the step this process starts now on ``group`` (1, 2, ...)."""
-    pg: Any = dist.group.WORLD if group is None else group
-    name = str(dist.distributed_c10d._get_process_group_name(pg))
-    return next(_steps.setdefault(name, itertools.count(1)))
+    return group_count("pipeline step", group, start=1)
 
 
 def wait_all_started(

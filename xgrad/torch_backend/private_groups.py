@@ -26,10 +26,22 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-__all__ = ["private_group", "require_member"]
+__all__ = ["group_count", "private_group", "require_member"]
 
-#: per name of a members' group, the private groups this process made from it.
-_MADE: dict[str, int] = {}
+#: per (what is counted, group name): how many this process counted on that group.
+_COUNTS: dict[tuple[str, str], int] = {}
+
+
+def group_count(what: str, group: Any = None, start: int = 0) -> int:
+    """The next number of ``what`` on ``group`` (``None``: the default group) in this
+    process: ``start``, ``start + 1``, ... Counted per group, not per process, so the
+    members of a group number alike even when some also belong to other groups (they
+    make those groups' DDPs, steps and private groups too)."""
+    pg: Any = dist.group.WORLD if group is None else group
+    key = (what, str(dist.distributed_c10d._get_process_group_name(pg)))
+    n = _COUNTS.get(key, start)
+    _COUNTS[key] = n + 1
+    return n
 
 
 def private_group(
@@ -75,8 +87,7 @@ def _named_after(
         default_backend, store = world.pg_map[default]
         parent_name = world.pg_names[parent if parent is not None else default]
         chosen = dist.Backend(backend or default_backend)
-        made = _MADE.get(parent_name, 0)
-        _MADE[parent_name] = made + 1
+        made = group_count("private group", parent)
         group, _ = c10d._new_process_group_helper(
             len(members),
             members.index(dist.get_rank()),
