@@ -220,3 +220,52 @@ def test_a_keyboard_interrupt_in_backward_reaches_every_rank_and_the_group_stays
         assert out[rank]["first_took"] < 5.0, out[rank]
     assert all(o["next"] == "no error" for o in out), out
     assert out[0]["next_grad"] == [6.0, 6.0, 6.0]
+
+
+def _accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Two passes in one context, and ``accumulate_grad`` over two contexts, with a
+    leaf whose layout is not contiguous (a transposed parameter)."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64).t()
+    w.requires_grad_()  # strides (1, 3): a leaf laid out as its transpose
+    out: dict[str, Any] = {}
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            da.send(w * 2, 1)
+            da.backward(cid, [], retain_graph=True)
+            first = da.get_gradients(cid)[w]
+            da.backward(cid, [])
+            out["first_after_second"] = first.tolist()
+            out["second"] = da.get_gradients(cid)[w].tolist()
+        else:
+            y = da.recv(0)
+            da.backward(cid, [y.sum()], retain_graph=True)
+            da.backward(cid, [y.sum()])
+    grads = []
+    for _ in range(2):
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(w * 2, 1)
+                da.backward(cid, [], accumulate_grad=True)
+                assert w.grad is not None
+                grads.append((w.grad.data_ptr(), w.grad.stride(), w.grad.tolist()))
+            else:
+                da.backward(cid, [da.recv(0).sum()], accumulate_grad=True)
+    out["grads"] = grads
+    return out
+
+
+def test_gradients_accumulate_in_place_as_pytorchs_do() -> None:
+    """A dict ``get_gradients`` returned missed a later pass of the same context (a new
+    tensor each time), and ``accumulate_grad`` made a new, contiguous ``.grad`` each
+    time; PyTorch's context and AccumulateGrad add in place, in the leaf's layout."""
+    results, codes = run_ranks(_accumulation, 2, timeout=120)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    out = results[0][1]
+    assert out["first_after_second"] == out["second"] == [[4.0] * 2] * 3
+    (ptr1, stride1, grad1), (ptr2, stride2, grad2) = out["grads"]
+    assert ptr1 == ptr2 and stride1 == stride2 == (1, 3)
+    assert grad1 == [[2.0] * 2] * 3 and grad2 == [[4.0] * 2] * 3

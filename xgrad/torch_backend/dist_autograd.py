@@ -278,10 +278,16 @@ def _run(
             grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
             leaf = rank_graph.leaves[i]
             old = ctx.grads.get(id(leaf))
-            kept = accumulate.private(grad, leaf) if old is None else old[1] + grad
+            # In place, as PyTorch's context accumulates: a dict get_gradients returned
+            # sees a later pass of the same context.
+            kept = accumulate.private(grad, leaf) if old is None else old[1].add_(grad)
             ctx.grads[id(leaf)] = (leaf, kept)
             if accumulate_grad:
-                leaf.grad = grad.clone() if leaf.grad is None else leaf.grad + grad
+                # As AccumulateGrad does: a new .grad in the leaf's layout, else added in.
+                if leaf.grad is None:
+                    leaf.grad = torch.empty_like(leaf).copy_(grad)
+                else:
+                    leaf.grad.add_(grad)
     if not retain_graph:
         ctx.graph_freed = True
 
