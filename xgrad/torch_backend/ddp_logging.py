@@ -85,9 +85,10 @@ def _gloo_threads(group: Any) -> int | None:
         return None
 
 
-def _epoch_ns(perf_seconds: float) -> int:
-    """A ``time.perf_counter`` moment as ns since the epoch (PyTorch's host-side times)."""
-    return time.time_ns() - int((time.perf_counter() - perf_seconds) * 1e9)
+def _epoch_offset_ns() -> int:
+    """Add to a ``time.perf_counter`` moment in ns to get ns since the epoch (PyTorch's
+    host-side times)."""
+    return time.time_ns() - int(time.perf_counter() * 1e9)
 
 
 class RuntimeLog:
@@ -129,14 +130,19 @@ class RuntimeLog:
             keys[key] = value
             self._sums[key] = self._sums.get(key, 0) + value
             keys[f"avg_{key}"] = self._sums[key] // self._samples
-        keys["forward_compute_time_start"] = _epoch_ns(times.forward_start)
-        keys["backward_compute_time_start"] = _epoch_ns(last.backward_start)
-        keys["backward_compute_time_end"] = _epoch_ns(
+        offset = _epoch_offset_ns()  # read once: the moments stay in order
+
+        def epoch_ns(perf_seconds: float) -> int:
+            return offset + int(perf_seconds * 1e9)
+
+        keys["forward_compute_time_start"] = epoch_ns(times.forward_start)
+        keys["backward_compute_time_start"] = epoch_ns(last.backward_start)
+        keys["backward_compute_time_end"] = epoch_ns(
             last.ready_times[-1] if last.ready_times else last.backward_start
         )
         if last.launch_times:
-            keys["backward_comm_time_start"] = _epoch_ns(min(last.launch_times))
-            keys["backward_comm_time_end"] = _epoch_ns(max(last.finish_times))
+            keys["backward_comm_time_start"] = epoch_ns(min(last.launch_times))
+            keys["backward_comm_time_end"] = epoch_ns(max(last.finish_times))
 
 
 def logging_data(ddp: Any) -> dict[str, Any]:

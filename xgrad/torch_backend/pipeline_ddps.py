@@ -17,6 +17,8 @@ from typing import Any
 
 from torch import nn
 
+from xgrad.torch_backend.ddp_failure import StepWatch
+
 __all__ = ["DataParallelSteps", "ddp_steps", "stage_ddps", "tell_replicas"]
 
 
@@ -66,8 +68,6 @@ class DataParallelSteps:
     """
 
     def __init__(self, group: Any, timeout: float, reductions: int) -> None:
-        from xgrad.torch_backend.ddp_failure import StepWatch
-
         self.watch = StepWatch(group, timeout)
         self.reductions = reductions
         self.begun = False

@@ -129,9 +129,8 @@ class EdgeBook:
         group, peer = self._routes[edge]
         try:
             work = group.send([tensor], peer, self._tag_of(edge, side))
-        except (
-            RuntimeError
-        ) as exc:  # a connection a peer's timed-out wait closed: its post names it
+        except RuntimeError as exc:
+            # A connection a peer's timed-out wait closed: the peer's post names it.
             raise transfer_failed(self.channel, "send", exc, self._peer(edge)) from exc
         key = next(self._keys)
         self._sends[key] = (work, tensor)
