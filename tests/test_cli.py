@@ -235,3 +235,27 @@ def test_the_help_shows_both_defaults_of_a_quick_option(
     with pytest.raises(SystemExit):
         main(["bench", "dist-autograd", "--help"])
     assert "(default: 256; with --quick 8)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`xgrad schedule ... | head`: no traceback and no error line once the reader has gone."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    # Far more than a pipe holds, so the command is still writing when the reader leaves.
+    argv = ["schedule", "gpipe", "-p", "8", "-m", "1000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xgrad.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"gpipe: p=8 m=1000")
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == ""

@@ -80,6 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _dispatch(list(argv))
     try:
         return _dispatch(sys.argv[1:])
+    except BrokenPipeError:
+        # The reader went away (`xgrad schedule ... | head`): what it wanted it has, so
+        # leave quietly, as a tool killed by SIGPIPE does (128 + 13), and point stdout at
+        # nothing so the interpreter's final flush does not raise the same error again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (ValueError, TypeError, OSError) as err:
         if os.environ.get("XGRAD_TRACEBACK"):
             raise
