@@ -278,7 +278,7 @@ def _bad_input(rank: int, da: Any) -> list[str]:
     expect(lambda: da.context(timeout=float("nan")).__enter__())
     expect(lambda: da.get_gradients(12345))
     with da.context() as cid:
-        expect(lambda: da.send(t, rank))
+        expect(lambda: da.recv(rank))  # nothing sent to itself yet
         expect(lambda: da.send(t, 7))
         expect(lambda: da.recv("0"))
         expect(lambda: da.send([1.0], 0 if rank else 1))
@@ -325,9 +325,11 @@ def test_gradients_equal_one_process_and_every_failure_reaches_every_rank() -> N
         bad = results[rank][1]["bad"]
         assert bad[0] == "RuntimeError: send must be called inside `with dist_autograd.context():`"
         assert bad[1].startswith("ValueError: timeout=nan must be a positive, finite")
-        assert bad[2].startswith("ValueError: context_id=12345 is not an open distributed")
-        assert bad[3].startswith(f"ValueError: dst={rank} is not another rank of the context's")
-        assert bad[4].startswith("ValueError: dst=7 is not another rank")
+        assert bad[2].startswith(
+            "UnknownContextError: Could not find autograd context with id: 12345 (context_id="
+        )
+        assert bad[3].startswith(f"RuntimeError: recv(src={rank}) on rank {rank}: this rank has")
+        assert bad[4].startswith("ValueError: dst=7 is not a rank of the context's group")
         assert bad[5] == "TypeError: src='0' must be an int rank"
         assert bad[6] == "TypeError: tensor is a list, not a torch.Tensor"
     assert results[0][1]["twice"] == pytest.approx([6.0, 6.0, 6.0])

@@ -1,6 +1,7 @@
 """How a rank's pass adds up its leaves' gradients, and runs their tensor hooks on the sum.
 
-The context keeps each leaf's gradient: a private copy, unless only the pass holds it.
+The context keeps each leaf's gradient: a private copy, unless only the pass holds it;
+with ``accumulate_grad`` it is also added into ``.grad``, as PyTorch's AccumulateGrad does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from xgrad.engine import Engine
 
-__all__ = ["Accumulate", "leaf_hooks"]
+__all__ = ["Accumulate", "add_to_grad", "leaf_hooks", "post_accumulate_hooks"]
 
 
 def _count_refs(value: Any) -> int:
@@ -87,3 +88,24 @@ def leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
         engine.grads[param] = grad
 
     return run
+
+
+def add_to_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``leaf.grad`` as AccumulateGrad does (under ``no_grad``): a new
+    ``.grad`` in the leaf's layout (a copy: the context keeps ``grad``), else added in."""
+    if leaf.grad is None:
+        leaf.grad = torch.empty_like(leaf).copy_(grad)
+    else:
+        leaf.grad.add_(grad)
+
+
+def post_accumulate_hooks(leaves: list[torch.Tensor]) -> None:
+    """Run each leaf's ``register_post_accumulate_grad_hook`` hooks, in registration order.
+
+    Called once per pass, after every leaf's ``.grad`` was written (PyTorch's AccumulateGrad
+    runs them right after writing ``.grad``, so a hook that steps the leaf, as an
+    optimizer in backward does, sees this pass's gradient).
+    """
+    for leaf in leaves:
+        for hook in list((leaf._post_accumulate_grad_hooks or {}).values()):
+            hook(leaf)

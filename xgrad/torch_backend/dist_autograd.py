@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import RankError, check_seconds
-from xgrad.torch_backend.dist_accumulate import Accumulate
+from xgrad.torch_backend.dist_accumulate import Accumulate, add_to_grad, post_accumulate_hooks
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_graveyard import bury_sent
@@ -40,7 +40,15 @@ from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.failure import transfer_error
 from xgrad.torch_backend.private_groups import require_member
 
-__all__ = ["DistBackwardError", "backward", "context", "get_gradients", "recv", "send"]
+__all__ = [
+    "DistBackwardError",
+    "UnknownContextError",
+    "backward",
+    "context",
+    "get_gradients",
+    "recv",
+    "send",
+]
 
 #: how a rank's local graph runs: "nodes" (xgrad's engine calling each ``grad_fn``) or
 #: "waves" (torch's engine, one call per set of outputs whose gradients are there,
@@ -68,12 +76,22 @@ def _current(what: str) -> Context:
     return ctx
 
 
+class UnknownContextError(ValueError, RuntimeError):
+    """A context id that names no open context of this process.
+
+    Both a ``ValueError`` (a bad argument, as xgrad's callers catch it) and a
+    ``RuntimeError`` (what PyTorch's ``torch.distributed.autograd`` raises, so code
+    written for it catches this too).
+    """
+
+
 def _get(context_id: int) -> Context:
     ctx = _open.get(context_id)
     if ctx is None:
-        raise ValueError(
-            f"context_id={context_id!r} is not an open distributed autograd context "
-            f"(open: {sorted(_open)})"
+        # PyTorch's wording first, for code and people that look for it.
+        raise UnknownContextError(
+            f"Could not find autograd context with id: {context_id!r} (context_id="
+            f"{context_id!r} is not an open distributed autograd context; open: {sorted(_open)})"
         )
     return ctx
 
@@ -156,10 +174,16 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
-    """Send ``tensor`` to rank ``dst`` of the context; its gradient comes back in backward."""
+    """Send ``tensor`` to rank ``dst`` of the context; its gradient comes back in backward.
+
+    ``dst`` may be this rank, as PyTorch's RPC may call itself (:mod:`.dist_self`).
+    """
     ctx = _current("send")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor is a {type(tensor).__name__}, not a torch.Tensor")
+    if ctx.rank_of(dst, "dst") == ctx.me:
+        ctx.to_self.send(tensor)
+        return
     link = ctx.link(dst, "dst")
     try:
         ctx.works.append((dst, link.send_tensor(tensor)))
@@ -173,9 +197,12 @@ def send(tensor: torch.Tensor, dst: int) -> None:
 def recv(src: int) -> torch.Tensor:
     """Receive the next tensor rank ``src`` sent in this context (bounded by the timeout).
 
-    Shape and dtype travel with the tensor; it requires grad when the sent one did.
+    Shape and dtype travel with the tensor; it requires grad when the sent one did. From
+    this rank itself: at once, a copy whose ``grad_fn`` leads to the sent tensor.
     """
     ctx = _current("recv")
+    if ctx.rank_of(src, "src") == ctx.me:
+        return ctx.to_self.recv()
     link = ctx.link(src, "src")
     ctx.ledger.enter("recv", src)
     header: list[bytes] = []
@@ -214,7 +241,8 @@ def backward(
         roots: scalar tensors to differentiate (``[]`` on a rank that only forwards).
         retain_graph: allow another backward pass through the same graph in this context.
         accumulate_grad: also add the leaves' gradients into their ``.grad`` (for ordinary
-            optimizers); they always accumulate in the context (:func:`get_gradients`).
+            optimizers), then run their post-accumulate-grad hooks, once per leaf, as
+            AccumulateGrad does; they always accumulate in the context (:func:`get_gradients`).
 
     Raises:
         DistBackwardError: on every rank, when any rank failed (named), or a rank stopped
@@ -273,6 +301,7 @@ def _run(
         raise
     sent, received = [t for _, _, t in ctx.sends], [t for _, _, t in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
+    hooked: list[torch.Tensor] = []
     with torch.no_grad():
         for i in list(grads):
             grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
@@ -283,13 +312,16 @@ def _run(
             kept = accumulate.private(grad, leaf) if old is None else old[1].add_(grad)
             ctx.grads[id(leaf)] = (leaf, kept)
             if accumulate_grad:
-                # As AccumulateGrad does: a new .grad in the leaf's layout, else added in.
-                if leaf.grad is None:
-                    leaf.grad = torch.empty_like(leaf).copy_(grad)
-                else:
-                    leaf.grad.add_(grad)
-    if not retain_graph:
-        ctx.graph_freed = True
+                add_to_grad(leaf, grad)
+                if leaf._post_accumulate_grad_hooks:
+                    hooked.append(leaf)
+        if not retain_graph:
+            ctx.graph_freed = True
+        try:
+            post_accumulate_hooks(hooked)
+        except Exception as exc:  # the pass is over: the others hear of it at their next wait
+            failure = ctx.channel.post("AccumulateGrad", f"{type(exc).__name__}: {exc}")
+            raise ctx.error(RankError(failure, ctx.me)) from exc
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

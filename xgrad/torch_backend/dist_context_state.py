@@ -19,6 +19,7 @@ from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
+from xgrad.torch_backend.dist_self import ToSelf
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
 
@@ -73,6 +74,7 @@ class Context:
         self.device = header_device(pg)
         self._leader = leader
         self.links: dict[int, Link] = {}
+        self.to_self = ToSelf(self.me)
         self.sends: list[tuple[int, int, torch.Tensor]] = []
         self.recvs: list[tuple[int, int, torch.Tensor]] = []
         self.counts: dict[tuple[str, int], int] = {}
@@ -90,14 +92,22 @@ class Context:
         cls = DistBackwardError if exc.failure.kind == "error" else DistBackwardUnresponsiveError
         return cls(self.id, exc)
 
-    def link(self, peer: Any, arg: str) -> Link:
+    def rank_of(self, peer: Any, arg: str) -> int:
+        """``peer`` checked as a rank of the context's group (this rank too: a send to
+        itself, :mod:`.dist_self`)."""
         if not isinstance(peer, int) or isinstance(peer, bool):
             raise TypeError(f"{arg}={peer!r} must be an int rank")
-        if peer not in self.ranks or peer == self.me:
+        if peer not in self.ranks:
             raise ValueError(
-                f"{arg}={peer} is not another rank of the context's group {self.ranks} "
+                f"{arg}={peer} is not a rank of the context's group {self.ranks} "
                 f"(this is rank {self.me})"
             )
+        return peer
+
+    def link(self, peer: Any, arg: str) -> Link:
+        """The link to another rank of the group (made on first use)."""
+        if self.rank_of(peer, arg) == self.me:
+            raise ValueError(f"{arg}={peer} is this rank, which has no link to itself")
         if peer not in self.links:
             group_peer = dist.get_group_rank(self.pg, peer)
             self.links[peer] = Link(
@@ -212,6 +222,7 @@ class Context:
         if self.reported:
             bury_sent(self.works)
             return
+        self.to_self.check_received()
         store, key, world = self.channel.store, f"{self.channel.prefix}/exit", len(self.ranks)
         # The last rank to arrive learns it from its own add (no lookup after it).
         if store.add(key, self.ledger.exit_amount()) != world:

@@ -1,0 +1,192 @@
+"""Where ``dist_autograd`` behaves as PyTorch's RPC ``torch.distributed.autograd`` does.
+
+- An unknown context id raises an error that is a ``RuntimeError`` (PyTorch's "Could not
+  find autograd context with id: ...") and a ``ValueError`` (a bad argument, as before).
+- With ``accumulate_grad=True`` each leaf's post-accumulate-grad hooks run once per pass,
+  after its ``.grad`` was written, as PyTorch's AccumulateGrad runs them; a hook that
+  raises is reported on every rank.
+- A rank may send to itself, as PyTorch's RPC may call itself: the gradient of the
+  matching ``recv`` flows back to the ``send`` in the same pass; a self-send never received
+  or a receive from itself with nothing sent is named, and the next context is clean.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from xgrad.torch_backend import dist_autograd as da
+
+FAST_HEARTBEAT = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
+
+
+@pytest.mark.parametrize("call", ["get_gradients", "backward"])
+def test_an_unknown_context_id_is_a_runtime_error_and_a_value_error(call: str) -> None:
+    with pytest.raises(RuntimeError) as caught:  # what code written for PyTorch catches
+        if call == "get_gradients":
+            da.get_gradients(12345)
+        else:
+            da.backward(12345, [])
+    assert isinstance(caught.value, ValueError)  # what xgrad's callers catch
+    assert type(caught.value).__name__ == "UnknownContextError"
+    assert str(caught.value).startswith("Could not find autograd context with id: 12345 (")
+
+
+def _post_accumulate(rank: int, world: int) -> dict[str, Any]:
+    """Passes with accumulate_grad on both engines; then a hook that raises."""
+    os.environ.update(FAST_HEARTBEAT)
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        w = torch.full((3,), 1.0, dtype=torch.float64, requires_grad=True)
+        seen: list[tuple[str, list[float]]] = []
+
+        def hook(p: torch.Tensor, seen: list[Any] = seen) -> None:
+            assert p.grad is not None
+            seen.append(("post", p.grad.tolist()))
+
+        w.register_post_accumulate_grad_hook(hook)
+        w.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append(("second", [])))
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                y = w * 2
+                da.send(y, 1)
+                da.send(y, 1)  # two paths to w: its hooks still run once a pass
+                loss = [(w * 3).sum()]
+            else:
+                loss = [(da.recv(0) + da.recv(0) * 10).sum() + (w * 5).sum()]
+            da.backward(cid, loss, retain_graph=True, accumulate_grad=True)
+            da.backward(cid, loss, retain_graph=True, accumulate_grad=True)
+            da.backward(cid, loss)  # not accumulated into .grad: no hook
+        out[execute] = seen
+    # A post-accumulate hook that raises: its rank names it, the other hears of it.
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    if rank == 0:
+        w.register_post_accumulate_grad_hook(lambda p: 1 / 0)
+    try:
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(w * 2, 1)
+                da.backward(cid, [], accumulate_grad=True)
+            else:
+                da.backward(cid, [da.recv(0).sum()], accumulate_grad=True)
+    except da.DistBackwardError as exc:
+        out["failed"] = (str(exc), exc.rank)
+    else:
+        out["failed"] = ("no error", -1)
+    # The next context is clean.
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            da.send(w * 4, 1)
+            da.backward(cid, [])
+            out["after"] = da.get_gradients(cid)[w].tolist()
+        else:
+            da.backward(cid, [da.recv(0).sum()])
+    return out
+
+
+def test_post_accumulate_grad_hooks_run_once_per_leaf_per_pass_after_grad() -> None:
+    results, codes = run_ranks(_post_accumulate, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    outs = {}
+    for rank in range(2):
+        status, outs[rank] = results[rank]
+        assert status == "ok", outs[rank]
+    # rank 0: d/dw = 3 + 2 + 20 = 25 a pass; rank 1: 5. .grad is written before the hooks.
+    for rank, per_pass in ((0, 25.0), (1, 5.0)):
+        for execute in ("nodes", "waves"):
+            assert outs[rank][execute] == [
+                ("post", [per_pass] * 3),
+                ("second", []),
+                ("post", [2 * per_pass] * 3),
+                ("second", []),
+            ], (rank, execute)
+    for rank in range(2):
+        msg, origin = outs[rank]["failed"]
+        assert msg.startswith("Error on rank 0 in AccumulateGrad: ZeroDivisionError"), msg
+        assert origin == 0
+    assert outs[0]["after"] == [4.0, 4.0, 4.0]
+
+
+def _self_send(rank: int, world: int) -> dict[str, Any]:
+    """0 sends to itself and to 1, 1 answers; then misuse of a send to oneself."""
+    os.environ.update(FAST_HEARTBEAT)
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(3, generator=g, dtype=torch.float64).requires_grad_()
+    a = w * 3
+    r = a * 2
+    reference = (a * (torch.sin(r) * v)).sum() + (r * v).sum()
+    want = torch.autograd.grad(reference, [w, v])
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                t = w * 3
+                da.send(t, 0)
+                t.detach().fill_(7.0)  # after the call: not what is received
+                da.send(w * 6, 1)
+                b = da.recv(0)
+                out[f"snapshot_{execute}"] = bool(torch.equal(b.detach(), (w * 3).detach()))
+                out[f"grad_fn_{execute}"] = b.grad_fn is not None
+                c = da.recv(1)
+                da.backward(cid, [(b * c).sum()])
+                got = da.get_gradients(cid)[w]
+                out[execute] = float((got - want[0]).abs().max())
+            else:
+                r1 = da.recv(0)
+                da.send(torch.sin(r1) * v, 0)
+                da.backward(cid, [(r1 * v).sum()])
+                out[execute] = float((da.get_gradients(cid)[v] - want[1]).abs().max())
+    # recv from oneself with nothing sent: refused at once, the context goes on.
+    with da.context(timeout=20) as cid:
+        try:
+            da.recv(rank)
+        except RuntimeError as exc:
+            out["empty"] = str(exc)
+        da.backward(cid, [])
+    # A send to oneself never received: named on every rank at the exit.
+    try:
+        with da.context(timeout=20) as cid:
+            if rank == 1:
+                da.send(w * 2, 1)
+            da.backward(cid, [])
+    except Exception as exc:
+        origin = exc.rank if isinstance(exc, da.DistBackwardError) else rank
+        out["unreceived"] = (f"{type(exc).__name__}: {exc}", origin)
+    else:
+        out["unreceived"] = ("no error", -1)
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            da.send(w * 4, 1)
+            da.backward(cid, [])
+            out["after"] = da.get_gradients(cid)[w].tolist()
+        else:
+            da.backward(cid, [da.recv(0).sum()])
+    return out
+
+
+def test_a_rank_may_send_to_itself_and_the_gradient_flows_in_the_same_pass() -> None:
+    results, codes = run_ranks(_self_send, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    outs = {}
+    for rank in range(2):
+        status, outs[rank] = results[rank]
+        assert status == "ok", outs[rank]
+        for execute in ("nodes", "waves"):
+            assert outs[rank][execute] < 1e-12, (rank, execute, outs[rank][execute])
+        assert outs[rank]["empty"].startswith(f"recv(src={rank}) on rank {rank}: this rank has")
+        msg, origin = outs[rank]["unreceived"]
+        assert origin == 1
+        tail = "rank 1 sent itself 1 tensor(s) in this context that it did not receive"
+        assert tail in msg, msg
+        if rank == 0:
+            assert msg.startswith("DistBackwardError: Error on rank 1 in forward: RuntimeError")
+    assert outs[0]["snapshot_nodes"] and outs[0]["snapshot_waves"]
+    assert outs[0]["grad_fn_nodes"] and outs[0]["grad_fn_waves"]
+    assert outs[0]["after"] == [4.0, 4.0, 4.0]
