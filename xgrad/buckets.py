@@ -257,7 +257,8 @@ def cap_mb_to_bytes(value: object, name: str = "bucket_cap_mb") -> int:
     Raises:
         TypeError: ``value`` is not a number (a bool is not one).
         ValueError: ``value`` is not finite or is negative (PyTorch's DDP takes a
-            negative cap as 0; here it is refused as the mistake it likely is).
+            negative ``bucket_cap_mb`` as no cap, which the torch DDP copies in
+            ``ddp_caps``; here it is refused as the mistake it likely is).
 
     Example:
         >>> cap_mb_to_bytes(0.5)

@@ -236,7 +236,9 @@ def _failing_ddp_step(rank: int, where: str) -> Callable[[], None]:
         if failing[0] and rank == 1 and here == where:
             raise RuntimeError(f"a failure on purpose in {where}")
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         fault("comm hook")
         return default_hooks.allreduce_hook(state, bucket)
 

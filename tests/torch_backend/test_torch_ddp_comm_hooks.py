@@ -1,14 +1,18 @@
-"""Communication hooks on the DDP: PyTorch's built-in hook types, the future adapter's checks.
+"""Communication hooks on the DDP: PyTorch's built-in hook types, the hook's checks.
 
 In process: the built-in types map to PyTorch's Python twins and an unknown one is named;
-a hook that is not callable, or returns something other than a future, is named; a
-channels_last gradient reaches the hook as a row-major view of the bucket. One run of two
-gloo ranks: ``_register_builtin_comm_hook(FP16_COMPRESS)`` on xgrad's DDP gives PyTorch's
-DDP's gradients with the same built-in hook, step by step.
+a hook's signature is refused or accepted as PyTorch's ``_check_comm_hook`` does, with
+its exception type (run side by side); a hook that returns something other than a
+future raises PyTorch's ``RuntimeError``; a channels_last gradient reaches the hook as a
+row-major view of the bucket. Runs of two gloo ranks: ``_register_builtin_comm_hook(
+FP16_COMPRESS)`` on xgrad's DDP gives PyTorch's DDP's gradients with the same built-in
+hook, step by step; a hook returning a tensor fails the backward pass of both DDPs alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +25,7 @@ from xgrad.torch_backend.ddp_comm_hooks import (
     _row_major,
     builtin_hook,
     callbacks_compute_only,
+    check_comm_hook,
     future_hook,
 )
 from xgrad.torch_backend.spawn import spawn
@@ -38,16 +43,92 @@ def _bucket(*grads: torch.Tensor) -> GradBucket[torch.Tensor]:
     return GradBucket(0, flat, list(grads), [None] * len(grads), True)
 
 
-def test_a_hook_that_is_not_callable_or_returns_no_future_is_named() -> None:
-    with pytest.raises(TypeError, match="Communication hook must be callable, got 3"):
-        future_hook(lambda: None, 3, None)  # type: ignore[arg-type]
+def _hook(params: str = "state, bucket", **annotations: Any) -> Callable[..., Any]:
+    """A hook with these parameters and *evaluated* annotations (this module postpones
+    its own, which PyTorch's check would compare as text)."""
+    namespace: dict[str, Any] = {}
+    exec(f"def hook({params}):\n    return None", namespace)
+    hook = namespace["hook"]
+    hook.__annotations__ = annotations
+    return hook
 
+
+_FUTURE = torch.futures.Future[torch.Tensor]
+
+HOOKS: dict[str, Any] = {
+    "not_callable": 3,
+    "plain": _hook(),
+    "annotated": _hook(bucket=dist.GradBucket, **{"return": _FUTURE}),
+    "other_names": _hook("s, b"),  # PyTorch reads the signature by the name "bucket"
+    "varargs": _hook("*args"),
+    "bucket_only": _hook("bucket"),  # too few: fails when called, as PyTorch's
+    "three": _hook("state, bucket, extra"),
+    "bucket_int": _hook(bucket=int),
+    "bucket_any": _hook(bucket=Any),
+    "return_int": _hook(**{"return": int}),
+    "return_future": _hook(**{"return": torch.futures.Future}),
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "fp16_wrapper": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+}
+
+
+def _outcome(check: Callable[[Any], None], hook: Any) -> str:
+    try:
+        check(hook)
+    except Exception as err:
+        return type(err).__name__
+    return "accepted"
+
+
+def _pytorchs_check(hook: Any) -> None:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    ddp = SimpleNamespace(logger=None)  # all _check_comm_hook reads of the DDP
+    ddp._log_and_throw = lambda kind, message: TorchDDP._log_and_throw(ddp, kind, message)
+    TorchDDP._check_comm_hook(ddp, hook)
+
+
+@pytest.mark.parametrize("name", HOOKS)
+def test_a_hook_is_refused_or_accepted_as_pytorch_does(name: str) -> None:
+    assert _outcome(check_comm_hook, HOOKS[name]) == _outcome(_pytorchs_check, HOOKS[name])
+
+
+def test_refused_hooks_are_named_and_postponed_annotations_evaluated() -> None:
+    with pytest.raises(TypeError, match="Communication hook must be callable, got 3"):
+        check_comm_hook(3)
+    with pytest.raises(KeyError) as missing:
+        check_comm_hook(HOOKS["other_names"])
+    assert missing.value.args[0] == (
+        "Communication hook hook(s, b) has no parameter named 'bucket': "
+        "expected hook(state, bucket: dist.GradBucket)"
+    )
+    with pytest.raises(ValueError, match=r"should be dist\.GradBucket; hook has <class 'int'>"):
+        check_comm_hook(HOOKS["bucket_int"])
+
+    # Text annotations (this module's own): PyTorch refuses even the right ones.
+    def postponed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        raise AssertionError("never called")
+
+    def postponed_any(state: Any, bucket: Any) -> Any:
+        raise AssertionError("never called")
+
+    assert _outcome(_pytorchs_check, postponed) == "ValueError"
+    assert _outcome(check_comm_hook, postponed) == "accepted"
+    assert _outcome(check_comm_hook, postponed_any) == "ValueError"  # Any is no GradBucket
+
+
+def test_a_hook_that_returns_no_future_raises_pytorchs_error() -> None:
     def tensor_hook(state: Any, bucket: Any) -> Any:
         return bucket.buffer()
 
-    run = future_hook(lambda: None, tensor_hook, None)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"tensor_hook returned Tensor, expected torch\.futures"):
-        run(_bucket(torch.ones(3)))
+    def none_hook(state: Any, bucket: Any) -> Any:  # PyTorch's DDP crashes (SIGSEGV)
+        return None
+
+    for hook, kind in ((tensor_hook, "torch.Tensor"), (none_hook, "builtins.NoneType")):
+        run = future_hook(lambda: None, hook, None)  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match=rf"Future object, but got {kind} \(from "):
+            run(_bucket(torch.ones(3)))
 
 
 def test_a_channels_last_gradient_reaches_the_hook_row_major() -> None:
@@ -116,3 +197,31 @@ def test_only_pytorchs_compute_only_hooks_overlap_on_gloo() -> None:
 
 def test_a_builtin_hook_gives_pytorchs_gradients() -> None:
     assert spawn(_builtin_fp16, 2, timeout=60) == [True, True]
+
+
+def _tensor_returned(rank: int, world: int) -> list[tuple[bool, str]]:
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    # Unannotated: PyTorch's check refuses this module's (postponed) annotations.
+    def tensor_hook(state, bucket):  # type: ignore[no-untyped-def]
+        return bucket.buffer()
+
+    out = []
+    for cls in (DistributedDataParallel, TorchDDP):
+        ddp = cls(torch.nn.Linear(3, 2))
+        ddp.register_comm_hook(None, tensor_hook)
+        try:
+            ddp(torch.ones(2, 3)).sum().backward()
+            out.append((False, "no error"))
+        except Exception as err:
+            out.append((isinstance(err, RuntimeError), str(err)))
+    return out
+
+
+def test_a_hook_returning_a_tensor_fails_the_backward_pass_as_pytorchs() -> None:
+    needle = "must return a torch.futures.Future object, but got torch.Tensor"
+    for ours, theirs in spawn(_tensor_returned, 2, timeout=60):
+        assert ours[0] and theirs[0], (ours, theirs)
+        assert needle in ours[1] and needle in theirs[1], (ours, theirs)

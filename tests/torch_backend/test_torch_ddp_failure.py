@@ -62,7 +62,9 @@ def _sequence(rank: int, world: int) -> list[dict[str, Any]]:
     }
     step = [0]
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         kind, ranks = plan.get(step[0], ("", set()))
         if kind == "hook" and rank in ranks:
             raise ValueError(f"boom in hook on rank {rank}")
@@ -211,7 +213,9 @@ def _callback_raises(rank: int, world: int) -> tuple[str, float]:
 
     from xgrad.torch_backend import DistributedDataParallel
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         work = dist.all_reduce(bucket.buffer(), group=state, async_op=True)
 
         def unpack(fut: Any) -> Any:
@@ -425,7 +429,9 @@ def _own_exceptions(rank: int, world: int) -> dict[str, Any]:
         out["after"] = ddp(torch.ones(2, 3)).sum().backward() is None  # no warning: no pass cut
     out["warnings"] = [str(w.message) for w in caught]
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         if rank == 1:
             raise KeyError("no such bucket")
         return torch.futures.Future()  # never completes: rank 1's failure ends the wait

@@ -40,7 +40,9 @@ def _steps(rank: int, world: int, rounds: int) -> dict[str, Any]:
     xs, ys = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
     fail = [""]
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         if fail[0] == "hook" and rank == 1:
             raise ValueError("boom in hook")
         return allreduce_hook(state, bucket)

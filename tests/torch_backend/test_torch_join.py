@@ -150,7 +150,9 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(m, timeout=20)
     joined = []
 
-    def failing(state: Any, bucket: Any) -> Any:
+    def failing(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         if joined and joined[0]:
             raise ValueError("shadow hook failed")
         return allreduce_hook(state, bucket)

@@ -20,8 +20,8 @@ One training step, as PyTorch's DDP does it::
                writes the averaged gradients to .grad (or makes .grad the bucket view)
 
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
-``ddp_checks`` (bad input), ``ddp_hooks`` (autograd hooks), ``ddp_recover`` (a failed
-pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (communication hooks),
+``ddp_checks`` (bad input), ``ddp_caps`` (bucket caps), ``ddp_hooks`` (autograd hooks),
+``ddp_recover`` (a failed pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (hooks),
 ``ddp_stats`` (plan, timeline, statistics), ``ddp_forward`` (the forward pass),
 ``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile``
 (dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper and its construction.
@@ -39,15 +39,15 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from xgrad.backend import Comm
-from xgrad.buckets import BucketPlan, cap_mb_to_bytes
+from xgrad.buckets import BucketPlan
 from xgrad.ddp_setup import DDPLimits, ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_buffers import BufferSyncDDP
+from xgrad.torch_backend.ddp_caps import resolve_caps
 from xgrad.torch_backend.ddp_checks import (
     check_params,
     check_plan,
-    resolve_caps,
     resolve_timeout,
     warn_as_pytorch,
 )
@@ -154,14 +154,12 @@ class DistributedDataParallel(
         Joinable.__init__(self)
         warn_as_pytorch(check_reduction, static_graph, find_unused_parameters)
         timeout = resolve_timeout(timeout)
-        cap_bytes, first_cap_bytes = resolve_caps(bucket_cap_mb, first_bucket_cap_mb)
-        cap_list = (
-            None
-            if not bucket_cap_mb_list  # PyTorch's: an empty list is no list
-            else [
-                cap_mb_to_bytes(c, f"bucket_cap_mb_list[{i}]")
-                for i, c in enumerate(bucket_cap_mb_list)
-            ]
+        caps = resolve_caps(
+            bucket_cap_mb,
+            first_bucket_cap_mb,
+            bucket_cap_mb_list,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
         )
         if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
             raise ValueError(
@@ -236,17 +234,17 @@ class DistributedDataParallel(
             self._params, gradient_as_bucket_view, lend=flat_dtype is None
         )
         limits = DDPLimits.of(
-            bucket_cap_bytes=cap_bytes,
-            first_bucket_cap_bytes=first_cap_bytes,
-            bucket_cap_bytes_list=cap_list,
+            bucket_cap_bytes=caps.cap,
+            first_bucket_cap_bytes=caps.first,
+            bucket_cap_bytes_list=caps.cap_list,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
         )
         #: PyTorch's attribute (dynamo's DDPOptimizer splits graphs at this size).
-        self.bucket_bytes_cap = limits.bucket_bytes_cap
-        self.bucket_bytes_cap_list = list(cap_list or ())
+        self.bucket_bytes_cap = caps.attribute(limits.bucket_bytes_cap)
+        self.bucket_bytes_cap_list = list(caps.cap_list or ())
         #: whether the first bucket is PyTorch's small default one (no cap given).
-        self.bucket_bytes_cap_default = bucket_cap_mb is None and cap_list is None
+        self.bucket_bytes_cap_default = bucket_cap_mb is None and caps.cap_list is None
         self.reducer = ddp_reducer(
             self._params,
             self.comm,

@@ -1,8 +1,8 @@
 """What the DDP refuses at construction, and what its ranks compare before reducing.
 
-Bad arguments are refused where their names are still known (``timeout``, ``plan``,
-``bucket_cap_mb``, a parameter on the meta device), with the value in the message, instead
-of failing later as something else. The agreement check (plan, parameters, hook) is the
+Bad arguments are refused where their names are still known (``timeout``, ``plan``, a
+parameter on the meta device; the bucket caps in :mod:`.ddp_caps`), with the value in the
+message, instead of failing later as something else. The agreement check (plan, parameters, hook) is the
 core's :mod:`xgrad.agreement`; this module only describes a DDP for it.
 """
 
@@ -14,10 +14,9 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from xgrad.agreement import Fingerprint, data_parallel_fingerprint
-from xgrad.buckets import BucketPlan, cap_mb_to_bytes
+from xgrad.buckets import BucketPlan
 from xgrad.torch_backend.comm import DEFAULT_TIMEOUT_S
 from xgrad.torch_backend.sync import describe_params
 
@@ -26,7 +25,6 @@ __all__ = [
     "check_params",
     "check_plan",
     "fingerprint",
-    "resolve_caps",
     "resolve_timeout",
     "warn_as_pytorch",
 ]
@@ -59,28 +57,6 @@ def resolve_timeout(timeout: object) -> float:
     except ValueError:
         raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number of seconds") from None
     return _check_seconds(value, TIMEOUT_ENV)
-
-
-def resolve_caps(
-    bucket_cap_mb: object, first_bucket_cap_mb: object
-) -> tuple[int | None, int | None]:
-    """The caps in bytes (``None``: DDP's default), each checked under its own name.
-
-    With neither cap given the first bucket's is ``torch.distributed``'s
-    ``_DEFAULT_FIRST_BUCKET_BYTES`` as it is now, read at construction as PyTorch's DDP
-    does: scripts (and PyTorch's own tests) lower it to get several buckets, and a
-    different first bucket changes the layout, hence gloo's summation order from world
-    size 3 on (gradients then differ from PyTorch's in the last bit).
-    """
-    cap = None if bucket_cap_mb is None else cap_mb_to_bytes(bucket_cap_mb, "bucket_cap_mb")
-    first = (
-        None
-        if first_bucket_cap_mb is None
-        else cap_mb_to_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
-    )
-    if cap is None and first is None:
-        first = int(dist._DEFAULT_FIRST_BUCKET_BYTES)
-    return cap, first
 
 
 def check_plan(plan: object, num_params: int) -> BucketPlan | None:

@@ -10,6 +10,7 @@ naming it and the bucket.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,13 @@ from xgrad.reducer import GradBucket, Hook, Reducer
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_watched import WatchedFuture
 
-__all__ = ["CommHookDDP", "builtin_hook", "callbacks_compute_only", "future_hook"]
+__all__ = [
+    "CommHookDDP",
+    "builtin_hook",
+    "callbacks_compute_only",
+    "check_comm_hook",
+    "future_hook",
+]
 
 
 class CommHookDDP:
@@ -41,8 +48,10 @@ class CommHookDDP:
         ``bf16_compress_hook``, ``powerSGD_hook.powerSGD_hook``, the fused optimizer of
         ``_register_fused_optim``) run unchanged: the bucket they get has
         ``GradBucket``'s methods. The returned future is waited on with this module's
-        timeout. Call once, before the first forward pass.
+        timeout. Call once, before the first forward pass. The hook's signature is
+        checked first, as PyTorch checks it (:func:`check_comm_hook`).
         """
+        check_comm_hook(hook)
         # Gloo runs a future's callbacks as collectives complete, in an order that differs
         # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
         # gloo buckets' hooks run one after another, unless the hook is known to issue
@@ -73,6 +82,61 @@ class CommHookDDP:
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
         self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
+
+
+def _meaning(annotation: Any, hook: Callable[..., Any]) -> Any:
+    """``annotation`` evaluated where ``hook`` was written, if it is postponed text
+    (``from __future__ import annotations``); text that cannot be evaluated there (a
+    name imported under ``TYPE_CHECKING`` or inside a function) counts as none."""
+    if not isinstance(annotation, str):
+        return annotation
+    namespace = getattr(inspect.unwrap(hook), "__globals__", {})
+    try:
+        return eval(annotation, namespace)  # what typing.get_type_hints does
+    except Exception:
+        return inspect.Parameter.empty
+
+
+def check_comm_hook(hook: object) -> None:
+    """The checks PyTorch 2.13's ``register_comm_hook`` makes (``_check_comm_hook``), with
+    its exception types, so that a hook refused there is refused here.
+
+    One difference: PyTorch compares postponed annotations (text) with the classes, so
+    it refuses even ``bucket: dist.GradBucket`` under ``from __future__ import
+    annotations``; here the text is evaluated first. Not copied either: PyTorch's refusal
+    of the bf16 hook without NCCL (xgrad runs it on gloo) and its ``AttributeError`` for
+    a hook without ``__name__`` (a ``functools.partial``, an object with ``__call__``).
+    A wrong number of parameters fails when the hook is called, in the backward pass,
+    as in PyTorch.
+
+    Raises:
+        TypeError: ``hook`` is not callable.
+        KeyError: it has no parameter named ``bucket`` (PyTorch passes it by position,
+            but reads the signature by that name).
+        ValueError: ``bucket`` is annotated but not as ``dist.GradBucket``, or the return
+            value is annotated but not as ``torch.futures.Future[torch.Tensor]``.
+    """
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable, got {hook!r}")
+    signature = inspect.signature(hook)
+    name = getattr(hook, "__qualname__", type(hook).__name__)
+    if "bucket" not in signature.parameters:
+        raise KeyError(
+            f"Communication hook {name}{signature} has no parameter named 'bucket': "
+            "expected hook(state, bucket: dist.GradBucket)"
+        )
+    bucket = _meaning(signature.parameters["bucket"].annotation, hook)
+    if bucket is not inspect.Parameter.empty and bucket != dist.GradBucket:
+        raise ValueError(
+            f"Communication hook: bucket annotation should be dist.GradBucket; {name} has "
+            f"{signature.parameters['bucket'].annotation!r}"
+        )
+    returned = _meaning(signature.return_annotation, hook)
+    if returned is not inspect.Parameter.empty and returned != torch.futures.Future[torch.Tensor]:
+        raise ValueError(
+            "Communication hook: return annotation should be "
+            f"torch.futures.Future[torch.Tensor]; {name} has {signature.return_annotation!r}"
+        )
 
 
 def callbacks_compute_only(hook: Callable[..., Any]) -> bool:
@@ -119,19 +183,19 @@ def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch:
 
     ``state_of()`` gives the state (it changes when the DDP replaces its private group
     after a failure). The returned future is waited on through ``watch`` (bounded, and
-    stopped by a peer's failure); a hook that returns anything else raises a
-    ``TypeError`` naming it.
+    stopped by a peer's failure); a hook that returns anything else raises PyTorch's
+    ``RuntimeError``, in its words, naming the hook (PyTorch's DDP raises it in the
+    backward pass too; for ``None`` it crashes).
     """
-    if not callable(hook):
-        raise TypeError(f"Communication hook must be callable, got {hook!r}")
     name = getattr(hook, "__name__", type(hook).__name__)
 
     def run(bucket: GradBucket) -> Work:
         future = hook(state_of(), _row_major(bucket))
         if not isinstance(future, torch._C.Future):
-            raise TypeError(
-                f"communication hook {name} returned {type(future).__name__}, "
-                "expected torch.futures.Future[torch.Tensor]"
+            kind = type(future)
+            raise RuntimeError(
+                "DDP communication hook's callback must return a torch.futures.Future "
+                f"object, but got {kind.__module__}.{kind.__qualname__} (from {name})"
             )
         return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
 

@@ -49,7 +49,9 @@ def setup_in_backward_optimizers(ddp: DistributedDataParallel) -> None:
         for p in stepped:
             p.grad = None
 
-    def allreduce_then_step(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def allreduce_then_step(
+        group: Any, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         # The all-reduce goes back as a future, so the reducer's bounded, watched wait is
         # the one that waits for it (a blocking call here would wait on gloo's timeout).
         buffer = bucket.buffer()

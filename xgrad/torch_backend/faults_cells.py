@@ -62,7 +62,9 @@ def _ddp_system(rank: int, world: int, inject: Injector, timeout: float) -> Any:
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
     ddp = DistributedDataParallel(model, timeout=timeout)
 
-    def hook(state: Any, bucket: Any) -> Any:
+    def hook(
+        state: Any, bucket: torch.distributed.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         inject("comm hook")
         return allreduce_hook(state, bucket)
 
