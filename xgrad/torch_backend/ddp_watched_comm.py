@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_failure import StepWatch
+from xgrad.torch_backend.ddp_split import Halves, pieces, wanted_pieces
 from xgrad.torch_backend.ddp_watched import WatchedWork
 
 __all__ = ["WatchedComm"]
@@ -34,11 +35,13 @@ class WatchedComm(TorchComm):
     def __init__(self, watch: StepWatch) -> None:
         super().__init__(watch.user_group, timeout=watch.timeout)
         self.watch = watch
+        self._backend = str(dist.get_backend(watch.user_group))
         self._device = (
             torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend(watch.user_group) == "nccl"
+            if self._backend == "nccl"
             else torch.device("cpu")
         )
+        self._pieces = wanted_pieces()
 
     @property  # type: ignore[override]
     def group(self) -> Any:
@@ -55,6 +58,9 @@ class WatchedComm(TorchComm):
         group = self.group
         if buffer.is_complex():  # c10d reduces complex numbers as pairs of reals
             work = dist.all_reduce(buffer, group=group, async_op=True)
+        elif (n := pieces(buffer, self._pieces, self.size, self._backend)) > 1:
+            # Two ranks: the same bits in any cut, and the halves overlap (ddp_split).
+            work = Halves([group.allreduce([p], _SUM) for p in buffer.chunk(n)], buffer)
         else:
             # The group's own call: what PyTorch's C++ reducer calls, without the checks
             # of ``dist.all_reduce`` (which cost as much again, and hold for a bucket).
