@@ -34,14 +34,23 @@ import torch
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# PyTorch's own lazy form of ``torch._dynamo.disable``, as its DDP uses it: dynamo is
+# imported at the first call, not when this module is. Importing dynamo takes about 1.2 s,
+# which every process importing xgrad's torch backend paid (a pipeline or a distributed
+# autograd that never runs a DDP forward pass, the `xgrad` command, each test rank).
+_disable: Callable[..., Any] = getattr(torch, "_disable_dynamo", None) or (
+    lambda fn, recursive=True: torch._dynamo.disable(fn, recursive=recursive)
+)
+
+
 def frame_skipped(fn: F) -> F:
     """Dynamo skips ``fn``'s own frame but still compiles the frames it calls."""
-    return torch._dynamo.disable(fn, recursive=False)  # type: ignore[no-any-return]
+    return _disable(fn, recursive=False)  # type: ignore[no-any-return]
 
 
 def outside_dynamo(fn: F) -> F:
     """Run ``fn`` and everything it calls eagerly, never traced (a dynamo graph break)."""
-    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+    return _disable(fn, recursive=True)  # type: ignore[no-any-return]
 
 
 @frame_skipped
