@@ -36,6 +36,17 @@ def test_an_unknown_context_id_is_a_runtime_error_and_a_value_error(call: str) -
     assert str(caught.value).startswith("Could not find autograd context with id: 12345 (")
 
 
+def _next_context(rank: int, w: torch.Tensor) -> list[float] | None:
+    """A clean context after the failures: rank 0's gradient of ``w`` (4 per element)."""
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            da.send(w * 4, 1)
+            da.backward(cid, [])
+            return da.get_gradients(cid)[w].tolist()  # type: ignore[no-any-return]
+        da.backward(cid, [da.recv(0).sum()])
+    return None
+
+
 def _post_accumulate(rank: int, world: int) -> dict[str, Any]:
     """Passes with accumulate_grad on both engines; then a hook that raises."""
     os.environ.update(FAST_HEARTBEAT)
@@ -78,14 +89,7 @@ def _post_accumulate(rank: int, world: int) -> dict[str, Any]:
         out["failed"] = (str(exc), exc.rank)
     else:
         out["failed"] = ("no error", -1)
-    # The next context is clean.
-    with da.context(timeout=20) as cid:
-        if rank == 0:
-            da.send(w * 4, 1)
-            da.backward(cid, [])
-            out["after"] = da.get_gradients(cid)[w].tolist()
-        else:
-            da.backward(cid, [da.recv(0).sum()])
+    out["after"] = _next_context(rank, w)
     return out
 
 
@@ -161,13 +165,7 @@ def _self_send(rank: int, world: int) -> dict[str, Any]:
         out["unreceived"] = (f"{type(exc).__name__}: {exc}", origin)
     else:
         out["unreceived"] = ("no error", -1)
-    with da.context(timeout=20) as cid:
-        if rank == 0:
-            da.send(w * 4, 1)
-            da.backward(cid, [])
-            out["after"] = da.get_gradients(cid)[w].tolist()
-        else:
-            da.backward(cid, [da.recv(0).sum()])
+    out["after"] = _next_context(rank, w)
     return out
 
 
