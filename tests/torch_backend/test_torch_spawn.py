@@ -93,3 +93,19 @@ def test_an_error_naming_its_origin_blames_that_rank() -> None:
         spawn(_names_its_origin, 2, timeout=30)
     assert info.value.rank == 1
     assert str(info.value).startswith("rank 1 failed (reported by rank 0): Named: rank 1 in")
+
+
+def test_each_launch_gives_its_ranks_the_environment_as_it_is_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks are forked from a server started at the first launch (``launch.py``); each
+    launch still hands them the launching process's environment of that moment, before
+    their function's module is imported."""
+    from launched import seen
+
+    monkeypatch.setenv("XGRAD_LAUNCH_TEST", "first")
+    monkeypatch.setenv("XGRAD_LAUNCH_GONE", "here")
+    assert spawn(seen, 2) == [("first", "first", "here")] * 2
+    monkeypatch.setenv("XGRAD_LAUNCH_TEST", "second")
+    monkeypatch.delenv("XGRAD_LAUNCH_GONE")
+    assert spawn(seen, 2) == [("second", "second", None)] * 2

@@ -20,20 +20,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from xgrad.torch_backend.launch import Packed, context, pack
+
 #: The status of a rank whose function returned, and of one whose function raised.
 OK, ERROR = "ok", "error"
 
 
-def _child(
-    rank: int,
-    world: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    env: Mapping[str, str],
-    init: str,
-    out: Any,
-) -> None:
-    os.environ.update(env)
+def _child(rank: int, world: int, packed: Packed, init: str, out: Any) -> None:
+    fn, args = packed.unpack()
     import torch
     import torch.distributed as dist
 
@@ -74,15 +68,15 @@ def gather_ranks(
     and every rank's exit code. The run ends when every rank in ``wait_for`` (default:
     all) has exited, or after ``limit`` seconds; then every process still alive is killed
     and its exit code is None (it had not exited by itself). Ranks that never report
-    (killed, frozen) have no result. ``env`` is set in each child before torch loads.
+    (killed, frozen) have no result. ``env`` is set in each child before ``fn`` and ``args``
+    are unpickled (:mod:`.launch`).
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    packed = pack(fn, args, env)
+    ctx = context()
     tmp = tempfile.mkdtemp(prefix="xgrad-ranks-")
     out = ctx.Queue()
     init = "file://" + os.path.join(tmp, "store")
-    child_args = (fn, tuple(args), dict(env or {}), init, out)
+    child_args = (packed, init, out)
     procs = [
         ctx.Process(target=_child, args=(r, world, *child_args), daemon=True) for r in range(world)
     ]

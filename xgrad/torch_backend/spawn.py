@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from xgrad.torch_backend.launch import Packed, context, pack
+
 __all__ = ["SpawnError", "spawn"]
 
 #: seconds a terminated process gets to exit before it is killed.
@@ -35,8 +37,7 @@ class SpawnError(RuntimeError):
 def _worker(
     rank: int,
     world_size: int,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
+    packed: Packed,
     init_method: str,
     backend: str,
     timeout: float,
@@ -50,6 +51,7 @@ def _worker(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     try:
+        fn, args = packed.unpack()
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
@@ -100,12 +102,15 @@ def spawn(
     timeout: float = 120.0,
     num_threads: int | None = 1,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes sharing a group.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes sharing a group.
+
+    The processes are forked from a server that has torch loaded (:mod:`.launch`), and
+    take this process's environment as it is at the call.
 
     Each process joins a ``torch.distributed`` process group (``backend``, rendezvous
     through a file store in a private temporary directory, so no port can be taken by
     someone else) before ``fn`` runs, and leaves it afterwards. ``fn`` and ``args`` must be
-    picklable (a module-level function), as must what ``fn`` returns.
+    picklable (a module-level function; checked here), as must what ``fn`` returns.
 
     Args:
         fn: the per-rank function.
@@ -134,13 +139,12 @@ def spawn(
         >>> spawn(f, 2)  # doctest: +SKIP
         [0, 10]
     """
-    import torch.multiprocessing as mp
-
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
-    ctx = mp.get_context("spawn")
+    packed = pack(fn, args)
+    ctx = context()
     tmpdir = tempfile.mkdtemp(prefix="xgrad-spawn-")
     init_method = "file://" + os.path.join(tmpdir, "store")
     results = ctx.Queue()
@@ -150,8 +154,7 @@ def spawn(
             args=(
                 r,
                 world_size,
-                fn,
-                tuple(args),
+                packed,
                 init_method,
                 backend,
                 timeout,
