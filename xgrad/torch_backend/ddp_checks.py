@@ -2,8 +2,9 @@
 
 Bad arguments are refused where their names are still known (``timeout``, ``plan``, a
 parameter on the meta device; the bucket caps in :mod:`.ddp_caps`), with the value in the
-message, instead of failing later as something else. The agreement check (plan, parameters, hook) is the
-core's :mod:`xgrad.agreement`; this module only describes a DDP for it.
+message, instead of failing later as something else. The agreement check (plan,
+parameters, hook) is the core's :mod:`xgrad.agreement`; this module only describes a DDP
+for it.
 """
 
 from __future__ import annotations
