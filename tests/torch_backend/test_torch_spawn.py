@@ -109,3 +109,16 @@ def test_each_launch_gives_its_ranks_the_environment_as_it_is_then(
     monkeypatch.setenv("XGRAD_LAUNCH_TEST", "second")
     monkeypatch.delenv("XGRAD_LAUNCH_GONE")
     assert spawn(seen, 2) == [("second", "second", None)] * 2
+
+
+def test_the_start_method_can_be_spawn_and_nothing_else_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from launched import seen
+
+    monkeypatch.setenv("XGRAD_LAUNCH_TEST", "spawned")
+    monkeypatch.setenv("XGRAD_START_METHOD", "spawn")
+    assert spawn(seen, 2) == [("spawned", "spawned", None)] * 2
+    monkeypatch.setenv("XGRAD_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="XGRAD_START_METHOD='fork'"):
+        spawn(seen, 2)

@@ -21,17 +21,29 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Packed", "context", "pack"]
+__all__ = ["METHOD_ENV", "Packed", "context", "pack"]
 
 #: what the server imports once, for every rank it forks.
 PRELOAD = ("torch", "torch.distributed")
 
 
+#: environment variable that picks the start method (``spawn``: fresh interpreters).
+METHOD_ENV = "XGRAD_START_METHOD"
+
+
 def context() -> Any:
-    """The multiprocessing context ranks start in: ``forkserver`` with torch preloaded."""
+    """The multiprocessing context ranks start in: ``forkserver`` with torch preloaded, or
+    ``$XGRAD_START_METHOD`` (``forkserver`` or ``spawn``).
+
+    Raises:
+        ValueError: ``$XGRAD_START_METHOD`` names another method.
+    """
     import torch.multiprocessing as mp
 
-    if "forkserver" not in mp.get_all_start_methods():
+    method = os.environ.get(METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{METHOD_ENV}={method!r}: expected 'forkserver' or 'spawn'")
+    if method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
