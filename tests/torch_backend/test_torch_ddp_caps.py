@@ -20,7 +20,6 @@ from torch import nn
 from torch.nn.parallel.distributed import _BucketCapacityConfig
 
 from xgrad.buckets import NO_LIMIT
-from xgrad.ddp_setup import DDPLimits
 from xgrad.torch_backend.ddp_caps import resolve_caps
 from xgrad.torch_backend.spawn import spawn
 
@@ -47,13 +46,7 @@ def _xgrad(cap: object, cap_list: Any, find_unused: bool, static: bool) -> tuple
         )
     except Exception as err:
         return type(err).__name__, None
-    limits = DDPLimits.of(
-        bucket_cap_bytes=caps.cap,
-        first_bucket_cap_bytes=caps.first,
-        bucket_cap_bytes_list=caps.cap_list,
-        find_unused_parameters=find_unused,
-        static_graph=static,
-    )
+    limits = caps.limits(find_unused_parameters=find_unused, static_graph=static)
     return "accepted", caps.attribute(limits.bucket_bytes_cap)
 
 

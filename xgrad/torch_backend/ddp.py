@@ -40,7 +40,7 @@ from torch.distributed.algorithms.join import Joinable
 
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan
-from xgrad.ddp_setup import DDPLimits, ddp_reducer
+from xgrad.ddp_setup import ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_buffers import BufferSyncDDP
@@ -233,12 +233,8 @@ class DistributedDataParallel(
         self._grad_hooks = GradientHooks(
             self._params, gradient_as_bucket_view, lend=flat_dtype is None
         )
-        limits = DDPLimits.of(
-            bucket_cap_bytes=caps.cap,
-            first_bucket_cap_bytes=caps.first,
-            bucket_cap_bytes_list=caps.cap_list,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
+        limits = caps.limits(
+            find_unused_parameters=find_unused_parameters, static_graph=static_graph
         )
         #: PyTorch's attribute (dynamo's DDPOptimizer splits graphs at this size).
         self.bucket_bytes_cap = caps.attribute(limits.bucket_bytes_cap)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from xgrad.buckets import NO_LIMIT, cap_mb_to_bytes
+from xgrad.ddp_setup import DDPLimits
 
 __all__ = ["Caps", "resolve_caps", "torch_cap_bytes"]
 
@@ -71,6 +72,17 @@ class Caps:
     cap_list: list[int] | None
     negative: int | None = None
 
+    def limits(self, *, find_unused_parameters: bool, static_graph: bool) -> DDPLimits:
+        """The planner's limits for these caps (DDP's construction, and the tests that
+        compare its outcome with PyTorch's)."""
+        return DDPLimits.of(
+            bucket_cap_bytes=self.cap,
+            first_bucket_cap_bytes=self.first,
+            bucket_cap_bytes_list=self.cap_list,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+        )
+
     def attribute(self, largest: int) -> int:
         """PyTorch's ``bucket_bytes_cap`` given the planner's largest cap."""
         return largest if self.negative is None else self.negative
@@ -104,15 +116,15 @@ def resolve_caps(
         else cap_mb_to_bytes(first_bucket_cap_mb, "first_bucket_cap_mb")
     )
     if bucket_cap_mb_list:  # PyTorch's: an empty list is no list
-        caps = [
-            torch_cap_bytes(c, f"bucket_cap_mb_list[{i}]") for i, c in enumerate(bucket_cap_mb_list)
-        ]
-        for i, c in enumerate(caps):
+        caps = []
+        for i, mb in enumerate(bucket_cap_mb_list):
+            c = torch_cap_bytes(mb, f"bucket_cap_mb_list[{i}]")
             if c < 0:
                 raise TypeError(
-                    f"bucket_cap_mb_list[{i}] = {bucket_cap_mb_list[i]!r} is {c} bytes: "
+                    f"bucket_cap_mb_list[{i}] = {mb!r} is {c} bytes: "
                     "PyTorch's bucket assignment takes only caps >= 0"
                 )
+            caps.append(c)
         return Caps(None, first, caps)
     if bucket_cap_mb is None:
         return Caps(None, int(dist._DEFAULT_FIRST_BUCKET_BYTES) if first is None else first, None)

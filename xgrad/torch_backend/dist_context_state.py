@@ -105,16 +105,18 @@ class Context:
         return peer
 
     def link(self, peer: Any, arg: str) -> Link:
-        """The link to another rank of the group (made on first use)."""
-        if self.rank_of(peer, arg) == self.me:
-            raise ValueError(f"{arg}={peer} is this rank, which has no link to itself")
-        if peer not in self.links:
+        """The link to another rank of the group (made, and ``peer`` checked, on first use:
+        ``send`` and ``recv`` have checked it already)."""
+        link = self.links.get(peer)
+        if link is None:
+            if self.rank_of(peer, arg) == self.me:
+                raise ValueError(f"{arg}={peer} is this rank, which has no link to itself")
             group_peer = dist.get_group_rank(self.pg, peer)
-            self.links[peer] = Link(
+            link = self.links[peer] = Link(
                 self.pg, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
                 self.seq, self.device,
             )  # fmt: skip
-        return self.links[peer]
+        return link
 
     def inbox(self) -> Inbox:
         """Post the receives of a backward pass: from every peer, its gradients, its "done"."""
