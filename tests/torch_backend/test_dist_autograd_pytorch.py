@@ -8,6 +8,10 @@
 - A rank may send to itself, as PyTorch's RPC may call itself: the gradient of the
   matching ``recv`` flows back to the ``send`` in the same pass; a self-send never received
   or a receive from itself with nothing sent is named, and the next context is clean.
+- A received tensor is not a leaf (its ``grad_fn`` is ``RecvBackward``, as PyTorch's is
+  ``RecvRpcBackward``): in-place ops on it work, and its hooks and ``retain_grad`` see its
+  gradient as PyTorch's engine runs them. A sent tensor changed in place after the send
+  gets the gradient of what was sent.
 """
 
 from __future__ import annotations
@@ -188,3 +192,61 @@ def test_a_rank_may_send_to_itself_and_the_gradient_flows_in_the_same_pass() -> 
     assert outs[0]["snapshot_nodes"] and outs[0]["snapshot_waves"]
     assert outs[0]["grad_fn_nodes"] and outs[0]["grad_fn_waves"]
     assert outs[0]["after"] == [4.0, 4.0, 4.0]
+
+
+def _in_place_local(w: torch.Tensor) -> dict[str, list[float]]:
+    """The graph of :func:`_in_place` in one process: a received tensor is a clone."""
+    y = w * 3
+    t1, t2 = y.clone(), (y * 2).clone()
+    y.mul_(5)
+    t1.register_hook(lambda g: g * 10)
+    t1.retain_grad()
+    t2.register_hook(lambda g: g * 7)
+    t2.mul_(2)
+    t2.add_(1)
+    loss = y.sum() + (t1 * t1).sum() + (t2 * t2).sum()
+    loss.backward()
+    assert w.grad is not None and t1.grad is not None
+    return {"w": w.grad.tolist(), "t1": t1.grad.tolist()}
+
+
+def _in_place(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 sends ``w * 3`` and ``w * 6`` then scales its own copy in place; rank 1
+    changes what it received in place, with hooks registered before (and retain_grad)."""
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        w = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64, requires_grad=True)
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                y = w * 3
+                da.send(y, 1)
+                da.send(y * 2, 1)
+                y.mul_(5)  # after the send: what was sent is w * 3
+                da.backward(cid, [y.sum()])
+                out[execute] = {"w": da.get_gradients(cid)[w].tolist()}
+            else:
+                t1, t2 = da.recv(0), da.recv(0)
+                out[f"leaf_{execute}"] = (t1.is_leaf, type(t1.grad_fn).__name__)
+                t1.register_hook(lambda g: g * 10)
+                t1.retain_grad()
+                t2.register_hook(lambda g: g * 7)  # registered before the in-place ops
+                t2.mul_(2)
+                t2.add_(1)
+                da.backward(cid, [(t1 * t1).sum() + (t2 * t2).sum()])
+                assert t1.grad is not None
+                out[execute] = {"t1": t1.grad.tolist()}
+    return out
+
+
+def test_received_tensors_take_in_place_ops_and_hooks_as_pytorch_s_do() -> None:
+    results, codes = run_ranks(_in_place, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    want = _in_place_local(torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64, requires_grad=True))
+    outs = [results[r][1] for r in range(2)]
+    assert [results[r][0] for r in range(2)] == ["ok", "ok"], outs
+    for execute in ("nodes", "waves"):
+        assert outs[1][f"leaf_{execute}"] == (False, "RecvBackward")
+        got_w, want_w = torch.tensor(outs[0][execute]["w"]), torch.tensor(want["w"])
+        assert torch.allclose(got_w, want_w, rtol=0, atol=1e-12), (execute, got_w, want_w)
+        assert outs[1][execute]["t1"] == want["t1"], execute

@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import RankError, check_seconds
 from xgrad.torch_backend.dist_accumulate import Accumulate, add_to_grad, post_accumulate_hooks
 from xgrad.torch_backend.dist_context_state import Context
-from xgrad.torch_backend.dist_graph import build_rank_graph
+from xgrad.torch_backend.dist_graph import build_rank_graph, received
 from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
@@ -191,14 +192,19 @@ def send(tensor: torch.Tensor, dst: int) -> None:
         raise ctx.error(transfer_error(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
     ctx.ledger.sent_to(dst, tensor.requires_grad)
     if tensor.requires_grad:
-        ctx.sends.append((dst, ctx.number("send", dst), tensor))
+        # The edge as it is now: an in-place op on the tensor later must not move where
+        # the gradient of what was sent enters (PyTorch attaches its send node here too).
+        edge = get_gradient_edge(tensor)
+        ctx.sends.append((dst, ctx.number("send", dst), tensor, edge))
 
 
 def recv(src: int) -> torch.Tensor:
     """Receive the next tensor rank ``src`` sent in this context (bounded by the timeout).
 
-    Shape and dtype travel with the tensor; it requires grad when the sent one did. From
-    this rank itself: at once, a copy whose ``grad_fn`` leads to the sent tensor.
+    Shape and dtype travel with the tensor; it requires grad when the sent one did, with a
+    ``RecvBackward`` node as its ``grad_fn`` (:class:`~.dist_graph.Recv`; not a leaf, so
+    in-place ops work, as on PyTorch's received tensors). From this rank itself: at once,
+    a copy whose ``grad_fn`` leads to the sent tensor.
     """
     ctx = _current("recv")
     if ctx.rank_of(src, "src") == ctx.me:
@@ -222,8 +228,8 @@ def recv(src: int) -> torch.Tensor:
     ctx.ledger.enter("forward")
     ctx.wait(work, f"recv from rank {src}", src)
     if requires_grad:
-        buf.requires_grad_()
-        ctx.recvs.append((src, ctx.number("recv", src), buf))
+        buf, node = received(buf)
+        ctx.recvs.append((src, ctx.number("recv", src), buf, node))
     return buf
 
 
@@ -277,19 +283,19 @@ def _run(
     try:
         rank_graph = build_rank_graph(
             roots,
-            [(t, f"send to rank {p}") for p, _, t in ctx.sends],
-            [(t, f"recv from rank {p}") for p, _, t in ctx.recvs],
+            [(edge, f"send to rank {p}") for p, _, _, edge in ctx.sends],
+            [(node, f"recv from rank {p}") for p, _, _, node in ctx.recvs],
         )
     except Exception as exc:  # bad roots: the others must not wait for this rank
         failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")
         end(inbox, failed=True)
         raise ctx.error(RankError(failure, ctx.me)) from exc
     sends = [
-        (p, k, t, node) for (p, k, t), node in zip(ctx.sends, rank_graph.send_nodes, strict=True)
+        (p, k, t, node) for (p, k, t, _), node in zip(ctx.sends, rank_graph.send_nodes, strict=True)
     ]
     recvs = {node: ctx.recvs[i] for node, i in rank_graph.recv_nodes.items()}
     reached = set(rank_graph.recv_nodes.values())
-    unreached = [(p, k) for i, (p, k, _) in enumerate(ctx.recvs) if i not in reached]
+    unreached = [(p, k) for i, (p, k, _, _) in enumerate(ctx.recvs) if i not in reached]
     accumulate = Accumulate()
     try:
         pass_ = ProcessPass(
@@ -299,7 +305,8 @@ def _run(
     except BaseException:
         end(inbox, failed=True)
         raise
-    sent, received = [t for _, _, t in ctx.sends], [t for _, _, t in ctx.recvs]
+    sent = [edge for _, _, _, edge in ctx.sends]
+    received = [(t, node) for _, _, t, node in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
     hooked: list[torch.Tensor] = []
     with torch.no_grad():

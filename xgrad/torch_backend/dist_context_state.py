@@ -75,8 +75,10 @@ class Context:
         self._leader = leader
         self.links: dict[int, Link] = {}
         self.to_self = ToSelf(self.me)
-        self.sends: list[tuple[int, int, torch.Tensor]] = []
-        self.recvs: list[tuple[int, int, torch.Tensor]] = []
+        # (peer, k, tensor, the edge its gradient enters, taken at the send)
+        self.sends: list[tuple[int, int, torch.Tensor, Any]] = []
+        # (peer, k, tensor, its RecvBackward node)
+        self.recvs: list[tuple[int, int, torch.Tensor, Any]] = []
         self.counts: dict[tuple[str, int], int] = {}
         self.works: list[Any] = []
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -124,10 +126,10 @@ class Context:
             if peer != self.me:
                 self.link(peer, "peer")
         sizes: dict[int, list[int]] = {}
-        for peer, _, t in self.sends:
+        for peer, _, t, _ in self.sends:
             sizes.setdefault(peer, []).append(t.numel() * t.element_size())
         # the peer sent to last first: its gradients are likely to come back first
-        latest = {peer: i for i, (peer, _, _) in enumerate(self.sends)}
+        latest = {peer: i for i, (peer, *_) in enumerate(self.sends)}
         expect = {p: sizes[p] for p in sorted(latest, key=latest.__getitem__, reverse=True)}
         return Inbox(
             self.name, self.links, expect, self.owed(), self.channel, self.timeout,
@@ -148,7 +150,7 @@ class Context:
     def owed(self) -> dict[int, list[int]]:
         """Peer -> byte sizes of the gradients this rank answers it with in each pass."""
         owe: dict[int, list[int]] = {}
-        for peer, _, t in self.recvs:
+        for peer, _, t, _ in self.recvs:
             owe.setdefault(peer, []).append(t.numel() * t.element_size())
         return owe
 

@@ -23,6 +23,7 @@ from xgrad.failure import (
     RankUnresponsiveError,
     default_seconds,
 )
+from xgrad.torch_backend.dist_graph import recv_hooks
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
@@ -70,7 +71,7 @@ class ProcessPass:
         me: this rank (global).
         inbox: the pass's messages (:class:`Inbox`: receives already posted).
         sends: ``(peer, k, tensor, node)`` of this rank's sends that require grad.
-        recvs: recv node -> ``(peer, k, tensor)``.
+        recvs: recv node -> ``(peer, k, tensor, its RecvBackward node)``.
         channel: the context's failure channel.
         make_error: turns a :class:`RankError` into the error the user sees.
         unreached: ``(peer, k)`` of received tensors that require grad but that no root
@@ -88,7 +89,7 @@ class ProcessPass:
         me: int,
         inbox: Inbox,
         sends: Sequence[tuple[int, int, torch.Tensor, int]],
-        recvs: dict[int, tuple[int, int, torch.Tensor]],
+        recvs: dict[int, tuple[int, int, torch.Tensor, Any]],
         channel: FailureChannel,
         make_error: Callable[[RankError], Exception],
         unreached: Sequence[tuple[int, int]] = (),
@@ -110,7 +111,7 @@ class ProcessPass:
         self._recvs = recvs
         # The received tensors not answered yet: their reply buffers are made when this
         # rank first waits (what was answered by then needs none; :mod:`.dist_slots`).
-        self._owed = {node: (p, t) for node, (p, _, t) in recvs.items()}
+        self._owed = {node: (p, t) for node, (p, _, t, _) in recvs.items()}
         inbox.ahead(self._sent, self._owed)
         self._channel = channel
         self._make_error = make_error
@@ -158,22 +159,20 @@ class ProcessPass:
         return tuple(self._node.values())
 
     def recvs_of(self, worker: int) -> dict[int, tuple[int, int]]:
-        return {node: (p, k) for node, (p, k, _) in self._recvs.items()}
+        return {node: (p, k) for node, (p, k, _, _) in self._recvs.items()}
 
-    def deliver(self, worker: int, recv_node: int, grad: Any) -> None:
+    def deliver(self, worker: int, recv_node: int, grad: Any, *, hooked: bool = False) -> None:
         """Send the gradient of a received tensor back to its sender (None: no gradient).
 
-        The received tensor is a leaf: its tensor hooks (``register_hook``) see its summed
-        gradient, and what they return is what goes back, as PyTorch's engine does before
-        accumulating into a leaf.
+        The hooks on the received tensor's node (``register_hook``, ``retain_grad``) see
+        its summed gradient, and what they return is what goes back, as PyTorch's engine
+        runs them before its ``RecvRpcBackward`` (:func:`.dist_graph.recv_hooks`);
+        ``hooked``: they already ran (torch's engine captured the gradient there).
         """
-        peer, k, like = self._recvs[recv_node]
+        peer, k, like, node = self._recvs[recv_node]
         self._owed.pop(recv_node, None)
-        if grad is not None and like._backward_hooks:
-            for hook in list(like._backward_hooks.values()):
-                out = hook(grad)
-                if out is not None:
-                    grad = out
+        if grad is not None and not hooked:
+            grad = recv_hooks(like, node, grad)
         with self._named():
             if grad is None:
                 self._send(peer, NO_GRAD, k, None, None)

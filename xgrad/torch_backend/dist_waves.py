@@ -15,8 +15,9 @@ engine (waves/nodes 0.95-1.06), which stays the default (``dist_autograd.EXECUTE
 
 A failing wave is run once more under anomaly mode, whose report names the failing
 node, so the error says ``"Error on rank R in <Node>: ..."`` as the node engine does.
-Leaves or received tensors with tensor hooks are not run here (their hooks must see the
-summed gradient once): :func:`run_pass` gives those passes to xgrad's node engine.
+Leaves with tensor hooks are not run here (their hooks must see the summed gradient once):
+:func:`run_pass` gives those passes to xgrad's node engine. A received tensor's hooks run
+where torch's engine captures its gradient, once, on the sum.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from xgrad.dependencies import compute_dependencies
 from xgrad.engine import BackwardError, Engine, run_worker_part
@@ -128,8 +130,9 @@ def _named(outputs: list[Any], inputs: list[Any], grads: list[Any]) -> str:
     return "backward"
 
 
-#: one output of a wave: its node, its tensors (several for the roots), their gradients.
-Item = tuple[int, Sequence[torch.Tensor], Sequence[Any]]
+#: one output of a wave: its node, its tensors (several for the roots; a send's edge, taken
+#: when it was sent), their gradients.
+Item = tuple[int, Sequence[Any], Sequence[Any]]
 
 
 class _Waves:
@@ -146,14 +149,16 @@ class _Waves:
         me: int,
         rank_graph: RankGraph,
         plan: WavePlan,
-        recv_tensors: Sequence[torch.Tensor],
+        recvs: Sequence[tuple[torch.Tensor, Any]],
         accumulate: Any,
     ) -> None:
         self.pass_ = pass_
         self.me = me
         self.plan = plan
         self.recv_index = rank_graph.recv_nodes
-        self.recv_tensor = {r: recv_tensors[i] for r, i in self.recv_index.items()}
+        # Each recv's gradient is taken where it leaves its node (the tensor may have been
+        # changed in place since, which moved its grad_fn on).
+        self.recv_edge = {r: GradientEdge(recvs[i][1], 0) for r, i in self.recv_index.items()}
         self.leaf = rank_graph.leaves
         self.accumulate = accumulate
         self.recv_waits = dict(plan.recv_waits)
@@ -206,9 +211,9 @@ class _Waves:
             outs, gs = self._from(plan.recvs, recvs)
             got: Sequence[Any] = [None] * len(recvs)
             if outs:
-                got = self.call(outs, gs, [self.recv_tensor[r] for r in recvs])
-            for r, g in zip(recvs, got, strict=True):
-                self.pass_.deliver(self.me, r, g)
+                got = self.call(outs, gs, [self.recv_edge[r] for r in recvs])
+            for r, g in zip(recvs, got, strict=True):  # the engine ran the recv's hooks
+                self.pass_.deliver(self.me, r, g, hooked=True)
         if leaves:
             leaves.sort()
             outs, gs = self._from(plan.leaves, leaves)
@@ -224,8 +229,8 @@ def run_waves(
     me: int,
     rank_graph: RankGraph,
     roots: Sequence[torch.Tensor],
-    send_tensors: Sequence[torch.Tensor],
-    recv_tensors: Sequence[torch.Tensor],
+    send_edges: Sequence[GradientEdge],
+    recvs: Sequence[tuple[torch.Tensor, Any]],
     accumulate: Any,
 ) -> dict[int, Any]:
     """Run this rank's part of the pass; returns leaf index -> summed gradient.
@@ -236,8 +241,8 @@ def run_waves(
     root = next(iter(rank_graph.grad_roots), None)
     sends = rank_graph.send_nodes
     plan = plan_waves(rank_graph.graph, root, sends)
-    state = _Waves(pass_, me, rank_graph, plan, recv_tensors, accumulate)
-    tensor_of = dict(zip(sends, send_tensors, strict=True))
+    state = _Waves(pass_, me, rank_graph, plan, recvs, accumulate)
+    edge_of = dict(zip(sends, send_edges, strict=True))
     if root is not None:  # the roots are one output (GraphRoot), seeded with ones
         state.wave([(root, roots, [torch.ones_like(r) for r in roots])])
     pending = set(sends)
@@ -245,7 +250,7 @@ def run_waves(
         landed = [pass_.receive(me), *pass_.receive_landed(me)]
         pass_.raise_if_failed(me)
         pending.difference_update(u for u, _ in landed)
-        state.wave([(u, (tensor_of[u],), (g,)) for u, g in landed])
+        state.wave([(u, (edge_of[u],), (g,)) for u, g in landed])
     return state.grads
 
 
@@ -254,8 +259,8 @@ def backward_waves(
     me: int,
     rank_graph: RankGraph,
     roots: Sequence[torch.Tensor],
-    send_tensors: Sequence[torch.Tensor],
-    recv_tensors: Sequence[torch.Tensor],
+    send_edges: Sequence[GradientEdge],
+    recvs: Sequence[tuple[torch.Tensor, Any]],
     accumulate: Any,
 ) -> dict[int, Any]:
     """:func:`run_waves` with the pass's ending, as ``Engine.backward_distributed`` does it.
@@ -266,13 +271,14 @@ def backward_waves(
     return run_worker_part(
         pass_,
         me,
-        lambda: run_waves(pass_, me, rank_graph, roots, send_tensors, recv_tensors, accumulate),
+        lambda: run_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate),
     )
 
 
-def hooked(rank_graph: RankGraph, recv_tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a leaf or a received tensor has tensor hooks (they must see the sum once)."""
-    return any(t._backward_hooks for t in (*rank_graph.leaves, *recv_tensors))
+def hooked(rank_graph: RankGraph) -> bool:
+    """Whether a leaf has tensor hooks (they must see the sum once). A received tensor's
+    run where its gradient is captured, once, on the sum (:meth:`_Waves.wave`)."""
+    return any(t._backward_hooks for t in rank_graph.leaves)
 
 
 def run_pass(
@@ -281,14 +287,14 @@ def run_pass(
     me: int,
     rank_graph: RankGraph,
     roots: Sequence[torch.Tensor],
-    send_tensors: Sequence[torch.Tensor],
-    recv_tensors: Sequence[torch.Tensor],
+    send_edges: Sequence[GradientEdge],
+    recvs: Sequence[tuple[torch.Tensor, Any]],
     accumulate: Any,
 ) -> dict[int, Any]:
     """This rank's pass on ``execute`` ("nodes": xgrad's engine; "waves": torch's engine).
 
-    Returns leaf index -> summed gradient. A pass whose leaves or received tensors have
-    tensor hooks runs on the node engine, which calls them once on the summed gradient.
+    Returns leaf index -> summed gradient. A pass whose leaves have tensor hooks runs on
+    the node engine, which calls them once on the summed gradient.
     """
     if execute not in ("nodes", "waves"):  # failed as a pass, so no peer waits for this rank
         try:
@@ -296,8 +302,8 @@ def run_pass(
             raise pass_.fail(me, -1, "backward", message)
         finally:
             pass_.release(me)
-    if execute == "waves" and not hooked(rank_graph, recv_tensors):
-        return backward_waves(pass_, me, rank_graph, roots, send_tensors, recv_tensors, accumulate)
+    if execute == "waves" and not hooked(rank_graph):
+        return backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
         if leaf._backward_hooks:
