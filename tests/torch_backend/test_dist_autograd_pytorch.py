@@ -194,20 +194,29 @@ def test_a_rank_may_send_to_itself_and_the_gradient_flows_in_the_same_pass() -> 
     assert outs[0]["after"] == [4.0, 4.0, 4.0]
 
 
-def _in_place_local(w: torch.Tensor) -> dict[str, list[float]]:
-    """The graph of :func:`_in_place` in one process: a received tensor is a clone."""
+_W = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64)
+
+
+def _in_place_remote(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
+    """Rank 1's part of :func:`_in_place`: what it does with the two tensors it received."""
+    t1.register_hook(lambda g: g * 10)
+    t1.retain_grad()
+    t2.register_hook(lambda g: g * 7)  # registered before the in-place ops
+    t2.mul_(2)
+    t2.add_(1)
+    return (t1 * t1).sum() + (t2 * t2).sum()
+
+
+def _in_place_local(w: torch.Tensor) -> list[float]:
+    """The graph of :func:`_in_place` in one process (a received tensor is a clone):
+    the gradient of ``w``."""
     y = w * 3
     t1, t2 = y.clone(), (y * 2).clone()
     y.mul_(5)
-    t1.register_hook(lambda g: g * 10)
-    t1.retain_grad()
-    t2.register_hook(lambda g: g * 7)
-    t2.mul_(2)
-    t2.add_(1)
-    loss = y.sum() + (t1 * t1).sum() + (t2 * t2).sum()
+    loss = y.sum() + _in_place_remote(t1, t2)
     loss.backward()
-    assert w.grad is not None and t1.grad is not None
-    return {"w": w.grad.tolist(), "t1": t1.grad.tolist()}
+    assert w.grad is not None
+    return w.grad.tolist()  # type: ignore[no-any-return]
 
 
 def _in_place(rank: int, world: int) -> dict[str, Any]:
@@ -216,7 +225,7 @@ def _in_place(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for execute in ("nodes", "waves"):
         da.EXECUTE = execute
-        w = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64, requires_grad=True)
+        w = _W.clone().requires_grad_()
         with da.context(timeout=20) as cid:
             if rank == 0:
                 y = w * 3
@@ -228,25 +237,55 @@ def _in_place(rank: int, world: int) -> dict[str, Any]:
             else:
                 t1, t2 = da.recv(0), da.recv(0)
                 out[f"leaf_{execute}"] = (t1.is_leaf, type(t1.grad_fn).__name__)
-                t1.register_hook(lambda g: g * 10)
-                t1.retain_grad()
-                t2.register_hook(lambda g: g * 7)  # registered before the in-place ops
-                t2.mul_(2)
-                t2.add_(1)
-                da.backward(cid, [(t1 * t1).sum() + (t2 * t2).sum()])
-                assert t1.grad is not None
-                out[execute] = {"t1": t1.grad.tolist()}
+                da.backward(cid, [_in_place_remote(t1, t2)])
+                assert t1.grad is not None  # retain_grad: the gradient its hook returned
+                out[execute] = {"t1": t1.grad.tolist(), "want": (20 * t1.detach()).tolist()}
     return out
 
 
 def test_received_tensors_take_in_place_ops_and_hooks_as_pytorch_s_do() -> None:
     results, codes = run_ranks(_in_place, 2, timeout=90)
     assert all(code == 0 for code in codes.values()), (codes, results)
-    want = _in_place_local(torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64, requires_grad=True))
+    want = torch.tensor(_in_place_local(_W.clone().requires_grad_()))
     outs = [results[r][1] for r in range(2)]
     assert [results[r][0] for r in range(2)] == ["ok", "ok"], outs
     for execute in ("nodes", "waves"):
         assert outs[1][f"leaf_{execute}"] == (False, "RecvBackward")
-        got_w, want_w = torch.tensor(outs[0][execute]["w"]), torch.tensor(want["w"])
-        assert torch.allclose(got_w, want_w, rtol=0, atol=1e-12), (execute, got_w, want_w)
-        assert outs[1][execute]["t1"] == want["t1"], execute
+        got = torch.tensor(outs[0][execute]["w"])
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (execute, got, want)
+        assert outs[1][execute]["t1"] == outs[1][execute]["want"], execute
+
+
+def _in_place_rpc(rank: int, world: int, init: str) -> Any:
+    """:func:`_in_place` through PyTorch's RPC distributed autograd: rank 1's part runs
+    on the tensors RPC gave it."""
+    import torch.distributed.autograd as rpc_autograd
+    import torch.distributed.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=init, num_worker_threads=4)
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    got = None
+    if rank == 0:
+        w = _W.clone().requires_grad_()
+        with rpc_autograd.context() as cid:
+            y = w * 3
+            remote = rpc.rpc_sync("w1", _in_place_remote, args=(y, y * 2))
+            y.mul_(5)
+            rpc_autograd.backward(cid, [y.sum() + remote])
+            got = rpc_autograd.get_gradients(cid)[w].tolist()
+    rpc.shutdown()
+    return got
+
+
+def test_the_in_place_graph_gives_what_pytorch_s_rpc_gives(tmp_path: Any) -> None:
+    """The reference above is PyTorch's RPC distributed autograd's answer too."""
+    import torch.distributed.rpc as rpc
+
+    if not rpc.is_available():
+        pytest.skip("torch.distributed.rpc is not available in this build of torch")
+    results, codes = run_ranks(_in_place_rpc, 2, (f"file://{tmp_path}/rpc",), timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    status, got = results[0]
+    assert status == "ok", got
+    want = _in_place_local(_W.clone().requires_grad_())
+    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-12)
