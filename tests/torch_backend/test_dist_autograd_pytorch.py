@@ -12,6 +12,7 @@
   ``RecvRpcBackward``): in-place ops on it work, and its hooks and ``retain_grad`` see its
   gradient as PyTorch's engine runs them. A sent tensor changed in place after the send
   gets the gradient of what was sent.
+- Hooks on a sent tensor and on a root run once, on the summed gradient, on both engines.
 """
 
 from __future__ import annotations
@@ -289,3 +290,52 @@ def test_the_in_place_graph_gives_what_pytorch_s_rpc_gives(tmp_path: Any) -> Non
     assert status == "ok", got
     want = _in_place_local(_W.clone().requires_grad_())
     assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-12)
+
+
+def _hooked_sender(w: torch.Tensor, send: Any) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    """Rank 0's part of :func:`_sent_hooks` (``send`` passes ``y`` on): its root, ``y``,
+    and what ``y``'s hook saw."""
+    seen: list[Any] = []
+    y = w * 3
+    y.register_hook(lambda g: seen.append(g.tolist()) or g * 10)
+    y.retain_grad()
+    send(y)
+    loss = (y * y).sum()
+    loss.register_hook(lambda g: g * 2)  # a hook on a root
+    return loss, y, seen
+
+
+def _sent_hooks(rank: int, world: int) -> dict[str, Any]:
+    """Hooks on a tensor rank 0 sends (and uses itself) and on its root, both engines."""
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        w = _W.clone().requires_grad_()
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                loss, y, seen = _hooked_sender(w, lambda y: da.send(y, 1))
+                da.backward(cid, [loss])
+                assert y.grad is not None
+                grad = da.get_gradients(cid)[w]
+                out[execute] = (grad.tolist(), y.grad.tolist(), seen)
+            else:
+                t = da.recv(0)
+                da.backward(cid, [(t * t).sum()])
+    return out
+
+
+def test_hooks_on_sent_tensors_and_roots_run_once_on_the_summed_gradient() -> None:
+    """As PyTorch's engine runs them: once, on the gradient summed from the local root and
+    the peer, and what they return flows on (the node engine calls torch nodes itself,
+    which runs no hook: xgrad runs those of the tensors it is given)."""
+    results, codes = run_ranks(_sent_hooks, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    status, out = results[0]
+    assert status == "ok", out
+    w = _W.clone().requires_grad_()
+    loss, y, seen = _hooked_sender(w, lambda y: None)
+    t = y.clone()  # what rank 1 receives
+    (loss + (t * t).sum()).backward()
+    assert w.grad is not None and y.grad is not None and len(seen) == 1
+    for execute in ("nodes", "waves"):
+        assert out[execute] == (w.grad.tolist(), y.grad.tolist(), seen), execute

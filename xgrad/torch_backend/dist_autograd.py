@@ -33,7 +33,8 @@ from torch.autograd.graph import get_gradient_edge
 from xgrad.failure import RankError, check_seconds
 from xgrad.torch_backend.dist_accumulate import Accumulate, add_to_grad, post_accumulate_hooks
 from xgrad.torch_backend.dist_context_state import Context
-from xgrad.torch_backend.dist_graph import build_rank_graph, received
+from xgrad.torch_backend.dist_edges import may_have_hooks, received
+from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
@@ -202,7 +203,7 @@ def recv(src: int) -> torch.Tensor:
     """Receive the next tensor rank ``src`` sent in this context (bounded by the timeout).
 
     Shape and dtype travel with the tensor; it requires grad when the sent one did, with a
-    ``RecvBackward`` node as its ``grad_fn`` (:class:`~.dist_graph.Recv`; not a leaf, so
+    ``RecvBackward`` node as its ``grad_fn`` (:class:`~.dist_edges.Recv`; not a leaf, so
     in-place ops work, as on PyTorch's received tensors). From this rank itself: at once,
     a copy whose ``grad_fn`` leads to the sent tensor.
     """
@@ -285,6 +286,7 @@ def _run(
             roots,
             [(edge, f"send to rank {p}") for p, _, _, edge in ctx.sends],
             [(node, f"recv from rank {p}") for p, _, _, node in ctx.recvs],
+            [edge.node for _, _, t, edge in ctx.sends if may_have_hooks(t, edge.node)],
         )
     except Exception as exc:  # bad roots: the others must not wait for this rank
         failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")

@@ -3,13 +3,12 @@
 The walk starts from a ``GraphRoot`` node (one edge per root tensor, as PyTorch's engine
 seeds a backward) and from one ``send`` node per tensor this rank sent that requires grad
 (its edge, taken at the ``send``, leads to the sent tensor's ``grad_fn`` then, or to its
-accumulator for a leaf). A received tensor's ``RecvBackward`` node (:class:`Recv`)
+accumulator for a leaf). A received tensor's ``RecvBackward`` node (:mod:`.dist_edges`)
 becomes a ``recv`` node (so does the ``AccumulateGrad`` of a leaf given as a recv); the
 accumulators of every other leaf, parameters and inputs alike, are numbered in discovery
-order. The
-node functions call the torch nodes themselves, so xgrad's engine runs the pass with its
-own dependency counts; a matrix product whose input's gradient goes to a peer computes
-that one first and defers its weights' (:mod:`.dist_split`).
+order. The node functions call the torch nodes themselves, so xgrad's engine runs the pass
+with its own dependency counts; a matrix product whose input's gradient goes to a peer
+computes that one first and defers its weights' (:mod:`.dist_split`).
 """
 
 from __future__ import annotations
@@ -26,63 +25,12 @@ from xgrad.engine import NodeFunction
 from xgrad.engine_plan import lists, reaches_recv
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend import dist_split
+from xgrad.torch_backend.dist_edges import hooked_caller, may_have_hooks
 from xgrad.torch_backend.dist_split import SPLITTABLE, fit
 
-__all__ = ["RankGraph", "Recv", "build_rank_graph", "received", "recv_hooks"]
+__all__ = ["RankGraph", "build_rank_graph"]
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
-
-#: what a received tensor's node hangs from: autograd gives a Function's output a
-#: ``grad_fn`` only when an input requires grad. Nothing ever flows into it.
-_ANCHOR = torch.empty(0, requires_grad=True)
-
-
-class Recv(torch.autograd.Function):
-    """A received tensor's ``grad_fn``, ``RecvBackward``, as PyTorch's RPC gives it
-    ``RecvRpcBackward``.
-
-    The tensor is not a leaf, so in-place ops on it work as on any activation, and its
-    node is the pass's ``recv`` node whatever happens to the tensor afterwards (an in-place
-    op moves the tensor's ``grad_fn`` on, not the node). xgrad's engine stops there and
-    sends the gradient back to the sender; torch's own engine (a local ``backward`` through
-    it) gets nothing from it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
-        # The buffer arrives in a list, so autograd does not see it as an input: returned
-        # as is (no copy, not a view of an input), it gets this node as its ``grad_fn``.
-        return box[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
-
-
-def recv_hooks(t: torch.Tensor, node: Any, grad: torch.Tensor) -> torch.Tensor:
-    """``grad``, the summed gradient of received tensor ``t``, through the hooks on its node.
-
-    Those are the tensor hooks registered on ``t`` before any in-place op on it (PyTorch
-    moves later ones, and ``retain_grad``, to the op's node) and ``retain_grad``'s. Python
-    cannot list a node's hooks, so where some may be there torch's engine runs them: it
-    calls a captured node's hooks. A tensor still on its node with no hook dict has none,
-    and costs nothing.
-    """
-    if t.grad_fn is node and t._backward_hooks is None and not t.retains_grad:
-        return grad
-    edge = GradientEdge(node, 0)
-    return torch.autograd.grad([edge], [edge], [grad], retain_graph=True)[0]
-
-
-def received(buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """``buf`` (a freshly received tensor) requiring grad through a ``RecvBackward`` node
-    (:class:`Recv`), even under ``no_grad`` (as the sent tensor required grad).
-
-    Returns ``(tensor, node)``: the node stays the recv's after in-place ops on the tensor.
-    """
-    with torch.enable_grad():
-        t = Recv.apply(_ANCHOR, [buf])
-    return t, t.grad_fn
 
 
 @dataclass(frozen=True)
@@ -204,13 +152,16 @@ def build_rank_graph(
     roots: Sequence[torch.Tensor],
     sends: Sequence[tuple[torch.Tensor | GradientEdge, str]],
     recvs: Sequence[tuple[Any, str]],
+    hooked: Sequence[Any] = (),
 ) -> RankGraph:
     """The graph from ``roots`` and the ``(tensor or edge, label)`` sends; the ``(node or
     leaf, label)`` recvs become recv nodes.
 
     A send's edge is the one taken when it was sent, so an in-place op on the tensor
     afterwards does not move where its gradient enters. A recv is its
-    ``RecvBackward`` node (:class:`Recv`), or a leaf tensor (its accumulator).
+    ``RecvBackward`` node (:class:`.dist_edges.Recv`), or a leaf tensor (its accumulator). The torch
+    nodes in ``hooked`` (those of sent tensors that may have hooks) and those of roots that
+    may have some run the hooks on their inputs first (:func:`.dist_edges.hooked_caller`).
 
     Raises:
         ValueError: a root that does not require grad or is not a scalar.
@@ -301,4 +252,9 @@ def build_rank_graph(
     graph = _graph(kinds, src, dst, input_nr, params, names)
     if products and recv_nodes and dist_split.SPLIT:
         _split(graph, products, functions)
+    hooked = [*hooked, *(r.grad_fn for r in roots if may_have_hooks(r, r.grad_fn))]
+    for node in hooked:
+        u = ids.get(id(node), -1)
+        if u >= 0 and kinds[u] == NodeKind.FUNCTION and names[u] != "GraphRoot":
+            functions[u] = hooked_caller(node, functions[u])
     return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)

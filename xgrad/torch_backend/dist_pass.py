@@ -23,7 +23,7 @@ from xgrad.failure import (
     RankUnresponsiveError,
     default_seconds,
 )
-from xgrad.torch_backend.dist_graph import recv_hooks
+from xgrad.torch_backend.dist_edges import recv_hooks
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
@@ -166,7 +166,7 @@ class ProcessPass:
 
         The hooks on the received tensor's node (``register_hook``, ``retain_grad``) see
         its summed gradient, and what they return is what goes back, as PyTorch's engine
-        runs them before its ``RecvRpcBackward`` (:func:`.dist_graph.recv_hooks`);
+        runs them before its ``RecvRpcBackward`` (:func:`.dist_edges.recv_hooks`);
         ``hooked``: they already ran (torch's engine captured the gradient there).
         """
         peer, k, like, node = self._recvs[recv_node]
