@@ -306,21 +306,22 @@ def _hooked_sender(w: torch.Tensor, send: Any) -> tuple[torch.Tensor, torch.Tens
 
 
 def _sent_hooks(rank: int, world: int) -> dict[str, Any]:
-    """Hooks on a tensor rank 0 sends (and uses itself) and on its root, both engines."""
+    """Hooks on a tensor rank 0 sends twice (and uses itself) and on its root, both
+    engines."""
     out: dict[str, Any] = {}
     for execute in ("nodes", "waves"):
         da.EXECUTE = execute
         w = _W.clone().requires_grad_()
         with da.context(timeout=20) as cid:
             if rank == 0:
-                loss, y, seen = _hooked_sender(w, lambda y: da.send(y, 1))
+                loss, y, seen = _hooked_sender(w, lambda y: [da.send(y, 1), da.send(y, 1)])
                 da.backward(cid, [loss])
                 assert y.grad is not None
                 grad = da.get_gradients(cid)[w]
                 out[execute] = (grad.tolist(), y.grad.tolist(), seen)
             else:
-                t = da.recv(0)
-                da.backward(cid, [(t * t).sum()])
+                t1, t2 = da.recv(0), da.recv(0)
+                da.backward(cid, [(t1 * t2).sum()])
     return out
 
 
@@ -334,8 +335,8 @@ def test_hooks_on_sent_tensors_and_roots_run_once_on_the_summed_gradient() -> No
     assert status == "ok", out
     w = _W.clone().requires_grad_()
     loss, y, seen = _hooked_sender(w, lambda y: None)
-    t = y.clone()  # what rank 1 receives
-    (loss + (t * t).sum()).backward()
+    t1, t2 = y.clone(), y.clone()  # what rank 1 receives
+    (loss + (t1 * t2).sum()).backward()
     assert w.grad is not None and y.grad is not None and len(seen) == 1
     for execute in ("nodes", "waves"):
         assert out[execute] == (w.grad.tolist(), y.grad.tolist(), seen), execute

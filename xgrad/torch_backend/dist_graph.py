@@ -253,8 +253,9 @@ def build_rank_graph(
     if products and recv_nodes and dist_split.SPLIT:
         _split(graph, products, functions)
     hooked = [*hooked, *(r.grad_fn for r in roots if may_have_hooks(r, r.grad_fn))]
-    for node in hooked:
-        u = ids.get(id(node), -1)
+    # Once per node: a tensor sent twice, or sent and a root, or two outputs of one node.
+    wrapped = {ids.get(id(node), -1): node for node in hooked}
+    for u, node in wrapped.items():
         if u >= 0 and kinds[u] == NodeKind.FUNCTION and names[u] != "GraphRoot":
             functions[u] = hooked_caller(node, functions[u])
     return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)
