@@ -41,9 +41,16 @@ def test_an_unknown_context_id_is_a_runtime_error_and_a_value_error(call: str) -
     assert str(caught.value).startswith("Could not find autograd context with id: 12345 (")
 
 
+def test_is_available_and_is_valid_context_answer_as_pytorch_s_do() -> None:
+    assert da.is_available() is True  # c10d is enough: no RPC framework needed
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 777"):
+        da._is_valid_context(777)
+
+
 def _next_context(rank: int, w: torch.Tensor) -> list[float] | None:
     """A clean context after the failures: rank 0's gradient of ``w`` (4 per element)."""
     with da.context(timeout=20) as cid:
+        da._is_valid_context(cid)  # an open context: no error
         if rank == 0:
             da.send(w * 4, 1)
             da.backward(cid, [])

@@ -48,6 +48,7 @@ __all__ = [
     "backward",
     "context",
     "get_gradients",
+    "is_available",
     "recv",
     "send",
 ]
@@ -336,3 +337,15 @@ def _run(
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """``{leaf tensor: gradient}`` accumulated in the context by its backward passes."""
     return {leaf: grad for leaf, grad in _get(context_id).grads.values()}
+
+
+def is_available() -> bool:
+    """Whether distributed autograd can run here, as PyTorch's ``is_available``: xgrad's
+    needs ``torch.distributed`` (c10d), not the RPC framework PyTorch's needs."""
+    return bool(dist.is_available())
+
+
+def _is_valid_context(context_id: int) -> None:
+    """Raise :class:`UnknownContextError` unless ``context_id`` names an open context of
+    this process (PyTorch's ``_is_valid_context``, which code written for it calls)."""
+    _get(context_id)
