@@ -15,8 +15,9 @@ engine (waves/nodes 0.95-1.06), which stays the default (``dist_autograd.EXECUTE
 
 A failing wave is run once more under anomaly mode, whose report names the failing
 node, so the error says ``"Error on rank R in <Node>: ..."`` as the node engine does.
-Leaves with tensor hooks are not run here (their hooks must see the summed gradient once):
-:func:`run_pass` gives those passes to xgrad's node engine. A received tensor's hooks run
+Leaves with tensor hooks are not run here (their hooks must see the summed gradient once),
+nor reentrant checkpoints (which torch runs only under ``backward``): :func:`run_pass`
+gives those passes to xgrad's node engine. A received tensor's hooks run
 where torch's engine captures its gradient, once, on the sum.
 """
 
@@ -281,6 +282,16 @@ def hooked(rank_graph: RankGraph) -> bool:
     return any(t._backward_hooks for t in rank_graph.leaves)
 
 
+#: nodes torch's engine refuses to run under ``torch.autograd.grad`` (a wave's call):
+#: reentrant checkpointing (``use_reentrant=True``) runs only under ``backward``.
+_NODES_ONLY = frozenset({"CheckpointFunctionBackward"})
+
+
+def nodes_only(rank_graph: RankGraph) -> bool:
+    """Whether the rank's graph has a node only xgrad's node engine can run."""
+    return not _NODES_ONLY.isdisjoint(rank_graph.graph.names)
+
+
 def run_pass(
     execute: str,
     pass_: ProcessPass,
@@ -294,7 +305,8 @@ def run_pass(
     """This rank's pass on ``execute`` ("nodes": xgrad's engine; "waves": torch's engine).
 
     Returns leaf index -> summed gradient. A pass whose leaves have tensor hooks runs on
-    the node engine, which calls them once on the summed gradient.
+    the node engine, which calls them once on the summed gradient, and so does one through
+    a reentrant checkpoint (:func:`nodes_only`).
     """
     if execute not in ("nodes", "waves"):  # failed as a pass, so no peer waits for this rank
         try:
@@ -302,7 +314,7 @@ def run_pass(
             raise pass_.fail(me, -1, "backward", message)
         finally:
             pass_.release(me)
-    if execute == "waves" and not hooked(rank_graph):
+    if execute == "waves" and not hooked(rank_graph) and not nodes_only(rank_graph):
         return backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
