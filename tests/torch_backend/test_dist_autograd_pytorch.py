@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -205,6 +206,13 @@ def test_a_rank_may_send_to_itself_and_the_gradient_flows_in_the_same_pass() -> 
 _W = torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64)
 
 
+def _each_engine() -> Iterator[tuple[str, torch.Tensor]]:
+    """Each way to run a rank's graph in turn, with a fresh leaf ``w``."""
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        yield execute, _W.clone().requires_grad_()
+
+
 def _in_place_remote(t1: torch.Tensor, t2: torch.Tensor) -> torch.Tensor:
     """Rank 1's part of :func:`_in_place`: what it does with the two tensors it received."""
     t1.register_hook(lambda g: g * 10)
@@ -231,9 +239,7 @@ def _in_place(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 sends ``w * 3`` and ``w * 6`` then scales its own copy in place; rank 1
     changes what it received in place, with hooks registered before (and retain_grad)."""
     out: dict[str, Any] = {}
-    for execute in ("nodes", "waves"):
-        da.EXECUTE = execute
-        w = _W.clone().requires_grad_()
+    for execute, w in _each_engine():
         with da.context(timeout=20) as cid:
             if rank == 0:
                 y = w * 3
@@ -316,9 +322,7 @@ def _sent_hooks(rank: int, world: int) -> dict[str, Any]:
     """Hooks on a tensor rank 0 sends twice (and uses itself) and on its root, both
     engines."""
     out: dict[str, Any] = {}
-    for execute in ("nodes", "waves"):
-        da.EXECUTE = execute
-        w = _W.clone().requires_grad_()
+    for execute, w in _each_engine():
         with da.context(timeout=20) as cid:
             if rank == 0:
                 loss, y, seen = _hooked_sender(w, lambda y: [da.send(y, 1), da.send(y, 1)])
