@@ -309,8 +309,8 @@ def _run(
         end(inbox, failed=True)
         raise
     sent = [edge for _, _, _, edge in ctx.sends]
-    received = [(t, node) for _, _, t, node in ctx.recvs]
-    grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, received, accumulate)
+    taken = [(t, node) for _, _, t, node in ctx.recvs]
+    grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
     hooked: list[torch.Tensor] = []
     with torch.no_grad():
         for i in list(grads):
