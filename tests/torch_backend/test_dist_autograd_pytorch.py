@@ -30,6 +30,14 @@ from xgrad.torch_backend import dist_autograd as da
 FAST_HEARTBEAT = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 
 
+def _outs(fn: Any, world: int = 2, args: tuple[Any, ...] = ()) -> list[Any]:
+    """What ``fn`` returned on each rank; every rank exited cleanly with a result."""
+    results, codes = run_ranks(fn, world, args, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert [results[r][0] for r in range(world)] == ["ok"] * world, results
+    return [results[r][1] for r in range(world)]
+
+
 @pytest.mark.parametrize("call", ["get_gradients", "backward"])
 def test_an_unknown_context_id_is_a_runtime_error_and_a_value_error(call: str) -> None:
     with pytest.raises(RuntimeError) as caught:  # what code written for PyTorch catches
@@ -107,12 +115,7 @@ def _post_accumulate(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_post_accumulate_grad_hooks_run_once_per_leaf_per_pass_after_grad() -> None:
-    results, codes = run_ranks(_post_accumulate, 2, timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    outs = {}
-    for rank in range(2):
-        status, outs[rank] = results[rank]
-        assert status == "ok", outs[rank]
+    outs = _outs(_post_accumulate)
     # rank 0: d/dw = 3 + 2 + 20 = 25 a pass; rank 1: 5. .grad is written before the hooks.
     for rank, per_pass in ((0, 25.0), (1, 5.0)):
         for execute in ("nodes", "waves"):
@@ -183,12 +186,8 @@ def _self_send(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_rank_may_send_to_itself_and_the_gradient_flows_in_the_same_pass() -> None:
-    results, codes = run_ranks(_self_send, 2, timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    outs = {}
+    outs = _outs(_self_send)
     for rank in range(2):
-        status, outs[rank] = results[rank]
-        assert status == "ok", outs[rank]
         for execute in ("nodes", "waves"):
             assert outs[rank][execute] < 1e-12, (rank, execute, outs[rank][execute])
         assert outs[rank]["empty"].startswith(f"recv(src={rank}) on rank {rank}: this rank has")
@@ -258,11 +257,8 @@ def _in_place(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_received_tensors_take_in_place_ops_and_hooks_as_pytorch_s_do() -> None:
-    results, codes = run_ranks(_in_place, 2, timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
+    outs = _outs(_in_place)
     want = torch.tensor(_in_place_local(_W.clone().requires_grad_()))
-    outs = [results[r][1] for r in range(2)]
-    assert [results[r][0] for r in range(2)] == ["ok", "ok"], outs
     for execute in ("nodes", "waves"):
         assert outs[1][f"leaf_{execute}"] == (False, "RecvBackward")
         got = torch.tensor(outs[0][execute]["w"])
@@ -297,10 +293,7 @@ def test_the_in_place_graph_gives_what_pytorch_s_rpc_gives(tmp_path: Any) -> Non
 
     if not rpc.is_available():
         pytest.skip("torch.distributed.rpc is not available in this build of torch")
-    results, codes = run_ranks(_in_place_rpc, 2, (f"file://{tmp_path}/rpc",), timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    status, got = results[0]
-    assert status == "ok", got
+    got = _outs(_in_place_rpc, args=(f"file://{tmp_path}/rpc",))[0]
     want = _in_place_local(_W.clone().requires_grad_())
     assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-12)
 
@@ -340,10 +333,7 @@ def test_hooks_on_sent_tensors_and_roots_run_once_on_the_summed_gradient() -> No
     """As PyTorch's engine runs them: once, on the gradient summed from the local root and
     the peer, and what they return flows on (the node engine calls torch nodes itself,
     which runs no hook: xgrad runs those of the tensors it is given)."""
-    results, codes = run_ranks(_sent_hooks, 2, timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    status, out = results[0]
-    assert status == "ok", out
+    out = _outs(_sent_hooks)[0]
     w = _W.clone().requires_grad_()
     loss, y, seen = _hooked_sender(w, lambda y: None)
     t1, t2 = y.clone(), y.clone()  # what rank 1 receives
