@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from failing import failing_function  # noqa: E402
 
+from xgrad.torch_backend.dist_edges import received  # noqa: E402
 from xgrad.torch_backend.dist_graph import build_rank_graph  # noqa: E402
 from xgrad.torch_backend.dist_waves import _named, plan_waves  # noqa: E402
 
@@ -21,12 +22,12 @@ def test_each_output_reaches_its_recvs_and_leaves_and_each_waits_for_all_of_them
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
     u = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)  # received
-    q = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)  # received, unused
+    r, r_node = received(torch.randn(3, generator=g, dtype=torch.float64))
+    _q, q_node = received(torch.randn(3, generator=g, dtype=torch.float64))  # unused
     h = torch.tanh(r * w)  # sent (twice), and in the root
     s = u * 2  # sent: reaches u only
     root = (h * r).sum()
-    rg = build_rank_graph([root], [(h, "a"), (h, "b"), (s, "c")], [(r, "r"), (q, "q")])
+    rg = build_rank_graph([root], [(h, "a"), (h, "b"), (s, "c")], [(r_node, "r"), (q_node, "q")])
     root_node = next(iter(rg.grad_roots))
     plan = plan_waves(rg.graph, root_node, rg.send_nodes)
     (recv_r,) = [n for n, i in rg.recv_nodes.items() if i == 0]
@@ -40,7 +41,9 @@ def test_each_output_reaches_its_recvs_and_leaves_and_each_waits_for_all_of_them
     assert plan.leaf_waits == {leaf[id(w)]: 3, leaf[id(u)]: 1}
     # The plan is cached with the graph's structure: the next pass's graph reuses it.
     h2 = torch.tanh(r * w)
-    again = build_rank_graph([(h2 * r).sum()], [(h2, "a"), (h2, "b"), (u * 2, "c")], [(r, "r")])
+    again = build_rank_graph(
+        [(h2 * r).sum()], [(h2, "a"), (h2, "b"), (u * 2, "c")], [(r_node, "r")]
+    )
     assert plan_waves(again.graph, next(iter(again.grad_roots)), again.send_nodes) is plan
 
 

@@ -4,11 +4,11 @@ The walk starts from a ``GraphRoot`` node (one edge per root tensor, as PyTorch'
 seeds a backward) and from one ``send`` node per tensor this rank sent that requires grad
 (its edge, taken at the ``send``, leads to the sent tensor's ``grad_fn`` then, or to its
 accumulator for a leaf). A received tensor's ``RecvBackward`` node (:mod:`.dist_edges`)
-becomes a ``recv`` node (so does the ``AccumulateGrad`` of a leaf given as a recv); the
-accumulators of every other leaf, parameters and inputs alike, are numbered in discovery
-order. The node functions call the torch nodes themselves, so xgrad's engine runs the pass
-with its own dependency counts; a matrix product whose input's gradient goes to a peer
-computes that one first and defers its weights' (:mod:`.dist_split`).
+becomes a ``recv`` node; the accumulators of every leaf, parameters and inputs alike, are
+numbered in discovery order. The node functions call the torch nodes themselves, so
+xgrad's engine runs the pass with its own dependency counts; a matrix product whose
+input's gradient goes to a peer computes that one first and defers its weights'
+(:mod:`.dist_split`).
 """
 
 from __future__ import annotations
@@ -154,14 +154,14 @@ def build_rank_graph(
     recvs: Sequence[tuple[Any, str]],
     hooked: Sequence[Any] = (),
 ) -> RankGraph:
-    """The graph from ``roots`` and the ``(tensor or edge, label)`` sends; the ``(node or
-    leaf, label)`` recvs become recv nodes.
+    """The graph from ``roots`` and the ``(tensor or edge, label)`` sends; the ``(node,
+    label)`` recvs become recv nodes.
 
     A send's edge is the one taken when it was sent, so an in-place op on the tensor
-    afterwards does not move where its gradient enters. A recv is its
-    ``RecvBackward`` node (:class:`.dist_edges.Recv`), or a leaf tensor (its accumulator). The torch
-    nodes in ``hooked`` (those of sent tensors that may have hooks) and those of roots that
-    may have some run the hooks on their inputs first (:func:`.dist_edges.hooked_caller`).
+    afterwards does not move where its gradient enters. A recv is the received tensor's
+    ``RecvBackward`` node (:func:`.dist_edges.received`). The torch nodes in ``hooked``
+    (those of sent tensors that may have hooks) and those of roots that may have some run
+    the hooks on their inputs first (:func:`.dist_edges.hooked_caller`).
 
     Raises:
         ValueError: a root that does not require grad or is not a scalar.
@@ -175,7 +175,7 @@ def build_rank_graph(
             raise ValueError(
                 f"roots[{i}] has shape {tuple(r.shape)}; roots must be scalars (one element)"
             )
-    recv_index = {id(t): i for i, (t, _) in enumerate(recvs)}  # node or leaf tensor
+    recv_index = {id(node): i for i, (node, _) in enumerate(recvs)}
     kinds: list[int] = []
     params: list[int] = []
     names: list[str] = []
@@ -204,13 +204,8 @@ def build_rank_graph(
             u = add(NodeKind.RECV, recvs[recv_index[id(fn)]][1])
             recv_nodes[u] = recv_index[id(fn)]
         elif type(fn) is _ACCUMULATE_GRAD:
-            var = fn.variable
-            if id(var) in recv_index:
-                u = add(NodeKind.RECV, recvs[recv_index[id(var)]][1])
-                recv_nodes[u] = recv_index[id(var)]
-            else:
-                u = add(NodeKind.ACCUMULATE, "AccumulateGrad", len(leaves))
-                leaves.append(var)
+            u = add(NodeKind.ACCUMULATE, "AccumulateGrad", len(leaves))
+            leaves.append(fn.variable)
         else:
             u = add(NodeKind.FUNCTION, type(fn).__name__)
             stack.append((u, fn))
