@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import RankError, check_seconds
+from xgrad.torch_backend import dist_hooks
 from xgrad.torch_backend.dist_accumulate import Accumulate, add_to_grad, post_accumulate_hooks
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_edges import may_have_hooks, received
@@ -152,6 +153,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     with _lock:
         _open[ctx.id] = ctx
     _local.context = ctx
+    dist_hooks.begin(ctx.seen)
     ok = False
     try:
         yield ctx.id
@@ -168,6 +170,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         raise
     finally:
         _local.context = None
+        dist_hooks.end()
         with _lock:
             _open.pop(ctx.id, None)
             _holders.pop(name, None)
@@ -288,6 +291,7 @@ def _run(
             [(edge, f"send to rank {p}") for p, _, _, edge in ctx.sends],
             [(node, f"recv from rank {p}") for p, _, _, node in ctx.recvs],
             [edge.node for _, _, t, edge in ctx.sends if may_have_hooks(t, edge.node)],
+            ctx.seen,
         )
     except Exception as exc:  # bad roots: the others must not wait for this rank
         failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")

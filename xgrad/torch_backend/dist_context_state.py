@@ -16,6 +16,7 @@ import torch.distributed as dist
 from xgrad.failure import RankError, wait_until
 from xgrad.torch_backend import dist_leftovers
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
+from xgrad.torch_backend.dist_hooks import Seen
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
@@ -81,6 +82,8 @@ class Context:
         self.recvs: list[tuple[int, int, torch.Tensor, Any]] = []
         self.counts: dict[tuple[str, int], int] = {}
         self.works: list[Any] = []
+        #: hooks and flags registered on nodes while the context is open (:mod:`.dist_hooks`)
+        self.seen = Seen()
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_freed = False
         # Whether this rank already raised the context's failure to the user.

@@ -5,8 +5,9 @@ A received tensor gets a ``RecvBackward`` node of its own (:class:`Recv`), as Py
 gives it ``RecvRpcBackward``: the pass's ``recv`` node, which in-place ops on the tensor do
 not move. xgrad's node engine calls torch nodes itself, which runs none of their hooks,
 and Python cannot list a node's hooks; for the tensors xgrad is given (roots, sends,
-recvs) that may carry some, torch's engine runs them on the summed gradient, once, as
-PyTorch's engine does before a node (:func:`recv_hooks`, :func:`hooked_caller`).
+recvs) that may carry some, and the nodes :mod:`.dist_hooks` saw tensor hooks put on,
+torch's engine runs them on the summed gradient, once, as PyTorch's engine does before a
+node (:func:`recv_hooks`, :func:`hooked_caller`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from xgrad.engine_plan import lists, reaches_recv
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend import dist_split
 from xgrad.torch_backend.dist_edges import hooked_caller, may_have_hooks
+from xgrad.torch_backend.dist_hooks import Seen, call_node_hooks
 from xgrad.torch_backend.dist_split import SPLITTABLE, fit
 
 __all__ = ["RankGraph", "build_rank_graph"]
@@ -54,13 +55,22 @@ class RankGraph:
     recv_nodes: dict[int, int]
 
 
-def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
+def _caller(
+    fn: Any,
+    keep: list[int],
+    wants: list[Any],
+    hooks: tuple[Any, Any] | None = None,
+    materialize: bool = True,
+) -> NodeFunction:
     """Run torch node ``fn`` and return the gradients of the edges kept in the graph.
 
     ``wants`` is the input metadata of each kept edge's destination: as PyTorch's engine
     does between nodes, a gradient of a broadcast input is summed back to the input's
     shape, and cast to its dtype. A Python Function's results are matched to its tensor
-    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped).
+    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped);
+    its pre- and post-hooks (``hooks``, the weak references to its hook dicts seen at
+    registration, :mod:`.dist_hooks`) run around it, and without ``materialize`` (it
+    called ``set_materialize_grads(False)``) its backward gets None where no gradient came.
     """
     call = fn.apply if isinstance(fn, BackwardCFunction) else fn
     meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
@@ -84,21 +94,34 @@ def _caller(fn: Any, keep: list[int], wants: list[Any]) -> NodeFunction:
         for i, j in zip(live, needs, strict=True):
             at[i] = j
 
-    def run(inputs: list[Any]) -> list[Any]:
-        if len(inputs) < slots:
-            inputs = [*inputs, *[None] * (slots - len(inputs))]
-        if meta is not None:
+    def node(inputs: list[Any]) -> tuple[Any, ...]:
+        if meta is not None and materialize:
             # A Python Function's backward expects zeros, not None, where nothing arrived.
             inputs = [
                 torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
                 for g, m in zip(inputs, meta, strict=True)
             ]
         out = call(*inputs)
-        if not isinstance(out, tuple):
-            out = (out,)
+        return out if isinstance(out, tuple) else (out,)
+
+    linked = [child is not None for child, _ in fn.next_functions]
+    everywhere = list(range(len(at)))
+
+    def hooked(inputs: list[Any]) -> tuple[Any, ...]:
+        """The node's results between its hooks, one per next edge (None: to no node)."""
+        out = node(inputs)
+        return tuple(out[j] if to else None for j, to in zip(at, linked, strict=True))
+
+    def run(inputs: list[Any]) -> list[Any]:
+        if len(inputs) < slots:
+            inputs = [*inputs, *[None] * (slots - len(inputs))]
+        if hooks is None:
+            out, place = node(inputs), at
+        else:
+            out, place = call_node_hooks(*hooks, hooked, inputs), everywhere
         grads = []
         for i, want in zip(keep, wants, strict=True):
-            g = out[at[i]]
+            g = out[place[i]]
             grads.append(None if g is None else fit(g, want))
         return grads
 
@@ -153,6 +176,7 @@ def build_rank_graph(
     sends: Sequence[tuple[torch.Tensor | GradientEdge, str]],
     recvs: Sequence[tuple[Any, str]],
     hooked: Sequence[Any] = (),
+    seen: Seen | None = None,
 ) -> RankGraph:
     """The graph from ``roots`` and the ``(tensor or edge, label)`` sends; the ``(node,
     label)`` recvs become recv nodes.
@@ -160,8 +184,10 @@ def build_rank_graph(
     A send's edge is the one taken when it was sent, so an in-place op on the tensor
     afterwards does not move where its gradient enters. A recv is the received tensor's
     ``RecvBackward`` node (:func:`.dist_edges.received`). The torch nodes in ``hooked``
-    (those of sent tensors that may have hooks) and those of roots that may have some run
-    the hooks on their inputs first (:func:`.dist_edges.hooked_caller`).
+    (those of sent tensors that may have hooks), those of roots that may have some and
+    those ``seen`` given tensor hooks in the context run the hooks on their inputs first
+    (:func:`.dist_edges.hooked_caller`); the Python Functions ``seen`` given hooks or told
+    not to materialize gradients get them (:func:`_caller`).
 
     Raises:
         ValueError: a root that does not require grad or is not a scalar.
@@ -241,13 +267,20 @@ def build_rank_graph(
                 keep.append(i)
                 wants.append(child._input_metadata[nr])
                 edge(u, child, nr)
-        functions[u] = _caller(fn, keep, wants)
+        if seen is not None and isinstance(fn, BackwardCFunction):
+            entry = seen.node_hooks.get(id(fn))
+            hooks = None if entry is None else (entry[1], entry[2])
+            functions[u] = _caller(fn, keep, wants, hooks, id(fn) not in seen.unmaterialized)
+        else:
+            functions[u] = _caller(fn, keep, wants)
         if len(keep) > 1 and names[u] in SPLITTABLE:
             products.append((u, fn, keep, wants))
     graph = _graph(kinds, src, dst, input_nr, params, names)
     if products and recv_nodes and dist_split.SPLIT:
         _split(graph, products, functions)
     hooked = [*hooked, *(r.grad_fn for r in roots if may_have_hooks(r, r.grad_fn))]
+    if seen is not None:
+        hooked += seen.hooked_nodes()
     # Once per node: a tensor sent twice, or sent and a root, or two outputs of one node.
     wrapped = {ids.get(id(node), -1): node for node in hooked}
     for u, node in wrapped.items():

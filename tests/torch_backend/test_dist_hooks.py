@@ -1,0 +1,192 @@
+"""Hooks on tensors and nodes xgrad is not given run in a distributed pass as in one process.
+
+xgrad's node engine calls torch's nodes itself, which runs none of their hooks; before
+:mod:`xgrad.torch_backend.dist_hooks`, a hook on an intermediate tensor was skipped and
+the gradients came out wrong without a word. On two gloo ranks, with both engines,
+against the same computation in one process (float64, 1e-12): a tensor hook and
+``retain_grad`` on an activation that is never sent, a module's full backward hook, a
+pre-hook on a Python Function's node, a Function that does not materialize gradients;
+a hook that raises fails the pass on every rank, named, and the next context works;
+torch's entry points are as before once the contexts closed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from ranks import run_ranks
+
+from xgrad.torch_backend import dist_hooks
+
+
+class _Pair(torch.autograd.Function):
+    """``(2x, 3x)``; its backward records whether the unused output's gradient was None."""
+
+    got_none: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx: Any, ga: Any, gb: Any) -> torch.Tensor:
+        _Pair.got_none.append(gb is None)
+        return ga * 2 if gb is None else ga * 2 + gb * 3
+
+
+def _first_half(x: torch.Tensor, lin: torch.nn.Linear, seen: dict[str, Any]) -> torch.Tensor:
+    """Rank 0's part: what it sends rank 1, with every kind of hook on the way."""
+
+    def module_hook(mod: Any, grad_in: Any, grad_out: Any) -> tuple[torch.Tensor]:
+        seen["grad_out"] = grad_out[0].tolist()
+        return (grad_in[0] * 3,)
+
+    lin.register_full_backward_hook(module_hook)
+    m = torch.tanh(lin(x))
+    m.register_hook(lambda g: g * 10)  # an activation never sent: only this hook sees it
+    m.retain_grad()
+    seen["m"] = m
+    a, _ = _Pair.apply(m)
+    assert a.grad_fn is not None
+    a.grad_fn.register_prehook(lambda go: (go[0] * 0.5, go[1]))
+    return a
+
+
+def _loss(r: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    return (r * r * w1).sum()
+
+
+def _make(rank_seed: int = 0) -> tuple[torch.Tensor, torch.nn.Linear, torch.Tensor]:
+    torch.manual_seed(rank_seed)
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    return x, lin, w1
+
+
+def _one_process() -> dict[str, Any]:
+    x, lin, w1 = _make()
+    seen: dict[str, Any] = {}
+    _Pair.got_none.clear()
+    _loss(_first_half(x, lin, seen), w1).backward()
+    m = seen["m"]
+    return {
+        "x": x.grad.tolist(), "weight": lin.weight.grad.tolist(), "bias": lin.bias.grad.tolist(),
+        "w1": w1.grad.tolist(), "m": m.grad.tolist(), "grad_out": seen["grad_out"],
+        "none": list(_Pair.got_none),
+    }  # fmt: skip
+
+
+def _ranks(rank: int, world: int) -> dict[str, Any]:
+    from xgrad.torch_backend import dist_autograd as da
+
+    before = (torch.Tensor.register_hook, "retain_grad" in torch.Tensor.__dict__)
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        x, lin, w1 = _make()
+        seen: dict[str, Any] = {}
+        _Pair.got_none.clear()
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(_first_half(x, lin, seen), 1)
+                da.backward(cid, [])
+                g = da.get_gradients(cid)
+                m = seen["m"]
+                out[execute] = {
+                    "x": g[x].tolist(), "weight": g[lin.weight].tolist(),
+                    "bias": g[lin.bias].tolist(), "m": m.grad.tolist(),
+                    "grad_out": seen["grad_out"], "none": list(_Pair.got_none),
+                }  # fmt: skip
+            else:
+                da.backward(cid, [_loss(da.recv(0), w1)])
+                out[execute] = {"w1": da.get_gradients(cid)[w1].tolist()}
+        # A hook that raises, on an activation of rank 1: every rank fails, named.
+        try:
+            with da.context(timeout=20) as cid:
+                if rank == 0:
+                    da.send(x * 2, 1)
+                    da.backward(cid, [])
+                else:
+                    z = da.recv(0) * 2
+                    z.register_hook(lambda g: 1 / 0)
+                    da.backward(cid, [z.sum()])
+            out[f"failure_{execute}"] = "no error"
+        except da.DistBackwardError as exc:
+            out[f"failure_{execute}"] = str(exc)
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(x * 2, 1)
+                da.backward(cid, [])
+                out[f"after_{execute}"] = da.get_gradients(cid)[x].tolist()
+            else:
+                da.backward(cid, [da.recv(0).sum()])
+    out["restored"] = (torch.Tensor.register_hook, "retain_grad" in torch.Tensor.__dict__) == before
+    return out
+
+
+def test_hooks_inside_the_graph_run_as_in_one_process_on_both_engines() -> None:
+    results, codes = run_ranks(_ranks, 2, timeout=90)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    assert [results[r][0] for r in (0, 1)] == ["ok", "ok"], results
+    got = [results[r][1] for r in (0, 1)]
+    want = _one_process()
+    assert want["none"] == [True]  # torch gives the Function None for the unused output
+    for execute in ("nodes", "waves"):
+        mine = {**got[0][execute], **got[1][execute]}
+        assert mine["none"] == want["none"], execute
+        for key in ("x", "weight", "bias", "w1", "m", "grad_out"):
+            diff = (torch.tensor(mine[key]) - torch.tensor(want[key])).abs().max()
+            assert diff <= 1e-12, (execute, key, mine[key], want[key])
+        for r in (0, 1):
+            text = got[r][f"failure_{execute}"]
+            assert text.startswith("Error on rank 1") and "ZeroDivisionError" in text, text
+        assert got[0][f"after_{execute}"] == [[2.0] * 4] * 3
+    assert got[0]["restored"] and got[1]["restored"]
+
+
+def test_entry_points_are_replaced_only_while_a_context_is_open() -> None:
+    originals = (torch.Tensor.register_hook, torch.autograd.function.FunctionCtx.__dict__)
+    seen = dist_hooks.Seen()
+    dist_hooks.begin(seen)
+    try:
+        assert torch.Tensor.register_hook is not originals[0]
+        h = torch.ones(2, requires_grad=True) * 2
+        h.register_hook(lambda g: g)
+        assert list(seen.tensor_hooked.values()) == [h.grad_fn]
+        assert seen.hooked_nodes() == [h.grad_fn, h.grad_fn]  # the node, the tensor's now
+    finally:
+        dist_hooks.end()
+    assert torch.Tensor.register_hook is originals[0]
+    assert "retain_grad" not in torch.Tensor.__dict__
+    again = torch.ones(2, requires_grad=True) * 2
+    again.register_hook(lambda g: g)  # recorded nowhere: no context is open
+    assert len(seen.tensor_hooked) == 1
+
+
+def test_a_hook_returning_the_wrong_number_of_gradients_is_named() -> None:
+    def bad(go: Any) -> tuple[Any, ...]:
+        return (go[0], go[0])
+
+    weak = _Dict({0: bad})
+    try:
+        dist_hooks.call_node_hooks(weak, None, lambda g: g, [torch.ones(1)])
+    except RuntimeError as exc:
+        assert (
+            "hook 'bad' has returned an incorrect number of values (got 2, but expected 1)"
+            in str(exc)
+        )
+    else:
+        raise AssertionError("no error")
+
+
+class _Dict:
+    """A strong stand-in for the weak reference to a node's hook dict."""
+
+    def __init__(self, hooks: dict[int, Any]) -> None:
+        self.hooks = hooks
+
+    def __call__(self) -> dict[int, Any]:
+        return self.hooks

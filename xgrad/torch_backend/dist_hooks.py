@@ -1,0 +1,195 @@
+"""Hooks and flags that reach the nodes of a context's graph, seen where they are registered.
+
+xgrad's node engine calls torch's nodes itself, which runs none of their hooks, and
+Python cannot list a node's hooks nor read a Python Function's ``materialize_grads``.
+Without this, a hook on an intermediate tensor (``h.register_hook(lambda g: g * 10)``)
+was skipped and the pass's gradients came out wrong without a word. So while a thread
+has a distributed autograd context open, the Python entry points that put them on a
+node record the node in that context's :class:`Seen`:
+
+* ``Tensor.register_hook`` and ``Tensor.retain_grad`` of a tensor with a ``grad_fn``:
+  the node carries tensor pre-hooks, which the engine runs through torch's own engine
+  on the node's summed input gradient (:func:`.dist_edges.hooked_caller`);
+* a Python Function node's ``register_prehook`` and ``register_hook`` (a module's full
+  backward hooks use them): the handle leads to the node's ordered hook dict, and the
+  engine calls the hooks around the node as PyTorch's engine does (:func:`node_hooks`);
+* ``ctx.set_materialize_grads(False)`` in a Python Function's forward: its backward gets
+  None, not zeros, for an output no gradient reached.
+
+The entry points are replaced while any context is open, on any thread, and restored when
+the last one closes; a registration on a thread without an open context is not recorded.
+Not seen: ``register_hook``/``register_prehook`` on a C++ node (its type is immutable), and
+hooks registered before the context opened on tensors its graph reaches. Torch's engine
+runs those (``dist_autograd.EXECUTE = "waves"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import BackwardCFunction, FunctionCtx
+
+__all__ = ["Seen", "begin", "call_node_hooks", "end"]
+
+
+class Seen:
+    """What one context saw registered on nodes (strong references: a node's id must not
+    be reused while the context may look it up; the context holds its graph anyway).
+
+    Attributes:
+        tensor_hooked: id -> node that tensor hooks (``register_hook``, ``retain_grad``)
+            were put on.
+        tensors: the tensors those hooks were registered on, weakly: an in-place op moves
+            a tensor (and its ``retain_grad``) to a new node.
+        node_hooks: id -> ``(node, its pre-hook dict or None, its post-hook dict or None)``,
+            for Python Function nodes, the dicts as weak references (the node owns them).
+        unmaterialized: id -> node of the Python Functions that called
+            ``set_materialize_grads(False)``.
+    """
+
+    def __init__(self) -> None:
+        self.tensor_hooked: dict[int, Any] = {}
+        self.tensors: list[weakref.ref[torch.Tensor]] = []
+        self.node_hooks: dict[int, tuple[Any, Any, Any]] = {}
+        self.unmaterialized: dict[int, Any] = {}
+
+    def hooked_nodes(self) -> list[Any]:
+        """Every node tensor hooks may sit on: those they were put on, and the current
+        ``grad_fn`` of each tensor still alive."""
+        nodes = list(self.tensor_hooked.values())
+        for ref in self.tensors:
+            t = ref()
+            if t is not None and t.grad_fn is not None:
+                nodes.append(t.grad_fn)
+        return nodes
+
+
+_local = threading.local()
+_lock = threading.Lock()
+_open = 0  # contexts open in this process, every thread
+
+
+def _seen() -> Seen | None:
+    return getattr(_local, "seen", None)
+
+
+def _tensor_hooked(t: torch.Tensor) -> None:
+    seen = _seen()
+    node = t.grad_fn
+    if seen is not None and node is not None:
+        seen.tensor_hooked[id(node)] = node
+        seen.tensors.append(weakref.ref(t))
+
+
+def _register_hook(self: torch.Tensor, hook: Callable[..., Any]) -> Any:
+    handle = _ORIGINAL[(torch.Tensor, "register_hook")](self, hook)
+    _tensor_hooked(self)
+    return handle
+
+
+def _retain_grad(self: torch.Tensor) -> None:
+    _ORIGINAL[(torch.Tensor, "retain_grad")](self)
+    _tensor_hooked(self)
+
+
+def _node_hook(slot: int, name: str) -> Callable[..., Any]:
+    def register(self: Any, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        handle = _ORIGINAL[(BackwardCFunction, name)](self, hook, *args, **kwargs)
+        seen = _seen()
+        if seen is not None:
+            entry = list(seen.node_hooks.get(id(self), (self, None, None)))
+            entry[slot] = handle.hooks_dict_ref  # the node's dict of every such hook
+            seen.node_hooks[id(self)] = (entry[0], entry[1], entry[2])
+        return handle
+
+    return register
+
+
+def _set_materialize_grads(self: Any, value: bool) -> None:
+    _ORIGINAL[(FunctionCtx, "set_materialize_grads")](self, value)
+    seen = _seen()
+    if seen is not None and isinstance(self, BackwardCFunction):
+        if value:
+            seen.unmaterialized.pop(id(self), None)
+        else:
+            seen.unmaterialized[id(self)] = self
+
+
+#: (class, attribute) -> torch's own, as looked up on the class (maybe inherited).
+_ORIGINAL: dict[tuple[type, str], Any] = {}
+_REPLACEMENT: dict[tuple[type, str], Any] = {
+    (torch.Tensor, "register_hook"): _register_hook,
+    (torch.Tensor, "retain_grad"): _retain_grad,
+    (BackwardCFunction, "register_prehook"): _node_hook(1, "register_prehook"),
+    (BackwardCFunction, "register_hook"): _node_hook(2, "register_hook"),
+    (FunctionCtx, "set_materialize_grads"): _set_materialize_grads,
+}
+#: whether the class itself defines the attribute (if not, restoring deletes ours).
+_OWN: dict[tuple[type, str], bool] = {}
+for _key, _replacement in _REPLACEMENT.items():
+    _ORIGINAL[_key] = getattr(_key[0], _key[1])
+    _OWN[_key] = _key[1] in _key[0].__dict__
+    functools.update_wrapper(_replacement, _ORIGINAL[_key])  # help() shows torch's own
+
+
+def begin(seen: Seen) -> None:
+    """This thread's context opens: record into ``seen`` until :func:`end`."""
+    global _open
+    _local.seen = seen
+    with _lock:
+        _open += 1
+        if _open == 1:
+            for (cls, name), replacement in _REPLACEMENT.items():
+                setattr(cls, name, replacement)
+
+
+def end() -> None:
+    """This thread's context closed; the last one to close restores torch's entry points."""
+    global _open
+    _local.seen = None
+    with _lock:
+        _open -= 1
+        if _open == 0:
+            for (cls, name), original in _ORIGINAL.items():
+                if _OWN[(cls, name)]:
+                    setattr(cls, name, original)
+                else:
+                    delattr(cls, name)
+
+
+def _returned(hook: Any, got: Any, want: int) -> tuple[Any, ...]:
+    if not isinstance(got, (tuple, list)) or len(got) != want:
+        n = len(got) if isinstance(got, (tuple, list)) else type(got).__name__
+        raise RuntimeError(
+            f"hook '{getattr(hook, '__name__', hook)}' has returned an incorrect number of "
+            f"values (got {n}, but expected {want})"
+        )
+    return tuple(got)
+
+
+def call_node_hooks(
+    pre: Any, post: Any, run: Callable[[list[Any]], Sequence[Any]], inputs: list[Any]
+) -> tuple[Any, ...]:
+    """``run(inputs)`` (a Python Function node's backward, one gradient per next edge)
+    between the node's hooks, as PyTorch's engine calls them: each pre-hook gets the
+    gradients of the node's outputs (None where none came) and may return new ones; each
+    post-hook gets the node's results and those gradients and may return new results.
+    ``pre``/``post``: weak references to the node's hook dicts, or None."""
+    grad_outputs = tuple(inputs)
+    hooks = None if pre is None else pre()
+    for hook in list(hooks.values()) if hooks else ():
+        got = hook(grad_outputs)
+        if got is not None:
+            grad_outputs = _returned(hook, got, len(grad_outputs))
+    results = tuple(run(list(grad_outputs)))
+    hooks = None if post is None else post()
+    for hook in list(hooks.values()) if hooks else ():
+        got = hook(results, grad_outputs)
+        if got is not None:
+            results = _returned(hook, got, len(results))
+    return results
