@@ -13,7 +13,7 @@ import torch
 
 from xgrad.engine import Engine
 
-__all__ = ["Accumulate", "add_to_grad", "leaf_hooks", "post_accumulate_hooks"]
+__all__ = ["Accumulate", "add_into", "add_to_grad", "leaf_hooks", "post_accumulate_hooks"]
 
 
 def _count_refs(value: Any) -> int:
@@ -62,6 +62,8 @@ class Accumulate:
         n = self.shared.get(id(grad))
         if n is None:  # a sum made by the pass: nobody else has it
             return grad
+        if grad.layout != torch.strided:  # sparse (``nn.Embedding(sparse=True)``): no storage
+            return grad.detach().clone()
         if (
             n == 1
             and leaf is not None
@@ -92,11 +94,22 @@ def leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
 
 def add_to_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``leaf.grad`` as AccumulateGrad does (under ``no_grad``): a new
-    ``.grad`` in the leaf's layout (a copy: the context keeps ``grad``), else added in."""
+    ``.grad`` in the leaf's layout (a copy: the context keeps ``grad``; a sparse gradient
+    stays sparse), else added in (:func:`add_into`)."""
     if leaf.grad is None:
-        leaf.grad = torch.empty_like(leaf).copy_(grad)
+        sparse = grad.layout != torch.strided
+        leaf.grad = grad.clone() if sparse else torch.empty_like(leaf).copy_(grad)
     else:
-        leaf.grad.add_(grad)
+        leaf.grad = add_into(leaf.grad, grad)
+
+
+def add_into(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``total + grad``, in ``total`` where it can be, as AccumulateGrad adds: a sparse
+    total takes a sparse gradient in place, and becomes dense (a new tensor) with a
+    dense one, which cannot be added into a sparse tensor."""
+    if total.layout != torch.strided and grad.layout == torch.strided:
+        return grad + total
+    return total.add_(grad)
 
 
 def post_accumulate_hooks(leaves: list[torch.Tensor]) -> None:

@@ -32,7 +32,12 @@ from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import RankError, check_seconds
 from xgrad.torch_backend import dist_hooks
-from xgrad.torch_backend.dist_accumulate import Accumulate, add_to_grad, post_accumulate_hooks
+from xgrad.torch_backend.dist_accumulate import (
+    Accumulate,
+    add_into,
+    add_to_grad,
+    post_accumulate_hooks,
+)
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_edges import may_have_hooks, received
 from xgrad.torch_backend.dist_graph import build_rank_graph
@@ -269,22 +274,31 @@ def backward(
     ctx.ledger.enter("pass")
     inbox = ctx.inbox()
     try:
-        _run(ctx, inbox, roots, retain_graph, accumulate_grad)
+        grads, leaves, accumulate = _run(ctx, inbox, roots)
     except BaseException:
         ctx.answered = True  # the pass's inbox poisoned what this rank owed
         ctx.answer_unreceived()
         raise
     finally:
         ctx.ledger.enter("forward")
+    if not retain_graph:
+        ctx.graph_freed = True
+    try:
+        _keep(ctx, grads, leaves, accumulate, accumulate_grad)
+    except Exception as exc:
+        # The pass is over: every rank finished it and this rank owes nothing in it. The
+        # others hear of the failure at their next wait; a next pass of theirs waits for
+        # this rank's messages, which the context's exit answers (``Context.poison``), as
+        # after a failure outside a pass.
+        failure = ctx.channel.post("AccumulateGrad", f"{type(exc).__name__}: {exc}")
+        raise ctx.error(RankError(failure, ctx.me)) from exc
 
 
 def _run(
-    ctx: Context,
-    inbox: Inbox,
-    roots: list[torch.Tensor],
-    retain_graph: bool,
-    accumulate_grad: bool,
-) -> None:
+    ctx: Context, inbox: Inbox, roots: list[torch.Tensor]
+) -> tuple[dict[int, Any], tuple[torch.Tensor, ...], Accumulate]:
+    """This rank's part of the pass: ``(leaf index -> gradient, the leaves, how they were
+    added)``; raises (every rank does) if any rank failed."""
     try:
         rank_graph = build_rank_graph(
             roots,
@@ -315,27 +329,33 @@ def _run(
     sent = [edge for _, _, _, edge in ctx.sends]
     taken = [(t, node) for _, _, t, node in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
+    return grads, rank_graph.leaves, accumulate
+
+
+def _keep(
+    ctx: Context,
+    grads: dict[int, Any],
+    leaves: tuple[torch.Tensor, ...],
+    accumulate: Accumulate,
+    accumulate_grad: bool,
+) -> None:
+    """Add the pass's leaf gradients into the context (and ``.grad``), then run the
+    post-accumulate-grad hooks."""
     hooked: list[torch.Tensor] = []
     with torch.no_grad():
         for i in list(grads):
             grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
-            leaf = rank_graph.leaves[i]
+            leaf = leaves[i]
             old = ctx.grads.get(id(leaf))
             # In place, as PyTorch's context accumulates: a dict get_gradients returned
             # sees a later pass of the same context.
-            kept = accumulate.private(grad, leaf) if old is None else old[1].add_(grad)
+            kept = accumulate.private(grad, leaf) if old is None else add_into(old[1], grad)
             ctx.grads[id(leaf)] = (leaf, kept)
             if accumulate_grad:
                 add_to_grad(leaf, grad)
                 if leaf._post_accumulate_grad_hooks:
                     hooked.append(leaf)
-        if not retain_graph:
-            ctx.graph_freed = True
-        try:
-            post_accumulate_hooks(hooked)
-        except Exception as exc:  # the pass is over: the others hear of it at their next wait
-            failure = ctx.channel.post("AccumulateGrad", f"{type(exc).__name__}: {exc}")
-            raise ctx.error(RankError(failure, ctx.me)) from exc
+        post_accumulate_hooks(hooked)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
