@@ -5,7 +5,8 @@ xgrad's node engine calls torch's nodes itself, which runs none of their hooks; 
 the gradients came out wrong without a word. On two gloo ranks, with both engines,
 against the same computation in one process (float64, 1e-12): a tensor hook and
 ``retain_grad`` on an activation that is never sent, a module's full backward hook, a
-pre-hook on a Python Function's node, a Function that does not materialize gradients;
+pre-hook on a Python Function's node, a Function that does not materialize gradients,
+each hook run once (torch's engine in waves would run them once per wave);
 a hook that raises fails the pass on every rank, named, and the next context works;
 torch's entry points are as before once the contexts closed.
 """
@@ -39,13 +40,17 @@ class _Pair(torch.autograd.Function):
 def _first_half(x: torch.Tensor, lin: torch.nn.Linear, seen: dict[str, Any]) -> torch.Tensor:
     """Rank 0's part: what it sends rank 1, with every kind of hook on the way."""
 
+    calls = seen.setdefault("calls", [])
+
     def module_hook(mod: Any, grad_in: Any, grad_out: Any) -> tuple[torch.Tensor]:
+        calls.append("module")
         seen["grad_out"] = grad_out[0].tolist()
         return (grad_in[0] * 3,)
 
     lin.register_full_backward_hook(module_hook)
     m = torch.tanh(lin(x))
-    m.register_hook(lambda g: g * 10)  # an activation never sent: only this hook sees it
+    # An activation never sent: only this hook sees it. It scales by how often it ran.
+    m.register_hook(lambda g: calls.append("m") or g * 10 * calls.count("m"))
     m.retain_grad()
     seen["m"] = m
     a, _ = _Pair.apply(m)
@@ -75,7 +80,7 @@ def _one_process() -> dict[str, Any]:
     return {
         "x": x.grad.tolist(), "weight": lin.weight.grad.tolist(), "bias": lin.bias.grad.tolist(),
         "w1": w1.grad.tolist(), "m": m.grad.tolist(), "grad_out": seen["grad_out"],
-        "none": list(_Pair.got_none),
+        "none": list(_Pair.got_none), "calls": seen["calls"],
     }  # fmt: skip
 
 
@@ -90,19 +95,23 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
         seen: dict[str, Any] = {}
         _Pair.got_none.clear()
         with da.context(timeout=20) as cid:
+            # x comes from rank 1, so the hooked nodes lead to a recv and to leaves (torch's
+            # engine in waves runs them in a wave for each).
             if rank == 0:
-                da.send(_first_half(x, lin, seen), 1)
+                da.send(_first_half(da.recv(1), lin, seen), 1)
                 da.backward(cid, [])
                 g = da.get_gradients(cid)
                 m = seen["m"]
                 out[execute] = {
-                    "x": g[x].tolist(), "weight": g[lin.weight].tolist(),
-                    "bias": g[lin.bias].tolist(), "m": m.grad.tolist(),
-                    "grad_out": seen["grad_out"], "none": list(_Pair.got_none),
+                    "weight": g[lin.weight].tolist(), "bias": g[lin.bias].tolist(),
+                    "m": m.grad.tolist(), "grad_out": seen["grad_out"],
+                    "none": list(_Pair.got_none), "calls": seen["calls"],
                 }  # fmt: skip
             else:
+                da.send(x, 0)
                 da.backward(cid, [_loss(da.recv(0), w1)])
-                out[execute] = {"w1": da.get_gradients(cid)[w1].tolist()}
+                g = da.get_gradients(cid)
+                out[execute] = {"x": g[x].tolist(), "w1": g[w1].tolist()}
         # A hook that raises, on an activation of rank 1: every rank fails, named.
         try:
             with da.context(timeout=20) as cid:
@@ -137,6 +146,7 @@ def test_hooks_inside_the_graph_run_as_in_one_process_on_both_engines() -> None:
     for execute in ("nodes", "waves"):
         mine = {**got[0][execute], **got[1][execute]}
         assert mine["none"] == want["none"], execute
+        assert mine["calls"] == want["calls"] == ["m", "module"], execute  # each hook once
         for key in ("x", "weight", "bias", "w1", "m", "grad_out"):
             diff = (torch.tensor(mine[key]) - torch.tensor(want[key])).abs().max()
             assert diff <= 1e-12, (execute, key, mine[key], want[key])

@@ -45,6 +45,9 @@ class RankGraph:
         leaves: accumulator ``params`` index -> the leaf tensor it accumulates for.
         send_nodes: the node of each send, in the order of ``sends``.
         recv_nodes: recv node -> its index in ``recvs``.
+        inner_hooks: whether some node has hooks seen registered in the context
+            (:mod:`.dist_hooks`): they run once on the node engine, and torch's (waves)
+            would run them once per call through the node.
     """
 
     graph: BackwardGraph
@@ -53,6 +56,7 @@ class RankGraph:
     leaves: tuple[torch.Tensor, ...]
     send_nodes: tuple[int, ...]
     recv_nodes: dict[int, int]
+    inner_hooks: bool = False
 
 
 def _caller(
@@ -279,11 +283,17 @@ def build_rank_graph(
     if products and recv_nodes and dist_split.SPLIT:
         _split(graph, products, functions)
     hooked = [*hooked, *(r.grad_fn for r in roots if may_have_hooks(r, r.grad_fn))]
+    inner = False
     if seen is not None:
-        hooked += seen.hooked_nodes()
+        inner = any(key in ids for key in seen.node_hooks)  # ids of live nodes: not reused
+        for node in seen.hooked_nodes():
+            inner = inner or id(node) in ids
+            hooked.append(node)
     # Once per node: a tensor sent twice, or sent and a root, or two outputs of one node.
     wrapped = {ids.get(id(node), -1): node for node in hooked}
     for u, node in wrapped.items():
         if u >= 0 and kinds[u] == NodeKind.FUNCTION and names[u] != "GraphRoot":
             functions[u] = hooked_caller(node, functions[u])
-    return RankGraph(graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes)
+    return RankGraph(
+        graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner
+    )

@@ -16,7 +16,8 @@ engine (waves/nodes 0.95-1.06), which stays the default (``dist_autograd.EXECUTE
 A failing wave is run once more under anomaly mode, whose report names the failing
 node, so the error says ``"Error on rank R in <Node>: ..."`` as the node engine does.
 Leaves with tensor hooks are not run here (their hooks must see the summed gradient once),
-nor reentrant checkpoints (which torch runs only under ``backward``): :func:`run_pass`
+nor nodes with hooks seen registered in the context (:mod:`.dist_hooks`; the same), nor
+reentrant checkpoints (which torch runs only under ``backward``): :func:`run_pass`
 gives those passes to xgrad's node engine. A received tensor's hooks run
 where torch's engine captures its gradient, once, on the sum.
 """
@@ -305,7 +306,8 @@ def run_pass(
     """This rank's pass on ``execute`` ("nodes": xgrad's engine; "waves": torch's engine).
 
     Returns leaf index -> summed gradient. A pass whose leaves have tensor hooks runs on
-    the node engine, which calls them once on the summed gradient, and so does one through
+    the node engine, which calls them once on the summed gradient, and so do one whose
+    other nodes have hooks seen registered in the context (``inner_hooks``) and one through
     a reentrant checkpoint (:func:`nodes_only`).
     """
     if execute not in ("nodes", "waves"):  # failed as a pass, so no peer waits for this rank
@@ -314,7 +316,12 @@ def run_pass(
             raise pass_.fail(me, -1, "backward", message)
         finally:
             pass_.release(me)
-    if execute == "waves" and not hooked(rank_graph) and not nodes_only(rank_graph):
+    if (
+        execute == "waves"
+        and not hooked(rank_graph)
+        and not rank_graph.inner_hooks
+        and not nodes_only(rank_graph)
+    ):
         return backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
