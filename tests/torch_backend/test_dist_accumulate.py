@@ -20,7 +20,7 @@ def _first(acc: Accumulate, *grads: torch.Tensor) -> None:
 
 
 def _private(acc: Accumulate, grads: dict[int, torch.Tensor], i: int, leaf: Any) -> Any:
-    # As dist_autograd._run calls it: the gradient popped, held by this frame alone.
+    # As dist_accumulate.keep calls it: the gradient popped, held by this frame alone.
     grad = grads.pop(i)
     return acc.private(grad, leaf)
 

@@ -258,10 +258,10 @@ def _in_place(rank: int, world: int) -> dict[str, Any]:
 
 def test_received_tensors_take_in_place_ops_and_hooks_as_pytorch_s_do() -> None:
     outs = _outs(_in_place)
-    want = torch.tensor(_in_place_local(_W.clone().requires_grad_()))
+    want = torch.tensor(_in_place_local(_W.clone().requires_grad_()), dtype=torch.float64)
     for execute in ("nodes", "waves"):
         assert outs[1][f"leaf_{execute}"] == (False, "RecvBackward")
-        got = torch.tensor(outs[0][execute]["w"])
+        got = torch.tensor(outs[0][execute]["w"], dtype=torch.float64)
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (execute, got, want)
         assert outs[1][execute]["t1"] == outs[1][execute]["want"], execute
 
@@ -295,7 +295,8 @@ def test_the_in_place_graph_gives_what_pytorch_s_rpc_gives(tmp_path: Any) -> Non
         pytest.skip("torch.distributed.rpc is not available in this build of torch")
     got = _outs(_in_place_rpc, args=(f"file://{tmp_path}/rpc",))[0]
     want = _in_place_local(_W.clone().requires_grad_())
-    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-12)
+    got_, want_ = (torch.tensor(v, dtype=torch.float64) for v in (got, want))
+    assert torch.allclose(got_, want_, rtol=0, atol=1e-12)
 
 
 def _hooked_sender(w: torch.Tensor, send: Any) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:

@@ -6,7 +6,8 @@ the gradients came out wrong without a word. On two gloo ranks, with both engine
 against the same computation in one process (float64, 1e-12): a tensor hook and
 ``retain_grad`` on an activation that is never sent, a module's full backward hook, a
 pre-hook on a Python Function's node, a Function that does not materialize gradients,
-each hook run once (torch's engine in waves would run them once per wave);
+hooks on C++ nodes and on a leaf's accumulator, each hook run once (torch's engine in
+waves would run them once per wave);
 a hook that raises fails the pass on every rank, named, and the next context works;
 torch's entry points are as before once the contexts closed.
 """
@@ -57,6 +58,10 @@ def _first_half(x: torch.Tensor, lin: torch.nn.Linear, seen: dict[str, Any]) -> 
     assert a.grad_fn is not None
     a.grad_fn.register_prehook(lambda go: (go[0] * 0.5, go[1]))
     return a
+
+
+def _f64(values: Any) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def _loss(r: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
@@ -148,13 +153,63 @@ def test_hooks_inside_the_graph_run_as_in_one_process_on_both_engines() -> None:
         assert mine["none"] == want["none"], execute
         assert mine["calls"] == want["calls"] == ["m", "module"], execute  # each hook once
         for key in ("x", "weight", "bias", "w1", "m", "grad_out"):
-            diff = (torch.tensor(mine[key]) - torch.tensor(want[key])).abs().max()
+            diff = (_f64(mine[key]) - _f64(want[key])).abs().max()
             assert diff <= 1e-12, (execute, key, mine[key], want[key])
         for r in (0, 1):
             text = got[r][f"failure_{execute}"]
             assert text.startswith("Error on rank 1") and "ZeroDivisionError" in text, text
         assert got[0][f"after_{execute}"] == [[2.0] * 4] * 3
     assert got[0]["restored"] and got[1]["restored"]
+
+
+def _cpp_part(r: torch.Tensor, w: torch.Tensor, calls: list[str]) -> torch.Tensor:
+    """Rank 1's part of :func:`_cpp_nodes`: hooks on C++ nodes, a leaf's accumulator's too."""
+    y = r * w
+    assert y.grad_fn is not None
+    y.grad_fn.register_prehook(lambda go: calls.append("pre") or (go[0] * 3,))
+    z = y.sin()
+    assert z.grad_fn is not None
+    z.grad_fn.register_hook(lambda gi, go: calls.append("post") or (gi[0] * 5,))
+    acc = (w * 1).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    acc.register_prehook(lambda go: calls.append("acc-pre") or (go[0] * 7,))
+    acc.register_hook(lambda gi, go: calls.append(f"acc-post {len(gi)}") and None)
+    return (z * 2).sum()
+
+
+def _cpp_nodes(rank: int, world: int) -> dict[str, Any]:
+    from xgrad.torch_backend import dist_autograd as da
+
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        w = torch.arange(1.0, 4.0, dtype=torch.float64, requires_grad=True)
+        calls: list[str] = []
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(w * 10, 1)
+                da.backward(cid, [])
+            else:
+                da.backward(cid, [_cpp_part(da.recv(0), w, calls)])
+            out[execute] = [da.get_gradients(cid)[w].tolist(), calls]
+    return out
+
+
+def test_hooks_on_cpp_nodes_and_accumulators_run_once_as_in_one_process() -> None:
+    results, codes = run_ranks(_cpp_nodes, 2, timeout=90)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    w0 = torch.arange(1.0, 4.0, dtype=torch.float64, requires_grad=True)
+    w1 = w0.detach().clone().requires_grad_()
+    calls: list[str] = []
+    _cpp_part(w0 * 10, w1, calls).backward()
+    assert calls == ["post", "pre", "acc-pre", "acc-post 0"]
+    assert w0.grad is not None and w1.grad is not None
+    for execute in ("nodes", "waves"):
+        for r, leaf in ((0, w0), (1, w1)):
+            grad = results[r][1][execute][0]
+            assert leaf.grad is not None
+            diff = (torch.tensor(grad, dtype=torch.float64) - leaf.grad).abs().max()
+            assert diff <= 1e-12, (execute, r, grad, leaf.grad)
+        assert results[1][1][execute][1] == calls, execute
 
 
 def test_entry_points_are_replaced_only_while_a_context_is_open() -> None:
@@ -180,23 +235,10 @@ def test_a_hook_returning_the_wrong_number_of_gradients_is_named() -> None:
     def bad(go: Any) -> tuple[Any, ...]:
         return (go[0], go[0])
 
-    weak = _Dict({0: bad})
     try:
-        dist_hooks.call_node_hooks(weak, None, lambda g: g, [torch.ones(1)])
+        dist_hooks.call_node_hooks({0: bad}, None, lambda g: g, [torch.ones(1)])
     except RuntimeError as exc:
-        assert (
-            "hook 'bad' has returned an incorrect number of values (got 2, but expected 1)"
-            in str(exc)
-        )
+        want = "hook 'bad' has returned an incorrect number of values (got 2, but expected 1)"
+        assert want in str(exc)
     else:
         raise AssertionError("no error")
-
-
-class _Dict:
-    """A strong stand-in for the weak reference to a node's hook dict."""
-
-    def __init__(self, hooks: dict[int, Any]) -> None:
-        self.hooks = hooks
-
-    def __call__(self) -> dict[int, Any]:
-        return self.hooks

@@ -12,8 +12,16 @@ from typing import Any
 import torch
 
 from xgrad.engine import Engine
+from xgrad.torch_backend.dist_hooks import accumulator_hooks
 
-__all__ = ["Accumulate", "add_into", "add_to_grad", "leaf_hooks", "post_accumulate_hooks"]
+__all__ = [
+    "Accumulate",
+    "add_into",
+    "add_to_grad",
+    "keep",
+    "leaf_hooks",
+    "post_accumulate_hooks",
+]
 
 
 def _count_refs(value: Any) -> int:
@@ -38,7 +46,7 @@ class Accumulate:
     """
 
     #: ``sys.getrefcount`` of a gradient at the call of :meth:`private` in
-    #: ``dist_autograd._run`` (which pops it from the pass's results first) when nothing
+    #: :func:`keep` (which pops it from the pass's results first) when nothing
     #: else holds it: the caller's variable, the argument (and the count's own, on
     #: interpreters that count it). Measured on the same call shape, not assumed.
     REFS = _refs_of_a_local_passed_on()
@@ -79,14 +87,19 @@ class Accumulate:
         return grad.detach().clone()
 
 
-def leaf_hooks(engine: Engine, leaf: torch.Tensor) -> Any:
-    """Run the leaf's tensor hooks (``leaf.register_hook``) on its summed gradient."""
+def leaf_hooks(engine: Engine, leaf: torch.Tensor, node_hooks: Any = None) -> Any:
+    """Run the leaf's tensor hooks (``leaf.register_hook``) on its summed gradient; then,
+    with ``node_hooks`` (the pre- and post-hook dicts of its ``AccumulateGrad``), as
+    PyTorch's distributed engine runs them where it takes a leaf's gradient: the
+    pre-hooks, which may replace it, then the post-hooks, given no results."""
 
     def run(param: int, grad: Any) -> None:
         for hook in list((leaf._backward_hooks or {}).values()):
             out = hook(grad)
             if out is not None:
                 grad = out
+        if node_hooks is not None:
+            grad = accumulator_hooks(node_hooks[0], node_hooks[1], grad)
         engine.grads[param] = grad
 
     return run
@@ -122,3 +135,30 @@ def post_accumulate_hooks(leaves: list[torch.Tensor]) -> None:
     for leaf in leaves:
         for hook in list((leaf._post_accumulate_grad_hooks or {}).values()):
             hook(leaf)
+
+
+def keep(
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    grads: dict[int, Any],
+    leaves: tuple[torch.Tensor, ...],
+    accumulate: Accumulate,
+    accumulate_grad: bool,
+) -> None:
+    """Add a pass's leaf gradients (leaf index -> gradient, taken out of ``grads``) into
+    the context's ``kept`` (id of leaf -> ``(leaf, gradient)``) and, with
+    ``accumulate_grad``, into ``.grad``; then run the post-accumulate-grad hooks."""
+    hooked: list[torch.Tensor] = []
+    with torch.no_grad():
+        for i in list(grads):
+            grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
+            leaf = leaves[i]
+            old = kept.get(id(leaf))
+            # In place, as PyTorch's context accumulates: a dict get_gradients returned
+            # sees a later pass of the same context.
+            total = accumulate.private(grad, leaf) if old is None else add_into(old[1], grad)
+            kept[id(leaf)] = (leaf, total)
+            if accumulate_grad:
+                add_to_grad(leaf, grad)
+                if leaf._post_accumulate_grad_hooks:
+                    hooked.append(leaf)
+        post_accumulate_hooks(hooked)

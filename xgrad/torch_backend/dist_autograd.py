@@ -32,12 +32,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import RankError, check_seconds
 from xgrad.torch_backend import dist_hooks
-from xgrad.torch_backend.dist_accumulate import (
-    Accumulate,
-    add_into,
-    add_to_grad,
-    post_accumulate_hooks,
-)
+from xgrad.torch_backend.dist_accumulate import Accumulate, keep
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_edges import may_have_hooks, received
 from xgrad.torch_backend.dist_graph import build_rank_graph
@@ -284,7 +279,7 @@ def backward(
     if not retain_graph:
         ctx.graph_freed = True
     try:
-        _keep(ctx, grads, leaves, accumulate, accumulate_grad)
+        keep(ctx.grads, grads, leaves, accumulate, accumulate_grad)
     except Exception as exc:
         # The pass is over: every rank finished it and this rank owes nothing in it. The
         # others hear of the failure at their next wait; a next pass of theirs waits for
@@ -330,32 +325,6 @@ def _run(
     taken = [(t, node) for _, _, t, node in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
     return grads, rank_graph.leaves, accumulate
-
-
-def _keep(
-    ctx: Context,
-    grads: dict[int, Any],
-    leaves: tuple[torch.Tensor, ...],
-    accumulate: Accumulate,
-    accumulate_grad: bool,
-) -> None:
-    """Add the pass's leaf gradients into the context (and ``.grad``), then run the
-    post-accumulate-grad hooks."""
-    hooked: list[torch.Tensor] = []
-    with torch.no_grad():
-        for i in list(grads):
-            grad = grads.pop(i)  # only this frame holds it now: see Accumulate.private
-            leaf = leaves[i]
-            old = ctx.grads.get(id(leaf))
-            # In place, as PyTorch's context accumulates: a dict get_gradients returned
-            # sees a later pass of the same context.
-            kept = accumulate.private(grad, leaf) if old is None else add_into(old[1], grad)
-            ctx.grads[id(leaf)] = (leaf, kept)
-            if accumulate_grad:
-                add_to_grad(leaf, grad)
-                if leaf._post_accumulate_grad_hooks:
-                    hooked.append(leaf)
-        post_accumulate_hooks(hooked)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

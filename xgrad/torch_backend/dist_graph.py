@@ -14,7 +14,7 @@ input's gradient goes to a peer computes that one first and defers its weights'
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from xgrad.engine_plan import lists, reaches_recv
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend import dist_split
 from xgrad.torch_backend.dist_edges import hooked_caller, may_have_hooks
-from xgrad.torch_backend.dist_hooks import Seen, call_node_hooks
+from xgrad.torch_backend.dist_hooks import Seen, call_node_hooks, probe
 from xgrad.torch_backend.dist_split import SPLITTABLE, fit
 
 __all__ = ["RankGraph", "build_rank_graph"]
@@ -48,6 +48,8 @@ class RankGraph:
         inner_hooks: whether some node has hooks seen registered in the context
             (:mod:`.dist_hooks`): they run once on the node engine, and torch's (waves)
             would run them once per call through the node.
+        leaf_node_hooks: leaf index -> the pre- and post-hook dicts of its accumulator,
+            where the context saw C++ node hooks registered and the leaf has some.
     """
 
     graph: BackwardGraph
@@ -57,6 +59,7 @@ class RankGraph:
     send_nodes: tuple[int, ...]
     recv_nodes: dict[int, int]
     inner_hooks: bool = False
+    leaf_node_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def _caller(
@@ -130,6 +133,11 @@ def _caller(
         return grads
 
     return run
+
+
+def _alive(ref: Any) -> Any:
+    """The hook dict a weak reference leads to (the node owns it), or None."""
+    return None if ref is None else ref()
 
 
 def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
@@ -218,6 +226,9 @@ def build_rank_graph(
     leaves: list[torch.Tensor] = []
     recv_nodes: dict[int, int] = {}
     functions: dict[int, NodeFunction] = {}
+    # C++ nodes got hooks in the context, but which is not known: each is asked.
+    probing = seen is not None and seen.cpp_node_hooks
+    leaf_node_hooks: dict[int, tuple[Any, Any]] = {}
 
     def add(kind: NodeKind, name: str, param: int = -1) -> int:
         kinds.append(int(kind))
@@ -235,6 +246,10 @@ def build_rank_graph(
             recv_nodes[u] = recv_index[id(fn)]
         elif type(fn) is _ACCUMULATE_GRAD:
             u = add(NodeKind.ACCUMULATE, "AccumulateGrad", len(leaves))
+            if probing:
+                dicts = probe(fn)
+                if dicts != (None, None):
+                    leaf_node_hooks[len(leaves)] = dicts
             leaves.append(fn.variable)
         else:
             u = add(NodeKind.FUNCTION, type(fn).__name__)
@@ -262,6 +277,7 @@ def build_rank_graph(
         edge(u, e.node, e.output_nr)
         send_nodes.append(u)
     products: list[tuple[int, Any, list[int], list[Any]]] = []  # see dist_split
+    probed = False
     while stack:
         u, fn = stack.pop()
         keep = []
@@ -273,8 +289,11 @@ def build_rank_graph(
                 edge(u, child, nr)
         if seen is not None and isinstance(fn, BackwardCFunction):
             entry = seen.node_hooks.get(id(fn))
-            hooks = None if entry is None else (entry[1], entry[2])
+            hooks = None if entry is None else (_alive(entry[1]), _alive(entry[2]))
             functions[u] = _caller(fn, keep, wants, hooks, id(fn) not in seen.unmaterialized)
+        elif probing and (found := probe(fn)) != (None, None):
+            functions[u] = _caller(fn, keep, wants, found)
+            probed = True
         else:
             functions[u] = _caller(fn, keep, wants)
         if len(keep) > 1 and names[u] in SPLITTABLE:
@@ -283,9 +302,9 @@ def build_rank_graph(
     if products and recv_nodes and dist_split.SPLIT:
         _split(graph, products, functions)
     hooked = [*hooked, *(r.grad_fn for r in roots if may_have_hooks(r, r.grad_fn))]
-    inner = False
+    inner = probed or bool(leaf_node_hooks)
     if seen is not None:
-        inner = any(key in ids for key in seen.node_hooks)  # ids of live nodes: not reused
+        inner = inner or any(key in ids for key in seen.node_hooks)  # live nodes' ids
         for node in seen.hooked_nodes():
             inner = inner or id(node) in ids
             hooked.append(node)
@@ -295,5 +314,6 @@ def build_rank_graph(
         if u >= 0 and kinds[u] == NodeKind.FUNCTION and names[u] != "GraphRoot":
             functions[u] = hooked_caller(node, functions[u])
     return RankGraph(
-        graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner
-    )
+        graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner,
+        leaf_node_hooks,
+    )  # fmt: skip

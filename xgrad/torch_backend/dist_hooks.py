@@ -12,15 +12,21 @@ node record the node in that context's :class:`Seen`:
   on the node's summed input gradient (:func:`.dist_edges.hooked_caller`);
 * a Python Function node's ``register_prehook`` and ``register_hook`` (a module's full
   backward hooks use them): the handle leads to the node's ordered hook dict, and the
-  engine calls the hooks around the node as PyTorch's engine does (:func:`node_hooks`);
+  engine calls the hooks around the node as PyTorch's engine does (:func:`call_node_hooks`);
+* ``register_prehook``/``register_hook`` on a C++ node (``y.grad_fn``, a leaf's
+  ``AccumulateGrad``), whose type cannot be changed: every node hook reaches torch's
+  ``Function._register_hook``, which says only that one was registered, not where. So
+  the pass then asks each C++ node of its graph for its hook dicts (:func:`probe`), and
+  runs what it finds as above; on a leaf's accumulator, as PyTorch's distributed engine
+  does: the pre-hooks on the summed gradient, then the post-hooks;
 * ``ctx.set_materialize_grads(False)`` in a Python Function's forward: its backward gets
   None, not zeros, for an output no gradient reached.
 
 The entry points are replaced while any context is open, on any thread, and restored when
 the last one closes; a registration on a thread without an open context is not recorded.
-Not seen: ``register_hook``/``register_prehook`` on a C++ node (its type is immutable), and
-hooks registered before the context opened on tensors its graph reaches. Torch's engine
-runs those (``dist_autograd.EXECUTE = "waves"``).
+Not seen: hooks registered before the context opened on tensors and nodes its graph
+reaches. Torch's engine runs those (``dist_autograd.EXECUTE = "waves"``), once per wave
+through the node.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.function import BackwardCFunction, FunctionCtx
+from torch.autograd.function import BackwardCFunction, Function, FunctionCtx
 
-__all__ = ["Seen", "begin", "call_node_hooks", "end"]
+__all__ = ["Seen", "accumulator_hooks", "begin", "call_node_hooks", "end", "probe"]
 
 
 class Seen:
@@ -50,6 +56,8 @@ class Seen:
             for Python Function nodes, the dicts as weak references (the node owns them).
         unmaterialized: id -> node of the Python Functions that called
             ``set_materialize_grads(False)``.
+        cpp_node_hooks: whether a hook was registered on a C++ node (which one is not
+            known: the pass probes its C++ nodes, :func:`probe`).
     """
 
     def __init__(self) -> None:
@@ -57,6 +65,7 @@ class Seen:
         self.tensors: list[weakref.ref[torch.Tensor]] = []
         self.node_hooks: dict[int, tuple[Any, Any, Any]] = {}
         self.unmaterialized: dict[int, Any] = {}
+        self.cpp_node_hooks = False
 
     def hooked_nodes(self) -> list[Any]:
         """Every node tensor hooks may sit on: those they were put on, and the current
@@ -99,7 +108,11 @@ def _retain_grad(self: torch.Tensor) -> None:
 
 def _node_hook(slot: int, name: str) -> Callable[..., Any]:
     def register(self: Any, hook: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        handle = _ORIGINAL[(BackwardCFunction, name)](self, hook, *args, **kwargs)
+        _local.python_node = True  # not a C++ node's (:func:`_function_hook`)
+        try:
+            handle = _ORIGINAL[(BackwardCFunction, name)](self, hook, *args, **kwargs)
+        finally:
+            _local.python_node = False
         seen = _seen()
         if seen is not None:
             entry = list(seen.node_hooks.get(id(self), (self, None, None)))
@@ -108,6 +121,45 @@ def _node_hook(slot: int, name: str) -> Callable[..., Any]:
         return handle
 
     return register
+
+
+def _function_hook(backward_hooks: Any, hook: Callable[..., Any]) -> Any:
+    """``Function._register_hook``, which torch's C++ calls for every node hook: with the
+    node's hook dict so far (None: none yet). Tells :func:`probe` that dict, and the
+    context that a C++ node got a hook."""
+    result = _ORIGINAL[(Function, "_register_hook")](backward_hooks, hook)
+    probing: list[Any] | None = getattr(_local, "probing", None)
+    if probing is not None:
+        probing.append(backward_hooks)
+    elif not getattr(_local, "python_node", False):
+        seen = _seen()
+        if seen is not None:
+            seen.cpp_node_hooks = True
+    return result
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+def probe(node: Any) -> tuple[Any, Any]:
+    """``node``'s pre-hook and post-hook dicts (None: it has no such hook).
+
+    Torch gives them to ``Function._register_hook`` when a hook is registered: one is
+    registered and removed again. A node without such hooks keeps an empty dict, which
+    torch's engine runs as nothing. Only while a context is open (:func:`begin`).
+    """
+    found: list[Any] = []
+    _local.probing = found
+    try:
+        node.register_prehook(_noop).remove()
+        node.register_hook(_noop).remove()
+    finally:
+        _local.probing = None
+    if len(found) != 2:  # not a node torch hooks through Function._register_hook
+        return None, None
+    pre, post = found
+    return pre or None, post or None
 
 
 def _set_materialize_grads(self: Any, value: bool) -> None:
@@ -128,13 +180,15 @@ _REPLACEMENT: dict[tuple[type, str], Any] = {
     (BackwardCFunction, "register_prehook"): _node_hook(1, "register_prehook"),
     (BackwardCFunction, "register_hook"): _node_hook(2, "register_hook"),
     (FunctionCtx, "set_materialize_grads"): _set_materialize_grads,
+    (Function, "_register_hook"): staticmethod(_function_hook),
 }
 #: whether the class itself defines the attribute (if not, restoring deletes ours).
 _OWN: dict[tuple[type, str], bool] = {}
 for _key, _replacement in _REPLACEMENT.items():
     _ORIGINAL[_key] = getattr(_key[0], _key[1])
     _OWN[_key] = _key[1] in _key[0].__dict__
-    functools.update_wrapper(_replacement, _ORIGINAL[_key])  # help() shows torch's own
+    # help() shows torch's own
+    functools.update_wrapper(getattr(_replacement, "__func__", _replacement), _ORIGINAL[_key])
 
 
 def begin(seen: Seen) -> None:
@@ -173,23 +227,41 @@ def _returned(hook: Any, got: Any, want: int) -> tuple[Any, ...]:
 
 
 def call_node_hooks(
-    pre: Any, post: Any, run: Callable[[list[Any]], Sequence[Any]], inputs: list[Any]
+    pre: Mapping[Any, Any] | None,
+    post: Mapping[Any, Any] | None,
+    run: Callable[[list[Any]], Sequence[Any]],
+    inputs: list[Any],
 ) -> tuple[Any, ...]:
-    """``run(inputs)`` (a Python Function node's backward, one gradient per next edge)
-    between the node's hooks, as PyTorch's engine calls them: each pre-hook gets the
-    gradients of the node's outputs (None where none came) and may return new ones; each
-    post-hook gets the node's results and those gradients and may return new results.
-    ``pre``/``post``: weak references to the node's hook dicts, or None."""
+    """``run(inputs)`` (a node's function, one result per next edge) between the node's
+    hooks, as PyTorch's engine calls them: each pre-hook gets the gradients of the node's
+    outputs (None where none came) and may return new ones; each post-hook gets the node's
+    results and those gradients and may return new results. ``pre``/``post``: the node's
+    hook dicts (live: a hook removed since is not run), or None."""
     grad_outputs = tuple(inputs)
-    hooks = None if pre is None else pre()
-    for hook in list(hooks.values()) if hooks else ():
+    for hook in list(pre.values()) if pre else ():
         got = hook(grad_outputs)
         if got is not None:
             grad_outputs = _returned(hook, got, len(grad_outputs))
     results = tuple(run(list(grad_outputs)))
-    hooks = None if post is None else post()
-    for hook in list(hooks.values()) if hooks else ():
+    for hook in list(post.values()) if post else ():
         got = hook(results, grad_outputs)
         if got is not None:
             results = _returned(hook, got, len(results))
     return results
+
+
+def accumulator_hooks(
+    pre: Mapping[Any, Any] | None, post: Mapping[Any, Any] | None, grad: Any
+) -> Any:
+    """A leaf's summed gradient through its ``AccumulateGrad``'s hooks, as PyTorch's
+    distributed engine runs them where it takes the gradient into the context: each
+    pre-hook may replace it; the post-hooks get no results and the gradient (what they
+    return is not used)."""
+    grads = (grad,)
+    for hook in list(pre.values()) if pre else ():
+        got = hook(grads)
+        if got is not None:
+            grads = _returned(hook, got, 1)
+    for hook in list(post.values()) if post else ():
+        hook((), grads)
+    return grads[0]

@@ -325,8 +325,9 @@ def run_pass(
         return backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
-        if leaf._backward_hooks:
-            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf))
+        node_hooks = rank_graph.leaf_node_hooks.get(i)
+        if leaf._backward_hooks or node_hooks is not None:
+            engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf, node_hooks))
     with torch.no_grad():
         engine.backward_distributed(
             cast(Any, pass_), me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
