@@ -225,3 +225,85 @@ def test_a_hook_returning_a_tensor_fails_the_backward_pass_as_pytorchs() -> None
     for ours, theirs in spawn(_tensor_returned, 2, timeout=60):
         assert ours[0] and theirs[0], (ours, theirs)
         assert needle in ours[1] and needle in theirs[1], (ours, theirs)
+
+
+class _Complex(torch.nn.Module):
+    """Two complex parameters (one bucket of complex64) and a real one (a bucket of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.complex64))
+        self.v = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+        self.f = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ((x.to(torch.complex64) @ self.w) * self.v).abs().sum()
+        return y + (self.f * x.sum(1, keepdim=True)).sum()
+
+
+def _custom_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+    """A user's hook: the buffer all-reduced by ``dist.all_reduce``, then averaged."""
+    buffer = bucket.buffer()
+    work = dist.all_reduce(buffer, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(dist.get_world_size()))
+
+
+def _complex_hooks(rank: int, world: int) -> dict[str, Any]:
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    hooks = {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "fp16_wrapper": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+        "custom": _custom_allreduce,
+    }
+    out: dict[str, Any] = {}
+    for name, hook in hooks.items():
+        torch.manual_seed(0)
+        model = _Complex()
+        ref = copy.deepcopy(model)
+        seen: dict[str, list[Any]] = {"xgrad": [], "torch": []}
+
+        def spy(side: str, hook: Any = hook, seen: Any = seen) -> Any:
+            def run(state, bucket):  # type: ignore[no-untyped-def]
+                buffer = bucket.buffer()
+                seen[side].append((str(buffer.dtype), buffer.numel()))
+                return hook(state, bucket)
+
+            return run
+
+        ours, theirs = DistributedDataParallel(model), TorchDDP(ref)
+        ours.register_comm_hook(None, spy("xgrad"))
+        theirs.register_comm_hook(None, spy("torch"))
+        g = torch.Generator().manual_seed(rank)
+        equal = True
+        for _ in range(2):
+            x = torch.randn(4, 2, generator=g)
+            for m, d in ((model, ours), (ref, theirs)):
+                m.zero_grad()
+                d(x).backward()
+            equal &= all(
+                torch.equal(p.grad, q.grad)
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+        out[name] = (equal, seen["xgrad"] == seen["torch"], seen["xgrad"])
+    return out
+
+
+def test_complex_parameters_reach_a_hook_as_pytorchs_real_view_and_give_its_gradients() -> None:
+    """PyTorch's reducer hands a hook a complex bucket as reals (two per number), so a
+    hook that casts it keeps the imaginary parts. xgrad's buffer was complex: the fp16
+    hook dropped the imaginary parts (the gradients went to NaN in a few steps) and a
+    hook that all-reduced it failed (gloo returns the real view)."""
+    for out in spawn(_complex_hooks, 2, timeout=90):
+        for name, (equal, same_buffers, seen) in out.items():
+            assert equal and same_buffers, (name, seen)
+            assert ("torch.float32", 18) in seen, (name, seen)  # 6 + 3 complex numbers

@@ -178,6 +178,18 @@ def _row_major(bucket: GradBucket) -> GradBucket:
     return GradBucket(bucket.index(), flat, views, bucket.parameters(), bucket.is_last())
 
 
+def _as_reals(bucket: GradBucket) -> GradBucket:
+    """A bucket of complex gradients as PyTorch's reducer hands it to a hook: its buffer
+    the real view (two reals per number), so a hook that casts it (``fp16_compress_hook``)
+    keeps the imaginary parts. Its gradients are the real views of each (shape ``(*shape,
+    2)``): PyTorch's slice its real buffer by the complex lengths and view them in the
+    parameters' shapes, which reads the wrong numbers."""
+    flat = bucket.buffer()
+    views = [None if g is None else torch.view_as_real(g) for g in bucket.gradients()]
+    real = torch.view_as_real(flat).view(-1)
+    return GradBucket(bucket.index(), real, views, bucket.parameters(), bucket.is_last())
+
+
 def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch: StepWatch) -> Hook:
     """A PyTorch communication hook ``hook(state, bucket) -> Future`` as a reducer hook.
 
@@ -190,14 +202,17 @@ def future_hook(state_of: Callable[[], object], hook: Callable[..., Any], watch:
     name = getattr(hook, "__name__", type(hook).__name__)
 
     def run(bucket: GradBucket) -> Work:
-        future = hook(state_of(), _row_major(bucket))
+        seen = _row_major(bucket)
+        complex_ = seen.buffer().is_complex()
+        future = hook(state_of(), _as_reals(seen) if complex_ else seen)
         if not isinstance(future, torch._C.Future):
             kind = type(future)
             raise RuntimeError(
                 "DDP communication hook's callback must return a torch.futures.Future "
                 f"object, but got {kind.__module__}.{kind.__qualname__} (from {name})"
             )
-        return WatchedFuture(future, watch, f"comm hook {name}, bucket {bucket.index()}")
+        what = f"comm hook {name}, bucket {bucket.index()}"
+        return WatchedFuture(future, watch, what, complex_=complex_)
 
     return run
 

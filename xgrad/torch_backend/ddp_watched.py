@@ -55,12 +55,16 @@ class WatchedWork:
 class WatchedFuture:
     """A communication hook's future as a reducer ``Work``, waited on through the watch."""
 
-    __slots__ = ("_done", "_future", "_watch", "_what")
+    __slots__ = ("_complex", "_done", "_future", "_watch", "_what")
 
-    def __init__(self, future: torch._C.Future, watch: StepWatch, what: str) -> None:
+    def __init__(
+        self, future: torch._C.Future, watch: StepWatch, what: str, *, complex_: bool = False
+    ) -> None:
         self._future = future
         self._watch = watch
         self._what = what
+        # a bucket of complex gradients, shown to the hook as reals: its result back as complex
+        self._complex = complex_
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
 
@@ -72,5 +76,7 @@ class WatchedFuture:
             raise_from(self._watch.failed(exc, self._what, posted=_hook_raised(exc)), exc)
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:
-            return value[0]
+            value = value[0]
+        if self._complex and isinstance(value, torch.Tensor) and not value.is_complex():
+            value = torch.view_as_complex(value.contiguous().view(-1, 2))
         return value
