@@ -32,7 +32,7 @@ def _state_mismatches(rank: int, world: int) -> dict[str, str]:
     from xgrad.torch_backend import DistributedDataParallel
 
     out = {}
-    for case in ("shape", "extra", "dtype", "frozen", "same"):
+    for case in ("shape", "extra", "dtype", "frozen", "params", "same"):
         model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
         if rank == 1 and case == "shape":
             model[1].register_buffer("running_mean", torch.zeros(5))
@@ -42,10 +42,13 @@ def _state_mismatches(rank: int, world: int) -> dict[str, str]:
             model[1].running_var = model[1].running_var.double()
         if case == "frozen":
             model.append(nn.Linear(4, 4 if rank == 0 else 2).requires_grad_(False))
+        if case == "params":
+            model.append(nn.Linear(4, 4 if rank == 0 else 2))
         try:
             DistributedDataParallel(model, timeout=10)
             out[case] = "constructed"
-        except ValueError as err:
+        except RuntimeError as err:  # what code written for PyTorch's DDP catches
+            assert isinstance(err, ValueError)  # what xgrad's callers catch
             out[case] = str(err)
     return out
 
@@ -62,6 +65,7 @@ def test_buffers_and_frozen_parameters_that_differ_are_named_on_every_rank() -> 
         # Before: gloo aborted the process (SIGABRT), no Python error.
         "dtype": "rank 1 has '1.running_var' with shape [4] and dtype float64",
         "frozen": "rank 1 has '2.weight' with shape [2, 4]",
+        "params": "rank 1 has '2.weight' with shape [2, 4]",
     }
     for rank, result in enumerate(results):
         assert result["same"] == "constructed"

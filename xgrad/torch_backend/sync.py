@@ -8,7 +8,22 @@ import torch
 
 from xgrad.torch_backend.comm import TorchComm
 
-__all__ = ["broadcast_state", "describe_params", "verify_params_across_ranks"]
+__all__ = [
+    "ModelMismatchError",
+    "broadcast_state",
+    "describe_params",
+    "verify_params_across_ranks",
+]
+
+
+class ModelMismatchError(ValueError, RuntimeError):
+    """The model differs across ranks (raised on every rank, at construction).
+
+    A ``RuntimeError``, as PyTorch's DDP raises ("DDP expects same model across all
+    ranks"), so code written for it catches this; and a ``ValueError``, as xgrad's
+    callers catch a bad argument.
+    """
+
 
 #: one parameter as ranks compare it: (name, shape, dtype name).
 ParamInfo = tuple[str, tuple[int, ...], str]
@@ -58,7 +73,7 @@ def _first_extra(ref: Sequence[ParamInfo], mine: Sequence[ParamInfo], rank: int)
 def verify_params_across_ranks(
     comm: TorchComm, names: Sequence[str], params: Sequence[torch.Tensor]
 ) -> None:
-    """Raise the same ``ValueError`` on every rank if the models differ.
+    """Raise the same :class:`ModelMismatchError` on every rank if the models differ.
 
     Every rank sends its description to every other rank (one ``all_gather_object``),
     so all of them see the mismatch and raise together instead of hanging in a later
@@ -67,7 +82,7 @@ def verify_params_across_ranks(
     infos = comm.allgather_object(describe_params(names, params))
     problem = first_mismatch(infos)
     if problem is not None:
-        raise ValueError(
+        raise ModelMismatchError(
             f"DistributedDataParallel: the model differs across ranks (seen on rank "
             f"{comm.rank}): {problem}"
         )
@@ -90,7 +105,7 @@ def broadcast_state(
     values into it, and another dtype aborts the process inside gloo.
 
     Raises:
-        ValueError: on every rank, naming the first tensor that differs and the ranks.
+        ModelMismatchError: on every rank, naming the first tensor that differs and the ranks.
     """
     named = [(name, p.data) for name, p in module.named_parameters() if name not in ignore]
     if buffers:
@@ -98,7 +113,7 @@ def broadcast_state(
     infos = comm.allgather_object(describe_params([n for n, _ in named], [t for _, t in named]))
     problem = _first_state_mismatch(infos, src)
     if problem is not None:
-        raise ValueError(
+        raise ModelMismatchError(
             f"DistributedDataParallel: the model's state differs across ranks (seen on rank "
             f"{comm.rank}), so rank {src}'s cannot be broadcast: {problem}"
         )
