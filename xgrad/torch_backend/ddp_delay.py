@@ -5,6 +5,13 @@ views of one flat buffer, and when the gradient of ``param_to_hook_all_reduce`` 
 computed divides the buffer by the world size and all-reduces it. PyTorch never waits
 for that reduction (CUDA stream order does); here the end of the backward pass waits
 for it, bounded by the DDP timeout, so the gradients are complete on gloo too.
+
+PyTorch reduces the buffer at that gradient whether or not the delayed gradients are in
+it: with a hooked parameter whose gradient comes before a delayed one's (a layer's bias
+hooked, its weight delayed), a delayed gradient is added after (or while) the buffer is
+reduced, and the ranks keep different, unaveraged gradients without a word. Here the
+buffer is reduced at the hooked gradient when every delayed parameter's gradient of the
+pass was added, and otherwise at the end of the pass, when every one that comes came.
 """
 
 from __future__ import annotations
@@ -43,17 +50,34 @@ class DelayedAllReduce:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self._work: CollectiveWork | None = None
+        self._arrived = 0  # delayed gradients added in this pass
+        self._late = False  # the hooked gradient came first: reduce at the end of the pass
+        self._handles = [p.register_post_accumulate_grad_hook(self._arrive) for p in params]
         self._handle = hooked.register_hook(self._reduce)
 
+    def _arrive(self, param: torch.Tensor) -> None:
+        self._arrived += 1
+
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
-        self.buffer.div_(self.comm.size)
-        self._work = self.comm.allreduce(self.buffer)
+        if self._arrived >= len(self.params):
+            self._launch()
+        else:
+            self._late = True
         engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
         engine.queue_callback(self.wait)
         return grad
 
+    def _launch(self) -> None:
+        self.buffer.div_(self.comm.size)
+        self._work = self.comm.allreduce(self.buffer)
+
     def wait(self) -> None:
-        """Wait for the reduction launched in this backward pass (bounded)."""
+        """End of the backward pass: launch the reduction if it was left for now, and wait
+        for it (bounded)."""
+        if self._late:
+            self._late = False
+            self._launch()
+        self._arrived = 0
         work, self._work = self._work, None
         if work is not None:
             work.wait()
@@ -64,6 +88,7 @@ class DelayedAllReduce:
         When every gradient was ``None`` (``zero_grad(set_to_none=True)``) the buffer is
         zeroed once; otherwise the newly attached views are zeroed one by one.
         """
+        self._arrived, self._late = 0, False  # a pass the hooked gradient did not reach
         all_none = all(p.grad is None for p in self.params)
         for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None:
