@@ -46,6 +46,9 @@ class NumpyOps:
     def div_(self, x: np.ndarray, divisor: int) -> None:
         np.divide(x, x.dtype.type(divisor), out=x)
 
+    def clone(self, x: np.ndarray) -> np.ndarray:
+        return np.array(x, copy=True)
+
     def div_all(self, xs: Sequence[np.ndarray], divisor: int) -> None:
         for x in xs:
             self.div_(x, divisor)

@@ -230,14 +230,18 @@ def fill_bucket(
     The arithmetic is PyTorch's: by default each gradient is multiplied by
     ``scale = 1/world_size`` as it is copied (a gradient that already is its bucket view
     is divided in place); with ``batched_grad_copy`` the whole bucket is divided once
-    after the copies. A sparse gradient is divided in place and becomes the bucket's
-    buffer. ``scale`` is ``None`` when a communication hook divides.
+    after the copies. A sparse gradient's copy is divided in place and becomes the
+    bucket's buffer (PyTorch divides and reduces the gradient itself, in place: two
+    sparse gradients that share their values, one upstream gradient into two
+    embeddings, were reduced into each other). ``scale`` is ``None`` when a
+    communication hook divides.
     """
     grads = bucket.grads
     if bucket.sparse:
+        flat = ops.clone(grads[0])
         if scale is not None:
-            ops.div_(grads[0], world_size)  # in place, as PyTorch's reducer does
-        bucket.flat = grads[0]
+            ops.div_(flat, world_size)  # in place, as PyTorch's reducer does
+        bucket.flat = flat
         return
     views = bucket.in_views
     dst: list[Any] = []

@@ -57,6 +57,11 @@ class ArrayOps(Protocol[A]):
         """Divide in place."""
         ...
 
+    def clone(self, x: A) -> A:
+        """A copy of ``x`` that shares no memory with anything (a sparse gradient's values
+        may be another's: one upstream gradient into two ``sparse=True`` embeddings)."""
+        ...
+
     def div_all(self, xs: Sequence[A], divisor: int) -> None:
         """:meth:`div_` for many arrays at once."""
         ...

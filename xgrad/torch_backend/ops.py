@@ -119,6 +119,9 @@ class TorchArrayOps:
     def div_(self, x: torch.Tensor, divisor: int) -> None:
         x.div_(divisor)
 
+    def clone(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
     def div_all(self, xs: Sequence[torch.Tensor], divisor: int) -> None:
         torch._foreach_div_(list(xs), divisor)
 
