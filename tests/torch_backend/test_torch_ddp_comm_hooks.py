@@ -161,12 +161,17 @@ def _builtin_fp16(rank: int, world: int) -> bool:
     theirs._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     assert not ours.reducer.serial_hooks
     g = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 5, generator=g) for _ in range(3)]
+    return _same_steps(model, ref, ours, theirs, inputs, lambda y: y.square().sum())
+
+
+def _same_steps(model: Any, ref: Any, ours: Any, theirs: Any, inputs: list[Any], loss: Any) -> bool:
+    """Steps of SGD through both DDPs: whether every gradient was equal at every step."""
     equal = True
-    for _ in range(3):
-        x = torch.randn(4, 5, generator=g)
+    for x in inputs:
         for m, d in ((model, ours), (ref, theirs)):
             m.zero_grad()
-            d(x).square().sum().backward()
+            loss(d(x)).backward()
         equal &= all(
             torch.equal(p.grad, q.grad)
             for p, q in zip(model.parameters(), ref.parameters(), strict=True)
@@ -280,20 +285,8 @@ def _complex_hooks(rank: int, world: int) -> dict[str, Any]:
         ours.register_comm_hook(None, spy("xgrad"))
         theirs.register_comm_hook(None, spy("torch"))
         g = torch.Generator().manual_seed(rank)
-        equal = True
-        for _ in range(2):
-            x = torch.randn(4, 2, generator=g)
-            for m, d in ((model, ours), (ref, theirs)):
-                m.zero_grad()
-                d(x).backward()
-            equal &= all(
-                torch.equal(p.grad, q.grad)
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-            )
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                    p -= 0.1 * p.grad
-                    q -= 0.1 * q.grad
+        inputs = [torch.randn(4, 2, generator=g) for _ in range(2)]
+        equal = _same_steps(model, ref, ours, theirs, inputs, lambda y: y)
         out[name] = (equal, seen["xgrad"] == seen["torch"], seen["xgrad"])
     return out
 
