@@ -5,7 +5,9 @@ ignore gets no gradient at all (``.grad`` stays ``None``, so optimizers skip it 
 decay or momentum do not move it). PyTorch's pipelining sends zeros for a missing input
 gradient (``get_bwd_send_ops``), so there that parameter gets a zero gradient; xgrad's
 runtime sends it as none (marked in the gradient header's code), and the upstream stage
-leaves that output out of its backward, as the unpipelined model does.
+leaves that output out of its backward, as the unpipelined model does. A first stage whose
+output needs no gradient (frozen, parameter-free) runs the split-backward schedules: its
+W pass has nothing to do.
 """
 
 from __future__ import annotations
@@ -189,3 +191,50 @@ def test_none_and_zero_gradients_travel_as_such_in_split_and_v_schedules() -> No
         for case, name, none, want_none, diff in rows:
             assert diff < 1e-12, (CASES[case], name, diff)
             assert none == want_none, (CASES[case], name, "None" if want_none else "a gradient")
+
+
+def _inert_first(rank: int, world: int, kind: str) -> list[str]:
+    """A first stage whose output needs no gradient under the split-backward schedules:
+    their W pass has nothing to do (it failed with "runs without its I pass's graph")."""
+    import copy
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    wrong = []
+    m = 4
+    for name in ("zb_h1", "zb_h2", "interleaved_zb", "zbv", "dualpipev"):
+        for checkpoint in ("never", "except_last"):
+            schedule = xp.make(name, 2, m)
+            torch.manual_seed(0)
+            parts = [nn.Linear(W, W).double() for _ in range(schedule.num_stages)]
+            if kind == "frozen":
+                parts[0].requires_grad_(False)
+            else:
+                parts[0] = nn.Tanh()
+            model = [copy.deepcopy(p) for p in parts]
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(2 * m, W, generator=g, dtype=torch.float64)
+            y = torch.randn(2 * m, W, generator=g, dtype=torch.float64)
+            nn.functional.mse_loss(nn.Sequential(*parts)(x), y).backward()
+            mine = [s for s in range(schedule.num_stages) if schedule.placement[s] == rank]
+            rt = PipelineRuntime(
+                schedule,
+                [model[s] for s in mine],
+                nn.functional.mse_loss,
+                checkpoint=checkpoint,
+                timeout=20,
+            )
+            last = schedule.placement[-1] == rank
+            rt.step(x if rank == 0 else None, y if last else None)
+            for s in mine:
+                for p, q in zip(model[s].parameters(), parts[s].parameters(), strict=True):
+                    if (p.grad is None) != (q.grad is None) or (
+                        p.grad is not None and float((p.grad - q.grad).abs().max()) >= 1e-12
+                    ):
+                        wrong.append(f"{name} {checkpoint} stage {s}")
+    return wrong
+
+
+@pytest.mark.parametrize("kind", ["frozen", "parameter_free"])
+def test_a_first_stage_whose_output_needs_no_gradient_runs_split_backward(kind: str) -> None:
+    assert spawn(_inert_first, 2, args=(kind,), timeout=120) == [[], []]

@@ -203,6 +203,12 @@ class StagePasses(StageState):
 
     def _backward_weight(self, action: Action, slot: Slot) -> None:
         if slot.output is None and slot.out_edges is None and slot.captured is None:
+            if slot.kept == []:
+                # No output leaf required grad (a frozen or parameter-free stage, integer
+                # outputs): no gradient reaches the weights, and W has nothing to do, as
+                # B would not; its graph went with the output once sent.
+                slot.input = slot.grad_output = None
+                return
             raise RuntimeError(f"{action} runs without its I pass's graph")
         if slot.captured is not None:
             run_weight(slot.captured)  # from where the parameters join (the I pass's record)
