@@ -38,6 +38,17 @@ def test_missing_duplicate_and_misplaced() -> None:
     fails(sched(["0F0 0W0 0I0", "1F0 1I0 1W0"], (0, 1), 1), "0W0 runs before 0I0")
 
 
+def test_reduce_grad_before_a_backward_of_its_stage_is_refused() -> None:
+    """Reduced early, a stage's gradients would stay apart on the replicas, silently."""
+    fails(sched(["0REDUCE_GRAD 0F0 0B0", "1F0 1B0"], (0, 1), 1), "0REDUCE_GRAD runs before 0B0")
+    early = ["0F0 0F1 0B0 0REDUCE_GRAD 0B1", "1F0 1B0 1F1 1B1"]
+    fails(sched(early, (0, 1), 2), "0REDUCE_GRAD runs before 0B1: it must follow every")
+    fails(sched(["0F0 0I0 0REDUCE_GRAD 0W0", "1F0 1I0 1W0"], (0, 1), 1), "before 0W0")
+    xp.validate(sched(["0F0 0I0 0W0 0REDUCE_GRAD", "1F0 1I0 1W0 1REDUCE_GRAD"], (0, 1), 1))
+    for name in ("1f1b", "zb_h1", "interleaved_zb", "dualpipev"):
+        xp.validate(xp.insert_comms(xp.add_stage_ops(xp.make(name, 2, 4, chunks=2))))
+
+
 def test_compute_only_deadlock() -> None:
     # Stage 3 (rank 1) waits for stage 2 (rank 0), which waits for stage 1 queued behind it.
     s = sched(["0F0 2F0 2B0 0B0", "3F0 3B0 1F0 1B0"], (0, 1, 0, 1), 1)

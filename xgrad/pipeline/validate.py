@@ -92,6 +92,23 @@ def _check_shards(schedule: Schedule, r: int, acts: list[Action]) -> None:
             )
 
 
+def _check_reduced_after_backward(
+    schedule: Schedule, r: int, i: int, a: Action, seen: dict[Action, tuple[int, int]]
+) -> None:
+    """A stage's REDUCE_GRAD comes after every pass that adds to its weights' gradients
+    (B, or W where the backward is split), as torch's lowering places it: one before
+    would reduce gradients still to come, and leave the replicas apart."""
+    s = a.stage
+    for mb in range(schedule.num_microbatches):
+        kind = schedule.backward_kind(s, mb)
+        last = Action(s, W if kind is I else kind, mb)
+        if last not in seen:
+            raise ScheduleError(
+                schedule, r, i, f"{a} runs before {last}: it must follow every backward of "
+                f"stage {s}"
+            )  # fmt: skip
+
+
 def _check_contents(schedule: Schedule) -> None:
     """Placement, duplicates, completeness and the local order of each stage's passes."""
     seen: dict[Action, tuple[int, int]] = {}
@@ -112,6 +129,8 @@ def _check_contents(schedule: Schedule) -> None:
                     schedule, r, i, f"{a} appears twice (first at step {seen[a][1]})"
                 )
             seen[a] = (r, i)
+            if a.kind is Kind.REDUCE_GRAD:
+                _check_reduced_after_backward(schedule, r, i, a, seen)
             if a.kind.is_stage_op:
                 continue
             if a.kind.is_comm:
