@@ -131,9 +131,13 @@ def _dp_pp(rank: int, world: int) -> tuple[dict[str, float], str]:
             for p, w in zip(blocks[s].parameters(), want[s], strict=True):
                 err = max(err, float((_grad(p) - w).norm() / w.norm()))
         errors[name] = err
-    # REDUCE_GRAD with the data-parallel group: split backward works too.
+    # REDUCE_GRAD with the data-parallel group: split backward works too. A schedule
+    # without stage-level actions gets torch's from the runtime (interleaved_zb here):
+    # without a REDUCE_GRAD the replicas' gradients stayed local.
     for name in ("zb_h1", "interleaved_zb", "dualpipev"):
-        schedule = xp.add_stage_ops(xp.make(name, 2, M, chunks=2))
+        schedule = xp.make(name, 2, M, chunks=2)
+        if name != "interleaved_zb":
+            schedule = xp.add_stage_ops(schedule)
         blocks = _blocks(schedule.num_stages)
         want = _unpipelined_grads(blocks, x, y)
         stages = schedule.stages_of(pp_rank)

@@ -115,8 +115,10 @@ class PipelineRuntime(StepGroups, StagePasses):
             place one after a stage's last backward) to reduce its gradients across
             data-parallel replicas. ``dp_group`` gives the default: the gradients averaged
             over that group in one flat all-reduce (bounded, on the failure channel), which
-            works with split (I/W) backward too. Without either REDUCE_GRAD, like UNSHARD and
-            RESHARD (FSDP's), does nothing.
+            works with split (I/W) backward too. With either, a schedule without stage-level
+            actions gets torch's (:func:`~xgrad.pipeline.add_stage_ops`), and one whose
+            REDUCE_GRAD misses a stage is refused. Without either REDUCE_GRAD, like UNSHARD
+            and RESHARD (FSDP's), does nothing.
         dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
 
@@ -144,7 +146,9 @@ class PipelineRuntime(StepGroups, StagePasses):
         require_member(group, "run the pipeline")
         self.group = group
         self.rank = dist.get_rank(group)
-        self.schedule = runtime_schedule(schedule, self.rank, dist.get_world_size(group))
+        reduces = dp_group is not None or reduce_grad is not None
+        world = dist.get_world_size(group)
+        self.schedule = runtime_schedule(schedule, self.rank, world, reduces=reduces)
         self.partitions = list(partitions)
         self._slot_of = slot_map(schedule, self.partitions, invocations, self.rank)
         check_modules(self.partitions, self.rank)

@@ -16,6 +16,7 @@ from xgrad.pipeline import (
     Invocation,
     Kind,
     Schedule,
+    add_stage_ops,
     insert_comms,
     partitions_of,
     placement_of,
@@ -36,8 +37,16 @@ def check_settings(checkpoint: str, timeout: Any) -> float:
     return float(timeout)
 
 
-def runtime_schedule(schedule: Schedule, rank: int, world: int) -> Schedule:
-    """The schedule the runtime executes: validated, with its comms inserted if it has none."""
+def runtime_schedule(
+    schedule: Schedule, rank: int, world: int, *, reduces: bool = False
+) -> Schedule:
+    """The schedule the runtime executes: validated, with its comms inserted if it has none.
+
+    With ``reduces`` (the runtime reduces gradients across data-parallel replicas at
+    REDUCE_GRAD), a schedule without stage-level actions gets torch's
+    (:func:`~xgrad.pipeline.add_stage_ops`): without a REDUCE_GRAD the replicas' gradients
+    were left local without a word. One whose REDUCE_GRAD misses a stage is refused.
+    """
     if not isinstance(schedule, Schedule):
         raise TypeError(
             f"schedule must be an xgrad.pipeline.Schedule (e.g. xgrad.pipeline.make(name, p, "
@@ -45,6 +54,18 @@ def runtime_schedule(schedule: Schedule, rank: int, world: int) -> Schedule:
         )
     if schedule.num_ranks != world:
         raise ValueError(f"rank {rank}: schedule has {schedule.num_ranks} ranks, the group {world}")
+    if reduces:
+        reduced = {a.stage for acts in schedule.actions for a in acts if a.kind is Kind.REDUCE_GRAD}
+        if not any(a.kind.is_stage_op for acts in schedule.actions for a in acts):
+            schedule = add_stage_ops(schedule)
+        elif len(reduced) < schedule.num_stages:
+            missing = min(set(range(schedule.num_stages)) - reduced)
+            raise ValueError(
+                f"rank {rank}: the schedule reduces gradients across data-parallel replicas "
+                f"at REDUCE_GRAD, and has none for stage {missing} (its gradients would stay "
+                "local); add one after its last backward, or give the schedule without "
+                "stage-level actions and the runtime adds torch's (add_stage_ops)"
+            )
     if schedule.has_comms:
         # Sends never block here (isend), receives only when their data is used: the
         # buffered model, as torch's own lowering assumes.
