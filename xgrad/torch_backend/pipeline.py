@@ -314,7 +314,16 @@ class PipelineRuntime(StepGroups, StagePasses):
         return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
-        """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
+        """This rank's microbatches of the inputs (stage 0) and targets (the last stage).
+
+        Also refuses a step under ``torch.no_grad()``: its forwards would keep no graph,
+        and the first backward would fail after others had added to ``.grad``.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"rank {self.rank}: step() runs the backward pass too, and was called with "
+                "gradients disabled (torch.no_grad() or inference_mode); call it outside"
+            )
         m, last = self.schedule.num_microbatches, self.schedule.num_stages - 1
         xs = split_batch(inputs, m, "inputs", self.rank) if 0 in mine else None
         ys = split_batch(targets, m, "targets", self.rank) if last in mine else None

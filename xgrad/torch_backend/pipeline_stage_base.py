@@ -83,8 +83,22 @@ class StageState:
         with self._sync_context(stage, mb):
             y = self._module(stage)(x)
         if stage == self.schedule.num_stages - 1:
-            return self.loss_fn(y, target) / self.schedule.num_microbatches
+            return self._loss(y, target) / self.schedule.num_microbatches
         return y
+
+    def _loss(self, y: Any, target: Any) -> torch.Tensor:
+        """``loss_fn(y, target)``, its failure naming the two shapes (a target batch that
+        does not match the inputs' ends there, in a broadcast error); it must be a tensor."""
+        try:
+            loss = self.loss_fn(y, target)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise type(exc)(f"loss_fn(output, target): {exc} ({_shapes(y, target)})") from exc
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"loss_fn returned a {type(loss).__name__} ({loss!r}), not a tensor: the "
+                "backward pass starts from it"
+            )
+        return loss
 
     def _average_grads(self, action: Action) -> None:
         """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
@@ -137,3 +151,14 @@ class StageState:
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
+
+
+def _shapes(y: Any, target: Any) -> str:
+    """``output shape (...), target shape (...)`` for the tensor leaves of each."""
+    from torch.utils._pytree import tree_leaves
+
+    def of(tree: Any) -> str:
+        shapes = [tuple(t.shape) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+        return ", ".join(str(s) for s in shapes) or "no tensor"
+
+    return f"output shape {of(y)}; target shape {of(target)}"

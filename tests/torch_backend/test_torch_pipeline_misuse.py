@@ -1,0 +1,61 @@
+"""Misuse of a pipeline step is named where it starts, and the next step works.
+
+On two gloo ranks: a ``loss_fn`` that returns a Python number (was "AttributeError:
+'float' object has no attribute 'detach'"), targets whose batch does not match the
+inputs' (was a bare broadcast error; now with both shapes), and a step under
+``torch.no_grad()`` (failed only at the last microbatch's backward, after the others had
+added to ``.grad``; now refused before any pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import xgrad.pipeline as xp
+from xgrad.torch_backend.spawn import spawn
+
+
+def _misuse(rank: int, world: int) -> dict[str, Any]:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    torch.manual_seed(rank)
+    stage = nn.Linear(3, 3).double()
+    out: dict[str, Any] = {}
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def attempt(name: str, loss: Any, targets: Any, *, grad: bool = True) -> None:
+        rt = PipelineRuntime(xp.make("1f1b", 2, 2), [stage], loss, timeout=20)
+        stage.zero_grad(set_to_none=True)
+        try:
+            with torch.set_grad_enabled(grad):
+                rt.step(x if rank == 0 else None, targets if rank == 1 else None)
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = str(exc)
+        out[name + " grad"] = stage.weight.grad is not None
+        rt = PipelineRuntime(xp.make("1f1b", 2, 2), [stage], nn.functional.mse_loss, timeout=20)
+        rt.step(x if rank == 0 else None, y if rank == 1 else None)  # the next step works
+        out[name + " next"] = stage.weight.grad is not None
+
+    attempt("number", lambda a, b: 3.0, y)
+    attempt("targets", nn.functional.mse_loss, torch.randn(6, 3, dtype=torch.float64))
+    attempt("no_grad", nn.functional.mse_loss, y, grad=False)
+    return out
+
+
+def test_misuse_of_a_step_is_named_and_the_next_step_works() -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = spawn(_misuse, 2, timeout=90)
+    for rank, out in enumerate(results):
+        assert "loss_fn returned a float (3.0), not a tensor" in out["number"], out
+        assert "loss_fn(output, target)" in out["targets"], out
+        assert "output shape (2, 3); target shape (3, 3)" in out["targets"], out
+        assert f"rank {rank}: step() runs the backward pass too" in out["no_grad"], out
+        assert not out["no_grad grad"], out  # refused before any pass
+        assert all(out[f"{k} next"] for k in ("number", "targets", "no_grad")), out
