@@ -86,6 +86,9 @@ def test_dag_with_skip_connections_across_ranks() -> None:
         assert f3.start >= spans[xp.Action(1, xp.Kind.FORWARD, 0)].end
     assert "inputs 0;1,0" not in xp.from_invocations(xp.chain([(0, 0), (1, 0)]), 2).text()
     assert "inputs ;0;1,0;2,1" in xp.from_invocations(inv, 2).text()
+    # torch's CSV has no place for the inputs: refused, not read back as a chain
+    with pytest.raises(ValueError, match=r"not a chain \(stage 2 takes the output of stages"):
+        xp.schedule_to_csv(xp.from_invocations(inv, 2))
 
 
 def test_bad_dags_are_refused() -> None:

@@ -14,7 +14,22 @@ __all__ = ["dump_csv", "load_csv", "schedule_from_csv", "schedule_to_csv"]
 
 def schedule_to_csv(schedule: Schedule) -> str:
     """The CSV text ``torch.distributed.pipelining``'s ``_dump_csv`` writes for these actions
-    (compute-only or with comms, as the schedule is)."""
+    (compute-only or with comms, as the schedule is).
+
+    Raises:
+        ValueError: a schedule whose stages are not one chain (fairscale's invocations with
+            skips): the format has no place for a stage's inputs, and the file would read
+            back as a chain.
+    """
+    if not schedule.is_chain:
+        first = next(
+            s for s in range(schedule.num_stages) if schedule.sources(s) != ((s - 1,) if s else ())
+        )
+        raise ValueError(
+            f"schedule {schedule.name!r} is not a chain (stage {first} takes the output of "
+            f"stages {list(schedule.sources(first))}); torch's CSV format cannot say which "
+            "stage feeds which, and it would read back as a chain"
+        )
     buf = io.StringIO()
     writer = csv.writer(buf)
     for acts in schedule.actions:
