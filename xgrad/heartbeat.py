@@ -15,7 +15,18 @@ from collections.abc import Iterable
 
 from xgrad.failure import KeyValueStore, check_seconds, default_seconds
 
-__all__ = ["Heartbeat", "Liveness"]
+__all__ = ["Heartbeat", "Liveness", "waiting_for"]
+
+#: the rank this process's main wait is for (None: not waiting), published with the
+#: heartbeat: a rank that timed out waiting for a live peer follows the peers' waits to the
+#: rank that waits for nobody, the late one (:func:`waiting_for`).
+_waiting: list[int | None] = [None]
+
+
+def waiting_for(rank: int | None) -> None:
+    """Say which rank this process now waits for (``None``: none). Costs an assignment;
+    the heartbeat thread publishes it at its next beat."""
+    _waiting[0] = rank
 
 
 class Heartbeat:
@@ -42,9 +53,15 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
+        published: int | None = None
         while not self._stop.wait(self.interval):
             try:
                 self._store.add(self.key, 1)
+                waiting = _waiting[0]
+                if waiting != published:
+                    value = "-" if waiting is None else str(waiting)
+                    self._store.set(f"{self.key}/waits", value.encode())
+                    published = waiting
             except Exception:  # the store is gone (shutdown): nothing left to tell
                 return
 
@@ -108,6 +125,27 @@ class Liveness:
             old = self._seen.get(r)
             if old is None or old[0] != value:
                 self._seen[r] = (value, now)
+
+    def waits_of(self, rank: int) -> int | None:
+        """The rank ``rank`` waits for, as its heartbeat last published (None: none)."""
+        key = f"{self.prefix}/{rank}/waits"
+        if not self._store.check([key]):
+            return None
+        value = self._store.get(key).decode()
+        return None if value == "-" else int(value)
+
+    def end_of_waits(self, rank: int, me: int) -> int:
+        """Following who waits for whom from ``rank``: the first rank that waits for
+        nobody, the one a chain of live waiting ranks is late for. ``rank`` itself when
+        the waits come back to ``me`` or loop (a deadlock: no rank is late)."""
+        seen = {me, rank}
+        at = rank
+        while (nxt := self.waits_of(at)) is not None:
+            if nxt in seen:
+                return rank
+            seen.add(nxt)
+            at = nxt
+        return at
 
     def stale(self, older_than: float | None = None, *, include_silent: bool = False) -> list[int]:
         """Ranks whose counter has not moved for ``older_than`` seconds (default: timeout).

@@ -68,6 +68,10 @@ def transfer_failed(
     timed_out = "timed out" in text.lower()
     silent = silent_peer(channel, prefer=peer, within=_AFTER_TIMEOUT if timed_out else None)
     late = silent is None and peer is not None and timed_out  # it still beats
+    waited_on = peer
+    if late and peer is not None and channel.liveness is not None:
+        # The peer may be waiting itself, for a rank that is late: that one is named.
+        peer = channel.liveness.end_of_waits(peer, channel.rank)
     if silent is None:
         silent = peer
     if silent is None:
@@ -77,7 +81,10 @@ def transfer_failed(
             text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
     elif late:
-        message = f"did not answer within the timeout: {what} failed: {text} ({TIMED_OUT_LIVE})"
+        via = "" if silent == waited_on else f" (rank {waited_on} waits for it)"
+        message = (
+            f"did not answer within the timeout{via}: {what} failed: {text} ({TIMED_OUT_LIVE})"
+        )
         failure = channel.post("", message, kind="timeout", rank=silent)
     else:
         if silent == peer:

@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 
 from xgrad.failure import FailureChannel
+from xgrad.heartbeat import waiting_for
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import poisoned, transfer_failed
 from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
@@ -151,12 +152,16 @@ class StepWire(EdgeBook):
     # -- waiting -----------------------------------------------------------------------
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
+        """Wait for ``work`` from ``peer`` (a global rank), which the heartbeat publishes
+        meanwhile (a rank timing out on this one follows it to the rank it waits for)."""
         start = time.perf_counter()
+        waiting_for(peer)
         try:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as exc:
             raise transfer_failed(self.channel, what, exc, peer) from exc
         finally:
+            waiting_for(None)
             self.waited += time.perf_counter() - start
 
     def _arrive(self, edge: tuple[int, int, int], mb: int, what: str) -> tuple[Incoming, int]:
@@ -165,19 +170,19 @@ class StepWire(EdgeBook):
         if not queue:
             raise RuntimeError(f"{what}: no receive was posted")
         msg = queue.pop(0)
-        peer = self._peer(edge)
+        peer, named = self._peer(edge), self._named(edge)
         self.closing.post()  # idle now, unless the header is there already
-        self._wait(msg.works[0], f"{what} (header)", peer)
+        self._wait(msg.works[0], f"{what} (header)", named)
         code, got = msg.frame.header(msg.buffers)
         if code == POISON:
-            raise poisoned(self.channel, peer, what, self.timeout)
+            raise poisoned(self.channel, named, what, self.timeout)
         if got != mb or msg.mb != mb:
             raise RuntimeError(
-                f"{what}: rank {peer} sent microbatch {got} where {mb} was expected; the "
+                f"{what}: rank {named} sent microbatch {got} where {mb} was expected; the "
                 "ranks' schedules order this edge's messages differently"
             )
         for work in msg.works[1:]:
-            self._wait(work, what, peer)
+            self._wait(work, what, named)
         self._proven(edge, mb, peer)
         return msg, code
 

@@ -76,6 +76,8 @@ class EdgeBook:
         device: Callable[[int], torch.device],
     ) -> None:
         self.schedule, self.rank, self._ranks = schedule, rank, list(ranks)
+        #: schedule rank -> global rank (what errors and heartbeats name; set by the step)
+        self.globals: list[int] = list(range(schedule.num_ranks))
         self.plan, self.group = plan, groups[0]
         # Per edge the group of its direction's lane and the peer's rank in it.
         up = 1 if len(groups) > 1 else 0
@@ -112,6 +114,10 @@ class EdgeBook:
         """The schedule rank at the other end of ``edge``."""
         return self.plan.peers[edge]
 
+    def _named(self, edge: Edge) -> int:
+        """The global rank at the other end of ``edge`` (as errors name ranks)."""
+        return self.globals[self.plan.peers[edge]]
+
     def _local_device(self, edge: tuple[int, int, int]) -> torch.device:
         """The device of this rank's end of ``edge``."""
         s, t, _ = edge
@@ -131,7 +137,7 @@ class EdgeBook:
             work = group.send([tensor], peer, self._tag_of(edge, side))
         except RuntimeError as exc:
             # A connection a peer's timed-out wait closed: the peer's post names it.
-            raise transfer_failed(self.channel, "send", exc, self._peer(edge)) from exc
+            raise transfer_failed(self.channel, "send", exc, self._named(edge)) from exc
         key = next(self._keys)
         self._sends[key] = (work, tensor)
         return key
@@ -143,7 +149,7 @@ class EdgeBook:
         try:
             return group.recv([tensor], peer, self._tag_of(edge, side))
         except RuntimeError as exc:
-            raise transfer_failed(self.channel, "receive", exc, self._peer(edge)) from exc
+            raise transfer_failed(self.channel, "receive", exc, self._named(edge)) from exc
 
     def _expecting(self, peer: int, receive: Action, keys: list[int]) -> None:
         """Sends ``keys`` are matched by ``peer``'s ``receive`` (posted ahead by it)."""
@@ -169,7 +175,8 @@ class EdgeBook:
                     try:
                         entry[0].wait(timedelta(seconds=self.timeout))
                     except Exception as exc:
-                        raise transfer_failed(self.channel, "send", exc, peer) from exc
+                        named = self.globals[peer]
+                        raise transfer_failed(self.channel, "send", exc, named) from exc
         self._unproven = left
 
     def poison(self, origin: int | None = None) -> None:

@@ -157,6 +157,8 @@ class StepGroups(StageState):
             grad_shapes,
             self.post_ahead,
         )
+        # Errors and heartbeats name global ranks; schedule rank r is the group's rank r.
+        wire.globals = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         if self.release_sends == "posted":
             if self._plan is None or self._plan.window != self.post_ahead:
                 self._plan = PostedPlan(self.schedule, self.post_ahead)
