@@ -100,6 +100,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     else:
         ddp.require_forward_param_sync = False
         ddp._grad_hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
+        ddp._grad_hooks.nosync_pending = torch.is_grad_enabled()
     if ddp._delayed is not None:
         ddp._delayed.point_grads_at_buffer()
     return output

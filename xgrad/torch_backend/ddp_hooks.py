@@ -64,6 +64,11 @@ class GradientHooks:
         #: no_sync passes ran since the last synchronised forward pass (the first of
         #: them began the synchronised step they accumulate for).
         self.accumulating = False
+        #: set by a no_sync forward: the next gradient hook starts that pass's backward.
+        self.nosync_pending = False
+        #: a no_sync backward pass began and its end callback has not run: at the next
+        #: forward pass, one still open raised part-way (ddp_recover.start_forward).
+        self.nosync_open = False
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []
@@ -111,6 +116,11 @@ class GradientHooks:
                 UNFINISHED.add(self)
                 if self.arrivals.enabled:
                     self._task = current_graph_task()
+            elif self.nosync_pending:
+                # First gradient of a no_sync backward pass: its end is watched as well.
+                self.nosync_pending = False
+                self.nosync_open = True
+                engine.queue_callback(self._nosync_done)
             elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
                 self.arrivals.disable()
@@ -148,6 +158,9 @@ class GradientHooks:
         arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
             arrivals.disable()  # another hook could change .grad before the log is read
+
+    def _nosync_done(self) -> None:
+        self.nosync_open = False
 
     def _finalize(self) -> None:
         reducer = self.reducer

@@ -62,6 +62,21 @@ def start_forward(
     ):
         watch.settled = watch.step
         settle_skipped(watch)
+    if hooks.nosync_open and current_graph_task() == -1:
+        # A no_sync backward pass raised part-way: its step is given up, and the peers,
+        # which would pair its collectives with this rank's next step's (silently wrong
+        # gradients), raise it there.
+        hooks.nosync_open = False
+        error = abandon_step(
+            watch, hooks, "backward", RuntimeError("a no_sync backward pass raised an exception")
+        )
+        if error is not None:
+            warnings.warn(
+                f"DistributedDataParallel (rank {watch.channel.rank}): {error}; the step it "
+                "accumulated for is given up on every rank",
+                RuntimeWarning,
+                stacklevel=user_stacklevel(),
+            )
     recover(hooks, watch)
     if not sync:
         # A no_sync pass accumulates for the next synchronised step, which begins at the
