@@ -33,6 +33,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -71,14 +72,23 @@ class Join(TorchJoin):
                 raise TypeError(f"{type(j).__name__} is not a Joinable (no join_hook)")
         super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
         self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
+        # The first joinable's step watch (a DDP's): its failure channel names a peer
+        # that failed, died or froze while this rank counts the ranks still training.
+        self._watch = getattr(joinables[0], "_watch", None) if joinables else None
 
     def _all_reduce(self, value: float) -> float:
         t = torch.full((1,), value, device=self._device)
-        work = dist.all_reduce(t, group=self._process_group, async_op=True)
-        if self._timeout is None:
-            work.wait()
-        else:
-            work.wait(timedelta(seconds=self._timeout))
+        try:
+            work = dist.all_reduce(t, group=self._process_group, async_op=True)
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=self._timeout))
+        except RuntimeError as exc:  # gloo: a peer died, or the wait ran out
+            if self._watch is None:
+                raise
+            what = "join, counting the ranks still training"
+            raise transfer_failed(self._watch.channel, what, exc, None) from exc
         return float(t.item())
 
     def _get_num_nonjoined_procs(self) -> float:
