@@ -166,6 +166,9 @@ class StepWatch:
             return fn(*args, **kwargs)
         except Exception as exc:
             raise_from(self.post(where, exc), exc)
+        except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
+            self.post(where, exc)
+            raise
 
     # ----------------------------------------------------------------- waits
 
