@@ -29,6 +29,7 @@ from xgrad.torch_backend.pipeline_args import (
     reduce_points,
     runtime_schedule,
     slot_map,
+    split_step,
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_ddps import (
@@ -52,7 +53,7 @@ from xgrad.torch_backend.pipeline_recompute import (
 from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
-from xgrad.torch_backend.pipeline_wire import EdgeCache, split_batch
+from xgrad.torch_backend.pipeline_wire import EdgeCache
 from xgrad.torch_backend.private_groups import require_member
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
@@ -115,10 +116,9 @@ class PipelineRuntime(StepGroups, StagePasses):
             place one after a stage's last backward) to reduce its gradients across
             data-parallel replicas. ``dp_group`` gives the default: the gradients averaged
             over that group in one flat all-reduce (bounded, on the failure channel), which
-            works with split (I/W) backward too. With either, a schedule without stage-level
-            actions gets torch's (:func:`~xgrad.pipeline.add_stage_ops`), and one whose
-            REDUCE_GRAD misses a stage is refused. Without either REDUCE_GRAD, like UNSHARD
-            and RESHARD (FSDP's), does nothing.
+            works with split (I/W) backward too (see ``runtime_schedule`` for a schedule
+            without REDUCE_GRAD). Without either REDUCE_GRAD, like UNSHARD and RESHARD
+            (FSDP's), does nothing.
         dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
 
@@ -314,17 +314,5 @@ class PipelineRuntime(StepGroups, StagePasses):
         return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
-        """This rank's microbatches of the inputs (stage 0) and targets (the last stage).
-
-        Also refuses a step under ``torch.no_grad()``: its forwards would keep no graph,
-        and the first backward would fail after others had added to ``.grad``.
-        """
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                f"rank {self.rank}: step() runs the backward pass too, and was called with "
-                "gradients disabled (torch.no_grad() or inference_mode); call it outside"
-            )
-        m, last = self.schedule.num_microbatches, self.schedule.num_stages - 1
-        xs = split_batch(inputs, m, "inputs", self.rank) if 0 in mine else None
-        ys = split_batch(targets, m, "targets", self.rank) if last in mine else None
-        return xs, ys
+        """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
+        return split_step(self.schedule, self.rank, inputs, targets, mine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from xgrad.pipeline import (
@@ -24,8 +25,16 @@ from xgrad.pipeline import (
     validate,
 )
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
+from xgrad.torch_backend.pipeline_wire import split_batch
 
-__all__ = ["check_modules", "check_settings", "reduce_points", "runtime_schedule", "slot_map"]
+__all__ = [
+    "check_modules",
+    "check_settings",
+    "reduce_points",
+    "runtime_schedule",
+    "slot_map",
+    "split_step",
+]
 
 
 def check_settings(checkpoint: str, timeout: Any) -> float:
@@ -141,3 +150,22 @@ def reduce_points(schedule: Schedule, rank: int, slot_of: dict[int, int]) -> dic
         if a.kind is Kind.REDUCE_GRAD:
             at[slot_of[a.stage]] = a.stage
     return at
+
+
+def split_step(
+    schedule: Schedule, rank: int, inputs: Any, targets: Any, mine: set[int]
+) -> tuple[Any, Any]:
+    """``rank``'s microbatches of a step's inputs (stage 0) and targets (the last stage).
+
+    Also refuses a step under ``torch.no_grad()``: its forwards would keep no graph, and
+    the first backward would fail after others had added to ``.grad``.
+    """
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"rank {rank}: step() runs the backward pass too, and was called with "
+            "gradients disabled (torch.no_grad() or inference_mode); call it outside"
+        )
+    m, last = schedule.num_microbatches, schedule.num_stages - 1
+    xs = split_batch(inputs, m, "inputs", rank) if 0 in mine else None
+    ys = split_batch(targets, m, "targets", rank) if last in mine else None
+    return xs, ys
