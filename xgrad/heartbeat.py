@@ -48,6 +48,7 @@ class Heartbeat:
         self._store = store
         self._stop = threading.Event()
         self._store.add(self.key, 1)  # visible before the first peer looks
+        self._store.set(f"{self.key}/waits", b"-")  # one key for good, not one made later
         self._thread = threading.Thread(target=self._run, name=f"xgrad-heartbeat-{rank}")
         self._thread.daemon = True
         self._thread.start()
