@@ -153,6 +153,7 @@ class GradientHooks:
     def expect_backward(self) -> None:
         """A synchronised forward pass ended: its backward pass starts at the next hook."""
         self.sync_pending = True
+        self.nosync_pending = False  # a no_sync forward whose backward never came
         self.forward_thread = threading.get_ident()
         arrivals = self.arrivals
         arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
