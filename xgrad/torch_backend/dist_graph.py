@@ -74,10 +74,10 @@ def _caller(
     ``wants`` is the input metadata of each kept edge's destination: as PyTorch's engine
     does between nodes, a gradient of a broadcast input is summed back to the input's
     shape, and cast to its dtype. A Python Function's results are matched to its tensor
-    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped);
-    its pre- and post-hooks (``hooks``, the weak references to its hook dicts seen at
-    registration, :mod:`.dist_hooks`) run around it, and without ``materialize`` (it
-    called ``set_materialize_grads(False)``) its backward gets None where no gradient came.
+    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped).
+    The node's pre- and post-hooks (``hooks``, its hook dicts as :mod:`.dist_hooks` found
+    them) run around it. Without ``materialize`` (it called ``set_materialize_grads(False)``)
+    a Python Function's backward gets None where no gradient came.
     """
     call = fn.apply if isinstance(fn, BackwardCFunction) else fn
     meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
@@ -133,11 +133,6 @@ def _caller(
         return grads
 
     return run
-
-
-def _alive(ref: Any) -> Any:
-    """The hook dict a weak reference leads to (the node owns it), or None."""
-    return None if ref is None else ref()
 
 
 def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
@@ -289,7 +284,7 @@ def build_rank_graph(
                 edge(u, child, nr)
         if seen is not None and isinstance(fn, BackwardCFunction):
             entry = seen.node_hooks.get(id(fn))
-            hooks = None if entry is None else (_alive(entry[1]), _alive(entry[2]))
+            hooks = None if entry is None else (entry[1], entry[2])
             functions[u] = _caller(fn, keep, wants, hooks, id(fn) not in seen.unmaterialized)
         elif probing and (found := probe(fn)) != (None, None):
             functions[u] = _caller(fn, keep, wants, found)

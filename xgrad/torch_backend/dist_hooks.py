@@ -53,7 +53,7 @@ class Seen:
         tensors: the tensors those hooks were registered on, weakly: an in-place op moves
             a tensor (and its ``retain_grad``) to a new node.
         node_hooks: id -> ``(node, its pre-hook dict or None, its post-hook dict or None)``,
-            for Python Function nodes, the dicts as weak references (the node owns them).
+            for Python Function nodes (live dicts: a hook removed since is not run).
         unmaterialized: id -> node of the Python Functions that called
             ``set_materialize_grads(False)``.
         cpp_node_hooks: whether a hook was registered on a C++ node (which one is not
@@ -115,9 +115,9 @@ def _node_hook(slot: int, name: str) -> Callable[..., Any]:
             _local.python_node = False
         seen = _seen()
         if seen is not None:
-            entry = list(seen.node_hooks.get(id(self), (self, None, None)))
-            entry[slot] = handle.hooks_dict_ref  # the node's dict of every such hook
-            seen.node_hooks[id(self)] = (entry[0], entry[1], entry[2])
+            _, pre, post = seen.node_hooks.get(id(self), (self, None, None))
+            hooks = handle.hooks_dict_ref()  # the node's dict of every such hook
+            seen.node_hooks[id(self)] = (self, hooks, post) if slot == 1 else (self, pre, hooks)
         return handle
 
     return register

@@ -20,6 +20,7 @@ from xgrad.torch_backend.failure import Waiter, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_recompute import checkpointed
+from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageState"]
 
@@ -154,11 +155,9 @@ def _dense(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _shapes(y: Any, target: Any) -> str:
-    """``output shape (...), target shape (...)`` for the tensor leaves of each."""
-    from torch.utils._pytree import tree_leaves
+    """``output shape (...); target shape (...)`` for the tensor leaves of each."""
 
     def of(tree: Any) -> str:
-        shapes = [tuple(t.shape) for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-        return ", ".join(str(s) for s in shapes) or "no tensor"
+        return ", ".join(str(tuple(t.shape)) for t in tensor_leaves(tree)) or "no tensor"
 
     return f"output shape {of(y)}; target shape {of(target)}"
