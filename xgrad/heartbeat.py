@@ -38,17 +38,25 @@ class Heartbeat:
     """
 
     def __init__(
-        self, store: KeyValueStore, prefix: str, rank: int, interval: float | None = None
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        rank: int,
+        interval: float | None = None,
+        *,
+        beat_store: KeyValueStore | None = None,
     ) -> None:
         self.key = f"{prefix}/{rank}"
         self.interval = check_seconds(
             "heartbeat_interval",
             default_seconds("heartbeat_interval") if interval is None else interval,
         )
-        self._store = store
+        #: the thread's store: ``beat_store`` when given (unguarded, see
+        #: :func:`~xgrad.torch_backend.failure.start_heartbeat`), else ``store``.
+        self._store = store if beat_store is None else beat_store
         self._stop = threading.Event()
-        self._store.add(self.key, 1)  # visible before the first peer looks
-        self._store.set(f"{self.key}/waits", b"-")  # one key for good, not one made later
+        store.add(self.key, 1)  # visible before the first peer looks
+        store.set(f"{self.key}/waits", b"-")  # one key for good, not one made later
         self._thread = threading.Thread(target=self._run, name=f"xgrad-heartbeat-{rank}")
         self._thread.daemon = True
         self._thread.start()

@@ -107,7 +107,8 @@ class StepWatch:
         so they are shared with the last step's channel rather than looked up again
         (that took more than the rest of DDP's per-step bookkeeping together).
         """
-        start_heartbeat(self.user_group)  # restarted if it stopped, as failure_channel does
+        # restarted if it stopped, as failure_channel does (its first beat bounded)
+        start_heartbeat(self.user_group, store=self.channel.store)
         old = self.channel
         base = old.prefix[: len(old.prefix) - len(self._last_namespace)]
         self._last_namespace = self._namespace()

@@ -30,7 +30,7 @@ import contextlib
 import queue
 import threading
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as dist
 
@@ -50,6 +50,14 @@ from xgrad.torch_backend.lost_rank import (
     transfer_error,
     transfer_failed,
 )
+from xgrad.torch_backend.stores import (
+    forget_guards,
+    group_key,
+    group_ranks,
+    group_store,
+    guarded_store,
+    resolve_group,
+)
 
 __all__ = [
     "Waiter",
@@ -58,6 +66,7 @@ __all__ = [
     "failure_channel",
     "group_ranks",
     "group_store",
+    "guarded_store",
     "poisoned",
     "silent_peer",
     "start_heartbeat",
@@ -77,48 +86,42 @@ _waiters: set[threading.Thread] = set()
 _lock = threading.Lock()
 
 
-def _resolve(group: Any) -> Any:
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized; call init_process_group first "
-                "(or pass group=)"
-            )
-        return dist.group.WORLD
-    return group
+def start_heartbeat(
+    group: Any = None, *, interval: float | None = None, store: KeyValueStore | None = None
+) -> Heartbeat:
+    """Start (once per group and process) the thread that tells peers this process lives.
 
-
-def group_store(group: Any = None) -> KeyValueStore:
-    """The c10d store of ``group`` (default: the default group), namespaced to that group."""
-    pg = _resolve(group)
-    return cast(KeyValueStore, dist.distributed_c10d._get_process_group_store(pg))
-
-
-def group_ranks(group: Any = None) -> list[int]:
-    """The global ranks of ``group``'s members, in group-rank order."""
-    return list(dist.get_process_group_ranks(_resolve(group)))
-
-
-def _key(group: Any) -> str:
-    return str(dist.distributed_c10d._get_process_group_name(_resolve(group)))
-
-
-def start_heartbeat(group: Any = None, *, interval: float | None = None) -> Heartbeat:
-    """Start (once per group and process) the thread that tells peers this process lives."""
-    pg = _resolve(group)
-    key = _key(pg)
+    ``store`` (default: the group's) takes the first beat, on the caller's thread: a
+    guarded one bounds it. The thread beats on the group's store itself, unguarded: a host
+    that froze for a while must not stop this process's heartbeat for good.
+    """
+    pg = resolve_group(group)
+    key = group_key(pg)
     with _lock:
         beat = _heartbeats.get(key)
-        if beat is None or not beat.alive:
-            beat = Heartbeat(group_store(pg), HEARTBEAT_PREFIX, dist.get_rank(), interval)
+    if beat is None or not beat.alive:
+        raw = group_store(pg)
+        beat = Heartbeat(
+            raw if store is None else store,
+            HEARTBEAT_PREFIX,
+            dist.get_rank(),
+            interval,
+            beat_store=raw,
+        )
+        with _lock:
+            old = _heartbeats.get(key)
+            if old is not None and old.alive:  # another thread started one meanwhile
+                beat.stop()
+                return old
             _heartbeats[key] = beat
-        return beat
+    return beat
 
 
 def stop_heartbeat(group: Any = None) -> None:
     """Stop this process's heartbeat for ``group`` (peers will then see it as gone)."""
     with _lock:
-        beat = _heartbeats.pop(_key(group), None)
+        beat = _heartbeats.pop(group_key(group), None)
+    forget_guards(group_key(group))
     if beat is not None:
         beat.stop(wait=1.0)
 
@@ -130,6 +133,7 @@ def _stop_all() -> None:
         beats = list(_heartbeats.values())
         _heartbeats.clear()
         waiters = list(_waiters)
+    forget_guards()
     for beat in beats:
         beat.stop(wait=2.0)
     for thread in waiters:
@@ -156,12 +160,12 @@ def failure_channel(
         heartbeat_timeout: a peer whose heartbeat did not move for this long is declared
             unresponsive (default ``XGRAD_HEARTBEAT_TIMEOUT`` or 10).
     """
-    pg = _resolve(group)
+    pg = resolve_group(group)
     if not isinstance(namespace, str) or not namespace:
         raise ValueError(f"namespace={namespace!r} must be a non-empty string")
-    start_heartbeat(pg, interval=heartbeat_interval)
+    store = guarded_store(pg, timeout=heartbeat_timeout)
+    start_heartbeat(pg, interval=heartbeat_interval, store=store)
     me = dist.get_rank()
-    store = group_store(pg)
     liveness = Liveness(
         store,
         HEARTBEAT_PREFIX,
@@ -297,7 +301,7 @@ def abort_group(group: Any = None) -> None:
     ``destroy_process_group`` does, which must not be called for it afterwards. With the
     default group, every group is dropped. Calling it for a group already gone does nothing.
     """
-    pg = _resolve(group) if group is not None or dist.is_initialized() else None
+    pg = resolve_group(group) if group is not None or dist.is_initialized() else None
     if pg is None:
         return
     if group is None or group == dist.group.WORLD:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue as queue_module
 import shutil
+import socket
 import tempfile
 import time
 import traceback
@@ -43,6 +44,13 @@ def _child(rank: int, world: int, packed: Packed, init: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
+def _free_port() -> str:
+    """``127.0.0.1:PORT`` with a port free a moment ago (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 def _drain(out: Any, results: dict[int, tuple[str, Any]], wait: float) -> bool:
     """Move one report from ``out`` into ``results``; False when none came within ``wait``."""
     try:
@@ -61,21 +69,27 @@ def gather_ranks(
     limit: float,
     wait_for: Iterable[int] | None = None,
     env: Mapping[str, str] | None = None,
+    store: str = "file",
 ) -> tuple[dict[int, tuple[str, Any]], dict[int, int | None]]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks (a file store).
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks.
 
     Returns each reporting rank's ``(OK, value)`` or ``(ERROR, "Type: message\\ntrace")``
     and every rank's exit code. The run ends when every rank in ``wait_for`` (default:
     all) has exited, or after ``limit`` seconds; then every process still alive is killed
     and its exit code is None (it had not exited by itself). Ranks that never report
     (killed, frozen) have no result. ``env`` is set in each child before ``fn`` and ``args``
-    are unpickled (:mod:`.launch`).
+    are unpickled (:mod:`.launch`). ``store`` is ``"file"`` (a file store in a private
+    directory, the default: no port to race for) or ``"tcp"`` (a TCPStore on a free port
+    of 127.0.0.1 that rank 0's process hosts, as ``torch.distributed`` starts one without
+    ``torchrun``: what a frozen or dead rank 0 takes with it).
     """
+    if store not in ("file", "tcp"):
+        raise ValueError(f"store={store!r} must be 'file' or 'tcp'")
     packed = pack(fn, args, env)
     ctx = context()
     tmp = tempfile.mkdtemp(prefix="xgrad-ranks-")
     out = ctx.Queue()
-    init = "file://" + os.path.join(tmp, "store")
+    init = "file://" + os.path.join(tmp, "store") if store == "file" else f"tcp://{_free_port()}"
     child_args = (packed, init, out)
     procs = [
         ctx.Process(target=_child, args=(r, world, *child_args), daemon=True) for r in range(world)
