@@ -287,17 +287,27 @@ class FailureChannel:
         rank (as the one that gave up) otherwise.
         """
         stale: list[int] = []
+        answers = "every rank still answers"
         if self.liveness is not None:
             self.liveness.read(force=True)
+            # A live rank's counter stands still for up to a beat interval, and more when
+            # its machine is busy: a counter is only taken as stopped after two intervals.
+            # A wait shorter than that cannot tell a stopped rank from a live one (a live
+            # rank slower than a 0.3 s timeout was named as having stopped answering).
+            least = 2 * self.liveness.interval
+            if waited / 2 < least:
+                answers = (
+                    f"too short a wait to tell from the heartbeats, every "
+                    f"{self.liveness.interval:g} s, whether a rank stopped"
+                )
             stale = self.liveness.stale(
-                older_than=min(self.liveness.timeout, waited / 2), include_silent=True
+                older_than=min(self.liveness.timeout, max(waited / 2, least)),
+                include_silent=True,
             )
         if stale:
             failure = self._post_unresponsive(stale, waited, what)
         else:
-            failure = self.post(
-                what, f"timed out after {waited:g} s (every rank still answers)", kind="timeout"
-            )
+            failure = self.post(what, f"timed out after {waited:g} s ({answers})", kind="timeout")
         return error_for(failure, self.rank, prefix)
 
     def _post_unresponsive(self, stale: Sequence[int], seconds: float, what: str = "") -> Failure:

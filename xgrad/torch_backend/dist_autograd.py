@@ -199,7 +199,13 @@ def send(tensor: torch.Tensor, dst: int) -> None:
     if tensor.requires_grad:
         # The edge as it is now: an in-place op on the tensor later must not move where
         # the gradient of what was sent enters (PyTorch attaches its send node here too).
-        edge = get_gradient_edge(tensor)
+        # Outside inference mode: in it, a leaf's gradient accumulator cannot be made
+        # (a parameter sent under ``inference_mode`` is sent as under ``no_grad``).
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                edge = get_gradient_edge(tensor)
+        else:
+            edge = get_gradient_edge(tensor)
         ctx.sends.append((dst, ctx.number("send", dst), tensor, edge))
 
 
@@ -233,7 +239,7 @@ def recv(src: int) -> torch.Tensor:
     ctx.ledger.enter("forward")
     ctx.wait(work, f"recv from rank {src}", src)
     if requires_grad:
-        buf, node = received(buf)
+        buf, node = received(buf, f"by rank {ctx.me} from rank {src} in context {ctx.id}")
         ctx.recvs.append((src, ctx.number("recv", src), buf, node))
     return buf
 
@@ -264,7 +270,6 @@ def backward(
         raise RuntimeError(
             f"backward was already run in context {context_id} without retain_graph=True"
         )
-    roots = list(roots)
     ctx.ledger.passes += 1
     ctx.ledger.enter("pass")
     inbox = ctx.inbox()
@@ -289,12 +294,25 @@ def backward(
         raise ctx.error(RankError(failure, ctx.me)) from exc
 
 
+def _roots(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``roots`` as a list; a bare tensor is refused, as PyTorch's ``backward`` refuses it
+    (taken as a sequence, a vector root was differentiated element by element as its sum)."""
+    if isinstance(roots, torch.Tensor):
+        raise TypeError(
+            f"roots must be a list of scalar tensors (roots=[loss]), got a tensor of shape "
+            f"{tuple(roots.shape)}"
+        )
+    return list(roots)
+
+
 def _run(
-    ctx: Context, inbox: Inbox, roots: list[torch.Tensor]
+    ctx: Context, inbox: Inbox, given: Sequence[torch.Tensor]
 ) -> tuple[dict[int, Any], tuple[torch.Tensor, ...], Accumulate]:
     """This rank's part of the pass: ``(leaf index -> gradient, the leaves, how they were
     added)``; raises (every rank does) if any rank failed."""
+    roots: list[torch.Tensor] = []
     try:
+        roots = _roots(given)
         rank_graph = build_rank_graph(
             roots,
             [(edge, f"send to rank {p}") for p, _, _, edge in ctx.sends],

@@ -34,19 +34,30 @@ class Recv(torch.autograd.Function):
     The tensor is not a leaf, so in-place ops on it work as on any activation, and its
     node is the pass's ``recv`` node whatever happens to the tensor afterwards (an in-place
     op moves the tensor's ``grad_fn`` on, not the node). xgrad's engine stops there and
-    sends the gradient back to the sender; torch's own engine (a local ``backward`` through
-    it) gets nothing from it.
+    sends the gradient back to the sender. Torch's own engine never runs it in a pass
+    (xgrad's takes the gradient at the node); when it does, the gradient reached the
+    tensor outside its context's distributed backward (a local ``backward`` through it,
+    or another context's pass), where the sender would never get it: that raises, as
+    PyTorch's RPC does, rather than drop the gradient without a word.
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        ctx: Any, anchor: torch.Tensor, box: list[torch.Tensor], origin: str
+    ) -> torch.Tensor:
+        ctx.origin = origin
         # The buffer arrives in a list, so autograd does not see it as an input: returned
         # as is (no copy, not a view of an input), it gets this node as its ``grad_fn``.
         return box[0]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        raise RuntimeError(
+            f"a gradient reached the tensor received {ctx.origin} outside that context's "
+            "dist_autograd.backward (a local backward through it, or another context's "
+            "pass): its sender would never get it; differentiate it with "
+            "dist_autograd.backward(context_id, roots) inside its context"
+        )
 
 
 def may_have_hooks(t: torch.Tensor, node: Any) -> bool:
@@ -100,12 +111,14 @@ def hooked_caller(node: Any, run: NodeFunction) -> NodeFunction:
     return call
 
 
-def received(buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def received(buf: torch.Tensor, origin: str = "") -> tuple[torch.Tensor, Any]:
     """``buf`` (a freshly received tensor) requiring grad through a ``RecvBackward`` node
-    (:class:`Recv`), even under ``no_grad`` (as the sent tensor required grad).
+    (:class:`Recv`), even under ``no_grad`` (as the sent tensor required grad). ``origin``
+    says where it came from, for the error of a gradient that reaches it out of its pass
+    (``"from rank 0 in context 3"``).
 
     Returns ``(tensor, node)``: the node stays the recv's after in-place ops on the tensor.
     """
     with torch.enable_grad():
-        t = Recv.apply(_ANCHOR, [buf])
+        t = Recv.apply(_ANCHOR, [buf], origin)
     return t, t.grad_fn

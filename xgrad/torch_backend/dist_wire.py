@@ -324,8 +324,10 @@ def _head(kind: int, k: int, device: torch.device) -> torch.Tensor:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes, flat. A one-element or empty tensor can be "contiguous" with stride
     0 (the gradient of ``sum()`` expanded to shape ``(1,)`` or ``(0,)``), which a byte view
-    refuses: copied (an empty one is made anew: it has no bytes to copy)."""
-    flat = t.contiguous().view(-1)
+    refuses: copied (an empty one is made anew: it has no bytes to copy). A conjugate or
+    negative view (the gradient of ``r.conj()``) has its bit resolved first: a byte view
+    would read the stored values without it."""
+    flat = t.resolve_conj().resolve_neg().contiguous().view(-1)
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     if flat.stride(0) != 1:
