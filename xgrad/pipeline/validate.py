@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from xgrad.pipeline.actions import Action, Kind, expand
+from xgrad.pipeline.edge_order import first_misordered
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = ["ScheduleError", "validate"]
@@ -259,11 +260,13 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
 
     Checks: each action on the rank of its stage, once; every (stage, microbatch) has its
     forward and its backward (B, or I and W); a forward before its backward and I before
-    W; every send matched by a receive on the peer and every cross-rank input received; and
-    that executing it cannot deadlock. Point-to-point is taken as blocking: with
-    ``rendezvous`` a send and its receive complete together (the strictest model; a schedule
-    valid under it is valid with buffered sends too), otherwise a send never blocks and a
-    receive waits for its send. A compute-only schedule waits on the other ranks' passes.
+    W; every send matched by a receive on the peer and every cross-rank input received; each
+    edge's messages taken in the order they are sent (a runtime matches them first in, first
+    out, see :mod:`~xgrad.pipeline.edge_order`); and that executing it cannot deadlock.
+    Point-to-point is taken as blocking: with ``rendezvous`` a send and its receive complete
+    together (the strictest model; a schedule valid under it is valid with buffered sends
+    too), otherwise a send never blocks and a receive waits for its send. A compute-only
+    schedule waits on the other ranks' passes.
 
     Raises:
         ScheduleError: naming the rank and step, with the rank × step grid marked there.
@@ -273,5 +276,8 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
     _check_contents(schedule)
     if schedule.has_comms:
         _check_pairs(schedule)
+    misordered = first_misordered(schedule)
+    if misordered is not None:
+        raise ScheduleError(schedule, misordered.rank, misordered.step, misordered.reason)
     _run(schedule, rendezvous)
     return schedule
