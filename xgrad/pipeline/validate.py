@@ -6,7 +6,7 @@ from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.edge_order import first_misordered
 from xgrad.pipeline.schedule import Schedule
 
-__all__ = ["ScheduleError", "validate"]
+__all__ = ["ScheduleError", "check_placement", "validate"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 
@@ -110,19 +110,29 @@ def _check_reduced_after_backward(
             )  # fmt: skip
 
 
+def check_placement(schedule: Schedule) -> None:
+    """Every action is listed on the rank its stage is placed on.
+
+    Checked first (by :func:`~xgrad.pipeline.insert_comms` too): a row that contradicts
+    ``placement`` otherwise shows up later as inputs that never come, a deadlock.
+    """
+    for r, acts in enumerate(_flat(schedule)):
+        for i, a in enumerate(acts):
+            q = schedule.placement[a.stage]
+            if q != r:
+                raise ScheduleError(
+                    schedule, r, i, f"{a}: stage {a.stage} is listed on rank {r}, but "
+                    f"placement puts it on rank {q} (placement {list(schedule.placement)})"
+                )  # fmt: skip
+
+
 def _check_contents(schedule: Schedule) -> None:
-    """Placement, duplicates, completeness and the local order of each stage's passes."""
+    """Duplicates, completeness and the local order of each stage's passes."""
+    check_placement(schedule)
     seen: dict[Action, tuple[int, int]] = {}
     for r, acts in enumerate(_flat(schedule)):
         _check_shards(schedule, r, acts)
         for i, a in enumerate(acts):
-            if schedule.placement[a.stage] != r:
-                raise ScheduleError(
-                    schedule,
-                    r,
-                    i,
-                    f"{a} is for stage {a.stage}, placed on rank {schedule.placement[a.stage]}",
-                )
             if a.kind in _SHARD_OPS:
                 continue  # they may repeat (_check_shards)
             if a in seen:
