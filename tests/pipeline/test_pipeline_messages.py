@@ -56,6 +56,28 @@ def test_a_negative_cost_is_refused() -> None:
         xp.simulate_messages(xp.gpipe(2, 2), lambda a: -1.0)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_impossible_costs_latencies_and_dispatches_are_named(bad: float) -> None:
+    s, one = xp.gpipe(2, 2), lambda a: 1.0
+    got = f"must be >= 0 and finite, got {bad!r}"
+    with pytest.raises(ValueError, match=rf"cost\(0F1\) {got}"):
+        xp.simulate_messages(s, lambda a: bad if str(a) == "0F1" else 1.0)
+    with pytest.raises(ValueError, match=f"latency {got}"):
+        xp.simulate_messages(s, one, latency=bad)
+    with pytest.raises(ValueError, match=rf"latency\(0SEND_F0\) {got}"):
+        xp.simulate_messages(s, one, latency=lambda a: bad)
+    with pytest.raises(ValueError, match=f"dispatch {got}"):
+        xp.simulate_messages(s, one, dispatch=bad, cores=1)
+    with pytest.raises(ValueError, match=rf"dispatch\(1\) \(rank 1\) {got}"):
+        xp.simulate_messages(s, one, dispatch=lambda r: bad if r else 0.0)
+
+
+def test_zero_costs_are_a_zero_step() -> None:
+    for cores in (None, 1):
+        sim = xp.simulate_messages(xp.gpipe(2, 2), lambda a: 0.0, cores=cores)
+        assert (sim.step_time, sim.makespan, sim.bubble_fraction) == (0.0, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_zb", "dualpipev"])
 def test_as_many_shared_cores_as_ranks_is_a_core_each(name: str) -> None:
     schedule = xp.make(name, 2, 4)

@@ -101,3 +101,34 @@ def test_missing_cost_and_negative_cost() -> None:
         xp.simulate(xp.gpipe(2, 2), {Kind.FORWARD: 1.0})
     with pytest.raises(ValueError, match=">= 0"):
         xp.simulate(xp.gpipe(2, 2), lambda a: -1.0)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_impossible_costs_are_refused_by_name(bad: float) -> None:
+    """A negative or NaN comm_cost let 1F0 start before 0F0 ended; NaN and infinite costs
+    gave a NaN step time or bubble fraction."""
+    s = xp.one_f_one_b(2, 2)
+    with pytest.raises(ValueError, match=f"comm_cost must be >= 0 and finite, got {bad!r}"):
+        xp.simulate(s, comm_cost=bad)
+    with pytest.raises(
+        ValueError, match=f"costs\\[FORWARD\\] must be >= 0 and finite, got {bad!r}"
+    ):
+        xp.simulate(s, {Kind.FORWARD: bad, Kind.BACKWARD: 2.0})
+    with pytest.raises(ValueError, match=f"costs\\(1B0\\) must be >= 0 and finite, got {bad!r}"):
+        xp.simulate(s, lambda a: bad if str(a) == "1B0" else 1.0)
+
+
+def test_zero_costs_give_a_zero_step_and_a_clear_grid_error() -> None:
+    sim = xp.simulate(xp.one_f_one_b(2, 2), {Kind.FORWARD: 0, Kind.BACKWARD: 0})
+    assert (sim.step_time, sim.makespan, sim.bubble_fraction) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="every one of the 8 actions takes 0 time"):
+        sim.grid()
+    # Some free actions among timed ones: the grid is drawn in the timed ones' quantum.
+    part = xp.simulate(xp.gpipe(2, 1), {Kind.FORWARD: 0, Kind.BACKWARD: 1})
+    assert part.grid() == "     rank 0  rank 1\nt 0: 0F0     1B0\nt 1: 0B0\n"
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_grid_quantum_must_be_positive_finite(bad: float) -> None:
+    with pytest.raises(ValueError, match=f"quantum must be a finite number > 0, got {bad!r}"):
+        xp.simulate(xp.gpipe(2, 1)).grid(bad)

@@ -33,9 +33,22 @@ def test_backward_before_forward_marks_the_step() -> None:
 def test_missing_duplicate_and_misplaced() -> None:
     fails(sched(["0F0 0B0", "1F0"], (0, 1), 1), "1B0 is missing from rank 1")
     fails(sched(["0F0 0F0 0B0", "1F0 1B0"], (0, 1), 1), "appears twice")
-    fails(sched(["0F0 0B0 1F0", "1B0"], (0, 1), 1), "placed on rank 1")
+    fails(sched(["0F0 0B0 1F0", "1B0"], (0, 1), 1), "stage 1 is listed on rank 0, but placement")
     fails(sched(["0F0 0I0 0B0", "1F0 1I0 1W0"], (0, 1), 1), "mixes")
     fails(sched(["0F0 0W0 0I0", "1F0 1I0 1W0"], (0, 1), 1), "0W0 runs before 0I0")
+
+
+def test_rows_that_contradict_placement_are_named_before_comms_are_placed() -> None:
+    """insert_comms used to report them as a deadlock ("cannot place comms")."""
+    rows = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"
+    s = xp.schedule_from_csv(rows, placement=(1, 0))
+    want = (
+        r"0F0: stage 0 is listed on rank 0, but placement puts it on rank 1 \(placement \[1, 0\]\)"
+    )
+    with pytest.raises(ScheduleError, match=want) as info:
+        xp.insert_comms(s)
+    assert (info.value.rank, info.value.step) == (0, 0)
+    fails(s, want)
 
 
 def test_reduce_grad_before_a_backward_of_its_stage_is_refused() -> None:

@@ -14,6 +14,7 @@ from xgrad.pipeline import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    schedule_from_csv,
 )
 from xgrad.torch_backend.pipeline_args import (
     check_modules,
@@ -45,6 +46,18 @@ def test_the_schedule_must_have_the_groups_size_and_gets_its_comms() -> None:
     assert ran.has_comms
     kinds = {a.kind for a in ran.actions[0]}
     assert Kind.SEND_F in kinds and Kind.RECV_B in kinds
+
+
+def test_a_rank_with_no_stage_is_named_on_every_rank() -> None:
+    """It used to crash the step on that rank with a bare "min() arg is an empty sequence"
+    (and leave the others waiting for it)."""
+    idle = schedule_from_csv("0F0,1F0,0F1,1F1,1B0,0B0,1B1,0B1\n\n")
+    for rank in (0, 1):
+        with pytest.raises(
+            ValueError,
+            match=rf"rank {rank}: the schedule places no stage on rank 1 \(placement \[0, 0\]\)",
+        ):
+            runtime_schedule(idle, rank, 2)
 
 
 def test_slots_follow_the_ranks_stages_and_must_exist() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.passes import insert_comms
 from xgrad.pipeline.schedule import Schedule
-from xgrad.pipeline.simulate import Simulation, Span, dependencies, summarize
+from xgrad.pipeline.simulate import Simulation, Span, checked_cost, dependencies, summarize
 
 __all__ = ["simulate_messages"]
 
@@ -56,18 +56,27 @@ def simulate_messages(
         whose ``makespan`` is one step alone from the first action to the last.
 
     Raises:
-        ValueError: the schedule cannot finish, or a cost is negative.
+        ValueError: the schedule cannot finish, or a cost, latency or dispatch is negative,
+            NaN or infinite (the error names which, and the action or rank).
     """
     sched = schedule if schedule.has_comms else insert_comms(schedule)
     p = sched.num_ranks
-    per_rank = dispatch if callable(dispatch) else (lambda r, d=float(dispatch): d)
-    lag = latency if callable(latency) else (lambda a, d=float(latency): d)
     queues = [list(expand(sched.actions[r])) for r in range(p)]
     where = {a: r for r, q in enumerate(queues) for a in q if a.kind.is_compute}
-    for q in queues:
-        for a in q:
-            if cost(a) < 0:
-                raise ValueError(f"cost of {a} must be >= 0, got {cost(a)!r}")
+    # Every figure checked once here (the simulations ask for them again and again).
+    costs = {a: checked_cost(cost(a), f"cost({a})") for q in queues for a in q}
+    sends = [a for q in queues for a in q if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+    if callable(latency):
+        lags = {a: checked_cost(latency(a), f"latency({a})") for a in sends}
+    else:
+        lags = dict.fromkeys(sends, checked_cost(latency, "latency"))
+    if callable(dispatch):
+        dispatches = [checked_cost(dispatch(r), f"dispatch({r}) (rank {r})") for r in range(p)]
+    else:
+        dispatches = [checked_cost(dispatch, "dispatch")] * p
+    lag = lags.__getitem__
+    per_rank = dispatches.__getitem__
+    cost = costs.__getitem__
     if cores is None:
         spans, first, free = _dedicated(sched, queues, where, cost, lag, per_rank)
     else:

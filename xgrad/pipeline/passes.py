@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.schedule import Schedule
-from xgrad.pipeline.validate import ScheduleError
+from xgrad.pipeline.validate import ScheduleError, check_placement
 
 __all__ = ["add_stage_ops", "insert_comms", "strip_comms"]
 
@@ -113,10 +113,12 @@ def insert_comms(schedule: Schedule) -> Schedule:
 
     Raises:
         ValueError: the schedule already has comms.
-        ScheduleError: no order exists (a compute schedule that cannot run).
+        ScheduleError: an action listed on a rank its stage is not placed on, or no order
+            exists (a compute schedule that cannot run).
     """
     if schedule.has_comms:
         raise ValueError(f"schedule {schedule.name!r} already has sends and receives")
+    check_placement(schedule)
     place = schedule.placement
     p = schedule.num_ranks
     out: list[list[Action]] = [[] for _ in range(p)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ __all__ = [
     "DEFAULT_COSTS",
     "Simulation",
     "Span",
+    "checked_cost",
     "dependencies",
     "peak_held",
     "simulate",
@@ -76,11 +78,25 @@ class Simulation:
 
     def grid(self, quantum: float | None = None) -> str:
         """The timeline as a time × rank grid; each row is ``quantum`` long (default: the
-        shortest action), idle rows left blank."""
+        shortest action that takes time), idle rows left blank.
+
+        Raises:
+            ValueError: ``quantum`` is not a finite number > 0, or no action takes time
+                (zero costs: there is no timeline to draw, ``Schedule.grid`` shows the order).
+        """
         all_spans = [s for spans in self.spans for s in spans]
+        if quantum is not None and not 0.0 < quantum < math.inf:
+            raise ValueError(f"quantum must be a finite number > 0, got {quantum!r}")
         if not all_spans:
             return ""
-        q = quantum or min(s.end - s.start for s in all_spans if s.end > s.start)
+        lengths = [s.end - s.start for s in all_spans if s.end > s.start]
+        if not lengths:
+            raise ValueError(
+                f"every one of the {len(all_spans)} actions takes 0 time (zero costs): the "
+                "step has no length and no timeline to draw; the schedule's grid() shows "
+                "each rank's order"
+            )
+        q = quantum or min(lengths)
         rows = round(self.makespan / q)
         columns: list[list[str]] = []
         for spans in self.spans:
@@ -121,12 +137,30 @@ def peak_held(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peaks)
 
 
+def checked_cost(value: float, what: str) -> float:
+    """``value`` as a float, refused unless finite and >= 0 (``what`` names it in the
+    error): a negative cost or latency let a pass start before its input existed, NaN and
+    infinity made the step time and the bubble fraction NaN."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be a number, got {value!r}") from None
+    if not 0.0 <= number < math.inf:
+        raise ValueError(f"{what} must be >= 0 and finite, got {value!r}")
+    return number
+
+
 def _cost_fn(costs: Costs | None) -> Callable[[Action], float]:
+    """The cost of each action, checked (``costs`` named as given: a table or a function)."""
     if costs is None:
         costs = DEFAULT_COSTS
     if callable(costs):
-        return costs
+        fn = costs
+        return lambda a: checked_cost(fn(a), f"costs({a})")
     table = dict(costs)
+    for kind, value in table.items():
+        name = kind.name if isinstance(kind, Kind) else repr(kind)
+        checked_cost(value, f"costs[{name}]")
 
     def lookup(a: Action) -> float:
         if a.kind not in table:
@@ -152,9 +186,11 @@ def simulate(
         comm_cost: latency added to a dependency that crosses ranks.
 
     Raises:
-        ValueError: the schedule cannot finish (validate it for a drawn explanation).
+        ValueError: the schedule cannot finish (validate it for a drawn explanation), or a
+            cost or ``comm_cost`` is negative, NaN or infinite.
     """
     cost = _cost_fn(costs)
+    comm_cost = checked_cost(comm_cost, "comm_cost")
     p = schedule.num_ranks
     queues = [list(schedule.compute(r)) for r in range(p)]
     where = {a: r for r, q in enumerate(queues) for a in q}
@@ -177,8 +213,6 @@ def simulate(
                 )
                 start = max(free[r], ready)
                 c = cost(a)
-                if c < 0:
-                    raise ValueError(f"cost of {a} must be >= 0, got {c!r}")
                 end[a] = free[r] = start + c
                 spans[r].append(Span(r, a, start, start + c))
                 heads[r] += 1

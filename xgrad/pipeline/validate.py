@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from xgrad.pipeline.actions import Action, Kind, expand
+from xgrad.pipeline.edge_order import first_misordered
 from xgrad.pipeline.schedule import Schedule
 
-__all__ = ["ScheduleError", "validate"]
+__all__ = ["ScheduleError", "check_placement", "validate"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 
@@ -109,19 +110,29 @@ def _check_reduced_after_backward(
             )  # fmt: skip
 
 
+def check_placement(schedule: Schedule) -> None:
+    """Every action is listed on the rank its stage is placed on.
+
+    Checked first (by :func:`~xgrad.pipeline.insert_comms` too): a row that contradicts
+    ``placement`` otherwise shows up later as inputs that never come, a deadlock.
+    """
+    for r, acts in enumerate(_flat(schedule)):
+        for i, a in enumerate(acts):
+            q = schedule.placement[a.stage]
+            if q != r:
+                raise ScheduleError(
+                    schedule, r, i, f"{a}: stage {a.stage} is listed on rank {r}, but "
+                    f"placement puts it on rank {q} (placement {list(schedule.placement)})"
+                )  # fmt: skip
+
+
 def _check_contents(schedule: Schedule) -> None:
-    """Placement, duplicates, completeness and the local order of each stage's passes."""
+    """Duplicates, completeness and the local order of each stage's passes."""
+    check_placement(schedule)
     seen: dict[Action, tuple[int, int]] = {}
     for r, acts in enumerate(_flat(schedule)):
         _check_shards(schedule, r, acts)
         for i, a in enumerate(acts):
-            if schedule.placement[a.stage] != r:
-                raise ScheduleError(
-                    schedule,
-                    r,
-                    i,
-                    f"{a} is for stage {a.stage}, placed on rank {schedule.placement[a.stage]}",
-                )
             if a.kind in _SHARD_OPS:
                 continue  # they may repeat (_check_shards)
             if a in seen:
@@ -259,11 +270,13 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
 
     Checks: each action on the rank of its stage, once; every (stage, microbatch) has its
     forward and its backward (B, or I and W); a forward before its backward and I before
-    W; every send matched by a receive on the peer and every cross-rank input received; and
-    that executing it cannot deadlock. Point-to-point is taken as blocking: with
-    ``rendezvous`` a send and its receive complete together (the strictest model; a schedule
-    valid under it is valid with buffered sends too), otherwise a send never blocks and a
-    receive waits for its send. A compute-only schedule waits on the other ranks' passes.
+    W; every send matched by a receive on the peer and every cross-rank input received; each
+    edge's messages taken in the order they are sent (a runtime matches them first in, first
+    out, see :mod:`~xgrad.pipeline.edge_order`); and that executing it cannot deadlock.
+    Point-to-point is taken as blocking: with ``rendezvous`` a send and its receive complete
+    together (the strictest model; a schedule valid under it is valid with buffered sends
+    too), otherwise a send never blocks and a receive waits for its send. A compute-only
+    schedule waits on the other ranks' passes.
 
     Raises:
         ScheduleError: naming the rank and step, with the rank × step grid marked there.
@@ -273,5 +286,8 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
     _check_contents(schedule)
     if schedule.has_comms:
         _check_pairs(schedule)
+    misordered = first_misordered(schedule)
+    if misordered is not None:
+        raise ScheduleError(schedule, misordered.rank, misordered.step, misordered.reason)
     _run(schedule, rendezvous)
     return schedule

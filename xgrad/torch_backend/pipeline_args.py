@@ -63,6 +63,16 @@ def runtime_schedule(
         )
     if schedule.num_ranks != world:
         raise ValueError(f"rank {rank}: schedule has {schedule.num_ranks} ranks, the group {world}")
+    idle = [r for r in range(world) if not schedule.stages_of(r)]
+    if idle:
+        # Every rank of the group takes part in each step's wire (its edges, the end-of-step
+        # exchange); one with no stage has none, and crashed there. Refused on every rank
+        # alike, so that none goes on to wait for it.
+        raise ValueError(
+            f"rank {rank}: the schedule places no stage on rank {idle[0]} (placement "
+            f"{list(schedule.placement)}); every rank of the group must hold a stage: run "
+            "the pipeline on a group of the ranks that hold stages"
+        )
     if reduces:
         reduced = {a.stage for acts in schedule.actions for a in acts if a.kind is Kind.REDUCE_GRAD}
         if not any(a.kind.is_stage_op for acts in schedule.actions for a in acts):
