@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from xgrad.pipeline import Kind, Schedule
 
@@ -21,9 +23,12 @@ __all__ = [
     "CHECKPOINT_MODES",
     "RngState",
     "check_data_parallel",
+    "check_unchanged",
     "checkpointed",
     "kept_buffers",
+    "no_activations",
     "replayed_rng",
+    "versions",
 ]
 
 #: recompute the forward of every microbatch in backward, of every microbatch but the last
@@ -107,3 +112,48 @@ def check_data_parallel(schedule: Schedule, rank: int) -> None:
                 f"rank {rank}: with data parallelism stage {s}'s last backward must be "
                 f"of microbatch {last}, got {order[-1]}"
             )
+
+
+def _dropped(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_read(packed: None) -> torch.Tensor:
+    raise RuntimeError("a checkpointed forward's graph is never differentiated")
+
+
+def no_activations() -> contextlib.AbstractContextManager[None]:
+    """Record the graph, keep none of its activations (a first, checkpointed forward).
+
+    Run with gradients enabled, the forward tells which outputs require a gradient (a
+    float mask passed through does not, and its receiver must be free to change it in
+    place), and runs as its recomputation will, in grad mode (modules that take another
+    path under ``no_grad`` then compute the same numbers both times). Nothing is saved for
+    the backward, as under ``no_grad``, and the graph goes with the detached output.
+    """
+    return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_read)
+
+
+def versions(tree: Any) -> list[int]:
+    """The version counters of ``tree``'s tensor leaves (an in-place change bumps one)."""
+    return [t._version for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def check_unchanged(what: str, tree: Any, before: list[int], mode: str) -> None:
+    """Refuse a checkpointed forward that changed its input in place.
+
+    Its recomputation, right before the backward, runs on the same input, which by then
+    holds the changed values: the gradients would be those of another forward, without a
+    word (the loss, from the first run, stays right). Raised naming the input's position.
+    """
+    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    for i, (t, old) in enumerate(zip(leaves, before, strict=True)):
+        if t._version != old:
+            raise RuntimeError(
+                f"{what} changed its input in place (tensor leaf {i} of the input, shape "
+                f"{tuple(t.shape)}, {t.dtype}): with checkpoint={mode!r} this forward runs "
+                "again on that input before its backward, where it would see the changed "
+                "values and give wrong gradients; change a copy in the stage (x = x.clone()) "
+                "or use checkpoint='never'"
+            )
+

@@ -18,8 +18,11 @@ from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.pipeline_joins import Captured, run_weight
 from xgrad.torch_backend.pipeline_recompute import (
     RngState,
+    check_unchanged,
     kept_buffers,
+    no_activations,
     replayed_rng,
+    versions,
 )
 from xgrad.torch_backend.pipeline_slot import Slot, summed, with_grads, zeros_for_none
 from xgrad.torch_backend.pipeline_stage_base import StageState
@@ -65,13 +68,23 @@ class StagePasses(StageState):
             x = parts[0] if len(parts) == 1 else tuple(parts)
         target = ys[mb] if ys is not None and s == sched.num_stages - 1 else None
         graph = not self._checkpointed(mb)
-        if not graph:
-            slot.rng = RngState.capture(self._device(s))
-            with torch.no_grad():
-                y = self._run_forward(s, mb, x, target)
-        else:
+        if graph:
             y = self._run_forward(s, mb, x, target)
-        slot.carry = carried(y, graph)
+            slot.carry = carried(y)
+        else:
+            slot.rng = RngState.capture(self._device(s))
+            before = versions(x)
+            if self._no_sync is not None or hasattr(self._module(s), "no_sync"):
+                # DDP: a forward in grad mode would be waited for by its reducer.
+                with torch.no_grad():
+                    y = self._run_forward(s, mb, x, target)
+                slot.carry = carried(y, graph=False, inputs=x)
+            else:
+                with torch.enable_grad(), no_activations():
+                    y = self._run_forward(s, mb, x, target)
+                slot.carry = carried(y)
+                y = detach_tree(y, [False] * len(slot.carry))  # its graph goes
+            check_unchanged(f"{action}: stage {s}'s forward", x, before, self.checkpoint)
         carried_leaves = [t for t, c in zip(tensor_leaves(y), slot.carry, strict=True) if c]
         slot.grad_shapes = [(t.shape, t.dtype) for t in carried_leaves]
         slot.input = x

@@ -77,12 +77,18 @@ def _carries_gradient(t: torch.Tensor) -> bool:
     return t.requires_grad and (t.is_floating_point() or t.is_complex())
 
 
-def carried(tree: Any, graph: bool) -> list[bool]:
-    """Per tensor leaf, whether it carries a gradient: a floating leaf that requires one, or
-    any floating leaf of an output computed without a graph (a checkpointed forward, whose
-    recomputation will have one)."""
+def carried(tree: Any, graph: bool = True, inputs: Any = None) -> list[bool]:
+    """Per tensor leaf, whether it carries a gradient: a floating leaf that requires one.
+
+    Without a graph (a data-parallel stage's checkpointed forward, run under ``no_grad``,
+    whose recomputation will have one), any floating leaf but one of ``inputs`` passed
+    through (which carries a gradient as the input did).
+    """
+    if graph:
+        return [_carries_gradient(t) for t in tensor_leaves(tree)]
+    passed = {id(t): _carries_gradient(t) for t in tensor_leaves(inputs)}
     return [
-        (t.is_floating_point() or t.is_complex()) and (t.requires_grad or not graph)
+        (t.is_floating_point() or t.is_complex()) and passed.get(id(t), True)
         for t in tensor_leaves(tree)
     ]
 
