@@ -91,6 +91,26 @@ def xp_run(s: xp.Schedule, params: list[Any], x: Any, y: Any, **kw: Any) -> tupl
     )
 
 
+def test_a_summed_loss_with_scale_grads_false_matches_the_whole_model() -> None:
+    """``scale_grads=False`` (torch's name) for a loss that sums over its batch."""
+    from xgrad.jax_backend.pipeline import pipeline_value_and_grad
+
+    def sse(out: Any, y: Any) -> Any:
+        return jnp.sum((out - y) ** 2)
+
+    s = xp.make("1f1b", 2, 4)
+    params = weights(2)
+    x, y = data()
+    loss, grads = pipeline_value_and_grad(
+        s, [block] * 2, params, sse, jnp.asarray(x), jnp.asarray(y), scale_grads=False
+    )
+    want_loss, want = jax.value_and_grad(lambda ps: sse(block(ps[1], block(ps[0], x)), y))(params)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert max_err(grads, want) <= 1e-6
+    with pytest.raises(TypeError, match="scale_grads=1 must be a bool"):
+        pipeline_value_and_grad(s, [block] * 2, params, sse, x, y, scale_grads=1)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("policy", ["gpipe", "1f1b", "zb"])
 def test_reused_partition(policy: str) -> None:
     inv = xp.chain([(0, 0), (1, 0), (0, 0)])

@@ -94,6 +94,7 @@ def pipeline_value_and_grad(
     *,
     invocations: Sequence[Invocation] | None = None,
     devices: Sequence[Any] | None = None,
+    scale_grads: bool = True,
 ) -> tuple[Any, list[Any]]:
     """Run ``schedule`` with rank r's stages on ``devices[r]``; return loss and gradients.
 
@@ -115,10 +116,15 @@ def pipeline_value_and_grad(
         invocations: fairscale-style invocations (a partition may run at several stages;
             its gradient is the sum).
         devices: one device per rank (default: the first p of ``jax.devices()``).
+        scale_grads: scale each microbatch's loss by 1/m (default, for a mean loss), as
+            torch's schedules do; False for a loss that sums over its batch (the loss and
+            gradients are then sums over the microbatches).
 
     Returns:
         ``(loss, grads)``, grads a pytree per partition (on its rank's device).
     """
+    if not isinstance(scale_grads, bool):
+        raise TypeError(f"scale_grads={scale_grads!r} must be a bool")
     if not isinstance(schedule, Schedule):
         raise TypeError(
             f"schedule must be an xgrad.pipeline.Schedule (e.g. xgrad.pipeline.make(name, p, "
@@ -153,7 +159,9 @@ def pipeline_value_and_grad(
 
     def run(s: int, prm: Any, x: Any, mb: int) -> Any:
         y = partitions[ids[s]](prm, x)
-        return loss_fn(y, ys_on[mb]) / m if s == n - 1 else y
+        if s < n - 1:
+            return y
+        return loss_fn(y, ys_on[mb]) / m if scale_grads else loss_fn(y, ys_on[mb])
 
     saved: dict[tuple[int, int], Any] = {}  # (stage, mb) -> (input, VJP wrt the input)
     arriving: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its input from stage - 1

@@ -26,14 +26,13 @@ from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
     check_modules,
     check_settings,
-    reduce_points,
     runtime_schedule,
     slot_map,
     split_step,
 )
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_ddps import (
-    DataParallelSteps,
+    data_parallel,
     ddp_steps,
     stage_ddps,
     tell_replicas,
@@ -46,10 +45,7 @@ from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_lanes import default_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
-from xgrad.torch_backend.pipeline_recompute import (
-    CHECKPOINT_MODES,
-    check_data_parallel,
-)
+from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
@@ -70,7 +66,8 @@ class PipelineRuntime(StepGroups, StagePasses):
     see :mod:`~xgrad.torch_backend.pipeline_comm`) and are dropped once sent. Gradients
     accumulate into the partitions' ``.grad`` and equal those of the whole model run on the
     whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean over
-    the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default).
+    the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default; ``scale_grads=False``
+    for a sum).
 
     Stage inputs and outputs are pytrees (tuples, lists, dicts of tensors, integer masks,
     tensors that need no gradient, constants), whose shapes may change from step to step;
@@ -121,6 +118,9 @@ class PipelineRuntime(StepGroups, StagePasses):
             (FSDP's), does nothing.
         dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
+        scale_grads: each microbatch's loss is divided by m (default), as torch's schedules
+            scale the gradients: for a loss that is a mean over its batch. False: for a sum
+            (the gradients, and the loss :meth:`step` returns, are then sums over microbatches).
 
     Example:
         >>> rt = PipelineRuntime(one_f_one_b(2, 4), [stage], nn.MSELoss())  # doctest: +SKIP
@@ -141,6 +141,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         reduce_grad: Callable[[int], None] | None = None,
         dp_group: Any = None,
         device: torch.device | str | None = None,
+        scale_grads: bool = True,
     ) -> None:
         self.timeout = check_settings(checkpoint, timeout)
         require_member(group, "run the pipeline")
@@ -154,23 +155,16 @@ class PipelineRuntime(StepGroups, StagePasses):
         check_modules(self.partitions, self.rank)
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
+        if not isinstance(scale_grads, bool):
+            raise TypeError(f"scale_grads={scale_grads!r} must be a bool")
+        self.scale_grads = scale_grads
         self._no_sync = no_sync
-        if dp_group is not None and (reduce_grad is not None or no_sync is not None):
-            raise ValueError(
-                f"rank {self.rank}: dp_group reduces at REDUCE_GRAD; give it without "
-                "reduce_grad and without no_sync (DDP reduces on its own)"
-            )
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group
-        self._reduce_at = reduce_points(self.schedule, self.rank, self._slot_of)
-        self._dp = (
-            None
-            if dp_group is None
-            else DataParallelSteps(dp_group, self.timeout, len(self._reduce_at))
+        self._reduce_at, self._dp = data_parallel(
+            self.schedule, self.rank, self._slot_of, self.timeout, no_sync, reduce_grad, dp_group
         )
         self.device = None if device is None else torch.device(device)
-        if no_sync is not None:
-            check_data_parallel(self.schedule, self.rank)
         self._edges = EdgeCache()
         self._agreed = False
         self._p2p: tuple[Any, ...] | None = None
@@ -194,19 +188,24 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._plan: PostedPlan | None = None
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
-        self._devices = {}
+        self._devices, self._losses = {}, {}
         self._ddps = stage_ddps(self.partitions)  # told when a step fails (pipeline_ddps)
         self._ddp_steps: list[int] = []
 
     # -- the event loop ------------------------------------------------------------------
 
-    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+    def step(
+        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
+    ) -> torch.Tensor | None:
         """Run one step: every action of this rank, in order.
 
         Args:
             inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
                 the rank of stage 0 (ignored elsewhere).
             targets: the whole batch's targets, on the rank of the last stage.
+            losses: on the last stage's rank, a list emptied and filled with each
+                microbatch's loss (detached, before the 1/m scaling), as torch's
+                ``schedule.step(..., losses=)`` fills it; left as it is on the others.
 
         Returns:
             The whole batch's loss (detached) on the last stage's rank, else ``None``.
@@ -217,12 +216,14 @@ class PipelineRuntime(StepGroups, StagePasses):
         """
         sched = self.schedule
         check_release(self.release_sends, self.post_ahead)
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got a {type(losses).__name__}")
         if UNFINISHED:  # a DDP's backward pass raised on this thread: its peers are told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
         if self._dp is not None:
             self._dp.start()
-        self._devices, self._joins = {}, StageJoins()
+        self._devices, self._joins, self._losses = {}, StageJoins(), {}
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
         # private group is made (the peers wait for it in wait_all_started), else below.
@@ -279,20 +280,11 @@ class PipelineRuntime(StepGroups, StagePasses):
             wire.finish(self._waiters[1])
             if self._written:
                 self._forget()
+            if losses is not None and sched.num_stages - 1 in mine:
+                losses[:] = [self._losses[mb] for mb in range(sched.num_microbatches)]
             return loss
         except RankError as error:
-            if channel.poll() != error.failure:
-                # Another group's failure (a DDP inside a stage): this rank's action
-                # failed, so the pipeline's peers are told, as for any exception.
-                failure = self._fail_here(channel, wire, action, error)
-                raise error_for(failure, channel.rank) from error
-            # The failure is posted: peers waiting on this rank stop now (a live origin
-            # has stopped already).
-            live = error.failure.kind == "error"
-            wire.poison(self._pipeline_rank(error.rank) if live else None)
-            self._reset(error, wire)
-            tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
-            raise
+            raise self._failed_by(error, channel, wire, action) from error
         except Exception as exc:
             failure = self._fail_here(channel, wire, action, exc)
             if not split:
@@ -301,17 +293,6 @@ class PipelineRuntime(StepGroups, StagePasses):
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._fail_here(channel, wire, action, exc)
             raise
-
-    def _fail_here(
-        self, channel: FailureChannel, wire: StepWire, action: Action | None, exc: BaseException
-    ) -> Failure:
-        """Post this rank's failure in ``action``, poison what the peers wait for, reset."""
-        where = f"{action} failed" if action is not None else "step failed"
-        failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
-        wire.poison()
-        self._reset(None, wire)
-        tell_replicas(error_for(failure, channel.rank), self._ddps, self._ddp_steps, self._dp)
-        return failure
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
         """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""

@@ -17,9 +17,18 @@ from typing import Any
 
 from torch import nn
 
+from xgrad.pipeline import Schedule
 from xgrad.torch_backend.ddp_failure import StepWatch
+from xgrad.torch_backend.pipeline_args import reduce_points
+from xgrad.torch_backend.pipeline_recompute import check_data_parallel
 
-__all__ = ["DataParallelSteps", "ddp_steps", "stage_ddps", "tell_replicas"]
+__all__ = [
+    "DataParallelSteps",
+    "data_parallel",
+    "ddp_steps",
+    "stage_ddps",
+    "tell_replicas",
+]
 
 
 def stage_ddps(partitions: Sequence[nn.Module]) -> list[Any]:
@@ -101,3 +110,31 @@ class DataParallelSteps:
             self.watch.begin_step()
             self.begun = True
         self.watch.post_here("pipeline step", error)
+
+
+def data_parallel(
+    schedule: Schedule,
+    rank: int,
+    slot_of: dict[int, int],
+    timeout: float,
+    no_sync: Any,
+    reduce_grad: Any,
+    dp_group: Any,
+) -> tuple[dict[int, int], DataParallelSteps | None]:
+    """A pipeline runtime's data parallelism: where its partitions reduce (partition ->
+    stage of its last REDUCE_GRAD) and, with ``dp_group``, the steps of its all-reduces.
+
+    Raises:
+        ValueError: ``dp_group`` with ``reduce_grad`` or ``no_sync`` (two ways to reduce),
+            or ``no_sync`` with a schedule a DDP stage cannot follow.
+    """
+    if dp_group is not None and (reduce_grad is not None or no_sync is not None):
+        raise ValueError(
+            f"rank {rank}: dp_group reduces at REDUCE_GRAD; give it without "
+            "reduce_grad and without no_sync (DDP reduces on its own)"
+        )
+    if no_sync is not None:
+        check_data_parallel(schedule, rank)
+    reduce_at = reduce_points(schedule, rank, slot_of)
+    dp = None if dp_group is None else DataParallelSteps(dp_group, timeout, len(reduce_at))
+    return reduce_at, dp

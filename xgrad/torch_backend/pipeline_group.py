@@ -6,7 +6,8 @@ every rank, :mod:`~xgrad.torch_backend.pipeline_close`), so the ranks always agr
 whether the next step keeps the group.
 
 :class:`StepGroups` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
-that owns that group; the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
+that owns that group, and what a failed step does with it (post, poison, reset, tell the
+stages' DDPs); the event loop is in :mod:`~xgrad.torch_backend.pipeline`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import Failure, FailureChannel, RankError
+from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.pipeline import Action
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.group_keys import StoreKeys, group_keys
 from xgrad.torch_backend.pipeline_comm import StepWire
+from xgrad.torch_backend.pipeline_ddps import tell_replicas
 from xgrad.torch_backend.pipeline_edges import (
     abort_set_aside,
     set_aside,
@@ -52,6 +55,8 @@ class StepGroups(StageState):
     post_ahead: int
     release_sends: str
     _written: list[StoreKeys]
+    _ddps: list[Any]  # the DDPs inside this rank's stages (told when a step fails)
+    _ddp_steps: list[int]
 
     def _open_step(self, index: int, mine: set[int], early: Any) -> FailureChannel:
         """Step ``index``'s channel (returned), private group and schedule agreement;
@@ -194,3 +199,30 @@ class StepGroups(StageState):
         for waiter in self._waiters:
             waiter.close()
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+
+    def _failed_by(
+        self, error: RankError, channel: FailureChannel, wire: StepWire, action: Action | None
+    ) -> RankError:
+        """What a step raises for a :class:`RankError` in ``action`` (the group reset)."""
+        if channel.poll() != error.failure:
+            # Another group's failure (a DDP inside a stage): this rank's action failed,
+            # so the pipeline's peers are told, as for any exception.
+            return error_for(self._fail_here(channel, wire, action, error), channel.rank)
+        # The failure is posted: peers waiting on this rank stop now (a live origin has
+        # stopped already).
+        live = error.failure.kind == "error"
+        wire.poison(self._pipeline_rank(error.rank) if live else None)
+        self._reset(error, wire)
+        tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
+        return error
+
+    def _fail_here(
+        self, channel: FailureChannel, wire: StepWire, action: Action | None, exc: BaseException
+    ) -> Failure:
+        """Post this rank's failure in ``action``, poison what the peers wait for, reset."""
+        where = f"{action} failed" if action is not None else "step failed"
+        failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+        wire.poison()
+        self._reset(None, wire)
+        tell_replicas(error_for(failure, channel.rank), self._ddps, self._ddp_steps, self._dp)
+        return failure

@@ -156,4 +156,3 @@ def check_unchanged(what: str, tree: Any, before: list[int], mode: str) -> None:
                 "values and give wrong gradients; change a copy in the stage (x = x.clone()) "
                 "or use checkpoint='never'"
             )
-

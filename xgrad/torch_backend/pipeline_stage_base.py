@@ -34,6 +34,7 @@ class StageState:
     group: Any
     rank: int
     checkpoint: str
+    scale_grads: bool  # each microbatch's loss divided by m (torch's default)
     timeout: float
     device: torch.device | None
     _slot_of: dict[int, int]
@@ -46,6 +47,7 @@ class StageState:
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
     _wire: StepWire  # the step's sends and receives
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
+    _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
     _joins: StageJoins  # per stage graph, where W starts (this step)
 
     # -- helpers -------------------------------------------------------------------------
@@ -84,7 +86,9 @@ class StageState:
         with self._sync_context(stage, mb):
             y = self._module(stage)(x)
         if stage == self.schedule.num_stages - 1:
-            return self._loss(y, target) / self.schedule.num_microbatches
+            loss = self._loss(y, target)
+            self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
+            return loss / self.schedule.num_microbatches if self.scale_grads else loss
         return y
 
     def _loss(self, y: Any, target: Any) -> torch.Tensor:
