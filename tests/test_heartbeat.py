@@ -30,3 +30,27 @@ def test_a_rank_that_never_beat_is_named_at_the_timeout() -> None:
     channel = FailureChannel(store, "s", 0, live)
     with pytest.raises(RankUnresponsiveError, match=r"^rank 1: stopped answering"):
         wait_until(lambda: False, channel, timeout=0.3, what="recv", poll_interval=0.01)
+
+
+def test_a_collective_that_times_out_names_the_live_rank_not_in_it() -> None:
+    """Ranks 0 and 1 wait in a collective; rank 2 is alive (it beats) but waits for
+    nobody, as its heartbeat publishes: it is the one late for the collective."""
+    from xgrad.heartbeat import COLLECTIVE
+
+    store = MemoryStore()
+    beats = [Heartbeat(store, "hb", r, interval=0.02) for r in (1, 2)]
+    store.set("hb/1/waits", str(COLLECTIVE).encode())
+    live = Liveness(store, "hb", [1, 2], interval=0.02, timeout=5.0)
+    assert live.idle() == [2]
+    assert live.end_of_waits(1, 0) == 1  # a collective is not a wait for one rank
+    error = FailureChannel(store, "s", 0, live).timed_out("allreduce", 0.5, collective=True)
+    assert error.rank == 2 and error.failure.kind == "timeout", error
+    assert str(error) == (
+        "rank 2: did not answer within the timeout (rank 0 waited for it in the collective): "
+        "allreduce timed out after 0.5 s (every rank still answers)"
+    )
+    # Not a collective: the waiting rank gave up, as before.
+    plain = FailureChannel(store, "t", 0, live).timed_out("recv", 0.5)
+    assert plain.rank == 0 and str(plain).startswith("rank 0 in recv: timed out"), plain
+    for beat in beats:
+        beat.stop()

@@ -280,11 +280,14 @@ class FailureChannel:
         if failure is not None:
             raise error_for(failure, self.rank, prefix)
 
-    def timed_out(self, what: str, waited: float, *, prefix: str = "") -> RankError:
+    def timed_out(
+        self, what: str, waited: float, *, prefix: str = "", collective: bool = False
+    ) -> RankError:
         """The error for a wait on ``what`` that ran ``waited`` seconds: posted, then returned.
 
-        Names the peers whose heartbeat stopped during the wait when there are any, this
-        rank (as the one that gave up) otherwise.
+        Names the peers whose heartbeat stopped during the wait when there are any; for a
+        ``collective``, else a live rank that waits for nobody (late for it, as its
+        heartbeat publishes); this rank (as the one that gave up) otherwise.
         """
         stale: list[int] = []
         answers = "every rank still answers"
@@ -304,8 +307,15 @@ class FailureChannel:
                 older_than=min(self.liveness.timeout, max(waited / 2, least)),
                 include_silent=True,
             )
+        idle = self.liveness.idle() if collective and self.liveness is not None else []
         if stale:
             failure = self._post_unresponsive(stale, waited, what)
+        elif idle:
+            message = (
+                f"did not answer within the timeout (rank {self.rank} waited for it in the "
+                f"collective): {what} timed out after {waited:g} s ({answers})"
+            )
+            failure = self.post("", message, kind="timeout", rank=idle[0])
         else:
             failure = self.post(what, f"timed out after {waited:g} s ({answers})", kind="timeout")
         return error_for(failure, self.rank, prefix)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from xgrad.failure import KeyValueStore, check_seconds, default_seconds
 
-__all__ = ["Heartbeat", "Liveness", "waiting_for"]
+__all__ = ["COLLECTIVE", "Heartbeat", "Liveness", "waiting_for"]
 
 #: the rank this process's main wait is for (None: not waiting), published with the
 #: heartbeat: a rank that timed out waiting for a live peer follows the peers' waits to the
@@ -23,10 +23,17 @@ __all__ = ["Heartbeat", "Liveness", "waiting_for"]
 _waiting: list[int | None] = [None]
 
 
-def waiting_for(rank: int | None) -> None:
-    """Say which rank this process now waits for (``None``: none). Costs an assignment;
-    the heartbeat thread publishes it at its next beat."""
-    _waiting[0] = rank
+#: what a process waiting in a collective publishes: it waits for every other rank of the
+#: group, and a rank that times out there names one that waits for nobody (late for it).
+COLLECTIVE = -1
+
+
+def waiting_for(rank: int | None) -> int | None:
+    """Say which rank this process now waits for (``None``: none; :data:`COLLECTIVE`: all
+    of a collective's); returns what it said before (to say again after a nested wait).
+    Costs an assignment; the heartbeat thread publishes it at its next beat."""
+    before, _waiting[0] = _waiting[0], rank
+    return before
 
 
 class Heartbeat:
@@ -149,12 +156,17 @@ class Liveness:
         the waits come back to ``me`` or loop (a deadlock: no rank is late)."""
         seen = {me, rank}
         at = rank
-        while (nxt := self.waits_of(at)) is not None:
+        while (nxt := self.waits_of(at)) is not None and nxt != COLLECTIVE:
             if nxt in seen:
                 return rank
             seen.add(nxt)
             at = nxt
         return at
+
+    def idle(self) -> list[int]:
+        """The watched ranks that, as their heartbeats last published, wait for nobody:
+        those a collective that timed out while the others waited in it is late for."""
+        return [r for r in self.ranks if self.waits_of(r) is None]
 
     def stale(self, older_than: float | None = None, *, include_silent: bool = False) -> list[int]:
         """Ranks whose counter has not moved for ``older_than`` seconds (default: timeout).

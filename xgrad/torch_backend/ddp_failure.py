@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
+from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.local_errors import as_local
 from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_leftovers import drop_read_failures, read_failure
@@ -180,12 +181,23 @@ class StepWatch:
         follows the wait); then the blocking wait, which counts the spin as waited.
         """
         spin = self.spin
-        if not work.is_completed() and not (spin > 0.0 and spin_until(work.is_completed, spin)):
+        if work.is_completed() or (spin > 0.0 and spin_until(work.is_completed, spin)):
+            self._finish(work, what)
+            return
+        # Published with the heartbeat until the failure, if any, is worded: a peer that
+        # times out meanwhile must not take this rank for one late for the collective.
+        before = waiting_for(COLLECTIVE)
+        try:
             # A held lock the completion releases: half the cost of an Event's wait.
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())
             self.wait_event(done, what, spun=spin)
+            self._finish(work, what)
+        finally:
+            waiting_for(before)
+
+    def _finish(self, work: Any, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as exc:
@@ -198,21 +210,24 @@ class StepWatch:
         past the timeout; ``spun``: seconds already spent polling (counted as waited, and
         the channel checked first)."""
         wait = done.wait if isinstance(done, threading.Event) else done.acquire
+        before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
         try:
             waited = spun
             if spun > 0.0:
                 self._check()
                 if waited >= self.timeout:
-                    raise self.channel.timed_out(what, self.timeout)
+                    raise self.channel.timed_out(what, self.timeout, collective=True)
             while not wait(timeout=self.poll):
                 waited += self.poll
                 self._check()
                 if waited >= self.timeout:
-                    raise self.channel.timed_out(what, self.timeout)
+                    raise self.channel.timed_out(what, self.timeout, collective=True)
         except RankError as error:
             # The operation is still pending (a frozen peer): aborting would wait for it.
             self.drop_group(error, abort=False)
             raise
+        finally:
+            waiting_for(before)
 
     def _check(self) -> None:
         """Between naps of a wait: a posted failure, a silent peer, or a peer that said

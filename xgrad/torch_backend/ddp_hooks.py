@@ -182,6 +182,9 @@ class GradientHooks:
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
         except Exception as exc:
             if not reducer.all_ready():  # gradients never came: DDP's unused-parameter error
+                # Raised here as PyTorch raises it; posted, so that the peers, which wait
+                # for buckets this rank will not launch, raise it now, not at the timeout.
+                self.watch.post("backward", exc)
                 raise
             raise_from(self._fail("reduction", exc), exc)
         finally:

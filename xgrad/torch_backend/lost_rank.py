@@ -72,6 +72,11 @@ def transfer_failed(
     if late and peer is not None and channel.liveness is not None:
         # The peer may be waiting itself, for a rank that is late: that one is named.
         peer = channel.liveness.end_of_waits(peer, channel.rank)
+    if silent is None and peer is None and timed_out and channel.liveness is not None:
+        # A collective: a live rank that waits for nobody is late for it.
+        idle = channel.liveness.idle()
+        if idle:
+            late, peer = True, idle[0]
     if silent is None:
         silent = peer
     if silent is None:
@@ -81,7 +86,13 @@ def transfer_failed(
             text += f" ({TIMED_OUT_LIVE})"
         failure = channel.post(what, text)
     elif late:
-        via = "" if silent == waited_on else f" (rank {waited_on} waits for it)"
+        via = (
+            f" (rank {channel.rank} waited for it in the collective)"
+            if waited_on is None
+            else ""
+            if silent == waited_on
+            else f" (rank {waited_on} waits for it)"
+        )
         message = (
             f"did not answer within the timeout{via}: {what} failed: {text} ({TIMED_OUT_LIVE})"
         )
