@@ -10,10 +10,8 @@ bench and the failure tests both launch through it, so they observe ranks the sa
 
 from __future__ import annotations
 
-import os
 import queue as queue_module
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -21,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from xgrad.torch_backend.launch import Packed, context, pack
+from xgrad.torch_backend.launch import Packed, context, init_method, pack
 
 #: The status of a rank whose function returned, and of one whose function raised.
 OK, ERROR = "ok", "error"
@@ -44,13 +42,6 @@ def _child(rank: int, world: int, packed: Packed, init: str, out: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> str:
-    """``127.0.0.1:PORT`` with a port free a moment ago (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def _drain(out: Any, results: dict[int, tuple[str, Any]], wait: float) -> bool:
     """Move one report from ``out`` into ``results``; False when none came within ``wait``."""
     try:
@@ -69,7 +60,7 @@ def gather_ranks(
     limit: float,
     wait_for: Iterable[int] | None = None,
     env: Mapping[str, str] | None = None,
-    store: str = "file",
+    store: str | None = None,
 ) -> tuple[dict[int, tuple[str, Any]], dict[int, int | None]]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks.
 
@@ -78,18 +69,14 @@ def gather_ranks(
     all) has exited, or after ``limit`` seconds; then every process still alive is killed
     and its exit code is None (it had not exited by itself). Ranks that never report
     (killed, frozen) have no result. ``env`` is set in each child before ``fn`` and ``args``
-    are unpickled (:mod:`.launch`). ``store`` is ``"file"`` (a file store in a private
-    directory, the default: no port to race for) or ``"tcp"`` (a TCPStore on a free port
-    of 127.0.0.1 that rank 0's process hosts, as ``torch.distributed`` starts one without
-    ``torchrun``: what a frozen or dead rank 0 takes with it).
+    are unpickled (:mod:`.launch`). ``store``: ``"file"`` or ``"tcp"`` (see
+    :func:`~.launch.init_method`).
     """
-    if store not in ("file", "tcp"):
-        raise ValueError(f"store={store!r} must be 'file' or 'tcp'")
     packed = pack(fn, args, env)
     ctx = context()
     tmp = tempfile.mkdtemp(prefix="xgrad-ranks-")
     out = ctx.Queue()
-    init = "file://" + os.path.join(tmp, "store") if store == "file" else f"tcp://{_free_port()}"
+    init = init_method(tmp, store)
     child_args = (packed, init, out)
     procs = [
         ctx.Process(target=_child, args=(r, world, *child_args), daemon=True) for r in range(world)

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["METHOD_ENV", "Packed", "context", "pack"]
+__all__ = ["METHOD_ENV", "STORE_ENV", "Packed", "context", "init_method", "pack"]
+
+#: which store the launchers rendezvous through by default: ``file`` or ``tcp``.
+STORE_ENV = "XGRAD_SPAWN_STORE"
 
 #: what the server imports once, for every rank it forks.
 PRELOAD = ("torch", "torch.distributed")
@@ -83,3 +87,19 @@ def pack(
             reaches the caller, instead of in each child.
     """
     return Packed({**os.environ, **(env or {})}, pickle.dumps((fn, tuple(args))))
+
+
+def init_method(tmpdir: str, store: str | None = None) -> str:
+    """The ``init_method`` of a launch: a file store in ``tmpdir`` (``"file"``, no port to
+    race for), or a TCPStore on a free port of 127.0.0.1 that rank 0's process hosts
+    (``"tcp"``, as ``init_process_group`` starts one without ``torchrun``: what a frozen or
+    dead rank 0 takes with it). Default: ``XGRAD_SPAWN_STORE``, else ``"file"`` (the suite
+    can be run on TCPStores by setting it)."""
+    store = (os.environ.get(STORE_ENV) or "file") if store is None else store
+    if store == "file":
+        return "file://" + os.path.join(tmpdir, "store")
+    if store != "tcp":
+        raise ValueError(f"store={store!r} must be 'file' or 'tcp' (or set {STORE_ENV})")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"

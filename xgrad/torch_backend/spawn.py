@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue as queue_module
 import shutil
@@ -14,7 +13,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from xgrad.torch_backend.launch import Packed, context, pack
+from xgrad.torch_backend.launch import Packed, context, init_method, pack
 
 __all__ = ["SpawnError", "spawn"]
 
@@ -109,7 +108,7 @@ def spawn(
 
     Each process joins a ``torch.distributed`` process group (``backend``, rendezvous
     through a file store in a private temporary directory, so no port can be taken by
-    someone else) before ``fn`` runs, and leaves it afterwards. ``fn`` and ``args`` must be
+    someone else; a TCPStore with ``XGRAD_SPAWN_STORE=tcp``) before ``fn`` runs, and leaves it afterwards. ``fn`` and ``args`` must be
     picklable (a module-level function; checked here), as must what ``fn`` returns.
 
     Args:
@@ -146,7 +145,7 @@ def spawn(
     packed = pack(fn, args)
     ctx = context()
     tmpdir = tempfile.mkdtemp(prefix="xgrad-spawn-")
-    init_method = "file://" + os.path.join(tmpdir, "store")
+    init = init_method(tmpdir)
     results = ctx.Queue()
     processes = [
         ctx.Process(
@@ -155,7 +154,7 @@ def spawn(
                 r,
                 world_size,
                 packed,
-                init_method,
+                init,
                 backend,
                 timeout,
                 num_threads,
