@@ -237,9 +237,16 @@ def _options(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model)
     tddp = TorchDDP(copy.deepcopy(model))
     x, _ = _batch(rank)
+    attrs = ("_has_rebuilt_buckets", "_delay_all_reduce_all_params", "_use_python_reducer")
+    attrs += ("_lazy_init_ran",)
+    out["attrs_before"] = [[getattr(d, a) for a in attrs] for d in (ddp, tddp)]
     for d in (ddp, tddp):
         for _ in range(2):
             d(x).sum().backward()
+    out["attrs_after"] = [[getattr(d, a) for a in attrs] for d in (ddp, tddp)]
+    out["module_parameters"] = [
+        [p.shape for p in d._module_parameters] for d in (ddp, tddp)
+    ]  # the ZeRO overlap hook reads these
     out["isinstance"] = isinstance(ddp, TorchDDP)
     out["logging_keys"] = sorted(ddp._get_ddp_logging_data())
     out["torch_logging_keys"] = sorted(tddp._get_ddp_logging_data())
@@ -305,6 +312,9 @@ def test_sparse_gradient_has_its_own_bucket(results: list[dict[str, Any]]) -> No
 def test_isinstance_and_attributes(results: list[dict[str, Any]]) -> None:
     r = results[0]
     assert r["isinstance"]
+    for key in ("attrs_before", "attrs_after", "module_parameters"):
+        ours, theirs = r[key]
+        assert ours == theirs, (key, ours, theirs)
     assert r["bucket_bytes_cap"][0] == r["bucket_bytes_cap"][1]
     assert r["join"] == (torch.device("cpu"), True)
     environment = {k for k in r["torch_logging_keys"] if k.startswith(("gloo_", "master_"))}

@@ -189,6 +189,12 @@ class DistributedDataParallel(
         ignore |= {name for name, _ in delayed}
         self.parameters_to_ignore = ignore
         self._delay_all_reduce_params = [p for _, p in delayed]  # PyTorch's attribute
+        # PyTorch's attributes that code around DDP reads (ZeRO's hook, compile): as there.
+        self._module_parameters = [p for n, p in module.named_parameters() if n not in ignore]
+        self._delay_all_reduce_all_params = False  # refused below, where PyTorch allows it
+        self._comm_hooks: list[tuple[Any, object]] = []  # PyTorch's python-reducer list
+        self._use_python_reducer = False
+        self._lazy_init_ran = False
         self.parameter_names, self._params, sparse = reduced_parameters(module, ignore)
         if not self._params:
             raise RuntimeError(

@@ -22,6 +22,18 @@ class CompatDDP:
     #: PyTorch's default (``kDDPRuntimeLoggingSampleRate``).
     _runtime_logging_sample_rate = 100
 
+    @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """Whether the buckets were rebuilt from an observed order (PyTorch's flag, read by
+        its ZeRO overlap hook); set to False, they are rebuilt again at the next pass."""
+        ddp: Any = self
+        return bool(ddp.reducer.has_rebuilt_buckets)
+
+    @_has_rebuilt_buckets.setter
+    def _has_rebuilt_buckets(self, value: bool) -> None:
+        ddp: Any = self
+        ddp.reducer.has_rebuilt_buckets = bool(value)
+
     def _check_reducer_finalized(self) -> None:
         """Raise if the last synchronised backward pass left gradients unreduced.
 
