@@ -121,11 +121,16 @@ class GuardedStore:
         if not item.done.wait(self.timeout):
             item.given_up = True
             raise self._lost(what, self.timeout)
-        if item.error is not None:
-            if isinstance(item.error, self.gone):
-                raise self._gone(what, item.error) from item.error
-            raise item.error
-        return item.result
+        error, result = item.error, item.result
+        del item  # not on the traceback of what is raised (no cycle through this frame)
+        if error is None:
+            return result
+        try:
+            if isinstance(error, self.gone):
+                raise self._gone(what, error) from error
+            raise error
+        finally:
+            del error
 
     def _start(self) -> None:
         if self._thread is None:
