@@ -26,6 +26,8 @@ def _state(no_sync: Any = None) -> StageState:
     state._devices = {}
     state._no_sync = no_sync
     state.checkpoint = "except_last"
+    state.scale_grads = True
+    state._losses = {}
     return state
 
 
@@ -40,9 +42,12 @@ def test_module_and_device_per_stage() -> None:
 def test_the_last_stage_returns_its_share_of_the_loss() -> None:
     state = _state()
     x, y = torch.randn(5, 3), torch.randn(5, 2)
-    want = nn.functional.mse_loss(state.partitions[1](x), y) / 4
-    assert torch.equal(state._run_forward(3, 0, x, y), want)
+    loss = nn.functional.mse_loss(state.partitions[1](x), y)
+    assert torch.equal(state._run_forward(3, 0, x, y), loss / 4)
+    assert torch.equal(state._losses[0], loss.detach())  # for step(losses=): unscaled
     assert torch.equal(state._run_forward(0, 0, x, None), state.partitions[0](x))
+    state.scale_grads = False  # a summed loss: each microbatch's counts whole
+    assert torch.equal(state._run_forward(3, 1, x, y), loss)
 
 
 def test_no_sync_wraps_all_but_the_last_microbatch_and_checkpointing_follows_it() -> None:

@@ -20,6 +20,7 @@ from torch import nn
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
+from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_recover import UNFINISHED, post_failed_passes
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.group_keys import StoreKeys
@@ -284,7 +285,7 @@ class PipelineRuntime(StepGroups, StagePasses):
                 losses[:] = [self._losses[mb] for mb in range(sched.num_microbatches)]
             return loss
         except RankError as error:
-            raise self._failed_by(error, channel, wire, action) from error
+            raise_from(self._failed_by(error, channel, wire, action), error)  # no cycle
         except Exception as exc:
             failure = self._fail_here(channel, wire, action, exc)
             if not split:
