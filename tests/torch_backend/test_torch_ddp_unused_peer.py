@@ -15,27 +15,16 @@ from typing import Any
 
 import torch
 from ranks import run_ranks
-from torch import nn
+from test_torch_ddp_nosync_unused import Branchy
 
 TIMEOUT = 20.0
-
-
-class _TwoLayers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.c = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, use_c: bool) -> torch.Tensor:
-        h = self.a(x)
-        return self.c(h) if use_c else h
 
 
 def _steps(rank: int, world: int) -> dict[str, Any]:
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(_TwoLayers().double(), timeout=TIMEOUT, bucket_cap_mb=1e-4)
+    ddp = DistributedDataParallel(Branchy().double(), timeout=TIMEOUT, bucket_cap_mb=1e-4)
     x = torch.ones(2, 4, dtype=torch.float64) * (rank + 1)
     out: dict[str, Any] = {"errors": [], "grads": []}
     for step in range(3):
@@ -54,7 +43,7 @@ def test_a_peers_unused_parameter_error_is_raised_at_once_and_the_next_step_work
     results, codes = run_ranks(_steps, 2, timeout=120)
     assert codes == {0: 0, 1: 0}, (codes, results)
     torch.manual_seed(0)
-    model = _TwoLayers().double()
+    model = Branchy().double()
     for r in range(2):  # one process: the mean of the two ranks' gradients
         (model(torch.ones(2, 4, dtype=torch.float64) * (r + 1), True).sum() / 2).backward()
     want = [p.grad.tolist() for p in model.parameters()]
