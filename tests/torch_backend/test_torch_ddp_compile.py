@@ -110,3 +110,45 @@ def test_compiled_inductor_equals_compiled_pytorch_ddp() -> None:
     for r in spawn(_compiled_run, 2, args=("inductor",), timeout=480):
         assert r["equal"]
         assert r["iterations"] == 3
+
+
+def _compiled_autograd(rank: int, world: int) -> list[str]:
+    from torch._dynamo import compiled_autograd
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    x = torch.ones(3, 4) * (rank + 1)
+    out = []
+    for how in ("enable", "config"):
+        try:
+            if how == "enable":
+                loss = ddp(x).sum()
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            else:
+                torch._dynamo.config.compiled_autograd = True
+                try:
+
+                    @torch.compile(backend="eager")
+                    def step(inp: torch.Tensor) -> None:
+                        ddp(inp).sum().backward()
+
+                    step(x)
+                finally:
+                    torch._dynamo.config.compiled_autograd = False
+            out.append("no error")
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error() -> None:
+    """It failed inside dynamo ("queue_callback() is only supported when Compiled Autograd
+    is enabled with fullgraph=True"); PyTorch's C++ reducer refuses it by name too."""
+    for texts in spawn(_compiled_autograd, 2, timeout=240):
+        for text in texts:
+            assert text.startswith(
+                "Compiled autograd is not compatible with xgrad's DistributedDataParallel"
+            ), text

@@ -20,18 +20,46 @@ and fail. Here:
   (overlap). With ``optimize_ddp=False`` there is one graph, and every hook fires after
   the whole compiled backward: the same gradients, no overlap.
 
-Compiled autograd (``optimize_ddp="python_reducer"``) would trace the hooks themselves;
-it is not supported (PyTorch's C++ reducer refuses it too).
+Compiled autograd (``torch._dynamo.config.compiled_autograd``, ``compiled_autograd._enable``)
+traces the backward's hooks themselves: PyTorch's C++ reducer refuses it, and its Python
+reducer (``optimize_ddp="python_reducer"``) runs under it. xgrad's reducer queues the end of
+its pass on the autograd engine and times it, which compiled autograd cannot trace (it
+failed in dynamo's internals); it refuses it at the pass's first gradient hook, saying so.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: what a backward under compiled autograd raises (PyTorch's C++ reducer's wording, adapted).
+NO_COMPILED_AUTOGRAD = (
+    "Compiled autograd is not compatible with xgrad's DistributedDataParallel: its reducer "
+    "runs as eager Python hooks that compiled autograd would trace; run the backward pass "
+    "without compiled autograd (torch._dynamo.config.compiled_autograd = False, no "
+    "compiled_autograd._enable), or use torch.nn.parallel.DistributedDataParallel with "
+    'torch._dynamo.config.optimize_ddp = "python_reducer"'
+)
+
+
+def refuse_compiled_autograd() -> None:
+    """Raise :data:`NO_COMPILED_AUTOGRAD` in a backward pass compiled autograd captures.
+
+    Read from ``sys.modules``: a process that never imported dynamo cannot have it on, and
+    importing it here would cost every DDP process about a second.
+    """
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    if module is None:
+        return
+    if module.compiled_autograd_enabled or module.in_compiled_autograd_region:
+        raise RuntimeError(NO_COMPILED_AUTOGRAD)
+    if torch.compiler.is_compiling():  # dynamo traces the hook: compiled autograd's graph
+        raise RuntimeError(NO_COMPILED_AUTOGRAD)
 
 
 # PyTorch's own lazy form of ``torch._dynamo.disable``, as its DDP uses it: dynamo is

@@ -27,6 +27,7 @@ from xgrad.failure import RankError
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
+from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
 from xgrad.torch_backend.ddp_recover import UNFINISHED
@@ -109,6 +110,7 @@ class GradientHooks:
         def hook(param: torch.Tensor) -> None:
             if self.sync_pending:
                 # First gradient of a synchronised backward pass: end it with finalize.
+                refuse_compiled_autograd()
                 self.sync_pending = False
                 self.backward_started = time.perf_counter()
                 engine.queue_callback(self._finalize)
