@@ -159,8 +159,13 @@ class StepWatch:
 
     def post_here(self, where: str, exc: BaseException) -> RankError:
         """:meth:`post`, with another group's failure (a ``RankError`` raised around this
-        DDP: a pipeline's) posted as this rank's, so this DDP's peers see it."""
-        return self.post(where, RuntimeError(str(exc)) if isinstance(exc, RankError) else exc)
+        DDP: a pipeline's) relayed to this DDP's peers as it is: its origin, place and
+        kind (a dead rank stays "unresponsive"), not as this live rank's."""
+        if isinstance(exc, RankError):
+            f = exc.failure
+            failure = self.channel.post(f.where, f.message, kind=f.kind, rank=f.rank)
+            return error_for(failure, self.channel.rank)
+        return self.post(where, exc)
 
     def call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``; a failure is posted and raised as the step's RankError."""

@@ -209,8 +209,10 @@ class StepGroups(StageState):
             # so the pipeline's peers are told, as for any exception.
             return error_for(self._fail_here(channel, wire, action, error), channel.rank)
         # The failure is posted: peers waiting on this rank stop now (a live origin has
-        # stopped already).
-        live = error.failure.kind == "error"
+        # stopped already; one outside this pipeline, a data-parallel peer whose failure
+        # a rank of this pipeline relayed, is no peer here).
+        members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        live = error.failure.kind == "error" and error.rank in members
         wire.poison(self._pipeline_rank(error.rank) if live else None)
         self._reset(error, wire)
         tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
@@ -219,9 +221,18 @@ class StepGroups(StageState):
     def _fail_here(
         self, channel: FailureChannel, wire: StepWire, action: Action | None, exc: BaseException
     ) -> Failure:
-        """Post this rank's failure in ``action``, poison what the peers wait for, reset."""
-        where = f"{action} failed" if action is not None else "step failed"
-        failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+        """Post this rank's failure in ``action``, poison what the peers wait for, reset.
+
+        Another group's failure (a data-parallel peer's, through a DDP in a stage or the
+        REDUCE_GRAD all-reduce) is relayed as it is: its origin, place and kind (a dead
+        rank stays "unresponsive"), not as this live rank's failure with it nested inside.
+        """
+        if isinstance(exc, RankError):
+            f = exc.failure
+            failure = channel.post(f.where, f.message, kind=f.kind, rank=f.rank)
+        else:
+            where = f"{action} failed" if action is not None else "step failed"
+            failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
         wire.poison()
         self._reset(None, wire)
         tell_replicas(error_for(failure, channel.rank), self._ddps, self._ddp_steps, self._dp)
