@@ -94,14 +94,13 @@ def transfer_failed(
             else f" (rank {waited_on} waits for it)"
         )
         message = (
-            f"did not answer within the timeout{via}: {what} failed: {text} ({TIMED_OUT_LIVE})"
+            f"did not answer within the timeout{via}: rank {channel.rank}'s {what} failed: "
+            f"{text} ({TIMED_OUT_LIVE})"
         )
         failure = channel.post("", message, kind="timeout", rank=silent)
     else:
-        if silent == peer:
-            message = f"stopped answering: {what} failed: {text}"
-        else:
-            message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
+        # The waiting rank named with its wait: ``what`` is its action, not the lost one's.
+        message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
         failure = channel.post("", message, kind="unresponsive", rank=silent)
     return error_for(failure, channel.rank, prefix)
 
