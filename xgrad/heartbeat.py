@@ -163,6 +163,11 @@ class Liveness:
             at = nxt
         return at
 
+    def never_beat(self) -> list[int]:
+        """The watched ranks whose counter this reader never saw above 0 (as of the last
+        :meth:`read`): not started, or gone before their first beat."""
+        return [r for r in self.ranks if self._seen.get(r, (0, 0.0))[0] == 0]
+
     def idle(self) -> list[int]:
         """The watched ranks that, as their heartbeats last published, wait for nobody:
         those a collective that timed out while the others waited in it is late for."""

@@ -44,6 +44,7 @@ from xgrad.torch_backend.failure import (
     transfer_error,
 )
 from xgrad.torch_backend.group_keys import StoreKeys
+from xgrad.torch_backend.lost_rank import absent_peer
 from xgrad.torch_backend.private_groups import group_count, private_group
 
 __all__ = ["StepWatch"]
@@ -85,11 +86,15 @@ class StepWatch:
         self.failed_steps: list[tuple[str, StoreKeys]] = []
         #: the step whose skipped backward pass was last settled (once per step).
         self.settled = -1
-        self.group: Any = self._private_group()
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
         self._last_namespace = self._namespace()
+        # The channel first: its heartbeat tells who is there when the group cannot be made.
         self.channel: FailureChannel = failure_channel(group, self._last_namespace)
+        try:
+            self.group: Any = self._private_group()
+        except RuntimeError as exc:  # c10d's "Wait timeout": a peer never came
+            raise_from(absent_peer(self.channel, "the DDP's process group", exc), exc)
 
     def current_group(self) -> Any:
         """The private group; the failure that lost it if it was dropped (never WORLD)."""

@@ -18,6 +18,7 @@ from xgrad.failure import Failure, FailureChannel, RankError, error_for
 __all__ = [
     "CLOSED_BEFORE",
     "TIMED_OUT_LIVE",
+    "absent_peer",
     "check_lost",
     "poisoned",
     "silent_peer",
@@ -144,6 +145,27 @@ def silent_peer(
         if time.monotonic() >= limit:
             return None
         time.sleep(nap)
+
+
+def absent_peer(channel: FailureChannel, what: str, exc: BaseException) -> RankError:
+    """Post that ``what`` (making a process group, which waits for every member through the
+    store) failed with ``exc``, and return the error: naming a peer that never started its
+    heartbeat (dead before, or not there: c10d says only "Wait timeout"), else one whose
+    heartbeat stopped, else this rank (as :func:`transfer_failed` does)."""
+    channel.check()
+    liveness = channel.liveness
+    if liveness is not None:
+        liveness.read(force=True)
+        absent = liveness.never_beat()
+        if absent:
+            others = f" (also ranks {absent[1:]})" if len(absent) > 1 else ""
+            message = (
+                f"never joined {what}{others}: no heartbeat from it (dead, or not started) "
+                f"while rank {channel.rank} waited: {type(exc).__name__}: {exc}"
+            )
+            failure = channel.post("", message, kind="unresponsive", rank=absent[0])
+            return error_for(failure, channel.rank)
+    return transfer_error(channel, what, exc, None)
 
 
 def check_lost(channel: FailureChannel, lost: Failure | None, *, prefix: str = "") -> None:
