@@ -245,6 +245,11 @@ class FailureChannel:
             return failure
         return self._first() or failure
 
+    def relay(self, failure: Failure) -> Failure:
+        """Post another channel's ``failure`` as it is (its origin, place and kind: a dead
+        rank stays "unresponsive"), not as this rank's; returns the step's first one."""
+        return self.post(failure.where, failure.message, kind=failure.kind, rank=failure.rank)
+
     def written(self) -> list[str]:
         """The keys this rank's posts wrote and it alone may delete (once no rank reads the
         channel): its tickets' records, and the counter if it took ticket 1 (one rank did)."""

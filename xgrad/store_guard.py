@@ -154,22 +154,21 @@ class GuardedStore:
                 self._busy_since = None
             item.done.set()
 
-    def _failure(self, message: str) -> RankError:
+    def _failure(self, happened: str) -> RankError:
+        """``rank H: stopped answering: the store it hosts (ADDRESS) HAPPENED``, raised on me."""
+        whose = "the store it hosts" if self.host is not None else "the store"
+        message = f"stopped answering: {whose} ({self.address}) {happened}"
         if self.host is None:
             return error_for(Failure(self.me, "store", message, "unresponsive"), self.me)
         return error_for(Failure(self.host, "", message, "unresponsive"), self.me)
 
     def _lost(self, what: str, seconds: float) -> RankError:
-        whose = "the store it hosts" if self.host is not None else "the store"
         return self._failure(
-            f"stopped answering: {whose} ({self.address}) did not answer store.{what} for "
-            f"{seconds:.3g} s, asked by rank {self.me}"
+            f"did not answer store.{what} for {seconds:.3g} s, asked by rank {self.me}"
         )
 
     def _gone(self, what: str, exc: BaseException) -> RankError:
-        whose = "the store it hosts" if self.host is not None else "the store"
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return self._failure(
-            f"stopped answering: {whose} ({self.address}) is gone: store.{what} by rank "
-            f"{self.me} failed: {type(exc).__name__}: {text}"
+            f"is gone: store.{what} by rank {self.me} failed: {type(exc).__name__}: {text}"
         )

@@ -161,7 +161,8 @@ def pipeline_value_and_grad(
         y = partitions[ids[s]](prm, x)
         if s < n - 1:
             return y
-        return loss_fn(y, ys_on[mb]) / m if scale_grads else loss_fn(y, ys_on[mb])
+        loss = loss_fn(y, ys_on[mb])
+        return loss / m if scale_grads else loss
 
     saved: dict[tuple[int, int], Any] = {}  # (stage, mb) -> (input, VJP wrt the input)
     arriving: dict[tuple[int, int], Any] = {}  # (stage, mb) -> its input from stage - 1

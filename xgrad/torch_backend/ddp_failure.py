@@ -167,9 +167,7 @@ class StepWatch:
         DDP: a pipeline's) relayed to this DDP's peers as it is: its origin, place and
         kind (a dead rank stays "unresponsive"), not as this live rank's."""
         if isinstance(exc, RankError):
-            f = exc.failure
-            failure = self.channel.post(f.where, f.message, kind=f.kind, rank=f.rank)
-            return error_for(failure, self.channel.rank)
+            return error_for(self.channel.relay(exc.failure), self.channel.rank)
         return self.post(where, exc)
 
     def call(self, where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -228,8 +228,7 @@ class StepGroups(StageState):
         rank stays "unresponsive"), not as this live rank's failure with it nested inside.
         """
         if isinstance(exc, RankError):
-            f = exc.failure
-            failure = channel.post(f.where, f.message, kind=f.kind, rank=f.rank)
+            failure = channel.relay(exc.failure)
         else:
             where = f"{action} failed" if action is not None else "step failed"
             failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from xgrad.pipeline import Kind, Schedule
+from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = [
     "CHECKPOINT_MODES",
@@ -136,7 +136,7 @@ def no_activations() -> contextlib.AbstractContextManager[None]:
 
 def versions(tree: Any) -> list[int]:
     """The version counters of ``tree``'s tensor leaves (an in-place change bumps one)."""
-    return [t._version for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t._version for t in tensor_leaves(tree)]
 
 
 def check_unchanged(what: str, tree: Any, before: list[int], mode: str) -> None:
@@ -146,8 +146,7 @@ def check_unchanged(what: str, tree: Any, before: list[int], mode: str) -> None:
     holds the changed values: the gradients would be those of another forward, without a
     word (the loss, from the first run, stays right). Raised naming the input's position.
     """
-    leaves = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    for i, (t, old) in enumerate(zip(leaves, before, strict=True)):
+    for i, (t, old) in enumerate(zip(tensor_leaves(tree), before, strict=True)):
         if t._version != old:
             raise RuntimeError(
                 f"{what} changed its input in place (tensor leaf {i} of the input, shape "

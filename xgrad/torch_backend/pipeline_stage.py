@@ -74,7 +74,7 @@ class StagePasses(StageState):
         else:
             slot.rng = RngState.capture(self._device(s))
             before = versions(x)
-            if self._no_sync is not None or hasattr(self._module(s), "no_sync"):
+            if self._data_parallel(s):
                 # DDP: a forward in grad mode would be waited for by its reducer.
                 with torch.no_grad():
                     y = self._run_forward(s, mb, x, target)
@@ -127,9 +127,8 @@ class StagePasses(StageState):
             raise RuntimeError(f"{action} has no gradient for its output from every consumer")
         total = summed(slot.grad_parts)
         slot.grad_parts = []
-        if any(g is None for g in total) and (
-            self._no_sync is not None or hasattr(self._module(s), "no_sync")
-        ):  # DDP: its reducer needs every parameter its forward reached
+        if any(g is None for g in total) and self._data_parallel(s):
+            # DDP: its reducer needs every parameter its forward reached
             assert slot.grad_shapes is not None
             total = zeros_for_none(total, slot.grad_shapes, self._device(s))
         return total

@@ -68,6 +68,10 @@ class StageState:
     def _wait(self, work: Any, what: str) -> None:
         wait_work(work, self._channel, timeout=self.timeout, what=what, waiter=self._waiters[0])
 
+    def _data_parallel(self, stage: int) -> bool:
+        """Whether ``stage`` is a DDP replica (``no_sync`` given, or a DDP as its module)."""
+        return self._no_sync is not None or hasattr(self._module(stage), "no_sync")
+
     def _checkpointed(self, microbatch: int) -> bool:
         return checkpointed(
             self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
