@@ -3,8 +3,10 @@
 torchgpipe's three modes decide which microbatches' forwards run without keeping their
 graph and are recomputed right before their backward. A recomputed forward must draw the
 same random numbers (dropout masks) as the first, so the random state is captured before
-the first run and restored around the second; and it must not update the buffers again
-(BatchNorm's running statistics), so they are put back after it.
+the first run and restored around the second; it must start from the buffers as the first
+found them (a forward that updates a buffer it reads), so those it changed are copied
+first; and it must not update the buffers again (BatchNorm's running statistics), so they
+are put back after it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "BufferSnapshot",
     "RngState",
     "check_data_parallel",
     "check_unchanged",
@@ -72,20 +75,64 @@ def replayed_rng(state: RngState) -> Iterator[None]:
         yield
 
 
+def _buffer_tables(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    return [
+        (m._buffers, name, b)
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    ]
+
+
+class BufferSnapshot:
+    """A module's buffers as a checkpointed forward found them, kept for its recomputation.
+
+    Taken right before the first forward; :meth:`changed` then keeps the copies of only
+    the buffers that forward changed (in place, or replaced), keyed by the buffer's
+    identity. A forward that reads a buffer it also updates (``spectral_norm``'s
+    power-iteration vectors, a running scale) computed with the values from before its
+    update, so its recomputation must start from those, not from what it left.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._taken = [
+            (table, name, b, b._version, b.data_ptr(), b.clone())
+            for table, name, b in _buffer_tables(module)
+        ]
+
+    def changed(self) -> dict[int, torch.Tensor]:
+        """After the first forward: ``id(buffer) -> its copy from before``, for the buffers
+        the forward changed (the others' copies are dropped)."""
+        out = {
+            id(table.get(name)): copy
+            for table, name, b, version, ptr, copy in self._taken
+            if table.get(name) is not b or b._version != version or b.data_ptr() != ptr
+        }
+        self._taken = []
+        return out
+
+
 @contextlib.contextmanager
-def kept_buffers(module: torch.nn.Module) -> Iterator[None]:
+def kept_buffers(
+    module: torch.nn.Module, before: dict[int, torch.Tensor] | None = None
+) -> Iterator[None]:
     """Run the block on copies of ``module``'s buffers; the buffers stay as they were.
 
     A recomputed forward redoes the first one's arithmetic, not its effects: BatchNorm in
     training mode would otherwise update its running statistics (and count the batch) a
-    second time, which the unpipelined model never does. The copies hold the same values,
-    so the forward computes the same; the graph may save them (BatchNorm saves its running
-    statistics), which is why the buffers are swapped rather than written back.
+    second time, which the unpipelined model never does. The copies hold the values the
+    first forward found (``before``, from :class:`BufferSnapshot`, for a buffer it changed;
+    otherwise the buffer's own), so the forward computes the same; the graph may save them
+    (BatchNorm saves its running statistics), which is why the buffers are swapped rather
+    than written back. A buffer shared by several modules gets one copy.
     """
-    kept = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items()]
+    before = before or {}
+    kept = _buffer_tables(module)
+    copies: dict[int, torch.Tensor] = {}
     for table, name, b in kept:
-        if b is not None:
-            table[name] = b.clone()
+        if id(b) not in copies:
+            copies[id(b)] = before[id(b)] if id(b) in before else b.clone()
+        table[name] = copies[id(b)]
     try:
         yield
     finally:

@@ -51,6 +51,8 @@ class Slot:
     # per remote source whose gradients include None: shape and dtype per leaf (SEND_B)
     grad_layout: dict[int, list[tuple[torch.Size, torch.dtype]]] | None = None
     rng: RngState | None = None  # for the recomputation
+    # for the recomputation: the buffers the first forward changed, as it found them
+    buffers: dict[int, torch.Tensor] | None = None
 
     def empty(self) -> bool:
         return (

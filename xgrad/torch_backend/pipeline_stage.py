@@ -17,6 +17,7 @@ from torch.autograd.graph import get_gradient_edge
 from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.pipeline_joins import Captured, run_weight
 from xgrad.torch_backend.pipeline_recompute import (
+    BufferSnapshot,
     RngState,
     check_unchanged,
     kept_buffers,
@@ -73,6 +74,7 @@ class StagePasses(StageState):
             slot.carry = carried(y)
         else:
             slot.rng = RngState.capture(self._device(s))
+            buffers = BufferSnapshot(self._module(s))
             before = versions(x)
             if self._data_parallel(s):
                 # DDP: a forward in grad mode would be waited for by its reducer.
@@ -84,6 +86,7 @@ class StagePasses(StageState):
                     y = self._run_forward(s, mb, x, target)
                 slot.carry = carried(y)
                 y = detach_tree(y, [False] * len(slot.carry))  # its graph goes
+            slot.buffers = buffers.changed()
             check_unchanged(f"{action}: stage {s}'s forward", x, before, self.checkpoint)
         carried_leaves = [t for t, c in zip(tensor_leaves(y), slot.carry, strict=True) if c]
         slot.grad_shapes = [(t.shape, t.dtype) for t in carried_leaves]
@@ -109,11 +112,13 @@ class StagePasses(StageState):
         return self._wire.receive_forward(action, source)
 
     def _recompute(self, action: Action, slot: Slot, ys: list[Any] | None) -> None:
-        """Redo the forward with the random state it first ran with (same dropout masks)."""
+        """Redo the forward with the random state and buffers it first ran with (same
+        dropout masks, same running statistics read)."""
         s, mb = action.stage, action.microbatch
         assert slot.rng is not None
         target = ys[mb] if ys is not None and s == self.schedule.num_stages - 1 else None
-        with replayed_rng(slot.rng), kept_buffers(self._module(s)), torch.enable_grad():
+        before, slot.buffers = slot.buffers, None
+        with replayed_rng(slot.rng), kept_buffers(self._module(s), before), torch.enable_grad():
             slot.output = self._run_forward(s, mb, slot.input, target)
 
     def _grad_output(self, action: Action, slot: Slot) -> list[torch.Tensor | None] | None:
