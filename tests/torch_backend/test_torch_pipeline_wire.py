@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import sys
+import types
+from typing import Any, NamedTuple
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from torch.utils import _pytree as pytree  # noqa: E402
 
 from xgrad.torch_backend.pipeline_wire import (  # noqa: E402
     Description,
@@ -19,6 +24,8 @@ from xgrad.torch_backend.pipeline_wire import (  # noqa: E402
     layout,
     mark_gradients,
     rebuild,
+    spec_of,
+    spec_text,
     split_batch,
 )
 
@@ -79,3 +86,51 @@ def test_split_batch_and_its_errors() -> None:
         split_batch(None, 2, "targets", 1)
     with pytest.raises(TypeError, match="leaf 0 is a object"):
         describe((object(),), "0SEND_F0")
+
+
+class Pair(NamedTuple):
+    """A stage's named-tuple output (module level: the receiving rank imports it)."""
+
+    h: Any
+    mask: Any
+
+
+class _Box:
+    """A pytree node class registered without a ``serialized_type_name``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+
+torch.utils._pytree.register_pytree_node(
+    _Box, lambda b: ([b.inner], None), lambda leaves, _: _Box(leaves[0])
+)
+
+
+def test_named_tuples_and_unnamed_node_classes_cross_the_wire() -> None:
+    # torch's treespec_dumps cannot name either (it asked for a private registration).
+    tree = {"p": Pair(torch.ones(2), torch.tensor([1, 0])), "b": _Box(torch.zeros(1)), "n": 2}
+    description, tensors = describe(tree, "0SEND_F0")
+    assert description.spec.startswith("pickle:")
+    back = rebuild(Description.from_bytes(description.to_bytes()), tensors)
+    assert isinstance(back["p"], Pair) and back["p"].h is tensors[0]
+    assert isinstance(back["b"], _Box) and back["n"] == 2
+    plain = describe({"t": (torch.ones(1), [None])}, "0SEND_F0")[0]
+    assert not plain.spec.startswith("pickle:")  # torch's JSON where it can
+
+
+def test_a_class_another_rank_cannot_import_is_named() -> None:
+    local = collections.namedtuple("local", "a")  # type: ignore[misc]  # made in a function
+    local.__qualname__ = "nowhere.local"
+    with pytest.raises(TypeError, match=r"define a named tuple .* at module level"):
+        describe(local(torch.ones(1)), "0SEND_F0")
+    gone = types.ModuleType("xgrad_test_gone")
+    gone.Gone = collections.namedtuple("Gone", "a")  # type: ignore[attr-defined]
+    gone.Gone.__module__ = "xgrad_test_gone"
+    sys.modules["xgrad_test_gone"] = gone
+    try:
+        text = spec_text(pytree.tree_flatten(gone.Gone(torch.ones(1)))[1])
+    finally:
+        del sys.modules["xgrad_test_gone"]
+    with pytest.raises(TypeError, match=r"this rank cannot import .*xgrad_test_gone"):
+        spec_of(text)

@@ -13,7 +13,9 @@ leaf that carried a gradient forward, in the same order.
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,8 @@ __all__ = [
     "differentiable",
     "layout",
     "retire",
+    "spec_of",
+    "spec_text",
     "split_batch",
     "tensor_leaves",
 ]
@@ -48,7 +52,7 @@ class Description:
     """What a forward message holds: the tree and, per leaf, a tensor's layout or a constant.
 
     Attributes:
-        spec: the tree structure (``treespec_dumps`` text).
+        spec: the tree structure (:func:`spec_text`).
         leaves: per leaf, ``("t", shape, dtype name, carries gradient)`` or ``("c", value)``.
     """
 
@@ -104,7 +108,60 @@ def describe(
     """
     leaves, spec = pytree.tree_flatten(tree)
     described, tensors = _describe_leaves(leaves, where, carry)
-    return Description(pytree.treespec_dumps(spec), described), tensors
+    return Description(spec_text(spec), described), tensors
+
+
+#: how :func:`spec_text` marks a structure that torch's JSON form cannot hold.
+_PICKLED = "pickle:"
+
+
+def spec_text(spec: pytree.TreeSpec) -> str:
+    """A tree structure as text: torch's ``treespec_dumps`` JSON, or, for node types it
+    cannot name (a named tuple or a ``register_pytree_node`` class without a
+    ``serialized_type_name``), the pickled ``(type, context, children)`` nesting, whose
+    classes go by reference as any pickle's do (the receiving rank imports them)."""
+    try:
+        return pytree.treespec_dumps(spec)
+    except NotImplementedError:
+        pass
+    try:
+        return _PICKLED + base64.b64encode(pickle.dumps(_nesting(spec))).decode()
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise TypeError(
+            f"a stage's output holds a class another rank could not import ({exc}); "
+            "define a named tuple or pytree node class that crosses ranks at module level"
+        ) from exc
+
+
+def _nesting(spec: pytree.TreeSpec) -> Any:
+    if spec.is_leaf():
+        return None
+    return (spec.type, spec.context, [_nesting(c) for c in spec.children()])
+
+
+def _from_nesting(nesting: Any) -> pytree.TreeSpec:
+    if nesting is None:
+        return pytree.treespec_leaf()
+    kind, context, children = nesting
+    return pytree.TreeSpec(kind, context, [_from_nesting(c) for c in children])
+
+
+def spec_of(text: str) -> pytree.TreeSpec:
+    """The structure :func:`spec_text` wrote.
+
+    Raises:
+        TypeError: a class of the structure cannot be imported on this rank (naming it).
+    """
+    if not text.startswith(_PICKLED):
+        return pytree.treespec_loads(text)
+    try:
+        nesting = pickle.loads(base64.b64decode(text[len(_PICKLED) :]))
+    except (AttributeError, ImportError) as exc:
+        raise TypeError(
+            f"a stage's input holds a class this rank cannot import ({exc}); a named tuple "
+            "or pytree node class crossing ranks must be importable on both"
+        ) from exc
+    return _from_nesting(nesting)
 
 
 def _describe_leaves(
@@ -133,7 +190,7 @@ def rebuild(description: Description, tensors: Sequence[torch.Tensor]) -> Any:
     """The tree of ``description`` with ``tensors`` as its tensor leaves, in order."""
     it = iter(tensors)
     leaves = [next(it) if leaf[0] == "t" else leaf[1] for leaf in description.leaves]
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(description.spec))
+    return pytree.tree_unflatten(leaves, spec_of(description.spec))
 
 
 def detach_tree(tree: Any, carry: Sequence[bool]) -> Any:
@@ -225,7 +282,7 @@ class EdgeCache:
         hit = self._specs.get(edge)
         if hit is not None and hit[1].leaves == described and hit[0] == spec:
             return hit[1], tensors
-        description = Description(pytree.treespec_dumps(spec), described)
+        description = Description(spec_text(spec), described)
         self._specs[edge] = (spec, description)
         return description, tensors
 
