@@ -4,7 +4,9 @@ On two gloo ranks: a ``loss_fn`` that returns a Python number (was "AttributeErr
 'float' object has no attribute 'detach'"), targets whose batch does not match the
 inputs' (was a bare broadcast error; now with both shapes), and a step under
 ``torch.no_grad()`` (failed only at the last microbatch's backward, after the others had
-added to ``.grad``; now refused before any pass).
+added to ``.grad``; now refused before any pass), and a loss that is not a scalar, does
+not require a gradient or is an integer (autograd's words in the backward; now named at
+the forward that made it).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def _misuse(rank: int, world: int) -> dict[str, Any]:
     attempt("number", lambda a, b: 3.0, y)
     attempt("targets", nn.functional.mse_loss, torch.randn(6, 3, dtype=torch.float64))
     attempt("no_grad", nn.functional.mse_loss, y, grad=False)
+    attempt("vector", lambda a, b: (a - b).pow(2).mean(0), y)
+    attempt("detached", lambda a, b: nn.functional.mse_loss(a, b).detach(), y)
+    attempt("integer", lambda a, b: torch.tensor(3), y)
     return out
 
 
@@ -58,4 +63,13 @@ def test_misuse_of_a_step_is_named_and_the_next_step_works() -> None:
         assert "output shape (2, 3); target shape (3, 3)" in out["targets"], out
         assert f"rank {rank}: step() runs the backward pass too" in out["no_grad"], out
         assert not out["no_grad grad"], out  # refused before any pass
-        assert all(out[f"{k} next"] for k in ("number", "targets", "no_grad")), out
+        # Was autograd's words in the backward ("grad can be implicitly created only for
+        # scalar outputs", "element 0 of tensors does not require grad").
+        assert (
+            "rank 1: 1F0 failed: ValueError: loss_fn must return a scalar, got shape (3,)"
+            in (out["vector"])
+        ), out
+        assert "loss_fn returned a loss that does not require a gradient" in out["detached"]
+        assert "loss_fn must return a floating-point scalar, got torch.int64" in out["integer"]
+        kinds = ("number", "targets", "no_grad", "vector", "detached", "integer")
+        assert all(out[f"{k} next"] for k in kinds), out

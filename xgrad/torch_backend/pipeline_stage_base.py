@@ -97,7 +97,8 @@ class StageState:
 
     def _loss(self, y: Any, target: Any) -> torch.Tensor:
         """``loss_fn(y, target)``, its failure naming the two shapes (a target batch that
-        does not match the inputs' ends there, in a broadcast error); it must be a tensor."""
+        does not match the inputs' ends there, in a broadcast error); it must be a
+        floating-point scalar tensor that requires a gradient."""
         try:
             loss = self.loss_fn(y, target)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -106,6 +107,16 @@ class StageState:
             raise TypeError(
                 f"loss_fn returned a {type(loss).__name__} ({loss!r}), not a tensor: the "
                 "backward pass starts from it"
+            )
+        # Refused here, where they start, rather than as autograd's words in the backward.
+        if loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+        if not (loss.is_floating_point() or loss.is_complex()):
+            raise TypeError(f"loss_fn must return a floating-point scalar, got {loss.dtype}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn returned a loss that does not require a gradient (a constant, or "
+                "one detached from the stage's output): the backward pass starts from it"
             )
         return loss
 
