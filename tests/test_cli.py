@@ -96,6 +96,10 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["crosscheck", "--backends", ","], "xgrad crosscheck: error: --backends ',' names no"),
         (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
+        # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
+        (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
+        # Was accepted, and memory grew without end.
+        (["schedule", "1f1b", "-p", "2", "-m", "1000000000"], "schedule too large: num_st"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),
         (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
         (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),

@@ -98,6 +98,19 @@ def test_make_refuses_a_bad_chunks_even_where_it_is_not_used(chunks: object) -> 
         xp.make("gpipe", 2, 4, chunks)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("name", "p", "m", "v", "pairs"),
+    [("1f1b", 2, 10**9, 2, "2,000,000,000"), ("interleaved_1f1b", 2, 4, 10**6, "8,000,000")],
+)
+def test_make_refuses_a_schedule_too_large_to_build(
+    name: str, p: int, m: int, v: int, pairs: str
+) -> None:
+    """A typo'd size was built action by action until memory ran out."""
+    with pytest.raises(ValueError, match=f"schedule too large: num_stages={p}, .* make {pairs}"):
+        xp.make(name, p, m, v)
+    assert xp.make("1f1b", 2, 4, 10**6).num_microbatches == 4  # chunks unused: not counted
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])
 def test_drawings_next_to_the_code_are_what_it_generates(name: str) -> None:
     import inspect

@@ -18,7 +18,9 @@ from xgrad.pipeline.multistage import MULTISTAGE, interleaved_1f1b
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = [
+    "MAX_PAIRS",
     "SCHEDULES",
+    "check_size",
     "from_invocations",
     "gpipe",
     "interleaved_1f1b",
@@ -255,4 +257,24 @@ def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> 
         # Checked for every schedule, so a bad value is not silently ignored by the
         # single-stage ones (which place one stage per rank whatever it is).
         raise ValueError(f"chunks must be a positive int (stages per rank), got {chunks!r}")
+    check_size(num_stages, num_microbatches, chunks if name in MULTISTAGE else 1)
     return SCHEDULES[name](num_stages, num_microbatches, chunks)
+
+
+#: the most (stage, microbatch) pairs :func:`make` builds: a million take a few seconds
+#: and some hundred MB; far past that a typo (``-m 1000000000``) grew memory unbounded.
+MAX_PAIRS = 1_000_000
+
+
+def check_size(num_stages: object, num_microbatches: object, chunks: int = 1) -> None:
+    """Refuse a schedule of more than :data:`MAX_PAIRS` (stage, microbatch) pairs, naming
+    the values (ints only: other types are named by each generator's own check)."""
+    if not (isinstance(num_stages, int) and isinstance(num_microbatches, int)):
+        return
+    pairs = num_stages * num_microbatches * chunks
+    if pairs > MAX_PAIRS:
+        raise ValueError(
+            f"schedule too large: num_stages={num_stages}, num_microbatches="
+            f"{num_microbatches}, chunks={chunks} make {pairs:,} (stage, microbatch) pairs, "
+            f"more than {MAX_PAIRS:,}"
+        )

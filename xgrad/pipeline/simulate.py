@@ -186,8 +186,8 @@ def simulate(
         comm_cost: latency added to a dependency that crosses ranks.
 
     Raises:
-        ValueError: the schedule cannot finish (validate it for a drawn explanation), or a
-            cost or ``comm_cost`` is negative, NaN or infinite.
+        ValueError: the schedule cannot finish (validate it for a drawn explanation), a
+            cost or ``comm_cost`` is negative, NaN or infinite, or together they overflow.
     """
     cost = _cost_fn(costs)
     comm_cost = checked_cost(comm_cost, "comm_cost")
@@ -225,6 +225,11 @@ def simulate(
             )
     firsts = [sp[0].start for sp in spans if sp]
     lasts = [sp[-1].end for sp in spans if sp]
+    if lasts and not max(lasts) < math.inf:  # each cost finite, their sum not
+        raise ValueError(
+            f"schedule {schedule.name!r}: the costs add up past the largest float "
+            f"(a step of {sum(len(q) for q in queues)} actions); give smaller costs"
+        )
     makespan = max(lasts) - min(firsts) if lasts else 0.0
     step_time = max((sp[-1].end - sp[0].start for sp in spans if sp), default=0.0)
     return summarize(schedule, spans, makespan, step_time)
