@@ -54,3 +54,27 @@ def test_a_collective_that_times_out_names_the_live_rank_not_in_it() -> None:
     assert plain.rank == 0 and str(plain).startswith("rank 0 in recv: timed out"), plain
     for beat in beats:
         beat.stop()
+
+
+def test_a_wait_that_times_out_names_the_live_rank_its_peers_wait_on() -> None:
+    """Rank 0 waited for gradients from ranks 1 and 2; rank 1 waits for rank 3, which is
+    alive but waits for nobody (busy in its own code): rank 3 is named, not rank 0."""
+    store = MemoryStore()
+    beats = [Heartbeat(store, "hb", r, interval=0.02) for r in (1, 2, 3)]
+    store.set("hb/1/waits", b"3")
+    store.set("hb/2/waits", b"0")  # waits for the waiting rank: no one to follow there
+    live = Liveness(store, "hb", [1, 2, 3], interval=0.02, timeout=5.0)
+    channel = FailureChannel(store, "s", 0, live)
+    error = channel.timed_out("backward, gradients from ranks [2, 1]", 3.0, peers=[2, 1])
+    assert error.rank == 3 and error.failure.kind == "timeout", error
+    assert str(error) == (
+        "rank 3: did not answer within the timeout: rank 0 waited 3 s for it in backward, "
+        "gradients from ranks [2, 1] (every rank still answers; it waits for no rank: busy "
+        "in its own code, or not there yet)"
+    )
+    # Every chain back to a waiting rank (a deadlock): the waiting rank gave up.
+    store.set("hb/3/waits", b"0")
+    plain = FailureChannel(store, "t", 0, live).timed_out("recv", 3.0, peers=[1])
+    assert plain.rank == 0 and str(plain).startswith("rank 0 in recv: timed out"), plain
+    for beat in beats:
+        beat.stop()

@@ -286,13 +286,21 @@ class FailureChannel:
             raise error_for(failure, self.rank, prefix)
 
     def timed_out(
-        self, what: str, waited: float, *, prefix: str = "", collective: bool = False
+        self,
+        what: str,
+        waited: float,
+        *,
+        prefix: str = "",
+        collective: bool = False,
+        peers: Sequence[int] = (),
     ) -> RankError:
         """The error for a wait on ``what`` that ran ``waited`` seconds: posted, then returned.
 
-        Names the peers whose heartbeat stopped during the wait when there are any; for a
-        ``collective``, else a live rank that waits for nobody (late for it, as its
-        heartbeat publishes); this rank (as the one that gave up) otherwise.
+        Names the peers whose heartbeat stopped during the wait when there are any; else a
+        live rank that waits for nobody (late, as its heartbeat publishes): for a
+        ``collective`` any, else the one a wait for ``peers`` (the ranks it waited for)
+        leads to, following whom each waits for (a rank busy in its own code, say a
+        backward stuck in a user's function); this rank (as the one that gave up) otherwise.
         """
         stale: list[int] = []
         answers = "every rank still answers"
@@ -312,18 +320,40 @@ class FailureChannel:
                 older_than=min(self.liveness.timeout, max(waited / 2, least)),
                 include_silent=True,
             )
-        idle = self.liveness.idle() if collective and self.liveness is not None else []
+        idle: list[int] = []
+        if self.liveness is not None and not stale:
+            # What a rank waits for is published once a beat: a wait too short to tell a
+            # stopped rank is too short to follow the waits too.
+            short = waited / 2 < 2 * self.liveness.interval
+            idle = self.liveness.idle() if collective else [] if short else self._late_among(peers)
         if stale:
             failure = self._post_unresponsive(stale, waited, what)
         elif idle:
-            message = (
-                f"did not answer within the timeout (rank {self.rank} waited for it in the "
-                f"collective): {what} timed out after {waited:g} s ({answers})"
-            )
+            if collective:
+                message = (
+                    f"did not answer within the timeout (rank {self.rank} waited for it in "
+                    f"the collective): {what} timed out after {waited:g} s ({answers})"
+                )
+            else:
+                message = (
+                    f"did not answer within the timeout: rank {self.rank} waited {waited:g} s "
+                    f"for it in {what} ({answers}; it waits for no rank: busy in its own "
+                    "code, or not there yet)"
+                )
             failure = self.post("", message, kind="timeout", rank=idle[0])
         else:
             failure = self.post(what, f"timed out after {waited:g} s ({answers})", kind="timeout")
         return error_for(failure, self.rank, prefix)
+
+    def _late_among(self, peers: Sequence[int]) -> list[int]:
+        """The live rank that waits for nobody at the end of a chain of waits from one of
+        ``peers`` (empty when every chain comes back to a waiting rank: a deadlock)."""
+        assert self.liveness is not None
+        for peer in peers:
+            end = self.liveness.end_of_waits(peer, self.rank)
+            if end != self.rank and self.liveness.waits_of(end) is None:
+                return [end]
+        return []
 
     def _post_unresponsive(self, stale: Sequence[int], seconds: float, what: str = "") -> Failure:
         others = f" (also ranks {list(stale[1:])})" if len(stale) > 1 else ""
@@ -344,6 +374,7 @@ def wait_until(
     what: str,
     poll_interval: float | None = None,
     prefix: str = "",
+    peers: Sequence[int] = (),
 ) -> None:
     """Wait until ``done`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
 
@@ -351,7 +382,9 @@ def wait_until(
     ``Work.is_completed``), called with sleeps of 50 to 200 µs for the first 10 ms (a
     peer's answer is usually that close) and up to 2 ms after, so a result is seen
     quickly and a long wait does not spin a core. The channel is read after 1 ms, then
-    every ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02).
+    every ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02). ``peers``:
+    the ranks the wait is for (a timeout names a live one that is late, see
+    :meth:`FailureChannel.timed_out`).
 
     Raises:
         RankError: a failure posted by any rank of the channel, or a peer that stopped
@@ -380,7 +413,7 @@ def wait_until(
         if now >= deadline:
             if channel is None:
                 raise TimeoutError(f"{what}: timed out after {timeout:g} s")
-            raise channel.timed_out(what, timeout, prefix=prefix)
+            raise channel.timed_out(what, timeout, prefix=prefix, peers=peers)
         if event is not None:
             event.wait(max(0.0, min(next_check, deadline) - now))
         else:

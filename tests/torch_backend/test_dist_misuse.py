@@ -184,3 +184,58 @@ def test_a_wait_too_short_for_the_heartbeats_does_not_call_a_slow_rank_stopped()
     assert status == "ok", text
     assert "stopped answering" not in text, text
     assert "timed out after 0.3 s (too short a wait to tell from the heartbeats" in text, text
+
+
+class _Busy(torch.autograd.Function):
+    """Identity whose backward, on a rank that sets ``seconds``, sleeps (a user's function
+    stuck in its own work: the rank still beats and waits for no rank)."""
+
+    seconds = 0.0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        time.sleep(_Busy.seconds)
+        return g
+
+
+def _busy(rank: int, world: int) -> dict[str, Any]:
+    """A chain 0 -> 1 -> 2; rank 1's backward outlasts the context's timeout."""
+    from xgrad.torch_backend import dist_autograd as da
+
+    _Busy.seconds = 4.0 if rank == 1 else 0.0
+    w = _w(rank)
+    out: dict[str, Any] = {}
+    try:
+        with da.context(timeout=2.5) as cid:
+            if rank == 0:
+                da.send(w * 2, 1)
+                da.backward(cid, [])
+            elif rank == 1:
+                da.send(_Busy.apply(da.recv(0) * w), 2)
+                da.backward(cid, [])
+            else:
+                da.backward(cid, [(da.recv(1) * w).sum()])
+        out["error"] = "no error"
+    except Exception as exc:
+        out["error"], out["origin"] = str(exc), getattr(exc, "rank", None)
+    return out
+
+
+def test_a_rank_busy_in_its_own_backward_is_named_not_the_rank_that_waited() -> None:
+    """Was "Error on rank 0 in backward, gradients from ranks [1, 2]: timed out" on ranks 0
+    and 2: the waiting rank blamed, as the busy one still beats. The waits are published
+    with the heartbeats, and a timeout follows them to the live rank that waits for none.
+    (A receive that ran out its timeout closed the group's connections: the group is lost,
+    as the README says.)"""
+    results, codes = run_ranks(_busy, 3, timeout=90)
+    assert codes == {0: 0, 1: 0, 2: 0}, (codes, results)
+    for rank in range(3):
+        status, out = results[rank]
+        assert status == "ok", out
+        assert out["origin"] == 1, (rank, out)
+        assert out["error"].startswith("Error on rank 1: did not answer within the timeout: "), out
+        assert "it waits for no rank: busy in its own code" in out["error"], out

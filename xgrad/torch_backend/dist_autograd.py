@@ -230,7 +230,7 @@ def recv(src: int) -> torch.Tensor:
             header.append(found)
         return found is not None
 
-    ctx.wait_for(landed, f"recv from rank {src}")
+    ctx.wait_for(landed, f"recv from rank {src}", src)
     try:
         work, buf, requires_grad = link.recv_tensor(header[0])
     except RuntimeError as exc:

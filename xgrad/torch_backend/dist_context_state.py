@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import RankError, wait_until
+from xgrad.heartbeat import waiting_for
 from xgrad.torch_backend import dist_leftovers
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_hooks import Seen
@@ -211,11 +212,17 @@ class Context:
         except RankError as exc:
             raise self.error(exc) from None
 
-    def wait_for(self, ready: Any, what: str) -> None:
+    def wait_for(self, ready: Any, what: str, peer: int | None = None) -> None:
+        """Wait until ``ready()`` (for ``peer``: published with the heartbeat, and named
+        when the wait times out while it lives and waits for no rank)."""
+        before = waiting_for(peer)
         try:
-            wait_until(ready, self.channel, timeout=self.timeout, what=what)
+            peers = () if peer is None else (peer,)
+            wait_until(ready, self.channel, timeout=self.timeout, what=what, peers=peers)
         except RankError as exc:
             raise self.error(exc) from None
+        finally:
+            waiting_for(before)
 
     def close(self) -> None:
         """Make sure every send was received: an exit barrier on the store, then the sends.

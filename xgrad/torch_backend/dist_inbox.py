@@ -38,6 +38,7 @@ from xgrad.failure import (
     default_seconds,
     error_for,
 )
+from xgrad.heartbeat import waiting_for
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_slots import ReceiveViews, make_ahead
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
@@ -243,15 +244,24 @@ class Inbox:
     def _wait(self, what: What) -> Message:
         start = time.monotonic()
         deadline = start + self.timeout
-        while True:
-            now = time.monotonic()
-            try:
-                return self._queue.get(timeout=max(0.0, min(self._poll, deadline - now)))
-            except queue.Empty:
-                pass
-            self._channel.check()
-            if time.monotonic() >= deadline:
-                raise self._channel.timed_out(text(what), self.timeout)
+        pending = self.waiting_for()
+        # Published with the heartbeat: a rank that times out waiting for this one follows
+        # it to the rank it waits for (one of them; the first still owing).
+        before = waiting_for(pending[0] if pending else None)
+        try:
+            while True:
+                now = time.monotonic()
+                try:
+                    return self._queue.get(timeout=max(0.0, min(self._poll, deadline - now)))
+                except queue.Empty:
+                    pass
+                self._channel.check()
+                if time.monotonic() >= deadline:
+                    raise self._channel.timed_out(
+                        text(what), self.timeout, peers=self.waiting_for()
+                    )
+        finally:
+            waiting_for(before)
 
     def waiting_for(self) -> list[int]:
         """The peers some message of this pass is still expected from."""

@@ -33,6 +33,7 @@ from typing import Any, TypeAlias
 import torch
 
 from xgrad.failure import FailureChannel, RankError, RankUnresponsiveError, default_seconds
+from xgrad.heartbeat import waiting_for
 from xgrad.raising import raise_from
 from xgrad.torch_backend.dist_wire import SEVER, tag
 from xgrad.torch_backend.failure import transfer_failed
@@ -159,6 +160,7 @@ def wait_here(
     """
     watch = _Watch(channel, pg, group_peer)
     _WATCHDOG.begin(watch)
+    before = waiting_for(peer)  # published with the heartbeat (FailureChannel.timed_out)
     try:
         work.wait(timedelta(seconds=timeout))
     except Exception as exc:
@@ -167,8 +169,11 @@ def wait_here(
         if watch.error is not None:
             raise_from(watch.take_error(), exc)
         if waited >= timeout - 0.01:
-            raise channel.timed_out(text(what), timeout) from exc
+            peers = () if peer is None else (peer,)
+            raise channel.timed_out(text(what), timeout, peers=peers) from exc
         raise transfer_failed(channel, text(what), exc, peer) from exc
+    finally:
+        waiting_for(before)
     _WATCHDOG.end()
     if watch.error is not None:  # it landed as the watchdog closed the group
         raise watch.take_error()
