@@ -10,7 +10,9 @@ not have, before:
   nothing; now it raises, naming the tensor's context and sender;
 * a gradient that is a conjugate view (``r.conj()`` used downstream) could not be sent
   ("view is not supported for conjugate view tensors");
-* a parameter sent under ``torch.inference_mode()`` failed in torch's internals;
+* a parameter sent under ``torch.inference_mode()`` failed in torch's internals, and a
+  tensor received there required grad (an inference tensor: ``r * r`` was not tracked,
+  ``r + w`` was, and the sender's gradient went missing without a word);
 * a wait shorter than two heartbeat intervals named a slow live rank as having stopped
   answering.
 
@@ -149,10 +151,23 @@ def _sends(rank: int, world: int) -> dict[str, Any]:
             out["inference"] = da.get_gradients(cid)[p]
         else:
             da.backward(cid, [(da.recv(0) * q).sum()])
+    with da.context(timeout=TIMEOUT) as cid:  # a tensor received under inference mode
+        if rank == 0:
+            da.send(p * 2, 1)
+            da.backward(cid, [])
+            out["sender"] = dict(da.get_gradients(cid))
+        else:
+            with torch.inference_mode():
+                r = da.recv(0)
+            out["received"] = (r.requires_grad, r.grad_fn)
+            da.backward(cid, [(r * r).sum() + (r + q).sum()])
+            out["receiver"] = da.get_gradients(cid)[q]
     return out
 
 
-def test_a_conjugate_gradient_and_an_inference_mode_send_give_one_process_gradients() -> None:
+def test_a_conjugate_gradient_and_inference_mode_sends_and_recvs_give_one_process_gradients() -> (
+    None
+):
     results, codes = run_ranks(_sends, 2, timeout=120)
     assert codes == {0: 0, 1: 0}, (codes, results)
     status, out = results[0]
@@ -161,6 +176,14 @@ def test_a_conjugate_gradient_and_an_inference_mode_send_give_one_process_gradie
     ((w * 2).conj() * c).real.sum().backward()
     assert torch.equal(out["conj"], w.grad), (out["conj"], w.grad)
     assert torch.equal(out["inference"], _w(4).detach()), out["inference"]
+    # Received under inference mode: no gradient, as for anything made there (it came out
+    # requiring one, an inference tensor whose ops were tracked or not by their kind, and
+    # the sender's gradient went missing without a word).
+    assert out["sender"] == {}, out["sender"]
+    status, theirs = results[1]
+    assert status == "ok", theirs
+    assert theirs["received"] == (False, None), theirs
+    assert torch.equal(theirs["receiver"], torch.ones(3, dtype=torch.float64))
 
 
 def _slow(rank: int, world: int) -> str:

@@ -214,7 +214,8 @@ def recv(src: int) -> torch.Tensor:
 
     Shape and dtype travel with the tensor; it requires grad when the sent one did, with a
     ``RecvBackward`` node as its ``grad_fn`` (:class:`~.dist_edges.Recv`; not a leaf, so
-    in-place ops work, as on PyTorch's received tensors). From this rank itself: at once,
+    in-place ops work, as on PyTorch's received tensors); under ``torch.inference_mode``
+    it needs none, and its sender gets no gradient for it. From this rank itself: at once,
     a copy whose ``grad_fn`` leads to the sent tensor.
     """
     ctx = _current("recv")
@@ -239,8 +240,19 @@ def recv(src: int) -> torch.Tensor:
     ctx.ledger.enter("forward")
     ctx.wait(work, f"recv from rank {src}", src)
     if requires_grad:
-        buf, node = received(buf, f"by rank {ctx.me} from rank {src} in context {ctx.id}")
-        ctx.recvs.append((src, ctx.number("recv", src), buf, node))
+        origin = f"by rank {ctx.me} from rank {src} in context {ctx.id}"
+        if torch.is_inference_mode_enabled():
+            # No graph in inference mode: the tensor needs no grad (it came out an inference
+            # tensor that required grad, whose ops were tracked or not by their kind, and a
+            # sender's gradient could go missing without a word). A stand-in that no root
+            # reaches keeps the recv's place: the sender is told "no gradient".
+            with torch.inference_mode(False):
+                stand_in = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+                stand_in, node = received(stand_in, origin)
+            ctx.recvs.append((src, ctx.number("recv", src), stand_in, node))
+        else:
+            buf, node = received(buf, origin)
+            ctx.recvs.append((src, ctx.number("recv", src), buf, node))
     return buf
 
 
