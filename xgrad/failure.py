@@ -359,6 +359,13 @@ class FailureChannel:
         others = f" (also ranks {list(stale[1:])})" if len(stale) > 1 else ""
         waiting = f" while rank {self.rank} waited in {what}" if what else ""
         message = f"stopped answering: no heartbeat for {seconds:g} s{others}{waiting}"
+        if self.liveness is not None and stale[0] in self.liveness.never_beat():
+            # Not seen alive at all: it may well never have come (a rank that skips the
+            # context, or that is still busy before it), not stopped.
+            message = (
+                f"never answered: no heartbeat from it in {seconds:g} s{others}{waiting} (it "
+                "has not joined this group's steps yet, or it died before its first beat)"
+            )
         return self.post("", message, kind="unresponsive", rank=stale[0])
 
 
