@@ -96,8 +96,8 @@ def test_the_snapshot_keeps_only_what_the_forward_changed_and_shares_a_shared_bu
     snapshot = BufferSnapshot(outer)
     scale(torch.full((2,), 3.0, dtype=torch.float64))  # s: 1 -> 2
     before = snapshot.changed()
-    assert list(before) == [id(scale.s)]
-    assert float(before[id(scale.s)]) == 1.0 and float(scale.s) == 2.0
+    assert list(before) == [(id(scale._buffers), "s")]
+    assert float(before[(id(scale._buffers), "s")]) == 1.0 and float(scale.s) == 2.0
     seen: dict[str, Any] = {}
     with kept_buffers(outer, before):
         seen["s"] = float(scale.s)  # the recomputation reads what the first run found
@@ -105,3 +105,31 @@ def test_the_snapshot_keeps_only_what_the_forward_changed_and_shares_a_shared_bu
         scale(torch.full((2,), 5.0, dtype=torch.float64))
     assert seen == {"s": 1.0, "shared": True}
     assert float(scale.s) == 2.0 and outer.a.t is shared and outer.b.t is shared
+
+
+def test_a_buffer_replaced_by_later_forwards_is_found_by_its_place() -> None:
+    """Microbatch 1's forward replaces the buffer microbatch 0's forward had replaced,
+    before microbatch 0 is recomputed: its snapshot still gives what it first found."""
+
+    class Replacing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("s", torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * self.s
+            self.s = self.s + 1  # a new tensor each time, as `self.s = ...` makes
+            return y
+
+    m = Replacing()
+    first = BufferSnapshot(m)
+    m(torch.ones(1))  # microbatch 0: s 1 -> 2
+    mb0 = first.changed()
+    second = BufferSnapshot(m)
+    m(torch.ones(1))  # microbatch 1: s 2 -> 3
+    mb1 = second.changed()
+    with kept_buffers(m, mb0):
+        assert float(m.s) == 1.0
+    with kept_buffers(m, mb1):
+        assert float(m.s) == 2.0
+    assert float(m.s) == 3.0

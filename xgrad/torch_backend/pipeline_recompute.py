@@ -84,27 +84,34 @@ def _buffer_tables(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, t
     ]
 
 
+#: a buffer's place: its module's buffer table (by identity) and its name there.
+Place = tuple[int, str]
+
+
 class BufferSnapshot:
     """A module's buffers as a checkpointed forward found them, kept for its recomputation.
 
     Taken right before the first forward; :meth:`changed` then keeps the copies of only
-    the buffers that forward changed (in place, or replaced), keyed by the buffer's
-    identity. A forward that reads a buffer it also updates (``spectral_norm``'s
-    power-iteration vectors, a running scale) computed with the values from before its
-    update, so its recomputation must start from those, not from what it left.
+    the buffers that forward changed (in place, or replaced), by place (module and name:
+    a buffer replaced by a later microbatch's forward is still found). A forward that
+    reads a buffer it also updates (``spectral_norm``'s power-iteration vectors, a running
+    scale) computed with the values from before its update, so its recomputation must
+    start from those, not from what it (or a later microbatch's forward) left.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self._taken = [
-            (table, name, b, b._version, b.data_ptr(), b.clone())
-            for table, name, b in _buffer_tables(module)
-        ]
+        copies: dict[int, torch.Tensor] = {}  # a buffer several places share: one copy
+        self._taken = []
+        for table, name, b in _buffer_tables(module):
+            if id(b) not in copies:
+                copies[id(b)] = b.clone()
+            self._taken.append((table, name, b, b._version, b.data_ptr(), copies[id(b)]))
 
-    def changed(self) -> dict[int, torch.Tensor]:
-        """After the first forward: ``id(buffer) -> its copy from before``, for the buffers
-        the forward changed (the others' copies are dropped)."""
+    def changed(self) -> dict[Place, torch.Tensor]:
+        """After the first forward: place -> the copy from before, for the places whose
+        buffer the forward changed (the other copies are dropped)."""
         out = {
-            id(table.get(name)): copy
+            (id(table), name): copy
             for table, name, b, version, ptr, copy in self._taken
             if table.get(name) is not b or b._version != version or b.data_ptr() != ptr
         }
@@ -114,25 +121,28 @@ class BufferSnapshot:
 
 @contextlib.contextmanager
 def kept_buffers(
-    module: torch.nn.Module, before: dict[int, torch.Tensor] | None = None
+    module: torch.nn.Module, before: dict[Place, torch.Tensor] | None = None
 ) -> Iterator[None]:
     """Run the block on copies of ``module``'s buffers; the buffers stay as they were.
 
     A recomputed forward redoes the first one's arithmetic, not its effects: BatchNorm in
     training mode would otherwise update its running statistics (and count the batch) a
     second time, which the unpipelined model never does. The copies hold the values the
-    first forward found (``before``, from :class:`BufferSnapshot`, for a buffer it changed;
-    otherwise the buffer's own), so the forward computes the same; the graph may save them
-    (BatchNorm saves its running statistics), which is why the buffers are swapped rather
-    than written back. A buffer shared by several modules gets one copy.
+    first forward found (``before``, from :class:`BufferSnapshot`, where it changed a
+    buffer; otherwise the buffer's own), so the forward computes the same; the graph may
+    save them (BatchNorm saves its running statistics), which is why the buffers are
+    swapped rather than written back. A buffer shared by several modules gets one copy.
     """
     before = before or {}
     kept = _buffer_tables(module)
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}  # a buffer several places share gets one copy
     for table, name, b in kept:
-        if id(b) not in copies:
-            copies[id(b)] = before[id(b)] if id(b) in before else b.clone()
-        table[name] = copies[id(b)]
+        copy = before.get((id(table), name))
+        if copy is None:
+            copy = copies.get(id(b))
+            if copy is None:
+                copy = copies[id(b)] = b.clone()
+        table[name] = copy
     try:
         yield
     finally:

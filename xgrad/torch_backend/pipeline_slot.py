@@ -52,7 +52,7 @@ class Slot:
     grad_layout: dict[int, list[tuple[torch.Size, torch.dtype]]] | None = None
     rng: RngState | None = None  # for the recomputation
     # for the recomputation: the buffers the first forward changed, as it found them
-    buffers: dict[int, torch.Tensor] | None = None
+    buffers: dict[tuple[int, str], torch.Tensor] | None = None
 
     def empty(self) -> bool:
         return (
