@@ -127,3 +127,54 @@ def test_a_rank_killed_or_frozen_in_the_exchange_is_named_by_the_others(
         assert text.startswith(f"RankUnresponsiveError: rank {victim}: stopped answering"), out
         assert seconds < (5.0 if how == "kill" else 9.0), out
         assert codes[rank] == 0, codes
+
+
+def _leader_dies_early(rank: int, world: int) -> Any:
+    """One good step; in the next the leader is killed at its second forward while rank 2
+    is 0.4 s late to its first action: rank 2 then posts the exchange's receive from the
+    leader (at its first wait) on a connection already closed."""
+    import torch.distributed as dist
+
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    part, x, y, _ = _setup(rank, world)
+    armed = [False]
+    rt = PipelineRuntime(xp.one_f_one_b(world, 2 * M), [part], nn.functional.mse_loss, timeout=8)
+    perform = type(rt)._perform
+
+    def late(self: Any, action: Any, *args: Any, **kwargs: Any) -> Any:
+        if armed[0] and rank == 0 and str(action) == "0F1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if armed[0] and rank == 2 and action is self._actions[0]:
+            time.sleep(0.4)  # before its first receive
+        return perform(self, action, *args, **kwargs)
+
+    type(rt)._perform = late  # type: ignore[method-assign]
+
+    def step() -> None:
+        rt.step(x if rank == 0 else None, y if rank == world - 1 else None)
+
+    step()
+    dist.barrier()
+    armed[0] = True
+    try:
+        step()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}", getattr(exc, "rank", None)
+    return "ok"
+
+
+def test_a_leader_dead_before_the_exchange_is_posted_is_named_not_the_live_rank() -> None:
+    """Was "rank 2: 2F0 failed: RuntimeError: [...] Connection closed by peer" on ranks 1
+    and 2: gloo refused the exchange's receive (or send) at once, outside the guarded
+    waits, and the live rank was taken as the origin."""
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_leader_dies_early, 3, timeout=60)
+    for rank in (1, 2):
+        status, out = results[rank]
+        assert status == "ok", out
+        text, origin = out
+        assert origin == 0, (rank, out)
+        assert text.startswith("RankUnresponsiveError: rank 0: stopped answering"), out
+        assert codes[rank] == 0, codes

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -57,6 +58,7 @@ class StepClose:
         device: where the messages live (the device of this rank's first stage: NCCL).
         channel: the step's failure channel; ``timeout`` bounds the whole exchange.
         poison: the header code of a failed sender's message.
+        named: pipeline rank -> its global rank (as errors and heartbeats name ranks).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class StepClose:
         channel: FailureChannel,
         timeout: float,
         poison: int,
+        named: Callable[[int], int] = lambda q: q,
     ) -> None:
         self._group, self._ranks, self._tag = group, ranks, tag
+        self._named = named
         self._device, self._channel, self._timeout = device, channel, timeout
         self._poison = poison
         self.rank = rank
@@ -88,11 +92,20 @@ class StepClose:
             self._incoming = {}
             for q in self._peers:
                 buf = torch.empty(1, dtype=torch.int64, device=self._device)
-                self._incoming[q] = (buf, self._group.recv([buf], self._ranks[q], self._tag))
+                try:
+                    work = self._group.recv([buf], self._ranks[q], self._tag)
+                except RuntimeError as exc:  # gloo: a dead peer's connection is closed
+                    what = "the end of the step (receive)"
+                    raise transfer_failed(self._channel, what, exc, self._named(q)) from exc
+                self._incoming[q] = (buf, work)
 
     def _send(self, peer: int, code: int) -> None:
         message = torch.full((1,), code, dtype=torch.int64, device=self._device)
-        work = self._group.send([message], self._ranks[peer], self._tag)
+        try:
+            work = self._group.send([message], self._ranks[peer], self._tag)
+        except RuntimeError as exc:  # gloo: a dead peer's connection is closed
+            what = "the end of the step (send)"
+            raise transfer_failed(self._channel, what, exc, self._named(peer)) from exc
         self._sends.append((work, message))  # the work holds its tensor until done
         self._unsent.discard(peer)
 
@@ -114,7 +127,7 @@ class StepClose:
         for q in self._peers:
             buf, work = incoming.pop(q)
             # The leader's answer waits on every rank: the heartbeats name one that froze.
-            self._wait(work, what, q if leader else None, deadline)
+            self._wait(work, what, self._named(q) if leader else None, deadline)
             if int(buf.item()) == self._poison:
                 raise poisoned(self._channel, q, what, self._timeout)
         if self.rank == LEADER:

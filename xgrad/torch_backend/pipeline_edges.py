@@ -108,6 +108,7 @@ class EdgeBook:
             channel,
             timeout,
             POISON,
+            named=lambda q: self.globals[q],
         )
 
     def _peer(self, edge: Edge) -> int:
