@@ -5,7 +5,9 @@ one, per step. At step 1 a hook on rank 1 raises in the ``no_sync`` backward pas
 ranks catch it and go on. That rank then skipped its synchronised micro-batch, and rank
 0's reduction of step 1 paired with rank 1's of step 2: rank 0 raised nothing and every
 later step's gradients were wrong, without a word. Now rank 0 raises at step 1, naming
-rank 1, and the next steps' gradients are the average of both ranks'.
+rank 1, and the next steps' gradients are the average of both ranks'. The same with a
+loop that catches the failure per micro-batch and goes on with the step's synchronised
+one on rank 1: that pass is the failed step's, and raises its failure there too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def _data(step: int, rank: int, micro: int) -> torch.Tensor:
     )
 
 
-def _steps(rank: int, world: int) -> list[Any]:
+def _steps(rank: int, world: int, per_micro: bool = False) -> list[Any]:
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -45,9 +47,14 @@ def _steps(rank: int, world: int) -> list[Any]:
     for step in range(4):
         ddp.zero_grad()
         try:
-            with ddp.no_sync():
-                fail["on"] = rank == 1 and step == 1
-                ddp(_data(step, rank, 0)).pow(2).mean().backward()
+            try:
+                with ddp.no_sync():
+                    fail["on"] = rank == 1 and step == 1
+                    ddp(_data(step, rank, 0)).pow(2).mean().backward()
+            except Exception as exc:
+                if not per_micro:
+                    raise
+                out.append(f"no_sync: {exc}")  # and on with the step's next micro-batch
             ddp(_data(step, rank, 1)).pow(2).mean().backward()
         except Exception as exc:
             out.append(str(exc))
@@ -72,3 +79,19 @@ def test_a_failed_no_sync_backward_is_raised_on_every_rank_and_the_next_steps_ar
             assert out[1].startswith("rank 1 in backward"), out
         else:
             assert "boom in a no_sync backward pass" in out[1], out
+
+
+def test_a_loop_that_goes_on_with_the_failed_steps_synchronised_pass_raises_there_too() -> None:
+    """A try per micro-batch: rank 1 catches its no_sync failure and runs the step's
+    synchronised micro-batch. That pass began the next step on rank 1 while rank 0 was
+    still in the failed one: every later step paired with rank 0's next one, wrong without
+    a word. Now it is the failed step's, and raises its failure on both ranks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = spawn(_steps, 2, args=(True,), timeout=90)
+    for rank, out in enumerate(results):
+        if rank == 1:
+            assert out[1].startswith("no_sync: ") and "boom" in out[1], out
+            out = out[:1] + out[2:]
+        assert out[0] is True and out[2] is True and out[3] is True, (rank, out)
+        assert out[1].startswith("rank 1 in backward"), (rank, out)

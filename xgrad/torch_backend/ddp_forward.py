@@ -136,7 +136,7 @@ class ForwardDDP:
         """The error of a forward pass that raised, posted where the peers look: a
         ``no_sync`` pass's in the step it accumulated for (``abandon_step``)."""
         if self._grad_hooks.accumulating:
-            error = abandon_step(self._watch, self._grad_hooks, "forward", exc)
+            error = abandon_step(self._watch, self._grad_hooks, "forward", exc, until_sync=True)
             if error is not None:
                 return error
         return self._watch.post("forward", exc)

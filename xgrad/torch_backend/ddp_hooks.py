@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from xgrad.failure import RankError
+from xgrad.failure import Failure, RankError
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
@@ -70,6 +70,9 @@ class GradientHooks:
         #: a no_sync backward pass began and its end callback has not run: at the next
         #: forward pass, one still open raised part-way (ddp_recover.start_forward).
         self.nosync_open = False
+        #: the failure of the step this rank gave up in a no_sync pass, until the next
+        #: pass: a synchronised one is that step's, where the peers raise it too.
+        self.given_up: Failure | None = None
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []

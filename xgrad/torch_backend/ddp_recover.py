@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.callers import user_stacklevel
+from xgrad.failure import error_for
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 
 if TYPE_CHECKING:
@@ -68,7 +69,11 @@ def start_forward(
         # gradients), raise it there.
         hooks.nosync_open = False
         error = abandon_step(
-            watch, hooks, "backward", RuntimeError("a no_sync backward pass raised an exception")
+            watch,
+            hooks,
+            "backward",
+            RuntimeError("a no_sync backward pass raised an exception"),
+            until_sync=True,
         )
         if error is not None:
             warnings.warn(
@@ -78,6 +83,15 @@ def start_forward(
                 stacklevel=user_stacklevel(),
             )
     recover(hooks, watch)
+    failure, hooks.given_up = hooks.given_up, None
+    if failure is not None and sync:
+        # The first pass after a no_sync pass that raised is the synchronised one: the
+        # loop went on with the given-up step (a try per micro-batch), whose synchronised
+        # pass the peers raise the failure in. So does this rank, instead of beginning the
+        # next step there, one pass early (each later step then paired with the peers'
+        # next one: silently wrong gradients). A no_sync pass after it begins the next
+        # step (the loop skipped the rest of the failed step, a try per step).
+        raise error_for(failure, watch.channel.rank)
     if not sync:
         # A no_sync pass accumulates for the next synchronised step, which begins at the
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
@@ -158,6 +172,8 @@ def abandon_step(
     where: str,
     exc: BaseException,
     unbegun: bool = False,
+    *,
+    until_sync: bool = False,
 ) -> Any:
     """This rank gave up the synchronised step it was in or accumulating for (a pipeline
     step that failed around the DDP; a ``no_sync`` forward pass that raised): the DDP's
@@ -170,7 +186,11 @@ def abandon_step(
     peers raise it in that step's collectives, instead of pairing them with this rank's
     next step (silently wrong gradients), and every rank replaces the private group at
     the step after it. ``unbegun``: the caller's step (a pipeline step) failed before this
-    rank's DDP began the step its peers are in: begun now, then posted.
+    rank's DDP began the step its peers are in: begun now, then posted. ``until_sync``: a
+    pass of the user's accumulation raised, and the peers go on to the step's synchronised
+    pass: when this rank's next pass is that synchronised one, the step ends there, raising
+    the failure again, so that the ranks' next steps pair up (:func:`start_forward`).
+    Otherwise the step is over now (a pipeline's: every rank gave it up).
     """
     if hooks.finalize_queued:
         post_failed_pass(hooks, watch)
@@ -180,7 +200,10 @@ def abandon_step(
     elif not hooks.accumulating:
         return None
     hooks.accumulating = False  # the step (begun at the accumulation's first pass) is over
-    return watch.post_here(where, exc)
+    error = watch.post_here(where, exc)
+    if until_sync:
+        hooks.given_up = error.failure
+    return error
 
 
 def post_failed_passes(current: GradientHooks | None) -> None:
