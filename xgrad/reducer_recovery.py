@@ -9,6 +9,7 @@ of the others with zeros, so their collectives find a partner.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xgrad.reducer_buckets import BucketState, build_buckets
@@ -16,8 +17,19 @@ from xgrad.reducer_buckets import BucketState, build_buckets
 if TYPE_CHECKING:
     from xgrad.backend import Comm
     from xgrad.buckets import BucketPlan
+    from xgrad.reducer_static import HookCounts
     from xgrad.reducer_types import ArrayOps
     from xgrad.reducer_unused import UnusedParams
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the reducer learned by a step's start (:meth:`JoinAndRecovery.step_state`)."""
+
+    static: list[int] | None  # a static graph's unused parameters (None: not learned)
+    learned: list[int] | None  # its hooks per parameter per iteration
+    repeats: bool
+    rebuild_order: list[int] | None  # the ready order kept for the one rebuild
 
 
 class JoinAndRecovery:
@@ -45,6 +57,7 @@ class JoinAndRecovery:
     _marked_unused: bool
     _failure: str | None = None
     _unused: UnusedParams
+    _counts: HookCounts
     _hook: Any
     _serial_hooks: bool
 
@@ -101,6 +114,25 @@ class JoinAndRecovery:
         self._next_bucket = 0
         for bucket in self._buckets:
             bucket.reset()
+
+    def step_state(self) -> StepState:
+        """What a step's passes teach the reducer once and for all, as it stands: a static
+        graph's unused set and hook counts (its first iteration), the ready order kept for
+        the rebuild. Taken at each step's start (references: each is replaced, not
+        changed), for :meth:`restore_step_state` if the step fails."""
+        counts = self._counts
+        return StepState(self._unused.static, counts.learned, counts.repeats, self._rebuild_order)
+
+    def restore_step_state(self, state: StepState) -> None:
+        """Undo what a failed step taught: the ranks learn it again alike in a later one.
+
+        A step that failed may have ended on one rank (which learned a static graph's first
+        iteration, or kept a ready order) and not on another (which failed before): left
+        so, the ranks took different paths from then on (one rebuilding its buckets while
+        the other learned), each step's collectives unmatched until the timeout.
+        """
+        self._unused.static, self._counts.learned = state.static, state.learned
+        self._counts.repeats, self._rebuild_order = state.repeats, state.rebuild_order
 
     def reset_state(self) -> None:
         """Start over on a new communicator (DDP's ``_update_process_group``).

@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from xgrad.failure import Failure, RankError
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
+from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
 from xgrad.torch_backend.ddp_failure import StepWatch
@@ -73,6 +74,8 @@ class GradientHooks:
         #: the failure of the step this rank gave up in a no_sync pass, until the next
         #: pass: a synchronised one is that step's, where the peers raise it too.
         self.given_up: Failure | None = None
+        #: what the reducer had learned when the current step began (restored if it fails)
+        self.step_state: StepState | None = None
         self.backward_started = 0.0
         self.timeline: deque[IterationTimes] = deque(maxlen=TIMINGS_KEPT)
         self.handles: list[Any] = []

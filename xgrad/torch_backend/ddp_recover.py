@@ -108,14 +108,19 @@ def start_forward(
 
 
 def _begin_step(watch: StepWatch, hooks: GradientHooks) -> None:
-    """Begin the next synchronised step; after a failed one, drop this rank's part of it."""
+    """Begin the next synchronised step; after a failed one, drop this rank's part of it,
+    and what the reducer learned in it (every rank learns it again alike)."""
     failed = watch.begin_step()
+    reducer = hooks.reducer
+    assert reducer is not None
     if failed is not None:
-        assert hooks.reducer is not None
-        hooks.reducer.fail(failed.text())
+        reducer.fail(failed.text())
         recover(
             hooks, watch, also=f"reductions moved to a fresh process group after {failed.text()}"
         )
+        if hooks.step_state is not None:
+            reducer.restore_step_state(hooks.step_state)
+    hooks.step_state = reducer.step_state()
 
 
 def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:

@@ -1,0 +1,91 @@
+"""A raise in a static graph's first iteration, on two gloo ranks.
+
+Rank 1 raises in its forward (or in a gradient hook) in the first iteration of a
+``static_graph=True`` DDP; both ranks catch it and go on. Rank 0 had finished that
+iteration's backward, learning the static graph, before its reduction failed; rank 1 had
+not. Before, the ranks then went different ways: rank 0 kept a ready order and rebuilt
+its buckets at the third step while rank 1 was still learning, and every step from the
+third on waited out the timeout, naming a rank at random, for good. Now what a failed
+step taught is undone on every rank (``Reducer.restore_step_state``), and the steps after
+it give the mean of the ranks' local gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from xgrad.torch_backend.spawn import spawn
+
+STEPS = 5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return (
+        torch.randn(4, 5, generator=g, dtype=torch.float64),
+        torch.randn(4, 2, generator=g, dtype=torch.float64),
+    )
+
+
+def _run(rank: int, world: int, where: str) -> list[Any]:
+    from xgrad.torch_backend import DistributedDataParallel
+
+    model = _model()
+    ddp = DistributedDataParallel(model, static_graph=True, timeout=5.0)
+    armed = [False]
+
+    def forward_hook(module: Any, args: Any) -> None:
+        if armed[0] and where == "forward":
+            raise ValueError("boom in the first forward")
+
+    def gradient_hook(g: torch.Tensor) -> torch.Tensor:
+        if armed[0] and where == "backward":
+            raise ValueError("boom in the first backward")
+        return g
+
+    model[2].register_forward_pre_hook(forward_hook)
+    model[2].weight.register_hook(gradient_hook)
+    out: list[Any] = []
+    for step in range(STEPS):
+        armed[0] = rank == 1 and step == 0
+        x, y = _data(step, rank)
+        ddp.zero_grad(set_to_none=True)
+        try:
+            ((ddp(x) - y) ** 2).mean().backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+        except Exception as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_first_static_iteration_is_learned_again_alike(where: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = spawn(_run, 2, args=(where,), timeout=120)
+    local = _model()
+    for step in range(1, STEPS):
+        grads = []
+        for rank in range(2):
+            x, y = _data(step, rank)
+            local.zero_grad(set_to_none=True)
+            ((local(x) - y) ** 2).mean().backward()
+            grads.append([p.grad.clone() for p in local.parameters()])
+        want = [(a + b) / 2 for a, b in zip(*grads, strict=True)]
+        for rank in range(2):
+            got = results[rank][step]
+            assert isinstance(got, list), (where, rank, step, got)
+            for g, w in zip(got, want, strict=True):
+                assert torch.allclose(g, w, rtol=1e-12, atol=1e-14), (where, rank, step)
+    assert "boom in the first" in results[1][0]
+    assert results[0][0].startswith(f"rank 1 in {where}"), results[0][0]
