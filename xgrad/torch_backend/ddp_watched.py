@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.raising import raise_from
 
 if TYPE_CHECKING:
@@ -69,11 +70,18 @@ class WatchedFuture:
         future.add_done_callback(lambda _: self._done.set())
 
     def wait(self) -> Any:
-        self._watch.wait_event(self._done, self._what)
+        # Published until the failure, if any, is worded (as ``StepWatch.wait_work`` does):
+        # a peer timing out meanwhile, whose own hook never launched the collective, must
+        # not take this rank, whose collective just failed on gloo's timeout, for a late one.
+        before = waiting_for(COLLECTIVE)
         try:
-            value = self._future.value()
-        except Exception as exc:  # the collective or the hook's own chain failed
-            raise_from(self._watch.failed(exc, self._what, posted=_hook_raised(exc)), exc)
+            self._watch.wait_event(self._done, self._what)
+            try:
+                value = self._future.value()
+            except Exception as exc:  # the collective or the hook's own chain failed
+                raise_from(self._watch.failed(exc, self._what, posted=_hook_raised(exc)), exc)
+        finally:
+            waiting_for(before)
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
