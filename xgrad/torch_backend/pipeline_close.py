@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -58,7 +57,10 @@ class StepClose:
         device: where the messages live (the device of this rank's first stage: NCCL).
         channel: the step's failure channel; ``timeout`` bounds the whole exchange.
         poison: the header code of a failed sender's message.
-        named: pipeline rank -> its global rank (as errors and heartbeats name ranks).
+
+    Attributes:
+        globals: pipeline rank -> global rank (as errors and heartbeats name ranks; the
+            identity until the step sets it).
     """
 
     def __init__(
@@ -71,10 +73,9 @@ class StepClose:
         channel: FailureChannel,
         timeout: float,
         poison: int,
-        named: Callable[[int], int] = lambda q: q,
     ) -> None:
         self._group, self._ranks, self._tag = group, ranks, tag
-        self._named = named
+        self.globals = list(range(len(ranks)))
         self._device, self._channel, self._timeout = device, channel, timeout
         self._poison = poison
         self.rank = rank
@@ -96,7 +97,7 @@ class StepClose:
                     work = self._group.recv([buf], self._ranks[q], self._tag)
                 except RuntimeError as exc:  # gloo: a dead peer's connection is closed
                     what = "the end of the step (receive)"
-                    raise transfer_failed(self._channel, what, exc, self._named(q)) from exc
+                    raise transfer_failed(self._channel, what, exc, self.globals[q]) from exc
                 self._incoming[q] = (buf, work)
 
     def _send(self, peer: int, code: int) -> None:
@@ -105,7 +106,7 @@ class StepClose:
             work = self._group.send([message], self._ranks[peer], self._tag)
         except RuntimeError as exc:  # gloo: a dead peer's connection is closed
             what = "the end of the step (send)"
-            raise transfer_failed(self._channel, what, exc, self._named(peer)) from exc
+            raise transfer_failed(self._channel, what, exc, self.globals[peer]) from exc
         self._sends.append((work, message))  # the work holds its tensor until done
         self._unsent.discard(peer)
 
@@ -127,7 +128,7 @@ class StepClose:
         for q in self._peers:
             buf, work = incoming.pop(q)
             # The leader's answer waits on every rank: the heartbeats name one that froze.
-            self._wait(work, what, self._named(q) if leader else None, deadline)
+            self._wait(work, what, self.globals[q] if leader else None, deadline)
             if int(buf.item()) == self._poison:
                 raise poisoned(self._channel, q, what, self._timeout)
         if self.rank == LEADER:

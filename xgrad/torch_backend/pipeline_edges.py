@@ -76,8 +76,6 @@ class EdgeBook:
         device: Callable[[int], torch.device],
     ) -> None:
         self.schedule, self.rank, self._ranks = schedule, rank, list(ranks)
-        #: schedule rank -> global rank (what errors and heartbeats name; set by the step)
-        self.globals: list[int] = list(range(schedule.num_ranks))
         self.plan, self.group = plan, groups[0]
         # Per edge the group of its direction's lane and the peer's rank in it.
         up = 1 if len(groups) > 1 else 0
@@ -108,8 +106,17 @@ class EdgeBook:
             channel,
             timeout,
             POISON,
-            named=lambda q: self.globals[q],
         )
+
+    @property
+    def globals(self) -> list[int]:
+        """Schedule rank -> global rank (what errors and heartbeats name; set by the step,
+        for the end-of-step exchange too, which keeps the list: no reference back here)."""
+        return self.closing.globals
+
+    @globals.setter
+    def globals(self, ranks: list[int]) -> None:
+        self.closing.globals = list(ranks)
 
     def _peer(self, edge: Edge) -> int:
         """The schedule rank at the other end of ``edge``."""
