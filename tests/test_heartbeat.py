@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from xgrad.failure import FailureChannel, MemoryStore, RankUnresponsiveError, wait_until
+from xgrad.failure import FailureChannel, MemoryStore, RankUnresponsiveError
+from xgrad.failure_wait import wait_until
 from xgrad.heartbeat import Heartbeat, Liveness
 
 

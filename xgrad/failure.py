@@ -14,7 +14,8 @@ started::
 
 A rank that dies or freezes cannot post anything, so every rank also bumps a heartbeat
 counter (:mod:`xgrad.heartbeat`); a waiter whose peers' counters stop moving posts an
-"unresponsive" failure naming them. Every wait is bounded (:func:`wait_until`).
+"unresponsive" failure naming them. Every wait is bounded
+(:func:`xgrad.failure_wait.wait_until`).
 
 All timeouts are seconds, configurable per call, with defaults that environment variables
 override (``XGRAD_TIMEOUT``, ``XGRAD_HEARTBEAT_INTERVAL``, ``XGRAD_HEARTBEAT_TIMEOUT``,
@@ -28,7 +29,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -45,7 +46,6 @@ __all__ = [
     "check_seconds",
     "default_seconds",
     "error_for",
-    "wait_until",
 ]
 
 #: defaults (seconds) and the environment variables that override them.
@@ -367,64 +367,3 @@ class FailureChannel:
                 "has not joined this group's steps yet, or it died before its first beat)"
             )
         return self.post("", message, kind="unresponsive", rank=stale[0])
-
-
-#: seconds :func:`wait_until` waits before it first reads the failure channel.
-_FIRST_CHECK = 1e-3
-
-
-def wait_until(
-    done: Callable[[], bool] | threading.Event,
-    channel: FailureChannel | None,
-    *,
-    timeout: float,
-    what: str,
-    poll_interval: float | None = None,
-    prefix: str = "",
-    peers: Sequence[int] = (),
-) -> None:
-    """Wait until ``done`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
-
-    ``done`` is an event (woken at once when set) or a cheap predicate (a store lookup,
-    ``Work.is_completed``), called with sleeps of 50 to 200 µs for the first 10 ms (a
-    peer's answer is usually that close) and up to 2 ms after, so a result is seen
-    quickly and a long wait does not spin a core. The channel is read after 1 ms, then
-    every ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02). ``peers``:
-    the ranks the wait is for (a timeout names a live one that is late, see
-    :meth:`FailureChannel.timed_out`).
-
-    Raises:
-        RankError: a failure posted by any rank of the channel, or a peer that stopped
-            beating.
-        RankUnresponsiveError: ``timeout`` ran out (posted to the channel first, so the
-            others stop too); without a channel, a plain ``TimeoutError``.
-    """
-    event = done if isinstance(done, threading.Event) else None
-    ready: Callable[[], bool] = event.is_set if event is not None else done  # type: ignore[assignment,union-attr]
-    if ready():
-        return
-    interval = default_seconds("poll_interval") if poll_interval is None else poll_interval
-    start = time.monotonic()
-    deadline = start + timeout
-    # The channel is first read after a millisecond, not at once: most waits end sooner
-    # (a peer's answer is usually that close), and a read costs a store round trip or
-    # more (the heartbeats), which delayed seeing what was waited for.
-    next_check = start + min(interval, _FIRST_CHECK)
-    nap = 5e-5
-    while True:
-        now = time.monotonic()
-        if now >= next_check:
-            if channel is not None:
-                channel.check(prefix=prefix)
-            next_check = now + interval
-        if now >= deadline:
-            if channel is None:
-                raise TimeoutError(f"{what}: timed out after {timeout:g} s")
-            raise channel.timed_out(what, timeout, prefix=prefix, peers=peers)
-        if event is not None:
-            event.wait(max(0.0, min(next_check, deadline) - now))
-        else:
-            time.sleep(nap)
-            nap = min(nap * 2, 2e-4 if now - start < 0.01 else 2e-3)
-        if ready():
-            return

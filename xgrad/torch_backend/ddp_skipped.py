@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from xgrad.failure import FailureChannel, RankError, error_for, wait_until
+from xgrad.failure import FailureChannel, RankError, error_for
+from xgrad.failure_wait import wait_until
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch

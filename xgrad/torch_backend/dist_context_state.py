@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.failure import RankError, wait_until
+from xgrad.failure import RankError
+from xgrad.failure_wait import wait_until
 from xgrad.heartbeat import waiting_for
 from xgrad.torch_backend import dist_leftovers
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent

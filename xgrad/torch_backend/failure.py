@@ -39,8 +39,8 @@ from xgrad.failure import (
     KeyValueStore,
     check_seconds,
     default_seconds,
-    wait_until,
 )
+from xgrad.failure_wait import wait_until
 from xgrad.heartbeat import Heartbeat, Liveness
 from xgrad.torch_backend.lost_rank import (
     check_lost,

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from xgrad.failure import FailureChannel, RankError, error_for, wait_until
+from xgrad.failure import FailureChannel, RankError, error_for
+from xgrad.failure_wait import wait_until
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
