@@ -130,7 +130,7 @@ class StepClose:
             # The leader's answer waits on every rank: the heartbeats name one that froze.
             self._wait(work, what, self.globals[q] if leader else None, deadline)
             if int(buf.item()) == self._poison:
-                raise poisoned(self._channel, q, what, self._timeout)
+                raise poisoned(self._channel, self.globals[q], what, self._timeout)
         if self.rank == LEADER:
             for q in self._peers:
                 self._send(q, _DONE)
