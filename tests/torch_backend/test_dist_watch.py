@@ -216,3 +216,39 @@ def test_the_watchdog_lets_go_of_a_wait_once_it_ended() -> None:
     gc.collect()
     assert watchdog._thread is not None and watchdog._thread.is_alive()
     assert [r() for r in refs] == [None, None, None]
+
+
+def _frozen_after_send(rank: int, world: int) -> Any:
+    """Rank 0 sends, then freezes before rank 1 posts its receive (1.5 s later)."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    os.environ.update(FAST_HEARTBEAT)
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    with da.context(timeout=30) as cid:
+        if rank == 0:
+            da.send(w * 2, 1)
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(1.5)
+        start = time.monotonic()
+        try:
+            da.recv(0)
+        except da.DistBackwardError as exc:
+            return str(exc), exc.rank, time.monotonic() - start
+        da.backward(cid, [])
+    return "no error"
+
+
+def test_a_sender_frozen_before_its_receive_was_posted_is_named_by_its_heartbeat() -> None:
+    """The header had landed, so the receive waited for the data on its own thread, without
+    the watchdog; gloo moves the data only once the receive is posted, through the sender's
+    communication thread, which a frozen sender does not run: the wait ran out the
+    context's timeout (30 s) instead of the heartbeat's (2 s)."""
+    results, _ = run_ranks(_frozen_after_send, 2, timeout=90, frozen=[0])
+    status, out = results[1]
+    assert status == "ok", out
+    text, origin, seconds = out
+    assert origin == 0 and text.startswith("Error on rank 0: stopped answering"), out
+    assert seconds < 12.0, out  # the heartbeat timeout is 2 s, the context's 30 s

@@ -238,7 +238,7 @@ def recv(src: int) -> torch.Tensor:
         raise ctx.error(transfer_error(ctx.channel, f"recv from rank {src}", exc, src)) from exc
     ctx.ledger.received_from(src, requires_grad)
     ctx.ledger.enter("forward")
-    ctx.wait(work, f"recv from rank {src}", src)
+    ctx.wait(work, f"recv from rank {src}", src, link)
     if requires_grad:
         origin = f"by rank {ctx.me} from rank {src} in context {ctx.id}"
         if torch.is_inference_mode_enabled():

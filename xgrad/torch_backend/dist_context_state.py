@@ -23,6 +23,7 @@ from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
 from xgrad.torch_backend.dist_self import ToSelf
+from xgrad.torch_backend.dist_watch import wait_here
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
 
@@ -206,10 +207,19 @@ class Context:
         self.counts[(what, peer)] = k + 1
         return k
 
-    def wait(self, work: Any, what: str, peer: int) -> None:
-        """Wait for a transfer whose other side is posted (announced or confirmed)."""
+    def wait(self, work: Any, what: str, peer: int, link: Any = None) -> None:
+        """Wait for a transfer whose other side is posted (announced or confirmed).
+
+        With ``link`` (a forward receive: its sender announced it, but gloo moves the data
+        only once this side posted, through the sender's communication thread, which a
+        sender frozen since then does not run) the watchdog reads the heartbeats meanwhile
+        and names a sender that stopped, instead of the wait running out the timeout.
+        """
         try:
-            wait_posted(work, self.channel, timeout=self.timeout, what=what, peer=peer)
+            if link is None:
+                wait_posted(work, self.channel, timeout=self.timeout, what=what, peer=peer)
+            else:
+                wait_here(work, self.channel, link.pg, link.group_peer, self.timeout, what, peer)
         except RankError as exc:
             raise self.error(exc) from None
 
