@@ -21,6 +21,7 @@ After each error the next context gives the right gradients.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -229,11 +230,13 @@ def _busy(rank: int, world: int) -> dict[str, Any]:
     """A chain 0 -> 1 -> 2; rank 1's backward outlasts the context's timeout."""
     from xgrad.torch_backend import dist_autograd as da
 
+    os.environ["XGRAD_HEARTBEAT_TIMEOUT"] = "2"  # how long a closed pair's peers are read
     _Busy.seconds = 4.0 if rank == 1 else 0.0
     w = _w(rank)
     out: dict[str, Any] = {}
-    try:
-        with da.context(timeout=2.5) as cid:
+
+    def step(timeout: float) -> None:
+        with da.context(timeout=timeout) as cid:
             if rank == 0:
                 da.send(w * 2, 1)
                 da.backward(cid, [])
@@ -242,9 +245,14 @@ def _busy(rank: int, world: int) -> dict[str, Any]:
                 da.backward(cid, [])
             else:
                 da.backward(cid, [(da.recv(1) * w).sum()])
+
+    try:
+        step(2.5)
         out["error"] = "no error"
     except Exception as exc:
         out["error"], out["origin"] = str(exc), getattr(exc, "rank", None)
+    _Busy.seconds = 0.0
+    out["next"] = _error(lambda: step(TIMEOUT))  # on the group the timeout closed
     return out
 
 
@@ -253,7 +261,7 @@ def test_a_rank_busy_in_its_own_backward_is_named_not_the_rank_that_waited() -> 
     and 2: the waiting rank blamed, as the busy one still beats. The waits are published
     with the heartbeats, and a timeout follows them to the live rank that waits for none.
     (A receive that ran out its timeout closed the group's connections: the group is lost,
-    as the README says.)"""
+    as the README says; the next context says so rather than naming a live rank.)"""
     results, codes = run_ranks(_busy, 3, timeout=90)
     assert codes == {0: 0, 1: 0, 2: 0}, (codes, results)
     for rank in range(3):
@@ -262,3 +270,7 @@ def test_a_rank_busy_in_its_own_backward_is_named_not_the_rank_that_waited() -> 
         assert out["origin"] == 1, (rank, out)
         assert out["error"].startswith("Error on rank 1: did not answer within the timeout: "), out
         assert "it waits for no rank: busy in its own code" in out["error"], out
+        # Every rank alive: the group's closed connection is said, no rank is named as
+        # stopped (was "Error on rank 1: stopped answering ... pair closure").
+        assert "the group's connection was closed earlier" in out["next"], out
+        assert "stopped answering" not in out["next"], out

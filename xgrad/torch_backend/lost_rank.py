@@ -62,7 +62,8 @@ def transfer_failed(
     of a send or receive, first when it is among them): that rank is named. When every
     peer still beats, ``peer`` is named if given (its side of the transfer failed; "did
     not answer within the timeout" when the transfer timed out: it is late, not gone),
-    else this rank in ``what``.
+    except for a connection closed (the group was lost before, by a timed-out wait: a live
+    peer named as stopped misled), else this rank in ``what``.
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
@@ -78,10 +79,12 @@ def transfer_failed(
         idle = channel.liveness.idle()
         if idle:
             late, peer = True, idle[0]
-    if silent is None:
+    # gloo's words for a pair a timed-out wait (here or on the peer) closed
+    closed = ("Connection closed" in text or "caused pair closure" in text) and not late
+    if silent is None and not closed:
         silent = peer
     if silent is None:
-        if "Connection closed" in text:  # every peer still beats: the group was lost before
+        if closed:  # every peer still beats: the group was lost before, not the peer
             text += f" ({CLOSED_BEFORE})"
         elif timed_out:
             text += f" ({TIMED_OUT_LIVE})"
