@@ -160,3 +160,54 @@ def test_a_peer_dying_during_a_skip_round_is_named_not_waited_for() -> None:
     assert "rank 0" in value["error"] and "stopped answering" in value["error"], value
     assert value["seconds"] < 15.0, value  # heartbeats time out in 2 s; not the 30 s timeout
     assert codes[1] == 0
+
+
+def _accumulating_after_a_skip(rank: int, world: int) -> list[Any]:
+    """Rank 1's backward raises before DDP at step 1; steps 2 and 3 accumulate two
+    ``no_sync`` micro-batches before their synchronised one (as a pipeline's do)."""
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    os.environ.update(FAST)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model, timeout=6.0)
+
+    def boom(grad: Any) -> Any:
+        raise RuntimeError("boom before DDP")
+
+    out: list[Any] = []
+    for step in range(4):
+        model.zero_grad()
+        start = time.monotonic()
+        try:
+            if step < 2:
+                y = ddp(torch.ones(3, 4))
+                if step == 1 and rank == 1:
+                    y.register_hook(boom)
+                y.sum().backward()
+            else:
+                for _ in range(2):
+                    with ddp.no_sync():
+                        ddp(torch.ones(3, 4)).sum().backward()
+                ddp(torch.ones(3, 4)).sum().backward()
+            out.append(("ok", time.monotonic() - start))
+        except Exception as exc:
+            out.append((str(exc), time.monotonic() - start))
+    return out
+
+
+def test_an_accumulation_after_a_skipped_backward_begins_the_next_step_at_once() -> None:
+    """The skipping rank settled the skipped step at its next forward, a no_sync one, but
+    kept the step's backward pending: its next no_sync pass settled the new step too, and
+    waited out the timeout for peers that had skipped nothing there (then named itself)."""
+    results, codes = run_ranks(_accumulating_after_a_skip, 2, timeout=120)
+    assert all(c == 0 for c in codes.values()), (codes, results)
+    for rank in (0, 1):
+        status, out = results[rank]
+        assert status == "ok", out
+        for step in (2, 3):
+            word, seconds = out[step]
+            assert word == "ok" and seconds < 3.0, (rank, step, out)

@@ -245,8 +245,13 @@ def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int, mode: str)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     want = _unpipelined_grads(blocks, x, y)[pp_rank]
     stage = _Stage(blocks[pp_rank])
-    if mode == "ddp":
-        ddp = DistributedDataParallel(stage, process_group=dp_groups[pp_rank], timeout=20)
+    if mode in ("ddp", "ddp_unused"):
+        ddp = DistributedDataParallel(
+            stage,
+            process_group=dp_groups[pp_rank],
+            timeout=20,
+            find_unused_parameters=mode == "ddp_unused",
+        )
         rt = PipelineRuntime(
             xp.one_f_one_b(2, M),
             [ddp],
@@ -288,6 +293,12 @@ def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int, mode: str)
     ("where", "culprit", "mode"),
     [
         ("forward", 0, "ddp"),
+        # The DP peer of the failing rank had its last microbatch's forward done, its
+        # backward pending: settled at the next step's first forward (a no_sync one), it
+        # stayed pending, and the next no_sync forward settled that step too, waiting out
+        # the timeout for a peer that skipped nothing ("rank 2 in the other ranks' backward
+        # pass of a step whose backward never reached DDP here: timed out after 20 s").
+        ("forward", 0, "ddp_unused"),
         ("backward", 1, "ddp"),
         ("batch", 0, "ddp"),
         ("backward", 1, "dp_group"),

@@ -63,6 +63,10 @@ def start_forward(
     ):
         watch.settled = watch.step
         settle_skipped(watch)
+        # Settled: a no_sync pass next (gradient accumulation, a pipeline's microbatches)
+        # begins the next step with no backward pending, instead of settling that step
+        # too and waiting out the timeout for peers that skipped nothing there.
+        hooks.sync_pending = False
     if hooks.nosync_open and current_graph_task() == -1:
         # A no_sync backward pass raised part-way: its step is given up, and the peers,
         # which would pair its collectives with this rank's next step's (silently wrong
