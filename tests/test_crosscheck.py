@@ -351,3 +351,18 @@ def test_powersgd_is_measured_against_its_model_not_the_exact_gradient() -> None
     assert reference.reason == "reference runs hooks allreduce, fp16, bf16 only, not 'powersgd'"
     lossy = float(report.attribution[0].split("off by rel ")[1].split()[0])
     assert lossy > 0.1  # rank 1 is far from exact: the model, not the exact value, is the bar
+
+
+def test_a_pair_off_the_compression_model_is_not_explained_as_rounding() -> None:
+    """The pair line said "explained by rounding ..." whatever the two were: a JAX model
+    scaled by 1.001 failed the run and was still explained away as the hook's rounding."""
+    from xgrad.crosscheck.run import BackendReport, _wire_pair
+
+    g = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
+    one = BackendReport("a", "", "ok", grads={"w": g})
+    other = BackendReport("b", "", "fail", grads={"w": g * np.float32(1.001)})
+    args = (one, other, ["w"], "float16", np.dtype(np.float16), "float32")
+    assert "explained by rounding" in _wire_pair(*args, True)
+    off = _wire_pair(*args, False)
+    assert "explained by rounding" not in off
+    assert "not the compression's rounding; the gradients themselves differ" in off

@@ -192,9 +192,11 @@ def _attribution(
         f"by rel {exact:.3g} from the float64 reference."
     )
     ran = [b for b in backends if b.grads]
+    near: dict[str, bool] = {}  # within the hook's tolerance of the compression model
     for b in ran:
         ulps = max(wire_ulps(b.grads[n], model[n], wire_dtype) for n in names)
         rel = max(compare(n, b.grads[n], model[n], math.inf).rel for n in names)
+        near[b.name] = rel <= tolerance(case.dtype, hook)
         lines.append(
             f"{b.name}: equal to the compression model, bit for bit"
             if ulps == 0
@@ -210,7 +212,8 @@ def _attribution(
         for other in sides[i + 1 :]:
             if all(bit_identical(one.grads[n], other.grads[n]) for n in names):
                 continue
-            lines.append(_wire_pair(one, other, names, wire, wire_dtype, case.dtype))
+            explained = near[one.name] and near[other.name]
+            lines.append(_wire_pair(one, other, names, wire, wire_dtype, case.dtype, explained))
     return lines
 
 
@@ -221,7 +224,11 @@ def _wire_pair(
     wire: str,
     wire_dtype: np.dtype,
     dtype: str,
+    explained: bool,
 ) -> str:
+    """How far two backends' gradients are apart on the wire's scale, and whether the
+    compression explains it (``explained``: each is within the hook's tolerance of the
+    compression model; else one is off it, and it cannot be rounding alone)."""
     ulps = max(wire_ulps(one.grads[n], other.grads[n], wire_dtype) for n in names)
     rel = max(compare(n, one.grads[n], other.grads[n], math.inf).rel for n in names)
     steps = max(
@@ -231,11 +238,18 @@ def _wire_pair(
         )
         for n in names
     )
-    return (
+    head = (
         f"{one.name} vs {other.name}: differ by up to {ulps:.3g} {wire} ULPs at "
         f"the parameters' scale (rel {rel:.3g}; {format_ulp(steps)} {wire} steps element by "
-        "element, which elements near zero inflate), while each is within the ULPs above "
-        "of the compression model: "
+        "element, which elements near zero inflate), "
+    )
+    if not explained:
+        return head + (
+            "and not both are within the tolerance of the compression model (above): the "
+            "difference is not the compression's rounding; the gradients themselves differ."
+        )
+    return head + (
+        "while each is within the ULPs above of the compression model: "
         f"the difference is explained by rounding per-rank {dtype} gradients that "
         f"differ in their last bits to {wire}, not by either reduction."
     )
