@@ -98,6 +98,8 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
         (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
+        # Past int64: accepted, then PyTorch's DDP failed with a page of pybind traceback.
+        (["crosscheck", "--bucket-cap", "9000000000GB"], "a size must be at most 2**63 - 1"),
         # Was accepted, and memory grew without end.
         (["schedule", "1f1b", "-p", "2", "-m", "1000000000"], "schedule too large: num_st"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),

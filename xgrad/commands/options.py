@@ -30,6 +30,9 @@ UNITS: dict[str, int] = {
     "GIB": 2**30,
 }
 
+#: the largest size in bytes: PyTorch's DDP keeps bucket caps in int64.
+MAX_BYTES = 2**63 - 1
+
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -49,6 +52,8 @@ def parse_size(text: str, *, bare: str = "MB") -> int:
     value = float(match.group(1)) * UNITS[unit]
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{text!r}: a size must be > 0 bytes")
+    if value > MAX_BYTES:  # PyTorch's DDP takes the cap as an int64 (a crash past it)
+        raise ValueError(f"{text!r}: a size must be at most 2**63 - 1 bytes")
     return max(1, int(value))  # a tiny size means one parameter per bucket, not zero bytes
 
 

@@ -47,6 +47,8 @@ class BenchCase:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{label.replace('_', '-')} {value!r}: expected an integer >= 1")
+        if self.bucket_cap_bytes > 2**63 - 1:  # the torch side keeps caps in int64
+            raise ValueError(f"--bucket-cap-bytes {self.bucket_cap_bytes}: at most 2**63 - 1 bytes")
 
     def step(self) -> Step:
         return make_step(
