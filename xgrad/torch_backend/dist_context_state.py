@@ -207,7 +207,7 @@ class Context:
         self.counts[(what, peer)] = k + 1
         return k
 
-    def wait(self, work: Any, what: str, peer: int, link: Any = None) -> None:
+    def wait(self, work: Any, what: str, peer: int, link: Link | None = None) -> None:
         """Wait for a transfer whose other side is posted (announced or confirmed).
 
         With ``link`` (a forward receive: its sender announced it, but gloo moves the data
