@@ -16,8 +16,8 @@ from xgrad.failure import (
     check_seconds,
     default_seconds,
     error_for,
-    wait_until,
 )
+from xgrad.failure_wait import wait_until
 
 
 def test_message_names_rank_and_where_first() -> None:
@@ -139,3 +139,11 @@ def test_a_ranks_own_exception_is_raised_as_its_type_too() -> None:
     assert as_local(plain, plain) is plain
     late = as_local(error_for(Failure(1, "", "stopped", "unresponsive"), 0), ValueError("v"))
     assert isinstance(late, RankUnresponsiveError) and isinstance(late, ValueError)
+
+
+def test_wait_until_is_still_found_where_it_was() -> None:
+    """It moved to ``xgrad.failure_wait`` (failure.py past 16 KB); code that imports it
+    from ``xgrad.failure`` gets the same function."""
+    from xgrad import failure
+
+    assert failure.wait_until is wait_until

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from xgrad.heartbeat import Liveness
@@ -367,3 +367,13 @@ class FailureChannel:
                 "has not joined this group's steps yet, or it died before its first beat)"
             )
         return self.post("", message, kind="unresponsive", rank=stale[0])
+
+
+def __getattr__(name: str) -> Any:
+    """``wait_until`` moved to :mod:`xgrad.failure_wait` (this module grew past 16 KB); code
+    that imports it from here still gets it (imported late: that module imports this one)."""
+    if name == "wait_until":
+        from xgrad.failure_wait import wait_until
+
+        return wait_until
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
