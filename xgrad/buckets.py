@@ -19,6 +19,8 @@ from functools import cached_property
 
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: the largest bucket cap the backends take: PyTorch's DDP keeps caps in int64.
+MAX_BUCKET_BYTES = 2**63 - 1
 
 #: What PyTorch's DDP uses for its first, unbucketed iteration (one bucket for all).
 NO_LIMIT = sys.maxsize

@@ -303,6 +303,7 @@ class FailureChannel:
         backward stuck in a user's function); this rank (as the one that gave up) otherwise.
         """
         stale: list[int] = []
+        idle: list[int] = []
         answers = "every rank still answers"
         if self.liveness is not None:
             self.liveness.read(force=True)
@@ -311,7 +312,8 @@ class FailureChannel:
             # A wait shorter than that cannot tell a stopped rank from a live one (a live
             # rank slower than a 0.3 s timeout was named as having stopped answering).
             least = 2 * self.liveness.interval
-            if waited / 2 < least:
+            short = waited / 2 < least
+            if short:
                 answers = (
                     f"too short a wait to tell from the heartbeats, every "
                     f"{self.liveness.interval:g} s, whether a rank stopped"
@@ -320,12 +322,12 @@ class FailureChannel:
                 older_than=min(self.liveness.timeout, max(waited / 2, least)),
                 include_silent=True,
             )
-        idle: list[int] = []
-        if self.liveness is not None and not stale:
-            # What a rank waits for is published once a beat: a wait too short to tell a
-            # stopped rank is too short to follow the waits too.
-            short = waited / 2 < 2 * self.liveness.interval
-            idle = self.liveness.idle() if collective else [] if short else self._late_among(peers)
+            # What a rank waits for is published once a beat too: a wait too short to
+            # tell a stopped rank is too short to follow the waits.
+            if not stale and collective:
+                idle = self.liveness.idle()
+            elif not stale and not short:
+                idle = self._late_among(peers)
         if stale:
             failure = self._post_unresponsive(stale, waited, what)
         elif idle:

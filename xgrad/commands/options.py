@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from xgrad.buckets import MAX_BUCKET_BYTES
 from xgrad.tables import STDOUT as STDOUT
 from xgrad.tables import add_table_outputs as add_table_outputs
 from xgrad.tables import output_file as output_file
@@ -29,9 +30,6 @@ UNITS: dict[str, int] = {
     "GB": 2**30,
     "GIB": 2**30,
 }
-
-#: the largest size in bytes: PyTorch's DDP keeps bucket caps in int64.
-MAX_BYTES = 2**63 - 1
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -52,7 +50,7 @@ def parse_size(text: str, *, bare: str = "MB") -> int:
     value = float(match.group(1)) * UNITS[unit]
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{text!r}: a size must be > 0 bytes")
-    if value > MAX_BYTES:  # PyTorch's DDP takes the cap as an int64 (a crash past it)
+    if value > MAX_BUCKET_BYTES:  # PyTorch's DDP takes the cap as an int64 (a crash past it)
         raise ValueError(f"{text!r}: a size must be at most 2**63 - 1 bytes")
     return max(1, int(value))  # a tiny size means one parameter per bucket, not zero bytes
 

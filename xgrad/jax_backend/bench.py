@@ -20,6 +20,7 @@ from typing import Any
 
 from xgrad import models as zoo
 from xgrad.backend import runner_entries
+from xgrad.buckets import MAX_BUCKET_BYTES
 from xgrad.progress import progress
 from xgrad.step import Step, make_step
 from xgrad.tables import Table, add_table_outputs, print_tables
@@ -47,7 +48,7 @@ class BenchCase:
             value = getattr(self, label)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{label.replace('_', '-')} {value!r}: expected an integer >= 1")
-        if self.bucket_cap_bytes > 2**63 - 1:  # the torch side keeps caps in int64
+        if self.bucket_cap_bytes > MAX_BUCKET_BYTES:  # the torch side keeps caps in int64
             raise ValueError(f"--bucket-cap-bytes {self.bucket_cap_bytes}: at most 2**63 - 1 bytes")
 
     def step(self) -> Step:

@@ -248,11 +248,11 @@ def recv(src: int) -> torch.Tensor:
             # reaches keeps the recv's place: the sender is told "no gradient".
             with torch.inference_mode(False):
                 stand_in = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
-                stand_in, node = received(stand_in, origin)
-            ctx.recvs.append((src, ctx.number("recv", src), stand_in, node))
+                kept, node = received(stand_in, origin)
         else:
             buf, node = received(buf, origin)
-            ctx.recvs.append((src, ctx.number("recv", src), buf, node))
+            kept = buf
+        ctx.recvs.append((src, ctx.number("recv", src), kept, node))
     return buf
 
 

@@ -84,6 +84,13 @@ def _buffer_tables(module: torch.nn.Module) -> list[tuple[dict[str, Any], str, t
     ]
 
 
+def _copy(copies: dict[int, torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+    """A copy of ``b``, one per buffer however many places share it (kept in ``copies``)."""
+    if id(b) not in copies:
+        copies[id(b)] = b.clone()
+    return copies[id(b)]
+
+
 #: a buffer's place: its module's buffer table (by identity) and its name there.
 Place = tuple[int, str]
 
@@ -100,12 +107,11 @@ class BufferSnapshot:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        copies: dict[int, torch.Tensor] = {}  # a buffer several places share: one copy
-        self._taken = []
-        for table, name, b in _buffer_tables(module):
-            if id(b) not in copies:
-                copies[id(b)] = b.clone()
-            self._taken.append((table, name, b, b._version, b.data_ptr(), copies[id(b)]))
+        copies: dict[int, torch.Tensor] = {}
+        self._taken = [
+            (table, name, b, b._version, b.data_ptr(), _copy(copies, b))
+            for table, name, b in _buffer_tables(module)
+        ]
 
     def changed(self) -> dict[Place, torch.Tensor]:
         """After the first forward: place -> the copy from before, for the places whose
@@ -135,14 +141,10 @@ def kept_buffers(
     """
     before = before or {}
     kept = _buffer_tables(module)
-    copies: dict[int, torch.Tensor] = {}  # a buffer several places share gets one copy
+    copies: dict[int, torch.Tensor] = {}
     for table, name, b in kept:
         copy = before.get((id(table), name))
-        if copy is None:
-            copy = copies.get(id(b))
-            if copy is None:
-                copy = copies[id(b)] = b.clone()
-        table[name] = copy
+        table[name] = _copy(copies, b) if copy is None else copy
     try:
         yield
     finally:
