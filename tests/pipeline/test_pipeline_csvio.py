@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import xgrad.pipeline as xp
 @pytest.mark.parametrize("comms", [False, True])
 def test_round_trip(name: str, comms: bool, tmp_path: Path) -> None:
     s = xp.make(name, 2, 4)
-    s = xp.insert_comms(s) if comms else s
+    s = xp.insert_comms(xp.add_stage_ops(s)) if comms else s
     xp.dump_csv(s, tmp_path / "s.csv")
     back = xp.load_csv(tmp_path / "s.csv")
     assert back.actions == s.actions and back.placement == s.placement
@@ -54,3 +55,18 @@ def test_torch_reads_our_actions_and_we_read_its_comm_pass() -> None:
     theirs = xp.schedule_from_csv(text)
     xp.validate(theirs, rendezvous=False)
     assert xp.strip_comms(theirs).actions == s.actions
+
+
+def test_comms_without_reduce_grad_warn_that_torch_would_not_scale() -> None:
+    """torch's runtime runs a file with comms as it is, and only its REDUCE_GRAD scales the
+    gradients by 1/m: an xgrad schedule with comms but no stage ops gave m times the
+    gradients there (and the right ones on xgrad's runtime), without a word."""
+    bare = xp.insert_comms(xp.make("1f1b", 2, 4))
+    with pytest.warns(UserWarning, match=r"no REDUCE_GRAD.*1/m \(m = 4\).*add_stage_ops") as got:
+        xp.schedule_to_csv(bare)
+    assert got[0].filename == __file__  # named at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xp.schedule_to_csv(xp.make("1f1b", 2, 4))  # compute only: torch lowers it itself
+        text = xp.schedule_to_csv(xp.insert_comms(xp.add_stage_ops(xp.make("1f1b", 2, 4))))
+    assert "REDUCE_GRAD" in text

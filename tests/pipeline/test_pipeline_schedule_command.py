@@ -30,6 +30,9 @@ def test_timeline_comms_costs_and_csv(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "SEND_F" in out and "t 00:" in out
     back = xp.load_csv(path)
     assert xp.strip_comms(back).actions == xp.interleaved_1f1b(2, 4, 2).actions
+    # torch's lowering, as its _dump_csv writes it: REDUCE_GRAD is where torch's runtime
+    # scales the gradients by 1/m, so a file without it would give m times the gradients.
+    assert back.actions == xp.insert_comms(xp.add_stage_ops(xp.interleaved_1f1b(2, 4, 2))).actions
 
 
 def test_bad_sizes_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:

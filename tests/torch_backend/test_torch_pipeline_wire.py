@@ -82,6 +82,10 @@ def test_split_batch_and_its_errors() -> None:
         split_batch(torch.zeros(5, 1), 2, "inputs", 0)
     with pytest.raises(ValueError, match="inputs leaf 1 batch size 3"):
         split_batch((torch.zeros(4), torch.zeros(3)), 2, "inputs", 0)
+    # A 0-dim leaf has no batch dimension (it was said to have "batch size 0", which is
+    # a multiple of every m).
+    with pytest.raises(ValueError, match="inputs leaf 1 is a 0-dim tensor: it has no batch"):
+        split_batch({"x": torch.zeros(4), "t": torch.tensor(0.5)}, 2, "inputs", 0)
     with pytest.raises(TypeError, match="rank 1: targets must be a tensor or a pytree"):
         split_batch(None, 2, "targets", 1)
     with pytest.raises(TypeError, match="leaf 0 is a object"):

@@ -103,7 +103,11 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(sim.summary(), end="")
     if args.csv:
-        xp.dump_csv(shown, args.csv)
+        # With comms, the file is torch's lowering (REDUCE_GRAD and the FSDP actions too), as
+        # torch's _dump_csv writes it: without REDUCE_GRAD torch's runtime never scales the
+        # gradients by 1/m.
+        written = xp.validate(xp.insert_comms(xp.add_stage_ops(schedule))) if args.comms else shown
+        xp.dump_csv(written, args.csv)
         print(f"CSV written to {args.csv}")
     if args.json:
         write_tables(simulation_tables(sim), args.json, None)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import os
+import warnings
 
-from xgrad.pipeline.actions import Action, expand
+from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = ["dump_csv", "load_csv", "schedule_from_csv", "schedule_to_csv"]
@@ -16,11 +17,23 @@ def schedule_to_csv(schedule: Schedule) -> str:
     """The CSV text ``torch.distributed.pipelining``'s ``_dump_csv`` writes for these actions
     (compute-only or with comms, as the schedule is).
 
+    Warns:
+        UserWarning: a schedule with sends and receives but no REDUCE_GRAD. torch's runtime
+            takes such a file as complete, and only REDUCE_GRAD scales the gradients by 1/m
+            (and reduces them across replicas), so it would give m times the gradients
+            xgrad's runtime gives (torch's own ``_dump_csv`` always writes them): call
+            :func:`~xgrad.pipeline.add_stage_ops` before :func:`~xgrad.pipeline.insert_comms`.
+
     Raises:
         ValueError: a schedule whose stages are not one chain (fairscale's invocations with
             skips): the format has no place for a stage's inputs, and the file would read
             back as a chain.
     """
+    return _csv_text(schedule)
+
+
+def _csv_text(schedule: Schedule) -> str:
+    """:func:`schedule_to_csv`'s work (a warning names the line that called either writer)."""
     if not schedule.is_chain:
         first = next(
             s for s in range(schedule.num_stages) if schedule.sources(s) != ((s - 1,) if s else ())
@@ -29,6 +42,17 @@ def schedule_to_csv(schedule: Schedule) -> str:
             f"schedule {schedule.name!r} is not a chain (stage {first} takes the output of "
             f"stages {list(schedule.sources(first))}); torch's CSV format cannot say which "
             "stage feeds which, and it would read back as a chain"
+        )
+    flat = [a for acts in schedule.actions for a in acts]
+    if schedule.has_comms and not any(a.kind is Kind.REDUCE_GRAD for a in flat):
+        warnings.warn(
+            f"schedule {schedule.name!r} has sends and receives but no REDUCE_GRAD: torch's "
+            "runtime runs such a file as it is, and only REDUCE_GRAD scales the gradients "
+            f"by 1/m (m = {schedule.num_microbatches}) and reduces them across "
+            "data-parallel replicas, so its gradients would not be xgrad's runtime's; "
+            "call add_stage_ops(...) before insert_comms(...), as torch's _dump_csv does",
+            UserWarning,
+            stacklevel=3,  # the line that called schedule_to_csv or dump_csv
         )
     buf = io.StringIO()
     writer = csv.writer(buf)
@@ -87,9 +111,10 @@ def schedule_from_csv(
 
 
 def dump_csv(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write :func:`schedule_to_csv` to ``path``."""
+    """Write :func:`schedule_to_csv` to ``path`` (warns as it does)."""
+    text = _csv_text(schedule)
     with open(path, "w", newline="") as f:
-        f.write(schedule_to_csv(schedule))
+        f.write(text)
 
 
 def load_csv(path: str | os.PathLike[str], *, placement: tuple[int, ...] | None = None) -> Schedule:

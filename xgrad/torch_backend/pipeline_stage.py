@@ -215,6 +215,12 @@ class StagePasses(StageState):
                     slot.grad_layout = slot.grad_layout or {}
                     slot.grad_layout[src] = [(x.shape, x.dtype) for x in group]
 
+    def _takes_batch_grad(self, stage: int, slot: Slot) -> bool:
+        """Whether ``stage`` reads the step's batch and some of it requires grad."""
+        if self.schedule.sources(stage) or slot.input is None:
+            return False
+        return any(t.requires_grad for t in tensor_leaves(slot.input))
+
     def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
         return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
@@ -235,7 +241,13 @@ class StagePasses(StageState):
                 outs, grads = [slot.output], None
             else:
                 outs, grads = self._targets(action, slot, slot.grad_output)
-            if outs and params:
+            if outs and self._takes_batch_grad(action.stage, slot):
+                # The step's own input requires grad (an adversarial input, a penalty on
+                # it): I had nothing of this stage's to differentiate, so W takes the
+                # whole backward, into the batch too, as B would (else its .grad stayed
+                # None, or partial where some microbatches ran B and others I/W).
+                torch.autograd.backward(outs, grads)
+            elif outs and params:
                 torch.autograd.backward(outs, grads, inputs=params)
         slot.output = slot.input = slot.out_edges = slot.grad_output = slot.captured = None
 

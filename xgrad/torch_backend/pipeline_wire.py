@@ -223,7 +223,8 @@ def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
 
     Raises:
         TypeError: no tensor in ``batch``.
-        ValueError: a leaf's batch size is not a multiple of m (naming ``name`` and the leaf).
+        ValueError: a leaf's batch size is not a multiple of m, or a leaf is a 0-dim tensor
+            (naming ``name`` and the leaf).
     """
     leaves, spec = pytree.tree_flatten(batch)
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
@@ -234,9 +235,15 @@ def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
     columns: list[list[Any]] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            size = leaf.shape[0] if leaf.dim() else 0
-            if leaf.dim() == 0 or size % m:
-                label = name if len(leaves) == 1 else f"{name} leaf {i}"
+            label = name if len(leaves) == 1 else f"{name} leaf {i}"
+            if leaf.dim() == 0:
+                raise ValueError(
+                    f"rank {rank}: {label} is a 0-dim tensor: it has no batch dimension to "
+                    f"split into {m} microbatches (give it one, or pass a Python number, "
+                    "which every microbatch gets as it is)"
+                )
+            size = leaf.shape[0]
+            if size % m:
                 raise ValueError(
                     f"rank {rank}: {label} batch size {size} is not a multiple of the "
                     f"{m} microbatches"
