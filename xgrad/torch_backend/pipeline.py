@@ -42,12 +42,12 @@ from xgrad.torch_backend.pipeline_edges import (
     next_step,
     step_tag,
 )
+from xgrad.torch_backend.pipeline_eval import Mode, evaluating, merge_outputs
 from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_lanes import default_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
-from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import EdgeCache
@@ -167,7 +167,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         )
         self.device = None if device is None else torch.device(device)
         self._edges = EdgeCache()
-        self._agreed = False
+        self._agreed: str | None = None
         self._p2p: tuple[Any, ...] | None = None
         self._lanes = default_lanes(dist.get_world_size(group))
         self._channel: FailureChannel | None = None
@@ -177,8 +177,13 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._p2p_ranks: list[int] = []
         # A failed step's group and wire (its transfers), until the group is aborted.
         self._dying: tuple[tuple[Any, ...], StepWire | None] | None = None
-        self._route = WirePlan.of(self.schedule, self.rank)
+        self._train_mode = Mode(self.schedule, self.rank)  # eval() swaps in its own
+        self._eval_mode: Mode | None = None
+        self._route = self._train_mode.route
         self._actions = self._route.actions
+        self._digest = self._train_mode.digest
+        self._evaluating = False
+        self._outputs: dict[int, Any] = {}
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
         self.post_ahead = 8
@@ -194,6 +199,32 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._ddp_steps: list[int] = []
 
     # -- the event loop ------------------------------------------------------------------
+
+    def eval(
+        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
+    ) -> Any:
+        """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
+        validation loss or predictions. Nothing is added to ``.grad`` and no activation is
+        kept; every rank calls it (the ranks agree on the schedule again when they change
+        between :meth:`step` and this, so one that trains meanwhile is refused by name).
+
+        Args:
+            inputs: the whole batch, on the rank of stage 0 (as for :meth:`step`).
+            targets: the whole batch's targets on the last stage's rank, or ``None`` for
+                no loss.
+            losses: on the last stage's rank, a list emptied and filled with each
+                microbatch's loss (when ``targets`` are given), as for :meth:`step`.
+
+        Returns:
+            On the last stage's rank, its outputs for the whole batch, merged as torch's
+            schedules merge them (tensor leaves concatenated along dim 0); else ``None``.
+
+        Raises:
+            xgrad.failure.RankError: as :meth:`step`.
+        """
+        with evaluating(self):
+            out = self.step(inputs, targets, losses=losses)
+        return out
 
     def step(
         self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
@@ -222,14 +253,14 @@ class PipelineRuntime(StepGroups, StagePasses):
         if UNFINISHED:  # a DDP's backward pass raised on this thread: its peers are told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
-        if self._dp is not None:
+        if self._dp is not None and not self._evaluating:
             self._dp.start()
-        self._devices, self._joins, self._losses = {}, StageJoins(), {}
+        self._devices, self._joins, self._losses, self._outputs = {}, StageJoins(), {}, {}
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
         # private group is made (the peers wait for it in wait_all_started), else below.
         early: Any = None
-        if not (self._agreed and self._p2p is not None):
+        if not (self._agreed == self._digest and self._p2p is not None):
             try:
                 early = self._split(inputs, targets, mine)
             except Exception as exc:
@@ -281,8 +312,12 @@ class PipelineRuntime(StepGroups, StagePasses):
             wire.finish(self._waiters[1])
             if self._written:
                 self._forget()
-            if losses is not None and sched.num_stages - 1 in mine:
-                losses[:] = [self._losses[mb] for mb in range(sched.num_microbatches)]
+            last = sched.num_stages - 1 in mine
+            if losses is not None and last:
+                losses[:] = [self._losses[mb] for mb in sorted(self._losses)]
+            if self._evaluating:
+                outputs = [self._outputs[mb] for mb in sorted(self._outputs)]
+                return merge_outputs(outputs) if last else None
             return loss
         except RankError as error:
             raise_from(self._failed_by(error, channel, wire, action), error)  # no cycle
@@ -297,4 +332,6 @@ class PipelineRuntime(StepGroups, StagePasses):
 
     def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
         """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
-        return split_step(self.schedule, self.rank, inputs, targets, mine)
+        return split_step(
+            self.schedule, self.rank, inputs, targets, mine, evaluating=self._evaluating
+        )

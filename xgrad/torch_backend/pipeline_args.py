@@ -163,19 +163,28 @@ def reduce_points(schedule: Schedule, rank: int, slot_of: dict[int, int]) -> dic
 
 
 def split_step(
-    schedule: Schedule, rank: int, inputs: Any, targets: Any, mine: set[int]
+    schedule: Schedule,
+    rank: int,
+    inputs: Any,
+    targets: Any,
+    mine: set[int],
+    *,
+    evaluating: bool = False,
 ) -> tuple[Any, Any]:
-    """``rank``'s microbatches of a step's inputs (stage 0) and targets (the last stage).
+    """``rank``'s microbatches of a step's inputs (stage 0) and targets (the last stage;
+    optional in an evaluation, which then computes no loss).
 
-    Also refuses a step under ``torch.no_grad()``: its forwards would keep no graph, and
-    the first backward would fail after others had added to ``.grad``.
+    Also refuses a training step under ``torch.no_grad()``: its forwards would keep no
+    graph, and the first backward would fail after others had added to ``.grad``.
     """
-    if not torch.is_grad_enabled():
+    if not evaluating and not torch.is_grad_enabled():
         raise RuntimeError(
             f"rank {rank}: step() runs the backward pass too, and was called with "
-            "gradients disabled (torch.no_grad() or inference_mode); call it outside"
+            "gradients disabled (torch.no_grad() or inference_mode); call it outside, or "
+            "eval() for the forwards alone"
         )
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     xs = split_batch(inputs, m, "inputs", rank) if 0 in mine else None
-    ys = split_batch(targets, m, "targets", rank) if last in mine else None
+    wanted = last in mine and not (evaluating and targets is None)
+    ys = split_batch(targets, m, "targets", rank) if wanted else None
     return xs, ys

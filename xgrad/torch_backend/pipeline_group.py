@@ -43,7 +43,8 @@ class StepGroups(StageState):
     """Opens a step on the private group, and sets the group aside when a step fails."""
 
     _edges: EdgeCache
-    _agreed: bool
+    _agreed: str | None  # the digest of the schedule the ranks last agreed on
+    _digest: str  # the digest of the schedule the next step runs
     _p2p: tuple[Any, ...] | None  # the step's lanes (private groups), lane 0 first
     _p2p_ranks: list[int]
     _lanes: int
@@ -99,20 +100,25 @@ class StepGroups(StageState):
             self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
             me = dist.get_group_rank(self._p2p[0], channel.rank)
             self._written += [group_keys(group, me) for group in self._p2p]
-        if not self._agreed:
+        if self._agreed != self._digest:
             # Every rank gathers the same digests, so a mismatch raises the same ValueError
-            # everywhere; a hang on a schedule one rank does not share is ruled out.
+            # everywhere; a hang on a schedule one rank does not share is ruled out (and on
+            # a change between training and evaluation, a rank that does the other).
             check_agreement(
-                "pipeline schedule",
-                sched.digest(),
+                "pipeline schedule (eval's forwards)" if self._evaluating else "pipeline schedule",
+                self._digest,
                 sched.text,
                 where="PipelineRuntime",
-                group=self.group,
+                # On the step's private group, not the user's: a rank that never joins
+                # (its peers train while it evaluates) leaves the all-gather pending, and
+                # a pending collective on the user's group held the process at its exit;
+                # the private group is set aside and aborted with the failed step's.
+                group=self._p2p[0],
                 timeout=self.timeout,
                 channel=channel,
                 device=self._device(min(mine)) if mine else "cpu",
             )
-            self._agreed = True
+            self._agreed = self._digest
         return channel
 
     def _all_started(self, channel: FailureChannel, members: list[int]) -> list[int]:
@@ -190,7 +196,7 @@ class StepGroups(StageState):
         if self._channel is not None:
             self._keep_written(self._channel)
         self._edges.clear()
-        self._agreed = False
+        self._agreed = None
         if self._p2p is not None:
             self._dying = (self._p2p, wire)
             for group in self._p2p:

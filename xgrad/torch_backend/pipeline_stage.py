@@ -288,7 +288,11 @@ class StagePasses(StageState):
         slot = slots.setdefault(key, Slot())
         if kind is Kind.FORWARD:
             out = self._forward(action, slot, slots, xs, ys)
-            if action.stage == self.schedule.num_stages - 1:
+            if self._evaluating:  # no backward: the input goes, the output once read
+                slot.input = None
+                if action.stage == self.schedule.num_stages - 1:
+                    slot.output = None  # kept in _outputs
+            elif action.stage == self.schedule.num_stages - 1:
                 loss = out.detach() if loss is None else loss + out.detach()
         elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
             self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)

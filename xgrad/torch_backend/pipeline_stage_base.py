@@ -49,6 +49,8 @@ class StageState:
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
     _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
     _joins: StageJoins  # per stage graph, where W starts (this step)
+    _evaluating: bool = False  # this step runs the forwards alone (eval)
+    _outputs: dict[int, Any]  # per microbatch, the last stage's output (an evaluation)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -73,6 +75,8 @@ class StageState:
         return self._no_sync is not None or hasattr(self._module(stage), "no_sync")
 
     def _checkpointed(self, microbatch: int) -> bool:
+        if self._evaluating:
+            return False  # no backward: nothing to recompute
         return checkpointed(
             self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
         )
@@ -89,6 +93,11 @@ class StageState:
     def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
         with self._sync_context(stage, mb):
             y = self._module(stage)(x)
+        if stage == self.schedule.num_stages - 1 and self._evaluating:
+            self._outputs[mb] = y
+            if target is not None:
+                self._losses[mb] = self._loss(y, target).detach()
+            return y
         if stage == self.schedule.num_stages - 1:
             loss = self._loss(y, target)
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them

@@ -1,0 +1,100 @@
+"""A forward-only step of the pipeline runtime: torch's ``schedule.eval``.
+
+A validation loss of a pipelined model needs every stage's forward on every microbatch
+and nothing else: no backward, no gradient added to ``.grad``, no activation kept. The
+runtime's step runs whatever actions its schedule lists, so an evaluation swaps in the
+schedule's forwards alone, in each rank's order, with their sends and receives (a
+subsequence of an order that cannot deadlock cannot either), and its own plans of the
+wire, and swaps the training ones back after. The ranks agree on the schedule again when
+they change from one to the other, so a rank that evaluates while its peers train is
+refused by name instead of pairing their messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from xgrad.pipeline import Kind, Schedule, expand
+from xgrad.torch_backend.pipeline_route import WirePlan
+
+__all__ = ["Mode", "evaluating", "forward_schedule", "merge_outputs"]
+
+_FORWARD = frozenset({Kind.FORWARD, Kind.SEND_F, Kind.RECV_F})
+
+
+def forward_schedule(schedule: Schedule) -> Schedule:
+    """``schedule``'s forwards and their sends and receives, in each rank's order (an
+    overlapped F/B pair keeps its F). Not a schedule :func:`~xgrad.pipeline.validate`
+    accepts (it has no backward), only what an evaluation runs."""
+    actions = tuple(
+        tuple(a for a in expand(acts) if a.kind in _FORWARD) for acts in schedule.actions
+    )
+    return replace(schedule, actions=actions, name=f"{schedule.name} (forwards)")
+
+
+class Mode:
+    """One way through a step: its schedule, the rank's wire plan, its posted plan (made
+    by the first step that needs it) and the schedule's digest (what the ranks agree on)."""
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.schedule = schedule
+        self.route = WirePlan.of(schedule, rank)
+        self.plan: Any = None
+        self.digest = schedule.digest()
+
+
+@contextlib.contextmanager
+def evaluating(runtime: Any) -> Iterator[None]:
+    """Run ``runtime``'s next step forward only: its evaluation mode swapped in (made once)
+    under ``torch.no_grad()``, the training mode swapped back after, however it ends."""
+    if runtime._eval_mode is None:
+        runtime._eval_mode = Mode(forward_schedule(runtime._train_mode.schedule), runtime.rank)
+    _use(runtime, runtime._eval_mode)
+    runtime._evaluating = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        runtime._evaluating = False
+        runtime._eval_mode.plan = runtime._plan
+        _use(runtime, runtime._train_mode)
+
+
+def _use(runtime: Any, mode: Mode) -> None:
+    runtime.schedule = mode.schedule
+    runtime._route = mode.route
+    runtime._actions = mode.route.actions
+    runtime._plan = mode.plan
+    runtime._digest = mode.digest
+
+
+def merge_outputs(outputs: list[Any]) -> Any:
+    """The microbatches' outputs as one batch, as torch's ``merge_chunks`` gives them:
+    tensor leaves concatenated along dim 0 (0-dim ones stacked), other leaves as the list
+    of each microbatch's.
+
+    Raises:
+        ValueError: two microbatches' outputs of different structures (named).
+    """
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for mb, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"the last stage's output of microbatch {mb} has another structure than "
+                f"microbatch 0's ({other} against {spec}): they cannot be merged"
+            )
+    merged: list[Any] = []
+    for column in zip(*(leaves for leaves, _ in flat), strict=True):
+        if all(isinstance(t, torch.Tensor) for t in column):
+            ts: list[torch.Tensor] = list(column)
+            merged.append(torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts))
+        else:
+            merged.append(list(column))
+    return pytree.tree_unflatten(merged, spec)
