@@ -42,11 +42,11 @@ from xgrad.torch_backend.pipeline_edges import (
     next_step,
     step_tag,
 )
-from xgrad.torch_backend.pipeline_eval import Mode, evaluating, merge_outputs
+from xgrad.torch_backend.pipeline_eval import Evaluation, merge_outputs
 from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_lanes import default_lanes
-from xgrad.torch_backend.pipeline_posted import PostedPlan, check_release
+from xgrad.torch_backend.pipeline_posted import check_release
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_stage import StagePasses
@@ -58,7 +58,7 @@ __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
-class PipelineRuntime(StepGroups, StagePasses):
+class PipelineRuntime(StepGroups, StagePasses, Evaluation):
     """Runs this rank's part of a pipeline schedule, as an event loop over its actions.
 
     The first stage reads microbatches of the input, the last computes the loss on
@@ -177,13 +177,7 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._p2p_ranks: list[int] = []
         # A failed step's group and wire (its transfers), until the group is aborted.
         self._dying: tuple[tuple[Any, ...], StepWire | None] | None = None
-        self._train_mode = Mode(self.schedule, self.rank)  # eval() swaps in its own
-        self._eval_mode: Mode | None = None
-        self._route = self._train_mode.route
-        self._actions = self._route.actions
-        self._digest = self._train_mode.digest
-        self._evaluating = False
-        self._outputs: dict[int, Any] = {}
+        self._start_modes()  # the schedule, its wire plan and digest (eval swaps them)
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
         self.post_ahead = 8
@@ -191,7 +185,6 @@ class PipelineRuntime(StepGroups, StagePasses):
         # the failure channel (a collective, the step's last sends) hand off to these.
         self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
         self.release_sends = "posted"
-        self._plan: PostedPlan | None = None
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0
         self._devices, self._losses = {}, {}
@@ -199,32 +192,6 @@ class PipelineRuntime(StepGroups, StagePasses):
         self._ddp_steps: list[int] = []
 
     # -- the event loop ------------------------------------------------------------------
-
-    def eval(
-        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
-    ) -> Any:
-        """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
-        validation loss or predictions. Nothing is added to ``.grad`` and no activation is
-        kept; every rank calls it (the ranks agree on the schedule again when they change
-        between :meth:`step` and this, so one that trains meanwhile is refused by name).
-
-        Args:
-            inputs: the whole batch, on the rank of stage 0 (as for :meth:`step`).
-            targets: the whole batch's targets on the last stage's rank, or ``None`` for
-                no loss.
-            losses: on the last stage's rank, a list emptied and filled with each
-                microbatch's loss (when ``targets`` are given), as for :meth:`step`.
-
-        Returns:
-            On the last stage's rank, its outputs for the whole batch, merged as torch's
-            schedules merge them (tensor leaves concatenated along dim 0); else ``None``.
-
-        Raises:
-            xgrad.failure.RankError: as :meth:`step`.
-        """
-        with evaluating(self):
-            out = self.step(inputs, targets, losses=losses)
-        return out
 
     def step(
         self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None

@@ -13,17 +13,17 @@ refused by name instead of pairing their messages.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from xgrad.pipeline import Kind, Schedule, expand
+from xgrad.pipeline import Action, Kind, Schedule, expand
 from xgrad.torch_backend.pipeline_route import WirePlan
 
-__all__ = ["Mode", "evaluating", "forward_schedule", "merge_outputs"]
+__all__ = ["Evaluation", "Mode", "evaluating", "forward_schedule", "merge_outputs"]
 
 _FORWARD = frozenset({Kind.FORWARD, Kind.SEND_F, Kind.RECV_F})
 
@@ -47,6 +47,54 @@ class Mode:
         self.route = WirePlan.of(schedule, rank)
         self.plan: Any = None
         self.digest = schedule.digest()
+
+
+class Evaluation:
+    """:meth:`eval`, the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
+    that runs a step's forwards alone (its :meth:`step` does the work)."""
+
+    schedule: Schedule
+    rank: int
+    _route: WirePlan
+    _actions: tuple[Action, ...]
+    _plan: Any  # the posted plan of the mode in use (pipeline_posted.PostedPlan)
+    _digest: str
+    step: Callable[..., Any]  # the runtime's
+
+    def _start_modes(self) -> None:
+        """Training's mode in use (the runtime's schedule, as given); eval's made when
+        first used."""
+        self._train_mode = Mode(self.schedule, self.rank)
+        self._eval_mode: Mode | None = None
+        _use(self, self._train_mode)
+        self._evaluating = False
+        self._outputs: dict[int, Any] = {}
+
+    def eval(
+        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
+    ) -> Any:
+        """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
+        validation loss or predictions. Nothing is added to ``.grad`` and no activation is
+        kept; every rank calls it (the ranks agree on the schedule again when they change
+        between :meth:`step` and this, so one that trains meanwhile is refused by name).
+
+        Args:
+            inputs: the whole batch, on the rank of stage 0 (as for :meth:`step`).
+            targets: the whole batch's targets on the last stage's rank, or ``None`` for
+                no loss.
+            losses: on the last stage's rank, a list emptied and filled with each
+                microbatch's loss (when ``targets`` are given), as for :meth:`step`.
+
+        Returns:
+            On the last stage's rank, its outputs for the whole batch, merged as torch's
+            schedules merge them (tensor leaves concatenated along dim 0); else ``None``.
+
+        Raises:
+            xgrad.failure.RankError: as :meth:`step`.
+        """
+        with evaluating(self):
+            out = self.step(inputs, targets, losses=losses)
+        return out
 
 
 @contextlib.contextmanager
