@@ -28,17 +28,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import get_gradient_edge
 
 from xgrad.failure import RankError, check_seconds
 from xgrad.torch_backend import dist_hooks
 from xgrad.torch_backend.dist_accumulate import Accumulate, keep
 from xgrad.torch_backend.dist_context_state import Context
-from xgrad.torch_backend.dist_edges import may_have_hooks, received
+from xgrad.torch_backend.dist_edges import may_have_hooks, received_here, send_edge
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
+from xgrad.torch_backend.dist_release import release_saved
 from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.failure import transfer_error
 from xgrad.torch_backend.private_groups import require_member
@@ -77,6 +77,14 @@ def _current(what: str) -> Context:
     ctx: Context | None = getattr(_local, "context", None)
     if ctx is None:
         raise RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
+    if ctx.in_backward:
+        # A checkpointed function's forward runs again in backward: its send would go to a
+        # peer that takes no more (or its recv wait for one that sends none).
+        raise RuntimeError(
+            f"{what} during the backward pass of context {ctx.id}: a checkpointed "
+            "function that sends or receives runs again in backward; keep send and recv "
+            "outside checkpointed regions"
+        )
     return ctx
 
 
@@ -197,16 +205,7 @@ def send(tensor: torch.Tensor, dst: int) -> None:
         raise ctx.error(transfer_error(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
     ctx.ledger.sent_to(dst, tensor.requires_grad)
     if tensor.requires_grad:
-        # The edge as it is now: an in-place op on the tensor later must not move where
-        # the gradient of what was sent enters (PyTorch attaches its send node here too).
-        # Outside inference mode: in it, a leaf's gradient accumulator cannot be made
-        # (a parameter sent under ``inference_mode`` is sent as under ``no_grad``).
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
-                edge = get_gradient_edge(tensor)
-        else:
-            edge = get_gradient_edge(tensor)
-        ctx.sends.append((dst, ctx.number("send", dst), tensor, edge))
+        ctx.sends.append((dst, ctx.number("send", dst), tensor, send_edge(tensor)))
 
 
 def recv(src: int) -> torch.Tensor:
@@ -241,17 +240,7 @@ def recv(src: int) -> torch.Tensor:
     ctx.wait(work, f"recv from rank {src}", src, link)
     if requires_grad:
         origin = f"by rank {ctx.me} from rank {src} in context {ctx.id}"
-        if torch.is_inference_mode_enabled():
-            # No graph in inference mode: the tensor needs no grad (it came out an inference
-            # tensor that required grad, whose ops were tracked or not by their kind, and a
-            # sender's gradient could go missing without a word). A stand-in that no root
-            # reaches keeps the recv's place: the sender is told "no gradient".
-            with torch.inference_mode(False):
-                stand_in = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
-                kept, node = received(stand_in, origin)
-        else:
-            buf, node = received(buf, origin)
-            kept = buf
+        buf, kept, node = received_here(buf, origin)
         ctx.recvs.append((src, ctx.number("recv", src), kept, node))
     return buf
 
@@ -285,16 +274,19 @@ def backward(
     ctx.ledger.passes += 1
     ctx.ledger.enter("pass")
     inbox = ctx.inbox()
+    ctx.in_backward = True
     try:
-        grads, leaves, accumulate = _run(ctx, inbox, roots)
+        grads, leaves, accumulate, walked = _run(ctx, inbox, roots)
     except BaseException:
         ctx.answered = True  # the pass's inbox poisoned what this rank owed
         ctx.answer_unreceived()
         raise
     finally:
+        ctx.in_backward = False
         ctx.ledger.enter("forward")
     if not retain_graph:
         ctx.graph_freed = True
+        release_saved(walked)  # as torch's engine frees them (dist_release)
     try:
         keep(ctx.grads, grads, leaves, accumulate, accumulate_grad)
     except Exception as exc:
@@ -319,9 +311,9 @@ def _roots(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _run(
     ctx: Context, inbox: Inbox, given: Sequence[torch.Tensor]
-) -> tuple[dict[int, Any], tuple[torch.Tensor, ...], Accumulate]:
+) -> tuple[dict[int, Any], tuple[torch.Tensor, ...], Accumulate, tuple[Any, ...]]:
     """This rank's part of the pass: ``(leaf index -> gradient, the leaves, how they were
-    added)``; raises (every rank does) if any rank failed."""
+    added, the torch nodes walked)``; raises (every rank does) if any rank failed."""
     roots: list[torch.Tensor] = []
     try:
         roots = _roots(given)
@@ -354,7 +346,7 @@ def _run(
     sent = [edge for _, _, _, edge in ctx.sends]
     taken = [(t, node) for _, _, t, node in ctx.recvs]
     grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
-    return grads, rank_graph.leaves, accumulate
+    return grads, rank_graph.leaves, accumulate, rank_graph.walked
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -89,6 +89,7 @@ class Context:
         self.seen = Seen()
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_freed = False
+        self.in_backward = False  # send and recv are refused meanwhile (see _current)
         # Whether this rank already raised the context's failure to the user.
         self.reported = False
         # Whether a failed pass already answered what its peers wait for (with poison).

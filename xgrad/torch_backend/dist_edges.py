@@ -16,11 +16,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from xgrad.engine import NodeFunction
 
-__all__ = ["Recv", "hooked_caller", "may_have_hooks", "received", "recv_hooks"]
+__all__ = [
+    "Recv",
+    "hooked_caller",
+    "may_have_hooks",
+    "received",
+    "received_here",
+    "recv_hooks",
+    "send_edge",
+]
 
 #: what a received tensor's node hangs from: autograd gives a Function's output a
 #: ``grad_fn`` only when an input requires grad. Nothing ever flows into it.
@@ -122,3 +130,32 @@ def received(buf: torch.Tensor, origin: str = "") -> tuple[torch.Tensor, Any]:
     with torch.enable_grad():
         t = Recv.apply(_ANCHOR, [buf], origin)
     return t, t.grad_fn
+
+
+def received_here(buf: torch.Tensor, origin: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """A received tensor that requires grad, as :func:`received` gives it: ``(the tensor
+    returned, the tensor the context keeps, its node)``.
+
+    Under ``torch.inference_mode`` there is no graph: the tensor returned needs no grad (it
+    came out an inference tensor that required grad, whose ops were tracked or not by their
+    kind, and a sender's gradient could go missing without a word), and a stand-in that no
+    root reaches keeps the recv's place, so the sender is told "no gradient".
+    """
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            stand_in = torch.empty(buf.shape, dtype=buf.dtype, device=buf.device)
+            kept, node = received(stand_in, origin)
+        return buf, kept, node
+    t, node = received(buf, origin)
+    return t, t, node
+
+
+def send_edge(tensor: torch.Tensor) -> GradientEdge:
+    """Where the gradient of a sent ``tensor`` enters its graph, as it is now: an in-place
+    op on the tensor later must not move it (PyTorch attaches its send node here too).
+    Taken outside inference mode: in it, a leaf's gradient accumulator cannot be made (a
+    parameter sent under ``inference_mode`` is sent as under ``no_grad``)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return get_gradient_edge(tensor)
+    return get_gradient_edge(tensor)

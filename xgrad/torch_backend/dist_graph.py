@@ -50,6 +50,8 @@ class RankGraph:
             would run them once per call through the node.
         leaf_node_hooks: leaf index -> the pre- and post-hook dicts of its accumulator,
             where the context saw C++ node hooks registered and the leaf has some.
+        walked: the torch function nodes of the graph (whose saved tensors a pass without
+            ``retain_graph`` frees, :mod:`.dist_release`).
     """
 
     graph: BackwardGraph
@@ -60,6 +62,7 @@ class RankGraph:
     recv_nodes: dict[int, int]
     inner_hooks: bool = False
     leaf_node_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    walked: tuple[Any, ...] = ()
 
 
 def _caller(
@@ -273,8 +276,10 @@ def build_rank_graph(
         send_nodes.append(u)
     products: list[tuple[int, Any, list[int], list[Any]]] = []  # see dist_split
     probed = False
+    walked = []
     while stack:
         u, fn = stack.pop()
+        walked.append(fn)
         keep = []
         wants = []
         for i, (child, nr) in enumerate(fn.next_functions):
@@ -310,5 +315,5 @@ def build_rank_graph(
             functions[u] = hooked_caller(node, functions[u])
     return RankGraph(
         graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner,
-        leaf_node_hooks,
+        leaf_node_hooks, tuple(walked),
     )  # fmt: skip

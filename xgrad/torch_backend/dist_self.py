@@ -10,6 +10,7 @@ no failure path needs anything of it; what is left unreceived is misuse, named a
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import torch
@@ -29,9 +30,14 @@ class ToSelf:
         self._queue: deque[torch.Tensor] = deque()
 
     def send(self, t: torch.Tensor) -> None:
-        """Keep a copy of ``t``, connected to ``t``'s graph even under ``no_grad`` (as a
-        peer's receive requires grad when the sent tensor does), contiguous as a peer's is."""
-        with torch.enable_grad():
+        """Keep a copy of ``t``, connected to ``t``'s graph even under ``no_grad`` or
+        ``inference_mode`` (as a peer's receive requires grad when the sent tensor does;
+        made in inference mode, the copy needed none and the gradient was lost without a
+        word), contiguous as a peer's is."""
+        modes = contextlib.ExitStack()
+        if torch.is_inference_mode_enabled():
+            modes.enter_context(torch.inference_mode(False))
+        with modes, torch.enable_grad():
             if t.layout == torch.strided:
                 self._queue.append(t.clone(memory_format=torch.contiguous_format))
             else:
@@ -39,14 +45,16 @@ class ToSelf:
 
     def recv(self) -> torch.Tensor:
         """The oldest tensor sent to itself; refused at once when there is none (no other
-        thread can send it later: a context belongs to one thread)."""
+        thread can send it later: a context belongs to one thread). Under
+        ``inference_mode`` it needs no grad, as a peer's tensor received there."""
         if not self._queue:
             raise RuntimeError(
                 f"recv(src={self.me}) on rank {self.me}: this rank has sent itself no tensor "
                 "it has not received yet in this context (a send to one's own rank comes "
                 "before its recv)"
             )
-        return self._queue.popleft()
+        t = self._queue.popleft()
+        return t.detach() if torch.is_inference_mode_enabled() else t
 
     def check_received(self) -> None:
         """At the context's exit: every tensor sent to itself was received (else the

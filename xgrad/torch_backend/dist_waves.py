@@ -40,6 +40,7 @@ from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
 from xgrad.torch_backend.dist_pass import ProcessPass
+from xgrad.torch_backend.dist_release import one_recompute
 
 __all__ = ["WavePlan", "plan_waves", "run_pass", "run_waves"]
 
@@ -328,7 +329,9 @@ def run_pass(
         node_hooks = rank_graph.leaf_node_hooks.get(i)
         if leaf._backward_hooks or node_hooks is not None:
             engine.register_post_accumulate_hook(i, leaf_hooks(engine, leaf, node_hooks))
-    with torch.no_grad():
+    # A non-reentrant checkpoint recomputes once per pass (dist_release); torch's engine
+    # (waves) does not take one group: its calls overlap where a wave resumes.
+    with torch.no_grad(), one_recompute():
         engine.backward_distributed(
             cast(Any, pass_), me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
         )

@@ -53,8 +53,8 @@ __all__ = [
     "tag",
 ]
 
-#: dtypes that may travel, by code.
-DTYPES: tuple[torch.dtype, ...] = (
+#: dtypes gloo moves: they travel as they are.
+_GLOO_DTYPES = (
     torch.float32,
     torch.float64,
     torch.float16,
@@ -68,7 +68,26 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.uint8,
     torch.bool,
 )
+#: dtypes gloo does not move: they travel as their bytes (:func:`_as_bytes`), as PyTorch's
+#: RPC sends them (those this torch has).
+_BYTE_NAMES = "uint16 uint32 uint64 complex32 float8_e4m3fn float8_e5m2 float8_e4m3fnuz"
+_BYTE_NAMES += " float8_e5m2fnuz float8_e8m0fnu"
+_BYTE_DTYPES = tuple(
+    dt
+    for dt in (getattr(torch, name, None) for name in _BYTE_NAMES.split())
+    if isinstance(dt, torch.dtype)
+)
+#: dtypes that may travel, by code (the byte ones after the others, whose codes stay).
+DTYPES: tuple[torch.dtype, ...] = (*_GLOO_DTYPES, *_BYTE_DTYPES)
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
+_AS_BYTES = frozenset(_BYTE_DTYPES)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t``, one dimension, sharing its storage."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 #: what ``compare_set`` of an absent forward header returns (no header is this value).
 _ABSENT = b"\x00absent"
 #: tags live above 2**30, clear of the small tags other users of the group pick.
@@ -155,7 +174,8 @@ class Link:
         # tensor as it was, whatever the sender writes into it before gloo reads it.
         data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         data.copy_(t.detach())
-        work = self.pg.send([data], self.group_peer, self._tags[FORWARD])
+        wire = _as_bytes(data) if t.dtype in _AS_BYTES else data
+        work = self.pg.send([wire], self.group_peer, self._tags[FORWARD])
         head = [_CODE[t.dtype], int(t.requires_grad), *t.shape]
         self.store.set(f"{self._out}/f/{self._next('f')}", ",".join(map(str, head)).encode())
         return work, data
@@ -199,7 +219,8 @@ class Link:
         head = [int(v) for v in header.decode().split(",")]
         code, requires_grad, shape = head[0], bool(head[1]), head[2:]
         buf = torch.empty(shape, dtype=DTYPES[code], device=self.device)
-        return self.pg.recv([buf], self.group_peer, self._tags[FORWARD]), buf, requires_grad
+        wire = _as_bytes(buf) if buf.dtype in _AS_BYTES else buf  # lands in buf's storage
+        return self.pg.recv([wire], self.group_peer, self._tags[FORWARD]), buf, requires_grad
 
     def unreceived(self) -> int:
         """How many tensors requiring grad the peer sent that this rank did not receive.

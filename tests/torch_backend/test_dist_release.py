@@ -1,0 +1,108 @@
+"""What torch's engine does after a pass that xgrad's must do too, and what may travel.
+
+- A pass without ``retain_graph`` frees what its nodes saved for backward, as torch's
+  engine does: the node engine calls torch's nodes itself, and their activations stayed
+  as long as anything held the graph (a loop that kept its losses kept every step's).
+- A rank's send to itself under ``torch.inference_mode`` keeps its gradient, as a send to
+  a peer there does (the copy kept was an inference tensor, and the gradient was lost).
+- Dense tensors of the dtypes gloo does not move (unsigned, float8, complex32) travel as
+  their bytes, as PyTorch's RPC sends them (they were refused).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from xgrad.torch_backend import dist_autograd as da
+
+
+def _freed(rank: int, world: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        for retain in (False, True):
+            w = torch.ones(4, dtype=torch.float64, requires_grad=True)
+            with da.context(timeout=20) as cid:
+                if rank == 0:
+                    da.send((w * 2).sin(), 1)
+                    da.backward(cid, [], retain_graph=retain)
+                else:
+                    z = (da.recv(0) * w).exp()
+                    da.backward(cid, [z.sum()], retain_graph=retain)
+                    node = z.grad_fn
+                    try:
+                        _ = node._saved_result  # type: ignore[union-attr]
+                        out[f"{execute}/{retain}"] = "kept"
+                    except RuntimeError as exc:
+                        out[f"{execute}/{retain}"] = str(exc)
+    return out
+
+
+def test_a_pass_without_retain_graph_frees_what_its_nodes_saved() -> None:
+    results, codes = run_ranks(_freed, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    status, out = results[1]
+    assert status == "ok", out
+    for execute in ("nodes", "waves"):
+        assert out[f"{execute}/True"] == "kept"
+        assert "backward through the graph a second time" in out[f"{execute}/False"], out
+
+
+def _self_inference(rank: int, world: int) -> list[float]:
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    v = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    with da.context(timeout=20) as cid:
+        if rank == 0:
+            with torch.inference_mode():
+                da.send(w, 0)  # to itself
+                da.send(w, 1)
+            a = da.recv(0)
+            da.backward(cid, [(a + v).sum()])
+            return da.get_gradients(cid)[w].tolist()
+        b = da.recv(0)
+        da.backward(cid, [(b * 10).sum()])
+    return []
+
+
+def test_a_send_to_itself_under_inference_mode_keeps_its_gradient() -> None:
+    results, codes = run_ranks(_self_inference, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert results[0] == ("ok", [11.0, 11.0, 11.0])  # 1 through itself, 10 through rank 1
+
+
+_BYTE_DTYPES = ["uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2"]
+
+
+def _sample(name: str) -> torch.Tensor:
+    base = torch.arange(-3, 5, dtype=torch.float32) * 0.75
+    if name.startswith("uint"):
+        return torch.arange(0, 8, dtype=torch.int64).mul(1000003).to(getattr(torch, name))
+    if name == "complex32":
+        return torch.complex(base, base * 2).to(torch.complex32)
+    return base.to(getattr(torch, name))
+
+
+def _dtypes(rank: int, world: int) -> dict[str, bool]:
+    out = {}
+    for name in _BYTE_DTYPES:
+        t = _sample(name).reshape(2, 4)[:, ::2]  # strided too
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                da.send(t, 1)
+            else:
+                r = da.recv(0)
+                same = r.dtype == t.dtype and r.shape == t.shape
+                out[name] = same and torch.equal(
+                    r.contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)
+                )
+            da.backward(cid, [])
+    return out
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="a torch without float8")
+def test_dtypes_gloo_does_not_move_travel_as_their_bytes() -> None:
+    results, codes = run_ranks(_dtypes, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert results[1] == ("ok", dict.fromkeys(_BYTE_DTYPES, True)), results[1]
