@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
 __all__ = ["one_recompute", "release_saved"]
 
+_SAVED_TENSOR: Any = torch._C._autograd.SavedTensor
 #: per node type, its attributes that hold saved tensors (``_raw_saved_*``)
 _SAVED: dict[type, tuple[str, ...]] = {}
 
@@ -67,9 +68,11 @@ def release_saved(nodes: Iterable[Any]) -> None:
             except RuntimeError:  # already freed (by torch, or an earlier pass)
                 continue
             for saved in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(saved, torch._C._autograd.SavedTensor):
-                    with contextlib.suppress(RuntimeError):
-                        cast(Any, saved).register_hooks(_drop, _freed)
+                # ``data`` is the tensor, None (nothing saved) or what hooks packed, and
+                # reading it unpacks nothing; torch raises (slowly) on the other two.
+                if type(saved) is _SAVED_TENSOR and isinstance(saved.data, torch.Tensor):
+                    with contextlib.suppress(RuntimeError):  # its own hooks packed a tensor
+                        saved.register_hooks(_drop, _freed)
 
 
 @contextlib.contextmanager
