@@ -541,3 +541,35 @@ def test_set_grads_writes_a_whole_bucket_unless_a_member_is_left_alone() -> None
         assert sorted(got) == [0, 1, 2]
         for i in got:
             np.testing.assert_array_equal(got[i], want[i])
+
+
+@pytest.mark.parametrize("converted", [(0, 1, 2, 3), (0,)])
+def test_relayout_makes_the_buckets_again_for_the_parameters_new_dtype(
+    converted: tuple[int, ...],
+) -> None:
+    """Parameters converted after the reducer was made (a backend's ``ddp.double()``):
+    the buckets follow, re-planned where one would mix dtypes; nothing changed, nothing
+    is made again."""
+
+    def body(comm: ReferenceComm) -> tuple[bool, bool, dict[int, np.ndarray], BucketPlan]:
+        got: dict[int, np.ndarray] = {}
+        reducer = make_reducer(comm, TWO_BUCKETS, got)
+        unchanged = reducer.relayout()
+        for i in converted:
+            reducer.params[i] = reducer.params[i].astype(np.float64)
+        changed = reducer.relayout()
+        reducer.prepare_for_backward()
+        for i in (3, 2, 1, 0):
+            dtype = np.float64 if i in converted else np.float32
+            reducer.mark_ready(i, grads_for(comm.rank, dtype)[i])
+        reducer.finalize()
+        return unchanged, changed, got, reducer.plan
+
+    for unchanged, changed, got, plan in spawn(body, 2):
+        assert (unchanged, changed) == (False, True)
+        for bucket in plan.buckets:  # no bucket mixes dtypes
+            assert len({i in converted for i in bucket}) == 1
+        for i in range(len(SHAPES)):
+            dtype = np.float64 if i in converted else np.float32
+            assert got[i].dtype == dtype
+            np.testing.assert_array_equal(got[i], expected_mean(2, dtype)[i])

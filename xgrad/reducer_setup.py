@@ -45,6 +45,8 @@ class LateSetup:
 
     plan: BucketPlan
     _locate: list[tuple[BucketState, int]]
+    params: list[Any]
+    ops: Any
 
     def _ensure_prior_reduction_finished(self) -> None: ...  # defined by the reducer
 
@@ -100,6 +102,30 @@ class LateSetup:
                 f"(rank {self.comm.rank})"
             )
         self.static_graph = True
+
+    def relayout(self) -> bool:
+        """Read the parameters' kinds and sizes again after they changed dtype or device
+        (the module converted after the reducer was made: ``ddp.double()``); if any did,
+        make the buckets again for the same plan, re-planned in the same order where a
+        bucket would now mix kinds. The buckets kept the old dtype otherwise, and every
+        later gradient was reduced in it (float64 gradients through float32 buckets).
+
+        Returns:
+            True when the buckets were made again (gradient views must be re-taken).
+        """
+        keys = [self.ops.key(p) for p in self.params]
+        if keys == self.keys:
+            return False
+        self._ensure_prior_reduction_finished()
+        self.keys = keys
+        self.nbytes = [self.ops.nbytes(p) for p in self.params]
+        plan = self.plan
+        if any(len({keys[i] for i in bucket}) > 1 for bucket in plan.buckets):
+            order = [i for bucket in plan.buckets for i in bucket]
+            limits = self.rebuild_limits
+            plan = assign_buckets(self.nbytes, limits, keys=keys, sparse=self.sparse, order=order)
+        self._set_plan(plan)
+        return True
 
     def bucket_views(self) -> list[Any]:
         """Per parameter, its view into the bucket buffers (``None`` for a sparse one)."""

@@ -290,6 +290,19 @@ class DistributedDataParallel(
     def _grad_of(self, index: int) -> torch.Tensor | None:
         return self._params[index].grad
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``ddp.double()``, ``ddp.to(...)``: the buckets follow the parameters' new dtype
+        or device (they kept the old ones, and every later gradient was reduced in them;
+        PyTorch's reducer leaves each rank its local gradient then). Convert through the
+        DDP, not its module: a conversion of the module alone is not seen."""
+        out = super()._apply(fn, recurse)
+        reducer = self.__dict__.get("reducer")  # None while __init__ moves the module
+        if reducer is not None and reducer.relayout():
+            self._agreement_pending = True
+            if self.gradient_as_bucket_view:
+                self._grad_hooks.alias_grads_to_buckets()
+        return out
+
     # --- graph
 
     def _set_static_graph(self) -> None:
