@@ -9,10 +9,13 @@ import pytest
 
 from xgrad.bench_stats import (
     LAUNCHES_FOR_SPREAD,
+    TOO_FEW,
+    interval_label,
     launch_intervals,
     launch_verdict,
     median_interval,
     paired_ratios,
+    rule,
     verdict,
 )
 
@@ -136,3 +139,17 @@ def test_fewer_launches_keep_the_rule_of_each_launch_alone() -> None:
     assert launch_verdict([(0.97, 0.98, 1.01)]) == "noise"
     with pytest.raises(ValueError, match="no launches"):
         launch_verdict([])
+
+
+def test_too_few_turns_for_an_interval_give_no_verdict_and_say_range() -> None:
+    """Under six values :func:`median_interval` gives the whole range, which covers the
+    median only 1 - 2 / 2**n of the time: a launch of two turns was judged ``met`` or
+    ``missed`` from it, under a header that said "95% interval"."""
+    two = [(0.90, 0.95, 0.99)]
+    assert launch_verdict(two) == "met"  # turns not known: as before
+    assert launch_verdict(two, turns=2) == TOO_FEW
+    assert launch_verdict(two, turns=6) == "met"
+    assert launch_verdict(_launches([0.95] * 6), turns=2) == "met"  # six launches' medians
+    assert interval_label(2) == "range of 2" and interval_label(6) == "95% interval"
+    assert "not judged" in rule(1, turns=2) and "not judged" not in rule(6, turns=2)
+    assert "not judged" not in rule(1, turns=6)

@@ -30,6 +30,9 @@ from collections.abc import Sequence
 
 __all__ = [
     "LAUNCHES_FOR_SPREAD",
+    "MIN_FOR_INTERVAL",
+    "TOO_FEW",
+    "interval_label",
     "launch_intervals",
     "launch_verdict",
     "median_interval",
@@ -42,6 +45,17 @@ __all__ = [
 #: the lowest and highest of six cover the median of the launches' distribution with
 #: probability 1 - 2 / 2**6 = 96.9%; of five, only 93.8%).
 LAUNCHES_FOR_SPREAD = 6
+#: the fewest values whose median gets a 95% interval (:func:`median_interval` gives the
+#: whole range of fewer, which covers the median only 1 - 2 / 2**n of the time: 50% of 2).
+MIN_FOR_INTERVAL = 6
+#: the verdict of a row whose launches are too few to judge their medians and each of
+#: whose launches has too few turns for an interval of its own.
+TOO_FEW = "too-few"
+
+
+def interval_label(n: int) -> str:
+    """What :func:`median_interval` of ``n`` values is: a 95% interval, or a plain range."""
+    return "95% interval" if n >= MIN_FOR_INTERVAL else f"range of {n}"
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:
@@ -122,8 +136,15 @@ def verdict(intervals: Sequence[tuple[float, float]], limit: float = 1.0) -> str
     return "noise"
 
 
-def launch_verdict(launches: Sequence[tuple[float, float, float]], limit: float = 1.0) -> str:
-    """``met`` / ``missed`` / ``noise`` from each launch's ``(low, median, high)``.
+def launch_verdict(
+    launches: Sequence[tuple[float, float, float]], limit: float = 1.0, turns: int | None = None
+) -> str:
+    """``met`` / ``missed`` / ``noise`` from each launch's ``(low, median, high)``, or
+    :data:`TOO_FEW` when there are fewer than :data:`LAUNCHES_FOR_SPREAD` launches and
+    ``turns`` (the fewest values behind a launch's interval) is under
+    :data:`MIN_FOR_INTERVAL`: each launch's "interval" is then its whole range, which
+    covers its median less often than 95% (half the time for two turns), and a verdict
+    from it would claim more than the run showed.
 
     With :data:`LAUNCHES_FOR_SPREAD` launches or more, the launches are the sample: the
     verdict judges the 95% interval of their medians (:func:`median_interval`), which
@@ -141,11 +162,20 @@ def launch_verdict(launches: Sequence[tuple[float, float, float]], limit: float 
     if len(launches) >= LAUNCHES_FOR_SPREAD:
         low, _, high = median_interval([median for _, median, _ in launches])
         return verdict([(low, high)], limit)
+    if turns is not None and turns < MIN_FOR_INTERVAL:
+        return TOO_FEW
     return verdict([(low, high) for low, _, high in launches], limit)
 
 
-def rule(launches: int, limit: float = 1.0) -> str:
-    """How :func:`launch_verdict` judges a row of ``launches`` launches, for a bench's header."""
+def rule(launches: int, limit: float = 1.0, turns: int | None = None) -> str:
+    """How :func:`launch_verdict` judges a row of ``launches`` launches (each of at least
+    ``turns`` turns, when known), for a bench's header."""
+    if launches < LAUNCHES_FOR_SPREAD and turns is not None and turns < MIN_FOR_INTERVAL:
+        return (
+            f"not judged: {launches} launch(es) of {turns} turn(s) are too few for a 95% "
+            f"interval (that needs {LAUNCHES_FOR_SPREAD} launches, or {MIN_FOR_INTERVAL} "
+            f"turns a launch), so the verdict is '{TOO_FEW}' and the bracket is the range"
+        )
     if launches >= LAUNCHES_FOR_SPREAD:
         return (
             f"judged over the {launches} launches (met: the 95% interval of the launches' "

@@ -39,7 +39,10 @@ def test_bench_reports_a_ratio_and_equal_gradients(
     low, high = (float(v) for v in row.split("[")[1].split("]")[0].split(", "))
     assert low <= ratio <= high
     verdict, launches = row.split("]")[1].split()
-    assert verdict in ("met", "missed", "noise") and float(launches) == ratio
+    # Two blocks in one launch are too few for a 95% interval: the bracket is their range,
+    # said so, and no verdict is claimed from it (it read "95% interval" and met/missed).
+    assert verdict == "too-few" and float(launches) == ratio
+    assert "range of 2" in lines[0] and "not judged" in lines[0] and "95% interval" not in lines[1]
     diff = next(line for line in lines if line.startswith("largest gradient difference"))
     assert float(diff.rsplit(" ", 1)[1]) < 1e-12
     # The other execution (waves or nodes), timed in the same blocks: figure and gradients.
@@ -163,9 +166,13 @@ def test_each_block_is_judged_against_the_torch_block_after_it() -> None:
     s = summarize([one])
     assert s.ratio == (0.5, 0.5, 0.5) and s.launches == ((0.5, 0.5, 0.5),)
     assert s.backward == (4.0, 2.0) and s.whole == (8.0, 4.0) and s.cpu == (2.0, 1.0)
-    assert s.verdict == "met" and s.other is None
-    # Block ratios 0.9 and 1.1: 1.00 inside one launch's range.
-    assert summarize([_launch([0.9, 1.1], [1.0, 1.0], [1, 1])]).verdict == "noise"
+    assert s.verdict == "too-few" and s.other is None  # two blocks: no 95% interval
+    assert s.turns == 2 and s.pooled == 2
+    # Six blocks a launch: judged. Ratios 0.9 and 1.1: 1.00 inside the launch's interval.
+    six = _launch([1.0] * 6, [2.0] * 6, [1] * 6)
+    assert summarize([six]).verdict == "met"
+    mixed = _launch([0.9, 1.1] * 3, [1.0] * 6, [1] * 6)
+    assert summarize([mixed]).verdict == "noise"
 
 
 def test_six_launches_are_judged_by_their_median_block_ratios() -> None:

@@ -100,9 +100,9 @@ def test_the_ratio_is_the_median_of_per_step_pairs() -> None:
     assert (row.torch_s, row.xgrad_s) == pytest.approx((0.020, 0.011))
     ratios = sorted([0.010 / 0.021, 0.030 / 0.020, 0.010 / 0.090, 0.011 / 0.020, 0.012 / 0.020])
     assert row.ratio == pytest.approx(ratios[2])
-    # 5 steps are too few for 95%: the interval is their whole range, and 1.5 is in it.
+    # 5 steps are too few for 95%: the interval is their whole range, and no verdict.
     assert (row.low, row.high) == pytest.approx((ratios[0], ratios[-1]))
-    assert row.launches == ((row.low, row.ratio, row.high),) and row.verdict == "noise"
+    assert row.launches == ((row.low, row.ratio, row.high),) and row.verdict == "too-few"
 
 
 def _launch(xgrad_steps: list[float], heap: int = 2**19) -> list[dict]:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from xgrad.bench_stats import rule
+from xgrad.bench_stats import interval_label, rule
 from xgrad.tables import add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
 from xgrad.torch_backend.ddp_bench_models import MODELS, SCALES, build
@@ -139,13 +139,16 @@ def run(args: argparse.Namespace) -> int:
                 samples.setdefault((j, sample.case), []).append(sample)
     results = [pooled(group) for group in samples.values()]
     steps = sorted({r.steps for r in results})
+    turns = min((r.turns for r in results if r.turns), default=None)
+    pooled_n = min((r.pooled_turns for r in results if r.pooled_turns), default=0)
     head = (
         f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
         f"{'/'.join(map(str, steps))} timed steps per side over {launches} launch(es) of "
         "fresh processes (each step alternated with the other side and with the bare "
         "model); time ratio = median over those turns of xgrad step / torch step in the "
-        "same turn [95% interval of that median]; launches = each launch's own median; "
-        f"target: ratio <= 1.00, {rule(launches)}; CPU ratio = median CPU of the whole "
+        f"same turn [{interval_label(pooled_n) if pooled_n else '95% interval'} of that "
+        f"median]; launches = each launch's own median; target: ratio <= 1.00, "
+        f"{rule(launches, turns=turns)}; CPU ratio = median CPU of the whole "
         "process per xgrad step / per torch step; µs/grad = (DDP step - bare step) / tensors"
     )
     print_tables(args, [rows_table(results)], head + "\n" + table(results))

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xgrad.bench_stats import launch_intervals, launch_verdict, rule
+from xgrad.bench_stats import interval_label, launch_intervals, launch_verdict, rule
 from xgrad.tables import Table
 
 __all__ = ["Summary", "render", "summarize"]
@@ -53,11 +53,13 @@ class Summary:
     launches: tuple[tuple[float, float, float], ...]
     diff: float
     other: tuple[float, float] | None  # (seconds, gradient difference) of --ab's execution
+    turns: int = 0  # the fewest blocks of a launch (0: not known)
+    pooled: int = 0  # the block ratios behind ``ratio`` (0: not known)
 
     @property
     def verdict(self) -> str:
         """Against the target, xgrad faster (at most 1.00), counting launches."""
-        return launch_verdict(self.launches)
+        return launch_verdict(self.launches, turns=self.turns or None)
 
 
 def summarize(launches: Sequence[Launch]) -> Summary:
@@ -71,7 +73,8 @@ def summarize(launches: Sequence[Launch]) -> Summary:
     def across(key: str) -> float:  # one figure per launch
         return statistics.median(launch[key] for launch in launches)
 
-    pooled_ratio, each = launch_intervals([_block_ratios(launch) for launch in launches])
+    ratios = [_block_ratios(launch) for launch in launches]
+    pooled_ratio, each = launch_intervals(ratios)
     other = None
     if all("other_times" in launch for launch in launches):
         other = (pooled("other_times"), max(launch["other_diff"] for launch in launches))
@@ -83,6 +86,8 @@ def summarize(launches: Sequence[Launch]) -> Summary:
         launches=each,
         diff=max(launch["diff"] for launch in launches),
         other=other,
+        turns=min(len(r) for r in ratios),
+        pooled=sum(len(r) for r in ratios),
     )
 
 
@@ -94,15 +99,17 @@ def render(
     low, mid, high = s.ratio
     pass_ratio, cpu_ratio = x_pass / t_pass, (x_cpu / t_cpu if t_cpu > 0 else float("nan"))
     n = len(s.launches)
+    label = interval_label(s.pooled) if s.pooled else "95% interval"
     each = "/".join(f"{m:.3f}" for _, m, _ in s.launches)
     text = (
         f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "
         f"batch {args.batch}, {args.iters} backward passes each in each of {n} launch(es) of "
         f"fresh processes ({blocks} alternating blocks per launch); the ms columns are "
         f"medians over every launch; ratio: the median over every block of xgrad's median "
-        f"over PyTorch's in the block right after [95% interval]; target <= 1.00 (xgrad "
-        f"faster), {rule(n)}; launches: each launch's median block ratio\n"
-        f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}  95% interval     "
+        f"over PyTorch's in the block right after [{label}]; target <= 1.00 (xgrad "
+        f"faster), {rule(n, turns=s.turns or None)}; launches: each launch's median block "
+        f"ratio\n"
+        f"{'':8} {'torch_rpc_ms':>12} {'xgrad_ms':>10} {'ratio':>7}  {label:<16} "
         f"target  launches\n"
         f"{'backward':8} {t_back * 1e3:12.3f} {x_back * 1e3:10.3f} {mid:7.3f}  "
         f"[{low:.3f}, {high:.3f}]  {s.verdict:<7} {each}\n"

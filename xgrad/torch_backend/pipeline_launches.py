@@ -51,11 +51,13 @@ class Speed:
     low: float
     high: float
     launches: tuple[tuple[float, float, float], ...]
+    turns: int = 0  # the fewest paired steps of a launch (0: not known)
+    pooled: int = 0  # the paired steps behind ``low``..``high`` (0: not known)
 
     @property
     def verdict(self) -> str:
         """Against the target (at most 1.00), launch by launch (``launch_verdict``)."""
-        return launch_verdict(self.launches)
+        return launch_verdict(self.launches, turns=self.turns or None)
 
 
 def _slowest(per_rank: Sequence[Result], name: str, key: str) -> list[float]:
@@ -75,9 +77,8 @@ def speed(launches: Sequence[Sequence[Result]], name: str) -> Speed:
     if all("torch_steps" in r[name] for per_rank in launches for r in per_rank):
         theirs = [_slowest(per_rank, name, "torch_steps") for per_rank in launches]
         ours = [_slowest(per_rank, name, "xgrad_steps") for per_rank in launches]
-        (low, mid, high), each = launch_intervals(
-            [paired_ratios(o, t) for o, t in zip(ours, theirs, strict=True)]
-        )
+        ratios = [paired_ratios(o, t) for o, t in zip(ours, theirs, strict=True)]
+        (low, mid, high), each = launch_intervals(ratios)
         return Speed(
             statistics.median(t for launch in theirs for t in launch),
             statistics.median(t for launch in ours for t in launch),
@@ -85,6 +86,8 @@ def speed(launches: Sequence[Sequence[Result]], name: str) -> Speed:
             low,
             high,
             each,
+            turns=min(len(r) for r in ratios),
+            pooled=sum(len(r) for r in ratios),
         )
     torch_s = [max(r[name]["torch"] for r in per_rank) for per_rank in launches]
     xgrad_s = [max(r[name]["xgrad"] for r in per_rank) for per_rank in launches]

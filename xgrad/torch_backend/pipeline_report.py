@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import xgrad.pipeline as xp
-from xgrad.bench_stats import rule
+from xgrad.bench_stats import interval_label, rule
 from xgrad.pipeline import Kind
 from xgrad.tables import Table, near_limit
 from xgrad.torch_backend.memory import HeapMeter
@@ -41,20 +41,23 @@ def report(
         f"{args.steps} timed steps over {n} launch(es) of fresh processes"
     ]
     w = max(len(name) for name in names)
+    rows = [(name, speed(launches, name)) for name in names]
+    turns = min((s.turns for _, s in rows if s.turns), default=None)
+    pooled = min((s.pooled for _, s in rows if s.pooled), default=0)
+    label = interval_label(pooled) if pooled else "95% interval"
     out.append(
         "ratio: the median over every launch's steps of xgrad's step over torch's step of "
         "the same pair (the two alternate, each first in every other pair; a step's time is "
-        "the slowest rank's) [95% interval of that median, from order statistics]; target "
-        f"<= 1.00, {rule(n)} (under 6 steps a launch's interval is its whole range); "
-        "launches: each launch's own median [and its 95% interval]; s/step: each one's "
-        "median step"
+        f"the slowest rank's) [{label} of that median, from order statistics]; target "
+        f"<= 1.00, {rule(n, turns=turns)} (under 6 steps a launch's interval is its whole "
+        "range); launches: each launch's own median [and its 95% interval]; s/step: each "
+        "one's median step"
     )
-    rows = [(name, speed(launches, name)) for name in names]
     spans = [f"[{near_limit(s.low)}, {near_limit(s.high)}]" for _, s in rows]
-    ws = max(len("95% interval"), *map(len, spans))
+    ws = max(len(label), *map(len, spans))
     out.append(
         f"{'schedule':<{w}} {'torch s/step':>13} {'xgrad s/step':>13} {'ratio':>7} "
-        f"{'95% interval':<{ws}} {'target':<7} launches"
+        f"{label:<{ws}} {'target':<7} launches"
     )
     speed_rows = []
     for (name, s), span in zip(rows, spans, strict=True):
