@@ -366,3 +366,38 @@ def test_a_pair_off_the_compression_model_is_not_explained_as_rounding() -> None
     off = _wire_pair(*args, False)
     assert "explained by rounding" not in off
     assert "not the compression's rounding; the gradients themselves differ" in off
+
+
+def test_ulp_distance_of_opposite_signs_does_not_wrap() -> None:
+    """float64 values of opposite signs can be more than 2**63 steps apart: the int64
+    difference wrapped, and 1e300 against -1e300 printed as a modest count."""
+    huge = crosscheck.ulp_distance(np.array([1e300]), np.array([-1e300]))
+    assert huge > 2**62
+    assert crosscheck.ulp_distance(np.array([3.0]), np.array([-3.0])) > 2**62
+    assert crosscheck.ulp_distance(np.array([-0.0]), np.array([0.0])) == 0
+
+
+def test_the_near_zero_marker_is_for_passing_rows_and_scales_with_the_dtype() -> None:
+    """A failing row's large count was starred as harmless too, and a fixed 2**16 could
+    never star a 16-bit dtype (its whole range is fewer steps)."""
+    from xgrad.crosscheck.report import _ulp_cell, near_zero_limit
+
+    limit32 = near_zero_limit("float32", 1e-6)
+    assert 8 < limit32 < 9  # 1e-6 / 2**-23
+    assert _ulp_cell(1000, True, limit32).endswith("*")
+    assert not _ulp_cell(1000, False, limit32).endswith("*")  # beyond tolerance: no excuse
+    assert not _ulp_cell(5, True, limit32).endswith("*")
+    limit_bf16 = near_zero_limit("bfloat16", 5e-2)
+    assert _ulp_cell(28863, True, limit_bf16).endswith("*")
+
+
+def test_a_hook_whose_wire_dtype_is_the_models_attributes_nothing_to_rounding() -> None:
+    """bfloat16 gradients through the bf16 hook: the wire rounds nothing, yet pairs were
+    "explained by rounding per-rank bfloat16 gradients ... to bfloat16"."""
+    pytest.importorskip("jax")
+    pytest.importorskip("ml_dtypes")
+    report = crosscheck.run_crosscheck(
+        Case(steps=1, dtype="bfloat16", hook="bf16"), backends=["reference", "jax-shard_map"]
+    )
+    assert len(report.attribution) == 1, report.attribution
+    assert "already are bfloat16, so the wire rounds nothing" in report.attribution[0]

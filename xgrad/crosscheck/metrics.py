@@ -37,12 +37,28 @@ def bit_identical(a: np.ndarray, b: np.ndarray) -> bool:
 
 def ordered_bits(a: np.ndarray) -> np.ndarray:
     """Map floats to int64 so that adjacent floats of ``a``'s dtype differ by exactly one."""
+    mag, negative = _magnitude_bits(a)
+    signed = mag.astype(np.int64)
+    return np.where(negative, -signed, signed)
+
+
+def _magnitude_bits(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(|a| as its ordered bits, uint64; whether the sign bit is set)``."""
     bits = a.dtype.itemsize * 8
     unsigned = {16: np.uint16, 32: np.uint32, 64: np.uint64}[bits]
     raw = np.ascontiguousarray(a).view(unsigned)
-    mag = (raw & unsigned((1 << (bits - 1)) - 1)).astype(np.int64)
-    negative = (raw >> unsigned(bits - 1)).astype(bool)
-    return np.where(negative, -mag, mag)
+    mag = (raw & unsigned((1 << (bits - 1)) - 1)).astype(np.uint64)
+    return mag, (raw >> unsigned(bits - 1)).astype(bool)
+
+
+def _steps_apart(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element, how many of the dtype's steps lie between ``a`` and ``b`` (uint64: two
+    float64 values of opposite signs can be more than 2**63 steps apart, which wrapped
+    around in int64 and printed 3.0 against -3.0 as a small count)."""
+    ma, na = _magnitude_bits(a)
+    mb, nb = _magnitude_bits(b)
+    same = na == nb
+    return np.where(same, np.maximum(ma, mb) - np.minimum(ma, mb), ma + mb)
 
 
 def ulp_distance(a: np.ndarray, ref: np.ndarray) -> int:
@@ -55,7 +71,7 @@ def ulp_distance(a: np.ndarray, ref: np.ndarray) -> int:
     rounded = np.asarray(ref, dtype=np.float64).astype(a.dtype)
     if not (np.all(np.isfinite(a.astype(np.float64))) and np.all(np.isfinite(ref))):
         return sys.maxsize
-    return int(np.abs(ordered_bits(a) - ordered_bits(rounded)).max())
+    return min(int(_steps_apart(a, rounded).max()), sys.maxsize - 1)  # maxsize: not finite
 
 
 def wire_ulps(got: np.ndarray, ref: np.ndarray, wire: np.dtype) -> float:

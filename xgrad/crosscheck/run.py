@@ -179,6 +179,13 @@ def _attribution(
     if hook not in WIRE_DTYPES:
         return []
     wire = WIRE_DTYPES[hook]
+    if zoo.as_dtype(wire) == zoo.as_dtype(case.dtype):
+        # Nothing to attribute: the gradients already are what the wire carries.
+        return [
+            f"hook {hook}: the gradients already are {wire}, so the wire rounds nothing; "
+            f"differences are the reductions' own {wire} arithmetic (tolerance "
+            f"{tolerance(case.dtype, hook):.3g}, {case.dtype}'s)."
+        ]
     lines = [
         f"hook {hook}: gradients cross the wire in {wire}; tolerance "
         f"{tolerance(case.dtype, hook):.3g} (wire) instead of {tolerance(case.dtype):.3g} "
