@@ -145,3 +145,153 @@ def test_one_rank_evaluating_while_the_other_trains_fails_both_and_both_exit() -
         assert "rank 0 in pipeline schedule (eval's forwards) agreement" in message, message
         assert seconds < 30, (seconds, message)  # a 4 s timeout, on a loaded machine
     assert took < 60, took  # not held until the launcher's 120 s
+
+
+class _Failing(nn.Module):
+    """A stage that raises in forward while ``fail`` is set."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("boom in eval")
+        return self.block(x)
+
+
+def _replicated(rank: int, world: int, mode: str) -> list[str]:
+    """Two pipelines of two stages, two replicas (DDP stages, or ``dp_group``): the first
+    call is an eval that fails on rank 0; then two steps, each checked against the whole
+    model in one process."""
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, place = divmod(rank, 2)
+    stages = _stages(2)
+    stage = _Failing(stages[place])
+    if mode == "ddp":
+        ddp = DistributedDataParallel(stage, process_group=replicas[place], timeout=15)
+        rt = PipelineRuntime(
+            xp.make("1f1b", 2, M), [ddp], nn.MSELoss(), group=pipelines[replica],
+            timeout=15, no_sync=lambda i: ddp.no_sync(),
+        )  # fmt: skip
+    else:
+        rt = PipelineRuntime(
+            xp.add_stage_ops(xp.make("zb_h1", 2, M)), [stage], nn.MSELoss(),
+            group=pipelines[replica], timeout=15, dp_group=replicas[place],
+        )  # fmt: skip
+    out = []
+    x, y = _data(1)
+    stage.fail = rank == 0
+    try:
+        rt.eval(x if place == 0 else None, y if place == 1 else None)
+        out.append("eval ran")
+    except Exception as exc:
+        out.append(f"eval raised {type(exc).__name__}")
+    stage.fail = False
+    for seed in (2, 3):
+        stages[place].zero_grad(set_to_none=True)
+        x, y = _data(seed)
+        try:
+            rt.step(x if place == 0 else None, y if place == 1 else None)
+        except Exception as exc:
+            out.append(f"step raised {type(exc).__name__}: {exc}")
+            continue
+        whole = _stages(2)
+        nn.functional.mse_loss(whole[1](whole[0](x)), y).backward()
+        worst = max(
+            float((p.grad - q.grad).abs().max())  # type: ignore[operator]
+            for p, q in zip(stages[place].parameters(), whole[place].parameters(), strict=True)
+        )
+        out.append("step ok" if worst < 1e-12 else f"step off by {worst:.3g}")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["dp_group", "ddp"])
+def test_a_failed_eval_leaves_the_replicas_next_steps_right(mode: str) -> None:
+    """An eval reduces nothing, yet its failure told the data-parallel replicas: it began
+    a step of theirs on the failing replica only, whose next all-reduce then paired with
+    the other replica's next step (``dp_group``: gradients off by 0.1 without a word), and
+    a DDP stage's forward posted it to the DDP's step (the replicas' next step raised it)."""
+    results = spawn(_replicated, 4, args=(mode,), timeout=150)
+    for rank, out in enumerate(results):
+        first = (
+            ["eval raised RankError[ValueError]", "eval raised RankError"][rank]
+            if rank < 2
+            else "eval ran"
+        )
+        assert out == [first, "step ok", "step ok"], (rank, out)
+
+
+def _after_switch(rank: int, world: int) -> list[str]:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    rt = PipelineRuntime(xp.make("1f1b", 2, M), [_stages(2)[rank]], nn.MSELoss(), timeout=6)
+    x, y = _data(1)
+    out = []
+    rt.step(x, y)
+    bad = torch.zeros(2 * M + 1, WIDTH, dtype=torch.float64)
+    for call in (rt.eval, rt.step):  # a bad batch at the first call after each switch
+        try:
+            call(bad if rank == 0 else None, y)
+        except Exception as exc:
+            out.append(type(exc).__name__)
+        start = time.perf_counter()
+        rt.step(x, y)
+        out.append(f"next step in {time.perf_counter() - start:.0f} s")
+    return out
+
+
+def test_a_bad_batch_right_after_a_switch_leaves_the_next_step_working() -> None:
+    """The first call after a switch between step and eval splits its batch before the
+    step's group is made; the failing rank kept its group while its peers reset theirs,
+    and the next step waited out the timeout on every rank."""
+    results = spawn(_after_switch, 2, timeout=120)
+    assert results[0] == ["ValueError", "next step in 0 s", "ValueError", "next step in 0 s"]
+    assert results[1] == ["RankError", "next step in 0 s", "RankError", "next step in 0 s"]
+
+
+class _Uneven(nn.Module):
+    """A last stage whose output has another structure for its last microbatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.lin = nn.Linear(WIDTH, WIDTH).double()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        self.calls += 1
+        y = self.lin(x)
+        return {"y": y} if self.calls % M else {"y": y, "extra": y}
+
+
+def _unmergeable(rank: int, world: int) -> list[str]:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    stage = _stages(1)[0] if rank == 0 else _Uneven()
+    loss = lambda out, target: nn.functional.mse_loss(out["y"], target)  # noqa: E731
+    rt = PipelineRuntime(xp.make("1f1b", 2, M), [stage], loss, timeout=6)
+    x, y = _data(1)
+    out = []
+    try:
+        rt.eval(x, y)
+        out.append("eval ran")
+    except ValueError as exc:
+        out.append("cannot be merged" if "cannot be merged" in str(exc) else str(exc))
+    start = time.perf_counter()
+    rt.step(x, y)
+    out.append(f"next step in {time.perf_counter() - start:.0f} s")
+    return out
+
+
+def test_outputs_that_cannot_be_merged_fail_the_last_rank_alone() -> None:
+    """The merge ran inside the step, whose failure reset the last rank's group and not
+    the others': the next step waited out the timeout."""
+    results = spawn(_unmergeable, 2, timeout=120)
+    assert results == [["eval ran", "next step in 0 s"], ["cannot be merged", "next step in 0 s"]]

@@ -126,6 +126,11 @@ class ForwardDDP:
         try:
             output = traced_module_call(self, *inputs, **kwargs)
         except Exception as exc:  # every rank raises it, named (ddp_failure)
+            if not torch.is_grad_enabled():
+                # No backward follows (an evaluation): no peer waits for this pass, and a
+                # failure posted to the step reached the peers at their next training
+                # step, which had not failed. Its own exception, on this rank only.
+                raise
             raise_from(self._forward_failed(exc), exc)
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._watch.post("forward", exc)

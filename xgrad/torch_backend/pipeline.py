@@ -36,13 +36,12 @@ from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     ddp_steps,
     stage_ddps,
-    tell_replicas,
 )
 from xgrad.torch_backend.pipeline_edges import (
     next_step,
     step_tag,
 )
-from xgrad.torch_backend.pipeline_eval import Evaluation, merge_outputs
+from xgrad.torch_backend.pipeline_eval import Evaluation
 from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_lanes import default_lanes
@@ -242,10 +241,14 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
             # completed there, not here): reset as that peer does, so both open the next
             # step alike (a fresh group, the schedule agreed again).
             self._reset(error, None)
-            tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
+            self._tell_replicas(error)
             raise
         except Exception as exc:  # this rank's batch it cannot split (posted by _open_step)
-            tell_replicas(exc, self._ddps, self._ddp_steps, self._dp)
+            # The peers reset as above: so does this rank, or after a switch between step
+            # and eval (which agrees again on an open group) the ranks open the next step
+            # on different groups, and it waits out the timeout.
+            self._reset(None, None)
+            self._tell_replicas(exc)
             raise
         slots: dict[tuple[int, int], Slot] = {}
 
@@ -282,10 +285,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
             last = sched.num_stages - 1 in mine
             if losses is not None and last:
                 losses[:] = [self._losses[mb] for mb in sorted(self._losses)]
-            if self._evaluating:
-                outputs = [self._outputs[mb] for mb in sorted(self._outputs)]
-                return merge_outputs(outputs) if last else None
-            return loss
+            return None if self._evaluating else loss  # eval merges its outputs after
         except RankError as error:
             raise_from(self._failed_by(error, channel, wire, action), error)  # no cycle
         except Exception as exc:

@@ -59,6 +59,7 @@ class Evaluation:
     _actions: tuple[Action, ...]
     _plan: Any  # the posted plan of the mode in use (pipeline_posted.PostedPlan)
     _digest: str
+    _outputs: dict[int, Any]
     step: Callable[..., Any]  # the runtime's
 
     def _start_modes(self) -> None:
@@ -93,8 +94,14 @@ class Evaluation:
             xgrad.failure.RankError: as :meth:`step`.
         """
         with evaluating(self):
-            out = self.step(inputs, targets, losses=losses)
-        return out
+            self.step(inputs, targets, losses=losses)
+        # Merged after the step, which every rank finished: an output that cannot be merged
+        # fails here alone, leaving the step's group as it is (inside the step, its
+        # failure reset this rank's group and not the others', and the next step timed out).
+        outputs, self._outputs = self._outputs, {}
+        if not outputs:
+            return None
+        return merge_outputs([outputs[mb] for mb in sorted(outputs)])
 
 
 @contextlib.contextmanager

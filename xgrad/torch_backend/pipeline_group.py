@@ -107,7 +107,10 @@ class StepGroups(StageState):
             check_agreement(
                 "pipeline schedule (eval's forwards)" if self._evaluating else "pipeline schedule",
                 self._digest,
-                sched.text,
+                # A rank that evaluates while another trains says so in the difference.
+                (lambda: "eval: the forwards alone\n" + sched.text())
+                if self._evaluating
+                else sched.text,
                 where="PipelineRuntime",
                 # On the step's private group, not the user's: a rank that never joins
                 # (its peers train while it evaluates) leaves the all-gather pending, and
@@ -221,8 +224,16 @@ class StepGroups(StageState):
         live = error.failure.kind == "error" and error.rank in members
         wire.poison(self._pipeline_rank(error.rank) if live else None)
         self._reset(error, wire)
-        tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
+        self._tell_replicas(error)
         return error
+
+    def _tell_replicas(self, error: BaseException) -> None:
+        """A failed step tells the data-parallel replicas (:func:`tell_replicas`); a failed
+        evaluation does not: it reduces nothing and began no step of theirs, and telling
+        them began one on this replica only (its DDPs' and ``dp_group``'s steps then
+        paired with the replicas' next ones: wrong gradients without a word)."""
+        if not self._evaluating:
+            tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
 
     def _fail_here(
         self, channel: FailureChannel, wire: StepWire, action: Action | None, exc: BaseException
@@ -240,5 +251,5 @@ class StepGroups(StageState):
             failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
         wire.poison()
         self._reset(None, wire)
-        tell_replicas(error_for(failure, channel.rank), self._ddps, self._ddp_steps, self._dp)
+        self._tell_replicas(error_for(failure, channel.rank))
         return failure
