@@ -401,3 +401,31 @@ def test_a_hook_whose_wire_dtype_is_the_models_attributes_nothing_to_rounding() 
     )
     assert len(report.attribution) == 1, report.attribution
     assert "already are bfloat16, so the wire rounds nothing" in report.attribution[0]
+
+
+def test_runs_that_differ_in_a_setting_write_files_of_their_own(tmp_path: Path) -> None:
+    """The stem named model, world size, dtype, cap and hook only: runs that differed in
+    seed, batch, JAX processes, stateful PowerSGD or device overwrote one another's files."""
+    stems = set()
+    for case in (Case(steps=1), Case(steps=1, seed=3), Case(steps=1, batch_per_rank=2)):
+        report = crosscheck.run_crosscheck(case, backends=["reference"])
+        json_path, _ = crosscheck.write_outputs(report, tmp_path)
+        stems.add(json_path.stem)
+    assert stems == {
+        "crosscheck-mlp-ws2-float32-cap2048-nohook",
+        "crosscheck-mlp-ws2-float32-cap2048-nohook-seed3",
+        "crosscheck-mlp-ws2-float32-cap2048-nohook-b2",
+    }
+
+
+def test_the_summary_row_of_a_backend_that_did_not_run_says_why() -> None:
+    """Its row in the summary was blank after the status."""
+    pytest.importorskip("xgrad.torch_backend.crosscheck")
+    report = crosscheck.run_crosscheck(
+        Case(steps=1, hook="bf16"), backends=["reference", "torch-ddp"]
+    )  # PyTorch's bf16 hook needs CUDA: skipped on the CPU, before anything runs
+    skipped = next(b for b in report.backends if b.name == "torch-ddp")
+    assert skipped.status == "skipped" and skipped.reason
+    summary = crosscheck.format_report(report).split("\nsummary\n")[1]
+    row = next(line for line in summary.splitlines() if line.split()[:1] == ["torch-ddp"])
+    assert row.split()[1] == "skipped" and skipped.reason[:20] in row, row

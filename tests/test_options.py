@@ -63,3 +63,10 @@ def test_output_paths(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("")
     with pytest.raises(argparse.ArgumentTypeError, match="is a file"):
         output_folder(str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("text", ["-5", "-1MB", " -0.5KB"])
+def test_a_negative_size_is_named_as_not_above_zero(text: str) -> None:
+    """It was "is not a size: a number and a unit", as if the unit were the trouble."""
+    with pytest.raises(ValueError, match="a size must be > 0 bytes"):
+        parse_size(text)

@@ -34,3 +34,15 @@ def test_quick_run_is_deterministic_and_shows_the_u(tmp_path: Path) -> None:
     assert {p.name for p in tmp_path.iterdir() if p.is_file()} == {
         "bucket-size.json", "bucket-size.csv", "bucket-size.png",
     }  # fmt: skip
+
+
+def test_why_a_curve_is_not_a_u_names_the_end_that_stays_flat() -> None:
+    """A per-parameter end 229% above the best and one bucket 1% above was explained as
+    "latency or overlap does not matter at this size": latency mattered a great deal."""
+    from xgrad.experiments.bucket_size import _why_not_u
+
+    why = _why_not_u(8, 2.29, 0.01, compute=2.41, comm=2.33)
+    assert "one bucket costs only +1%" in why and "per parameter" not in why
+    assert "latency" not in why
+    flat_left = _why_not_u(2, 0.01, 0.4, compute=2.0, comm=0.5)
+    assert "a bucket per parameter costs only +1%" in flat_left and "one bucket" not in flat_left

@@ -40,6 +40,8 @@ def parse_size(text: str, *, bare: str = "MB") -> int:
     Raises:
         ValueError: not a number with a known unit, or not > 0.
     """
+    if text.strip().startswith("-"):  # a negative number: a size, but not one > 0
+        raise ValueError(f"{text!r}: a size must be > 0 bytes")
     match = _SIZE.match(text)
     unit = (match.group(2) if match else "").upper() or bare.upper()
     if match is None or unit not in UNITS:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from xgrad import models as zoo
+from xgrad.crosscheck.case import Case
 from xgrad.crosscheck.metrics import format_ulp
 from xgrad.crosscheck.run import Report
 
@@ -91,8 +92,9 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
     )
     for b in report.backends:
         worst = b.worst
-        if worst is None:
-            lines.append(f"  {b.name:<14} {b.status:<8}")
+        if worst is None:  # skipped or failed: why, shortened (in full above)
+            why = b.reason if len(b.reason) <= 60 else b.reason[:57] + "..."
+            lines.append(f"  {b.name:<14} {b.status:<8} {why}".rstrip())
             continue
         max_abs = max(m.max_abs for m in b.params)
         ulp = max(m.ulp for m in b.params)
@@ -164,6 +166,9 @@ def write_outputs(report: Report, out_dir: Path) -> tuple[Path, Path]:
     """Write ``<stem>.json`` and ``<stem>.csv`` under ``out_dir``; return their paths.
 
     The stem names the case; a pair's ``module:attribute`` becomes ``module_attribute``.
+    Settings other than their defaults that change the numbers are named too (seed, batch
+    per rank, JAX processes, stateful PowerSGD, device): runs that differed only in them
+    wrote the same files, the last one's over the others'.
     """
     case = report.case
     model = re.sub(r"[^A-Za-z0-9_.-]", "_", case.model)
@@ -171,6 +176,16 @@ def write_outputs(report: Report, out_dir: Path) -> tuple[Path, Path]:
         f"crosscheck-{model}-ws{case.world_size}-{case.dtype}-"
         f"cap{case.bucket_cap_bytes}-{case.hook or 'nohook'}"
     )
+    defaults = Case()
+    for value, default, tag in (
+        (case.seed, defaults.seed, f"seed{case.seed}"),
+        (case.batch_per_rank, defaults.batch_per_rank, f"b{case.batch_per_rank}"),
+        (case.jax_processes, defaults.jax_processes, f"jp{case.jax_processes}"),
+        (case.stateful, defaults.stateful, "stateful"),
+        (case.device, defaults.device, case.device),
+    ):
+        if value != default:
+            stem += f"-{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{stem}.json"
     csv_path = out_dir / f"{stem}.csv"
