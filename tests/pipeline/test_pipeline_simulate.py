@@ -132,3 +132,10 @@ def test_zero_costs_give_a_zero_step_and_a_clear_grid_error() -> None:
 def test_a_grid_quantum_must_be_positive_finite(bad: float) -> None:
     with pytest.raises(ValueError, match=f"quantum must be a finite number > 0, got {bad!r}"):
         xp.simulate(xp.gpipe(2, 1)).grid(bad)
+
+
+def test_a_step_of_no_time_has_no_bubble_fraction_to_print() -> None:
+    """Costs of zero: the idle share is 0/0, and it printed 0.0000."""
+    sim = xp.simulate(xp.one_f_one_b(2, 2), {xp.Kind.FORWARD: 0, xp.Kind.BACKWARD: 0})
+    assert sim.step_time == 0
+    assert "bubble fraction (of total time): undefined (no time)" in sim.summary()

@@ -69,10 +69,12 @@ class Simulation:
     def summary(self) -> str:
         """The figures as a few labelled lines."""
         held = ", ".join(str(h) for h in self.peak_held)
+        # Costs of zero leave a step of no time, whose idle share is 0/0 (it printed 0).
+        bubble = f"{self.bubble_fraction:.4f}" if self.step_time > 0 else "undefined (no time)"
         return (
             f"step time (back to back): {self.step_time:g}\n"
             f"makespan (one step alone): {self.makespan:g}\n"
-            f"bubble fraction (of total time): {self.bubble_fraction:.4f}\n"
+            f"bubble fraction (of total time): {bubble}\n"
             f"peak activations held per rank, one per (stage, microbatch): {held}\n"
         )
 
