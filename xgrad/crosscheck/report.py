@@ -7,6 +7,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,14 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         )
     rows = [m for b in report.backends for m in (*b.params, *b.buckets)]
     if any(m.passed and limit < m.ulp < sys.maxsize for m in rows):
-        lines.append(
-            f"  * within tolerance, yet more {case.dtype} steps off element by element than "
+        note = (
+            f"* within tolerance, yet more {case.dtype} steps off element by element than "
             f"the tolerance allows at a parameter's scale ({limit:.3g}): an element whose "
             "exact gradient (nearly) cancels to 0, where the dtype's numbers are dense, is "
             "many steps off while harmless; ulp@max, the error in ULPs at the parameter's "
             "largest magnitude, is what the tolerance means"
         )
+        lines += textwrap.wrap(note, 88, initial_indent="  ", subsequent_indent="    ")
     if report.agreement:
         lines.append("")
         lines.append("between backends")
