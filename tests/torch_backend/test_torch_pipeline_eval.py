@@ -13,50 +13,27 @@ import time
 from typing import Any
 
 import pytest
+import tanh_stages as ts
 import torch
 from torch import nn
 
 import xgrad.pipeline as xp
 from xgrad.torch_backend.spawn import spawn
 
-M, WIDTH = 4, 3
 SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b", "zbv", "dualpipev")
 
 
-def _schedule(name: str) -> xp.Schedule:
-    two = name in ("interleaved_1f1b", "zbv", "dualpipev")
-    return xp.make(name, 2, M, chunks=2) if two else xp.make(name, 2, M)
-
-
-def _stages(n: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double() for _ in range(n)]
-
-
-def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * M, WIDTH, generator=g, dtype=torch.float64)
-    return x, torch.randn(2 * M, WIDTH, generator=g, dtype=torch.float64)
-
-
 def _run(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
-    from xgrad.torch_backend.pipeline import PipelineRuntime
-
     out: dict[str, Any] = {}
     for name in SCHEDULES:
-        schedule = _schedule(name)
-        stages = _stages(schedule.num_stages)
-        mine = schedule.stages_of(rank)
-        rt = PipelineRuntime(
-            schedule, [stages[s] for s in mine], nn.MSELoss(), checkpoint=checkpoint, timeout=20
-        )
-        x, y = _data(1)
+        stages, mine, rt = ts.runtime(name, rank, checkpoint=checkpoint, timeout=20)
+        x, y = ts.data(1)
         losses: list[Any] = ["stale"]
         first = rt.eval(x, y, losses=losses)
         untouched = all(p.grad is None for s in mine for p in stages[s].parameters())
         bare: list[Any] = ["stale"]
         second = rt.eval(x, None, losses=bare)  # no targets: no loss
-        loss = rt.step(*_data(2))  # a training step after: as without the evaluations
+        loss = rt.step(*ts.data(2))  # a training step after: as without the evaluations
         third = rt.eval(x, y)
         out[name] = {
             "outputs": (first, second, third),
@@ -69,14 +46,16 @@ def _run(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
 
 
 def _whole(n: int) -> dict[str, Any]:
-    stages = _stages(n)
-    x, y = _data(1)
+    stages = ts.stages(n)
+    x, y = ts.data(1)
     with torch.no_grad():
         h = x
         for stage in stages:
             h = stage(h)
-    losses = [nn.functional.mse_loss(a, b) for a, b in zip(h.chunk(M), y.chunk(M), strict=True)]
-    x2, y2 = _data(2)
+    losses = [
+        nn.functional.mse_loss(a, b) for a, b in zip(h.chunk(ts.M), y.chunk(ts.M), strict=True)
+    ]
+    x2, y2 = ts.data(2)
     h2 = x2
     for stage in stages:
         h2 = stage(h2)
@@ -90,7 +69,7 @@ def _whole(n: int) -> dict[str, Any]:
 def test_eval_runs_the_forwards_alone(checkpoint: str) -> None:
     results = spawn(_run, 2, args=(checkpoint,), timeout=150)
     for name in SCHEDULES:
-        schedule = _schedule(name)
+        schedule = ts.schedule(name)
         want = _whole(schedule.num_stages)
         last = schedule.placement[-1]
         for rank in (0, 1):
@@ -108,7 +87,7 @@ def test_eval_runs_the_forwards_alone(checkpoint: str) -> None:
                 assert not out.requires_grad
             losses, bare = got["losses"]
             assert bare == []
-            assert len(losses) == M
+            assert len(losses) == ts.M
             for a, b in zip(losses, want["losses"], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-13, atol=0, msg=name)
             torch.testing.assert_close(got["loss"], want["loss"], rtol=1e-13, atol=0)
@@ -118,9 +97,9 @@ def _mixed(rank: int, world: int) -> tuple[float, str]:
     from xgrad.failure import RankError
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
-    schedule = xp.make("1f1b", 2, M)
-    rt = PipelineRuntime(schedule, [_stages(2)[rank]], nn.MSELoss(), timeout=4)
-    x, y = _data(1)
+    schedule = xp.make("1f1b", 2, ts.M)
+    rt = PipelineRuntime(schedule, [ts.stages(2)[rank]], nn.MSELoss(), timeout=4)
+    x, y = ts.data(1)
     rt.step(x, y)
     start = time.perf_counter()
     try:
@@ -173,21 +152,21 @@ def _replicated(rank: int, world: int, mode: str) -> list[str]:
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     replica, place = divmod(rank, 2)
-    stages = _stages(2)
+    stages = ts.stages(2)
     stage = _Failing(stages[place])
     if mode == "ddp":
         ddp = DistributedDataParallel(stage, process_group=replicas[place], timeout=15)
         rt = PipelineRuntime(
-            xp.make("1f1b", 2, M), [ddp], nn.MSELoss(), group=pipelines[replica],
+            xp.make("1f1b", 2, ts.M), [ddp], nn.MSELoss(), group=pipelines[replica],
             timeout=15, no_sync=lambda i: ddp.no_sync(),
         )  # fmt: skip
     else:
         rt = PipelineRuntime(
-            xp.add_stage_ops(xp.make("zb_h1", 2, M)), [stage], nn.MSELoss(),
+            xp.add_stage_ops(xp.make("zb_h1", 2, ts.M)), [stage], nn.MSELoss(),
             group=pipelines[replica], timeout=15, dp_group=replicas[place],
         )  # fmt: skip
     out = []
-    x, y = _data(1)
+    x, y = ts.data(1)
     stage.fail = rank == 0
     try:
         rt.eval(x if place == 0 else None, y if place == 1 else None)
@@ -197,13 +176,13 @@ def _replicated(rank: int, world: int, mode: str) -> list[str]:
     stage.fail = False
     for seed in (2, 3):
         stages[place].zero_grad(set_to_none=True)
-        x, y = _data(seed)
+        x, y = ts.data(seed)
         try:
             rt.step(x if place == 0 else None, y if place == 1 else None)
         except Exception as exc:
             out.append(f"step raised {type(exc).__name__}: {exc}")
             continue
-        whole = _stages(2)
+        whole = ts.stages(2)
         nn.functional.mse_loss(whole[1](whole[0](x)), y).backward()
         worst = max(
             float((p.grad - q.grad).abs().max())  # type: ignore[operator]
@@ -232,11 +211,11 @@ def test_a_failed_eval_leaves_the_replicas_next_steps_right(mode: str) -> None:
 def _after_switch(rank: int, world: int) -> list[str]:
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
-    rt = PipelineRuntime(xp.make("1f1b", 2, M), [_stages(2)[rank]], nn.MSELoss(), timeout=6)
-    x, y = _data(1)
+    rt = PipelineRuntime(xp.make("1f1b", 2, ts.M), [ts.stages(2)[rank]], nn.MSELoss(), timeout=6)
+    x, y = ts.data(1)
     out = []
     rt.step(x, y)
-    bad = torch.zeros(2 * M + 1, WIDTH, dtype=torch.float64)
+    bad = torch.zeros(2 * ts.M + 1, ts.WIDTH, dtype=torch.float64)
     for call in (rt.eval, rt.step):  # a bad batch at the first call after each switch
         try:
             call(bad if rank == 0 else None, y)
@@ -263,21 +242,21 @@ class _Uneven(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
-        self.lin = nn.Linear(WIDTH, WIDTH).double()
+        self.lin = nn.Linear(ts.WIDTH, ts.WIDTH).double()
 
     def forward(self, x: torch.Tensor) -> Any:
         self.calls += 1
         y = self.lin(x)
-        return {"y": y} if self.calls % M else {"y": y, "extra": y}
+        return {"y": y} if self.calls % ts.M else {"y": y, "extra": y}
 
 
 def _unmergeable(rank: int, world: int) -> list[str]:
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
-    stage = _stages(1)[0] if rank == 0 else _Uneven()
+    stage = ts.stages(1)[0] if rank == 0 else _Uneven()
     loss = lambda out, target: nn.functional.mse_loss(out["y"], target)  # noqa: E731
-    rt = PipelineRuntime(xp.make("1f1b", 2, M), [stage], loss, timeout=6)
-    x, y = _data(1)
+    rt = PipelineRuntime(xp.make("1f1b", 2, ts.M), [stage], loss, timeout=6)
+    x, y = ts.data(1)
     out = []
     try:
         rt.eval(x, y)

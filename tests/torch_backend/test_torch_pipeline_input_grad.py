@@ -13,45 +13,21 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import tanh_stages as ts
 import torch
 from torch import nn
 
-import xgrad.pipeline as xp
 from xgrad.torch_backend.spawn import spawn
 
-M, WIDTH = 4, 3
 SCHEDULES = ("gpipe", "zb_h1", "zb_h2", "interleaved_zb", "zbv", "dualpipev")
 
 
-def _schedule(name: str) -> xp.Schedule:
-    two = name in ("interleaved_zb", "zbv", "dualpipev")
-    return xp.make(name, 2, M, chunks=2) if two else xp.make(name, 2, M)
-
-
-def _stages(n: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()).double() for _ in range(n)]
-
-
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(2 * M, WIDTH, generator=g, dtype=torch.float64)
-    return x, torch.randn(2 * M, WIDTH, generator=g, dtype=torch.float64)
-
-
 def _run(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
-    from xgrad.torch_backend.pipeline import PipelineRuntime
-
     out: dict[str, Any] = {}
     for name in SCHEDULES:
-        schedule = _schedule(name)
-        stages = _stages(schedule.num_stages)
-        mine = schedule.stages_of(rank)
-        x, y = _data()
+        _, mine, rt = ts.runtime(name, rank, checkpoint=checkpoint, timeout=20)
+        x, y = ts.data()
         x.requires_grad_()
-        rt = PipelineRuntime(
-            schedule, [stages[s] for s in mine], nn.MSELoss(), checkpoint=checkpoint, timeout=20
-        )
         rt.step(x, y)
         if 0 in mine:
             out[name] = x.grad
@@ -60,10 +36,10 @@ def _run(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
 
 def _whole(n: int) -> torch.Tensor:
     """The input's gradient through the ``n`` stages run as one model."""
-    x, y = _data()
+    x, y = ts.data()
     x.requires_grad_()
     h = x
-    for stage in _stages(n):
+    for stage in ts.stages(n):
         h = stage(h)
     nn.functional.mse_loss(h, y).backward()
     assert x.grad is not None
@@ -77,5 +53,5 @@ def test_the_input_batch_gets_the_whole_models_gradient(checkpoint: str) -> None
     for name in SCHEDULES:
         got = results[0][name]
         assert got is not None, name
-        want = _whole(_schedule(name).num_stages)
+        want = _whole(ts.schedule(name).num_stages)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=name)
