@@ -66,13 +66,17 @@ def _counted(rank: int, world: int) -> dict[str, object]:
         da.EXECUTE = execute
         torch.manual_seed(0)
         norm = torch.nn.BatchNorm1d(4).double()
+        lin = torch.nn.Linear(4, 4).double()
         runs = [0]
 
         def block(
-            h: torch.Tensor, norm: torch.nn.Module = norm, runs: list[int] = runs
+            h: torch.Tensor,
+            norm: torch.nn.Module = norm,
+            lin: torch.nn.Module = lin,
+            runs: list[int] = runs,
         ) -> torch.Tensor:
             runs[0] += 1
-            h = norm(h)
+            h = norm(lin(h))  # a product of a received tensor: the node engine splits it
             for _ in range(10):
                 h = (h * h).sin()
             return h
@@ -94,12 +98,15 @@ def test_a_non_reentrant_checkpoint_is_recomputed_once_per_pass() -> None:
     tensor's unpack was a graph task of its own: the region ran once per saved tensor
     (12 times here), and BatchNorm's running statistics moved as often. The pass is one
     GraphExecGroup now: one forward, one recomputation, as in one process. (torch's own
-    engine, one call per wave, recomputes once more where a wave resumes: at most 3.)"""
+    engine, one call per wave, recomputes once more where a wave resumes: at most 3.) The
+    region's matrix product takes a received tensor, which the node engine splits
+    (dist_split): reading its operands as the graph was built recomputed the region too."""
     torch.manual_seed(0)
     norm = torch.nn.BatchNorm1d(4).double()
+    lin = torch.nn.Linear(4, 4).double()
 
     def block(h: torch.Tensor) -> torch.Tensor:
-        h = norm(h)
+        h = norm(lin(h))
         for _ in range(10):
             h = (h * h).sin()
         return h

@@ -106,3 +106,38 @@ def test_dtypes_gloo_does_not_move_travel_as_their_bytes() -> None:
     results, codes = run_ranks(_dtypes, 2, timeout=90)
     assert all(code == 0 for code in codes.values()), (codes, results)
     assert results[1] == ("ok", dict.fromkeys(_BYTE_DTYPES, True)), results[1]
+
+
+def _unused_send(rank: int, world: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        v = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        with da.context(timeout=20) as cid:
+            if rank == 0:
+                h = (w * 2).sin()
+                da.send(h.exp(), 1)  # rank 1 leaves it out of its loss: no gradient comes
+                local = (h * h).sum()
+                da.backward(cid, [])
+                local.backward()  # through h, whose part of the graph the pass never ran
+                out[execute] = w.grad.tolist()  # type: ignore[union-attr]
+            else:
+                da.recv(0)
+                da.backward(cid, [(v * 2).sum()])
+    return out
+
+
+def test_what_the_pass_did_not_run_keeps_its_saved_tensors() -> None:
+    """A send whose peer sent no gradient back leaves its part of the graph unrun (as in
+    torch's engine); its saved tensors were freed all the same, and a local backward
+    through a tensor it shares then raised "backward through the graph a second time"."""
+    results, codes = run_ranks(_unused_send, 2, timeout=90)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    status, out = results[0]
+    assert status == "ok", out
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    h = (w * 2).sin()
+    (h * h).sum().backward()
+    assert w.grad is not None
+    assert out == {"nodes": w.grad.tolist(), "waves": w.grad.tolist()}

@@ -57,3 +57,40 @@ def test_gradients_are_reduced_in_the_dtype_the_parameters_have(when: int, view:
     results: Any = spawn(_run, 2, args=(when, view), timeout=90)
     for errors in results:
         assert errors == [0.0] * STEPS, errors
+
+
+def _powersgd(rank: int, world: int) -> list[str]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    ddp = DistributedDataParallel(model, timeout=20)
+    state = ps.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+        min_compression_rate=0.5, warm_start=True, use_error_feedback=True,
+    )  # fmt: skip
+    ddp.register_comm_hook(state, ps.powerSGD_hook)
+    out = []
+    for step in range(5):
+        if step == 3:
+            ddp.double()
+        dtype = next(model.parameters()).dtype
+        model.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x.to(dtype)).pow(2).mean().backward()
+        flat = torch.cat([p.grad.flatten() for p in model.parameters()]).double()  # type: ignore[union-attr]
+        total = flat.clone()
+        dist.all_reduce(total)
+        out.append(f"{dtype} {'equal' if torch.equal(2 * flat, total) else 'differ'}")
+    return out
+
+
+def test_powersgd_s_memories_start_again_after_a_conversion() -> None:
+    """PowerSGD keeps per-bucket memories (error feedback, warm start) in the buckets'
+    dtype: after the buckets were made again in float64 every step raised "expected
+    scalar type Double but found Float". They start again now, every rank alike."""
+    results: Any = spawn(_powersgd, 2, timeout=90)
+    want = ["torch.float32 equal"] * 3 + ["torch.float64 equal"] * 2
+    assert results == [want, want], results

@@ -55,3 +55,35 @@ def test_the_input_batch_gets_the_whole_models_gradient(checkpoint: str) -> None
         assert got is not None, name
         want = _whole(ts.schedule(name).num_stages)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=name)
+
+
+def _upstream(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("gpipe", "1f1b", "zb_h1", "zbv", "dualpipev"):
+        _, mine, rt = ts.runtime(name, rank, timeout=20)
+        x, y = ts.data()
+        base = x.clone().requires_grad_()
+        scale = torch.full((ts.WIDTH,), 1.5, dtype=torch.float64, requires_grad=True)
+        rt.step(base * scale, y)  # the batch has a graph of its own upstream
+        if 0 in mine:
+            out[name] = (base.grad, scale.grad)
+    return out
+
+
+def test_a_batch_with_a_graph_upstream_gets_its_gradient_under_every_schedule() -> None:
+    """The microbatches share the batch's upstream graph (``base * scale``): the first
+    microbatch's backward freed it, and the second raised "backward through the graph a
+    second time" (under GPipe and 1F1B too)."""
+    results = spawn(_upstream, 2, timeout=120)
+    assert len(results[0]) == 5  # rank 0 holds stage 0 in each
+    for name, (base_grad, scale_grad) in results[0].items():
+        n = ts.schedule(name).num_stages
+        x, y = ts.data()
+        base = x.clone().requires_grad_()
+        scale = torch.full((ts.WIDTH,), 1.5, dtype=torch.float64, requires_grad=True)
+        h = base * scale
+        for stage in ts.stages(n):
+            h = stage(h)
+        nn.functional.mse_loss(h, y).backward()
+        torch.testing.assert_close(base_grad, base.grad, rtol=1e-12, atol=1e-15, msg=name)
+        torch.testing.assert_close(scale_grad, scale.grad, rtol=1e-12, atol=1e-15, msg=name)

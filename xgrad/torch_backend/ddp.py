@@ -53,6 +53,7 @@ from xgrad.torch_backend.ddp_checks import (
 )
 from xgrad.torch_backend.ddp_comm_hooks import CommHookDDP
 from xgrad.torch_backend.ddp_compat import CompatDDP
+from xgrad.torch_backend.ddp_convert import ConvertibleDDP
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_forward import ForwardDDP
@@ -74,6 +75,7 @@ _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
 class DistributedDataParallel(
+    ConvertibleDDP,
     ForwardDDP,
     BufferSyncDDP,
     CompatDDP,
@@ -289,19 +291,6 @@ class DistributedDataParallel(
 
     def _grad_of(self, index: int) -> torch.Tensor | None:
         return self._params[index].grad
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``ddp.double()``, ``ddp.to(...)``: the buckets follow the parameters' new dtype
-        or device (they kept the old ones, and every later gradient was reduced in them;
-        PyTorch's reducer leaves each rank its local gradient then). Convert through the
-        DDP, not its module: a conversion of the module alone is not seen."""
-        out = super()._apply(fn, recurse)
-        reducer = self.__dict__.get("reducer")  # None while __init__ moves the module
-        if reducer is not None and reducer.relayout():
-            self._agreement_pending = True
-            if self.gradient_as_bucket_view:
-                self._grad_hooks.alias_grads_to_buckets()
-        return out
 
     # --- graph
 

@@ -66,6 +66,7 @@ class CommHookDDP:
         )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
         self._agreement_pending = True  # the ranks compare hooks again at the next step
+        self._hook_state = state  # per-bucket memories a conversion clears (ddp._apply)
 
     def register_hook(self, hook: Hook) -> None:
         """Register a backend-neutral hook with its state bound (``bucket -> Work``).

@@ -345,8 +345,9 @@ def _run(
         raise
     sent = [edge for _, _, _, edge in ctx.sends]
     taken = [(t, node) for _, _, t, node in ctx.recvs]
-    grads = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
-    return grads, rank_graph.leaves, accumulate, rank_graph.walked
+    grads, ran = run_pass(EXECUTE, pass_, ctx.me, rank_graph, roots, sent, taken, accumulate)
+    walked = rank_graph.walked
+    return grads, rank_graph.leaves, accumulate, tuple(walked[u] for u in ran if u in walked)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -50,8 +50,11 @@ class RankGraph:
             would run them once per call through the node.
         leaf_node_hooks: leaf index -> the pre- and post-hook dicts of its accumulator,
             where the context saw C++ node hooks registered and the leaf has some.
-        walked: the torch function nodes of the graph (whose saved tensors a pass without
-            ``retain_graph`` frees, :mod:`.dist_release`).
+        walked: node id -> its torch function node (of those a pass ran, a pass without
+            ``retain_graph`` frees the saved tensors, :mod:`.dist_release`).
+        ran: the function nodes the node engine ran with a gradient, as it ran them (a
+            send whose peer sent no gradient back leaves its part unrun, as torch's
+            engine does, and a local ``backward`` through it later still works).
     """
 
     graph: BackwardGraph
@@ -62,7 +65,8 @@ class RankGraph:
     recv_nodes: dict[int, int]
     inner_hooks: bool = False
     leaf_node_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-    walked: tuple[Any, ...] = ()
+    walked: dict[int, Any] = field(default_factory=dict)
+    ran: list[int] = field(default_factory=list)
 
 
 def _caller(
@@ -136,6 +140,18 @@ def _caller(
         return grads
 
     return run
+
+
+def _recorded(run: NodeFunction, u: int, ran: list[int]) -> NodeFunction:
+    """``run``, noting node ``u`` in ``ran`` when a gradient reaches it (the engine calls a
+    node whose inputs are all None too: its part of the graph did not run)."""
+
+    def call(inputs: list[Any]) -> Sequence[Any]:
+        if any(g is not None for g in inputs):
+            ran.append(u)
+        return run(inputs)
+
+    return call
 
 
 def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
@@ -276,10 +292,10 @@ def build_rank_graph(
         send_nodes.append(u)
     products: list[tuple[int, Any, list[int], list[Any]]] = []  # see dist_split
     probed = False
-    walked = []
+    walked: dict[int, Any] = {}
     while stack:
         u, fn = stack.pop()
-        walked.append(fn)
+        walked[u] = fn
         keep = []
         wants = []
         for i, (child, nr) in enumerate(fn.next_functions):
@@ -313,7 +329,10 @@ def build_rank_graph(
     for u, node in wrapped.items():
         if u >= 0 and kinds[u] == NodeKind.FUNCTION and names[u] != "GraphRoot":
             functions[u] = hooked_caller(node, functions[u])
+    ran: list[int] = []
+    for u in walked:
+        functions[u] = _recorded(functions[u], u, ran)
     return RankGraph(
         graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner,
-        leaf_node_hooks, tuple(walked),
+        leaf_node_hooks, walked, ran,
     )  # fmt: skip

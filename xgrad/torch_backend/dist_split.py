@@ -53,6 +53,17 @@ def _column_major(sizes: Sequence[Any], strides: Sequence[Any]) -> bool:
     return len(strides) == 2 and strides[0] == 1 and strides[1] == sizes[0]
 
 
+def _plain(fn: Any, name: str) -> bool:
+    """Whether ``fn``'s saved tensor ``name`` is held as it is, not packed by hooks (a
+    non-reentrant checkpoint's: reading one recomputes the region, outside the pass's
+    one recomputation, :mod:`.dist_release`); True where torch saves it otherwise."""
+    try:
+        data = getattr(getattr(fn, name, None), "data", None)
+    except RuntimeError:  # freed by an earlier pass: reading it raises that, as before
+        return True
+    return data is None or isinstance(data, torch.Tensor)
+
+
 def split_caller(
     fn: Any,
     keep: Sequence[int],
@@ -75,6 +86,8 @@ def split_caller(
     if getattr(fn, "_saved_beta", 1) != 1:
         return None
     mat1_name = "mat1" if "mat1" in names else "self"
+    if not _plain(fn, f"_raw_saved_{mat1_name}") or not _plain(fn, "_raw_saved_mat2"):
+        return None  # packed by hooks (a checkpoint's): reading them now would unpack them
     try:  # what a torch of another version may not save, or name so
         mat1_sizes = tuple(getattr(fn, f"_saved_{mat1_name}_sym_sizes"))
         mat1_strides = tuple(getattr(fn, f"_saved_{mat1_name}_sym_strides"))

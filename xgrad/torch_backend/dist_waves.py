@@ -36,6 +36,7 @@ from torch.autograd.graph import GradientEdge
 from xgrad.dependencies import compute_dependencies
 from xgrad.engine import BackwardError, Engine, run_worker_part
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
+from xgrad.engine_plan import lists
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
@@ -303,10 +304,13 @@ def run_pass(
     send_edges: Sequence[GradientEdge],
     recvs: Sequence[tuple[torch.Tensor, Any]],
     accumulate: Any,
-) -> dict[int, Any]:
+) -> tuple[dict[int, Any], list[int]]:
     """This rank's pass on ``execute`` ("nodes": xgrad's engine; "waves": torch's engine).
 
-    Returns leaf index -> summed gradient. A pass whose leaves have tensor hooks runs on
+    Returns leaf index -> summed gradient, and the graph's nodes the pass surely ran (the
+    node engine's, in order; with waves, those under the roots: a send's part runs only
+    when its gradient came, which its peer may not have sent). A pass whose leaves have
+    tensor hooks runs on
     the node engine, which calls them once on the summed gradient, and so do one whose
     other nodes have hooks seen registered in the context (``inner_hooks``) and one through
     a reentrant checkpoint (:func:`nodes_only`).
@@ -323,7 +327,8 @@ def run_pass(
         and not rank_graph.inner_hooks
         and not nodes_only(rank_graph)
     ):
-        return backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
+        grads = backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
+        return grads, under_roots(rank_graph)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
         node_hooks = rank_graph.leaf_node_hooks.get(i)
@@ -335,4 +340,20 @@ def run_pass(
         engine.backward_distributed(
             cast(Any, pass_), me, rank_graph.graph, rank_graph.functions, rank_graph.grad_roots
         )
-    return engine.grads
+    return engine.grads, rank_graph.ran
+
+
+def under_roots(rank_graph: RankGraph) -> list[int]:
+    """The nodes reached from the roots' node (none without roots)."""
+    if not rank_graph.grad_roots:
+        return []
+    indptr, dst = lists(rank_graph.graph)[2:4]
+    seen = set(rank_graph.grad_roots)
+    stack = list(seen)
+    while stack:
+        u = stack.pop()
+        for e in range(indptr[u], indptr[u + 1]):
+            if dst[e] not in seen:
+                seen.add(dst[e])
+                stack.append(dst[e])
+    return sorted(seen)

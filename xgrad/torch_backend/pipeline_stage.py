@@ -181,7 +181,10 @@ class StagePasses(StageState):
         if weights:
             # The inputs are leaves: the whole backward leaves their gradients in ``.grad``.
             if outs:
-                torch.autograd.backward(outs, out_grads)
+                # A batch with a graph upstream (``base * scale``) shares it between the
+                # microbatches: the first backward freed it for the others.
+                keep = self._takes_batch_grad(s, slot)
+                torch.autograd.backward(outs, out_grads, retain_graph=keep)
             found: list[torch.Tensor | None] = [x.grad for x in flat]
             slot.output = slot.input = slot.out_edges = slot.grad_output = None
         else:
@@ -246,7 +249,7 @@ class StagePasses(StageState):
                 # it): I had nothing of this stage's to differentiate, so W takes the
                 # whole backward, into the batch too, as B would (else its .grad stayed
                 # None, or partial where some microbatches ran B and others I/W).
-                torch.autograd.backward(outs, grads)
+                torch.autograd.backward(outs, grads, retain_graph=True)  # shared upstream
             elif outs and params:
                 torch.autograd.backward(outs, grads, inputs=params)
         slot.output = slot.input = slot.out_edges = slot.grad_output = slot.captured = None
