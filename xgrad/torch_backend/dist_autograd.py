@@ -167,6 +167,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         yield ctx.id
         ctx.close()
         ok = True
+        release_saved(ctx.ran)
     except BaseException as exc:
         if not isinstance(exc, RankError):
             ctx.channel.post("forward", f"{type(exc).__name__}: {exc}")
@@ -286,7 +287,7 @@ def backward(
         ctx.ledger.enter("forward")
     if not retain_graph:
         ctx.graph_freed = True
-        release_saved(walked)  # as torch's engine frees them (dist_release)
+        ctx.ran = walked  # freed at the context's exit, off the pass's path (dist_release)
     try:
         keep(ctx.grads, grads, leaves, accumulate, accumulate_grad)
     except Exception as exc:

@@ -90,6 +90,8 @@ class Context:
         self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph_freed = False
         self.in_backward = False  # send and recv are refused meanwhile (see _current)
+        # the torch nodes a pass without retain_graph ran, freed at the exit (dist_release)
+        self.ran: tuple[Any, ...] = ()
         # Whether this rank already raised the context's failure to the user.
         self.reported = False
         # Whether a failed pass already answered what its peers wait for (with poison).

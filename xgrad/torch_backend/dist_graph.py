@@ -147,8 +147,10 @@ def _recorded(run: NodeFunction, u: int, ran: list[int]) -> NodeFunction:
     node whose inputs are all None too: its part of the graph did not run)."""
 
     def call(inputs: list[Any]) -> Sequence[Any]:
-        if any(g is not None for g in inputs):
-            ran.append(u)
+        for g in inputs:
+            if g is not None:
+                ran.append(u)
+                break
         return run(inputs)
 
     return call
