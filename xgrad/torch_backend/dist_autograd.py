@@ -167,7 +167,6 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         yield ctx.id
         ctx.close()
         ok = True
-        release_saved(ctx.ran)
     except BaseException as exc:
         if not isinstance(exc, RankError):
             ctx.channel.post("forward", f"{type(exc).__name__}: {exc}")
@@ -186,6 +185,8 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         if not ok:
             bury_sent(ctx.works)
             ctx.leave_failed()
+        else:  # after the exit's exchange: nothing here is posted to the peers
+            release_saved(ctx.ran)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:

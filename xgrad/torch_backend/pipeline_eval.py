@@ -110,6 +110,7 @@ def evaluating(runtime: Any) -> Iterator[None]:
     under ``torch.no_grad()``, the training mode swapped back after, however it ends."""
     if runtime._eval_mode is None:
         runtime._eval_mode = Mode(forward_schedule(runtime._train_mode.schedule), runtime.rank)
+    runtime._train_mode.plan = runtime._plan  # kept for the next step (made once)
     _use(runtime, runtime._eval_mode)
     runtime._evaluating = True
     try:
