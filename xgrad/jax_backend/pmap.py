@@ -6,6 +6,7 @@ the batch reshaped to a leading device axis, and gives the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -29,6 +30,8 @@ def pmap_call(
             "mode='shard_map' or mode='jit'"
         )
     check_batch(batch, axes, step.world_size, f"world_size={step.world_size}")
+    devices = step.devices or jax.local_devices()[: step.world_size]
+    state = _placed(state, devices, step.axis_name)
     key = ("pmap", axes, jax.tree_util.tree_structure(state))
     fn = step._compiled.get(key)
     if fn is None:
@@ -65,3 +68,19 @@ def pmap_call(
             powersgd.PowerSGDCarry(new.iter[0], new.errors, first(new.qs), new.key[0]),
         )
     return result
+
+
+def _placed(state: Any, devices: Sequence[Any], axis: Any) -> Any:
+    """``state`` placed as the step returns it: its replicated parts (iteration, ``Q``s,
+    key) committed to the first device, each error-feedback memory one row per device.
+    The initial state's arrays were placed apart from the step's outputs, and the second
+    call compiled the step again (half a second a step in the crosscheck's timing of
+    PowerSGD under pmap, which warms up with one step)."""
+    if state is None:
+        return None
+    iter_, qs, key = jax.device_put((state.iter, state.qs, state.key), devices[0])
+    rows = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(list(devices)), (axis,)), jax.sharding.PartitionSpec(axis)
+    )
+    errors = tuple(e if e.sharding == rows else jax.device_put(e, rows) for e in state.errors)
+    return state._replace(iter=iter_, errors=errors, qs=qs, key=key)
