@@ -265,3 +265,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert err == ""
+
+
+def test_python_m_xgrad_is_the_command() -> None:
+    """``python -m xgrad`` said the package has no ``__main__``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-m", "xgrad", "schedule", "gpipe", "-p", "2", "-m", "2"],
+        capture_output=True, text=True, timeout=120, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "bubble fraction" in done.stdout
