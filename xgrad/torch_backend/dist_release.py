@@ -17,9 +17,10 @@ torch's engine, so two things torch's engine does per graph task did not happen:
   recomputed on first use in each graph task, and outside torch's engine every use
   was a graph task of its own, so the region ran once per saved tensor (37 times for a
   region of ten nodes; BatchNorm's running statistics and any other effect of the forward
-  repeated). The pass runs in one ``torch.utils.checkpoint.GraphExecGroup``, PyTorch's
-  way to make several backward calls one task for checkpointing (also when the pass runs
-  in torch's engine, one call per wave).
+  repeated). The node engine's pass runs in one ``torch.utils.checkpoint.GraphExecGroup``,
+  PyTorch's way to make several backward calls one task for checkpointing. Not the waves
+  in torch's engine: one wave resumes where another stopped, which the group refuses
+  (the region runs three times there, not twice).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _freed(_: Any) -> None:
     raise RuntimeError(
         "Trying to backward through the graph a second time (or directly access saved "
         "tensors after they have already been freed): xgrad's distributed backward freed "
-        "them at the end of its pass. Specify retain_graph=True if you need to backward "
+        "them as its context closed. Specify retain_graph=True if you need to backward "
         "through the graph a second time or to access saved tensors after calling backward."
     )
 
@@ -60,8 +61,8 @@ def _saved_of(node: Any) -> tuple[str, ...]:
 
 
 def release_saved(nodes: Iterable[Any]) -> None:
-    """Free what ``nodes`` (torch ``grad_fn`` nodes a finished pass walked) saved for
-    their backward, as torch's engine does after a pass without ``retain_graph``. A saved
+    """Free what ``nodes`` (torch ``grad_fn`` nodes a finished pass ran) saved for their
+    backward, as torch's engine does after a pass without ``retain_graph``. A saved
     tensor that already has hooks (a checkpoint's, a ``saved_tensors_hooks`` context's) or
     was freed is left as it is."""
     for node in nodes:

@@ -30,13 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch.autograd.graph import GradientEdge
 
-from xgrad.dependencies import compute_dependencies
+from xgrad.dependencies import compute_dependencies, reachable_from
 from xgrad.engine import BackwardError, Engine, run_worker_part
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
-from xgrad.engine_plan import lists
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
@@ -345,15 +345,5 @@ def run_pass(
 
 def under_roots(rank_graph: RankGraph) -> list[int]:
     """The nodes reached from the roots' node (none without roots)."""
-    if not rank_graph.grad_roots:
-        return []
-    indptr, dst = lists(rank_graph.graph)[2:4]
-    seen = set(rank_graph.grad_roots)
-    stack = list(seen)
-    while stack:
-        u = stack.pop()
-        for e in range(indptr[u], indptr[u + 1]):
-            if dst[e] not in seen:
-                seen.add(dst[e])
-                stack.append(dst[e])
-    return sorted(seen)
+    reached = reachable_from(rank_graph.graph, rank_graph.grad_roots)
+    return [int(u) for u in np.flatnonzero(reached)]
