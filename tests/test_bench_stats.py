@@ -16,6 +16,7 @@ from xgrad.bench_stats import (
     median_interval,
     paired_ratios,
     rule,
+    turn_counts,
     verdict,
 )
 
@@ -151,5 +152,7 @@ def test_too_few_turns_for_an_interval_give_no_verdict_and_say_range() -> None:
     assert launch_verdict(two, turns=6) == "met"
     assert launch_verdict(_launches([0.95] * 6), turns=2) == "met"  # six launches' medians
     assert interval_label(2) == "range of 2" and interval_label(6) == "95% interval"
+    assert interval_label(0) == "95% interval"  # not counted: as printed before the count
+    assert turn_counts([[1.0, 0.9], [1.1, 1.0, 0.95]]) == (2, 5)
     assert "not judged" in rule(1, turns=2) and "not judged" not in rule(6, turns=2)
     assert "not judged" not in rule(1, turns=6)

@@ -38,6 +38,7 @@ __all__ = [
     "median_interval",
     "paired_ratios",
     "rule",
+    "turn_counts",
     "verdict",
 ]
 
@@ -54,8 +55,15 @@ TOO_FEW = "too-few"
 
 
 def interval_label(n: int) -> str:
-    """What :func:`median_interval` of ``n`` values is: a 95% interval, or a plain range."""
-    return "95% interval" if n >= MIN_FOR_INTERVAL else f"range of {n}"
+    """What :func:`median_interval` of ``n`` values is: a 95% interval, or a plain range
+    (``n`` 0: not counted, as a row made without its turns; named as before the count)."""
+    return "95% interval" if n >= MIN_FOR_INTERVAL or n == 0 else f"range of {n}"
+
+
+def turn_counts(ratios: Sequence[Sequence[float]]) -> tuple[int, int]:
+    """Each launch's per-turn ratios in: ``(the fewest turns of a launch, every turn)``,
+    what :func:`launch_verdict` and :func:`interval_label` are told."""
+    return min(len(r) for r in ratios), sum(len(r) for r in ratios)
 
 
 def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> list[float]:

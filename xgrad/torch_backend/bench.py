@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'/'.join(map(str, steps))} timed steps per side over {launches} launch(es) of "
         "fresh processes (each step alternated with the other side and with the bare "
         "model); time ratio = median over those turns of xgrad step / torch step in the "
-        f"same turn [{interval_label(pooled_n) if pooled_n else '95% interval'} of that "
+        f"same turn [{interval_label(pooled_n)} of that "
         f"median]; launches = each launch's own median; target: ratio <= 1.00, "
         f"{rule(launches, turns=turns)}; CPU ratio = median CPU of the whole "
         "process per xgrad step / per torch step; µs/grad = (DDP step - bare step) / tensors"

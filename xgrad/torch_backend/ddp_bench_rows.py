@@ -8,7 +8,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
-from xgrad.bench_stats import interval_label, launch_intervals, launch_verdict, paired_ratios
+from xgrad.bench_stats import (
+    interval_label,
+    launch_intervals,
+    launch_verdict,
+    paired_ratios,
+    turn_counts,
+)
 from xgrad.tables import Table, near_limit
 
 __all__ = ["CaseResult", "CaseSample", "pooled", "rows_table", "table"]
@@ -120,6 +126,7 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
     first = samples[0]
     ratios = [paired_ratios(s.xgrad_times, s.torch_times) for s in samples]
     (low, mid, high), each = launch_intervals(ratios)
+    turns, pooled_turns = turn_counts(ratios)
 
     def every(key: str) -> list[float]:
         return [t for s in samples for t in getattr(s, key)]
@@ -143,8 +150,8 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
         xgrad_cpu=statistics.median(every("xgrad_cpu")),
         torch_cpu=statistics.median(every("torch_cpu")),
         launches=each,
-        turns=min(len(r) for r in ratios),
-        pooled_turns=sum(len(r) for r in ratios),
+        turns=turns,
+        pooled_turns=pooled_turns,
     )
 
 
@@ -173,7 +180,7 @@ def rows_table(results: list[CaseResult]) -> Table:
 def table(results: list[CaseResult]) -> str:
     """The benchmark's table, as the README shows it (Markdown)."""
     pooled = min((r.pooled_turns for r in results if r.pooled_turns), default=0)
-    label = "95%" if not pooled else interval_label(pooled).replace(" interval", "")
+    label = interval_label(pooled).replace(" interval", "")
     lines = [
         f"| model | world | find_unused | tensors | xgrad ms | torch ms | time ratio [{label}] "
         "| launches | target | CPU ratio | xgrad MiB | torch MiB | memory ratio | xgrad µs/hook "

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xgrad.bench_stats import interval_label, launch_intervals, launch_verdict, rule
+from xgrad.bench_stats import interval_label, launch_intervals, launch_verdict, rule, turn_counts
 from xgrad.tables import Table
 
 __all__ = ["Summary", "render", "summarize"]
@@ -75,6 +75,7 @@ def summarize(launches: Sequence[Launch]) -> Summary:
 
     ratios = [_block_ratios(launch) for launch in launches]
     pooled_ratio, each = launch_intervals(ratios)
+    turns, counted = turn_counts(ratios)
     other = None
     if all("other_times" in launch for launch in launches):
         other = (pooled("other_times"), max(launch["other_diff"] for launch in launches))
@@ -86,8 +87,8 @@ def summarize(launches: Sequence[Launch]) -> Summary:
         launches=each,
         diff=max(launch["diff"] for launch in launches),
         other=other,
-        turns=min(len(r) for r in ratios),
-        pooled=sum(len(r) for r in ratios),
+        turns=turns,
+        pooled=counted,
     )
 
 
@@ -99,7 +100,7 @@ def render(
     low, mid, high = s.ratio
     pass_ratio, cpu_ratio = x_pass / t_pass, (x_cpu / t_cpu if t_cpu > 0 else float("nan"))
     n = len(s.launches)
-    label = interval_label(s.pooled) if s.pooled else "95% interval"
+    label = interval_label(s.pooled)
     each = "/".join(f"{m:.3f}" for _, m, _ in s.launches)
     text = (
         f"dist-autograd: {args.world} ranks, {args.size}x{args.size} {args.dtype} weights, "

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xgrad.bench_stats import launch_intervals, launch_verdict, paired_ratios
+from xgrad.bench_stats import launch_intervals, launch_verdict, paired_ratios, turn_counts
 
 __all__ = ["Speed", "pool", "speed"]
 
@@ -79,6 +79,7 @@ def speed(launches: Sequence[Sequence[Result]], name: str) -> Speed:
         ours = [_slowest(per_rank, name, "xgrad_steps") for per_rank in launches]
         ratios = [paired_ratios(o, t) for o, t in zip(ours, theirs, strict=True)]
         (low, mid, high), each = launch_intervals(ratios)
+        turns, pooled = turn_counts(ratios)
         return Speed(
             statistics.median(t for launch in theirs for t in launch),
             statistics.median(t for launch in ours for t in launch),
@@ -86,8 +87,8 @@ def speed(launches: Sequence[Sequence[Result]], name: str) -> Speed:
             low,
             high,
             each,
-            turns=min(len(r) for r in ratios),
-            pooled=sum(len(r) for r in ratios),
+            turns=turns,
+            pooled=pooled,
         )
     torch_s = [max(r[name]["torch"] for r in per_rank) for per_rank in launches]
     xgrad_s = [max(r[name]["xgrad"] for r in per_rank) for per_rank in launches]

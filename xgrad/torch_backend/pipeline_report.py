@@ -44,7 +44,7 @@ def report(
     rows = [(name, speed(launches, name)) for name in names]
     turns = min((s.turns for _, s in rows if s.turns), default=None)
     pooled = min((s.pooled for _, s in rows if s.pooled), default=0)
-    label = interval_label(pooled) if pooled else "95% interval"
+    label = interval_label(pooled)
     out.append(
         "ratio: the median over every launch's steps of xgrad's step over torch's step of "
         "the same pair (the two alternate, each first in every other pair; a step's time is "
