@@ -26,10 +26,8 @@ def near_zero_limit(dtype: str, tol: float) -> float:
     can count more only where elements nearly cancel to 0 (the marker's footnote). A fixed
     2**16 marked real failures as harmless too, and could never mark a 16-bit dtype, whose
     whole range is fewer steps than that."""
-    dt = zoo.as_dtype(dtype)
-    one = np.ones((), dtype=dt)
-    eps = float(np.nextafter(one, np.asarray(2, dtype=dt)).astype(np.float64)) - 1.0
-    return tol / eps
+    eps = float(np.spacing(np.ones((), dtype=zoo.as_dtype(dtype))).astype(np.float64))
+    return tol / eps  # the spacing at 1, as metrics' ULP scales are read
 
 
 def _ulp_cell(ulp: int, passed: bool, limit: float) -> str:
