@@ -31,7 +31,6 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
     split_step,
 )
-from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     ddp_steps,
@@ -174,8 +173,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         self._lost: Failure | None = None  # the rank the last step lost, if it lost one
         self._tag = 0
         self._p2p_ranks: list[int] = []
-        # A failed step's group and wire (its transfers), until the group is aborted.
-        self._dying: tuple[tuple[Any, ...], StepWire | None] | None = None
+        # The failed step this runtime set aside (its groups and wire: pipeline_aside).
+        self._dying: int | None = None
+        self._index = 0  # the number of the step opened last on the pipeline group
         self._start_modes()  # the schedule, its wire plan and digest (eval swaps them)
         #: receives are posted this many actions ahead of the action that runs them (A/B at
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).

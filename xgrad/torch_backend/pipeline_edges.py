@@ -1,6 +1,6 @@
 """The edges of one rank's pipeline step: who is at the other end, their tags, the sends
-kept until done, and the poison a failed rank sends; the steps' numbering and the failed
-steps' private groups, set aside until their poison went out.
+kept until done, and the poison a failed rank sends; the steps' numbering and the wait
+for every rank's start (the failed steps set aside until then: :mod:`.pipeline_aside`).
 
 :class:`EdgeBook` is the part of :class:`~xgrad.torch_backend.pipeline_comm.StepWire`
 that knows the edges; the posting ahead and the waiting are in
@@ -9,7 +9,6 @@ that knows the edges; the posting ahead and the waiting are in
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import time
@@ -27,16 +26,13 @@ from xgrad.torch_backend.pipeline_close import StepClose
 from xgrad.torch_backend.pipeline_frame import Frame
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import Edge, WirePlan
-from xgrad.torch_backend.pipeline_wire import retire
 from xgrad.torch_backend.private_groups import group_count
 
 __all__ = [
     "POISON",
     "EdgeBook",
     "Incoming",
-    "abort_set_aside",
     "next_step",
-    "set_aside",
     "start_keys",
     "step_tag",
     "wait_all_started",
@@ -244,16 +240,11 @@ class _All:
 #: step, never received, cannot be taken for those of a later one) stay below this.
 _TAG_LIMIT = 1 << 30
 
-#: steps started per process group, in this process (every rank counts alike: the channel
-#: namespace and the tag of a step).
-
-#: private groups of failed steps not aborted yet (aborted at exit at the latest, so that
-#: their pending transfers cannot hold the process).
-_set_aside: set[Any] = set()
-
 
 def next_step(group: Any) -> int:
-    """The number of the step this process starts now on ``group`` (1, 2, ...)."""
+    """The number of the step this process starts now on ``group`` (1, 2, ...): counted
+    per pipeline group, so every rank counts alike (the channel namespace and the tag of
+    a step)."""
     return group_count("pipeline step", group, start=1)
 
 
@@ -321,22 +312,3 @@ def _settle(channel: FailureChannel, *, go: bool) -> bool:
 def step_tag(index: int, stages: int) -> int:
     """The tag base of step ``index`` (its edges' tags stay below the tag limit)."""
     return index % max(1, _TAG_LIMIT // (4 * stages * stages))
-
-
-def set_aside(group: Any) -> None:
-    """Keep a failed step's private group until :func:`abort_set_aside` (or exit)."""
-    _set_aside.add(group)
-
-
-def abort_set_aside(group: Any) -> None:
-    """Abort a failed step's private group, keeping its name taken."""
-    retire(group)
-    _set_aside.discard(group)
-
-
-@atexit.register
-def _abort_all() -> None:
-    for group in list(_set_aside):
-        with contextlib.suppress(Exception):
-            retire(group)
-    _set_aside.clear()

@@ -22,19 +22,16 @@ from xgrad.pipeline import Action
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
 from xgrad.torch_backend.group_keys import StoreKeys, group_keys
+from xgrad.torch_backend.pipeline_aside import abort_set_aside, set_aside
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_ddps import tell_replicas
-from xgrad.torch_backend.pipeline_edges import (
-    abort_set_aside,
-    set_aside,
-    start_keys,
-    wait_all_started,
-)
+from xgrad.torch_backend.pipeline_edges import start_keys, wait_all_started
 from xgrad.torch_backend.pipeline_lanes import agree_lanes, open_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_stage_base import StageState
 from xgrad.torch_backend.pipeline_wire import EdgeCache
+from xgrad.torch_backend.stores import group_key
 
 __all__ = ["StepGroups"]
 
@@ -49,7 +46,8 @@ class StepGroups(StageState):
     _p2p_ranks: list[int]
     _lanes: int
     _lost: Failure | None
-    _dying: tuple[tuple[Any, ...], StepWire | None] | None
+    _dying: int | None  # the failed step this runtime set aside (pipeline_aside)
+    _index: int  # the number of the step opened last (on the pipeline group)
     _route: WirePlan
     _tag: int
     _plan: PostedPlan | None
@@ -64,6 +62,7 @@ class StepGroups(StageState):
         ``early``: this rank's split batch, or the exception splitting it raised (posted
         to the channel, then raised)."""
         sched = self.schedule
+        self._index = index
         self._channel = channel = failure_channel(self.group, f"pipeline/step{index}")
         if isinstance(early, Exception):
             channel.post("", f"step failed: {type(early).__name__}: {early}")
@@ -76,25 +75,25 @@ class StepGroups(StageState):
             if self._p2p is None
             else []
         )
-        counts: list[int] | None = None
-        if self._dying is not None:
-            # The failed step's group, aborted once no peer can still need its poison:
-            # every peer started this step (so it left the failed one), or one is lost.
-            # Not once every poison was taken: a peer that raised on the first takes no
-            # other, and those sends would hold this step for the whole timeout.
-            if self._lost is None:
-                counts = self._all_started(channel, members)
-            for group in self._dying[0]:
-                abort_set_aside(group)
-            self._dying = None
-        check_lost(channel, self._lost)  # before a new group waits on a lost rank
-        self._lost = None
         if self._p2p is None:
+            if self._dying is not None and self._lost is not None:
+                # The failed step lost a rank: its group is aborted now, not once every
+                # rank started this step (the lost one would hold the wait for the whole
+                # timeout; the live ones raised on its loss and wait for no poison).
+                abort_set_aside(self._pipeline, step=self._dying)
+            self._dying = None
+            check_lost(channel, self._lost)  # before a new group waits on a lost rank
+            self._lost = None
             # Sends and receives go through private groups of the pipeline's ranks (one
             # per direction where the cores allow: pipeline_lanes), made once every rank
             # showed it makes as many.
-            if counts is None:
-                counts = self._all_started(channel, members)
+            counts = self._all_started(channel, members)
+            # Every rank started this step, so each left every step before it: no peer can
+            # still need the poison of a failed step set aside on this pipeline group
+            # (this runtime's, or one a runtime dropped since left). Not aborted once every
+            # poison was taken: a peer that raised on the first takes no other, and those
+            # sends would hold this step for the whole timeout.
+            abort_set_aside(self._pipeline, before=index)
             lanes = agree_lanes(counts)
             self._p2p = open_lanes(members, lanes, self.group)
             self._p2p_ranks = [dist.get_group_rank(self._p2p[0], g) for g in members]
@@ -179,6 +178,11 @@ class StepGroups(StageState):
             wire.posted = self._plan
         return wire
 
+    @property
+    def _pipeline(self) -> str:
+        """The pipeline group's name: what its steps are numbered and set aside under."""
+        return group_key(self.group)
+
     def _pipeline_rank(self, rank: int) -> int:
         """The pipeline (group) rank of global ``rank``."""
         group: Any = self.group or dist.group.WORLD
@@ -201,9 +205,10 @@ class StepGroups(StageState):
         self._edges.clear()
         self._agreed = None
         if self._p2p is not None:
-            self._dying = (self._p2p, wire)
-            for group in self._p2p:
-                set_aside(group)
+            # Kept apart from this runtime, so that a loop that makes a new one after the
+            # failure keeps the poison sends alive too (pipeline_aside).
+            set_aside(self._pipeline, self._index, self._p2p, wire)
+            self._dying = self._index
             self._p2p = None
         for waiter in self._waiters:
             waiter.close()
