@@ -273,6 +273,20 @@ def test_an_unavailable_or_unsupporting_backend_is_skipped_with_its_reason(
         crosscheck.run_crosscheck(Case(steps=1), backends=[])
 
 
+def test_the_command_exits_3_when_every_backend_was_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xgrad.cli import main
+
+    _register(monkeypatch, "later", _fake("later", [_Runner("later", "x", _perturbed)], ok=False))
+    args = ["crosscheck", "--backends", "later", "--steps", "1", "--no-progress"]
+    # Was 0, as for a pass: a CI job under --device cuda on a machine without a GPU passed.
+    assert main([*args, "--out", str(tmp_path / "none")]) == 3
+    assert capsys.readouterr().out.splitlines()[-2].startswith("NOTHING RAN")
+    _register(monkeypatch, "now", _fake("now", [_Runner("now", "x", _perturbed)]))
+    assert main([*args[:2], "later,now", *args[3:], "--out", str(tmp_path / "one")]) == 1
+
+
 def test_jax_and_reference_within_float32_tolerance_and_fp16_attributed() -> None:
     pytest.importorskip("jax")
     plain = crosscheck.run_crosscheck(

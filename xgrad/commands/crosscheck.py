@@ -24,8 +24,9 @@ HELP = (
     "parameter) and ULP distance, per parameter and per bucket, and time per step. Writes "
     "JSON and CSV; exits 1 when a backend is beyond the dtype's tolerance (float64 1e-12, "
     "float32 1e-6, float16 1e-2, bfloat16 5e-2; hooks fp16 2e-3, bf16 1.6e-2; powersgd is "
-    "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails, 0 "
-    "otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a bare --bucket-cap is in MB)."
+    "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails, 3 "
+    "when every backend was skipped (nothing compared: no backend available, or --device "
+    "cuda without a GPU), 0 otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a bare --bucket-cap is in MB)."
 )
 
 
@@ -151,4 +152,8 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = crosscheck.write_outputs(report, args.out)
     print(f"wrote {json_path} and {csv_path} ({time.perf_counter() - start:.1f} s in all)")
-    return 0 if report.ok else 1
+    if not report.ok:
+        return 1
+    # Nothing compared is no pass: a script or CI job that runs the crosscheck (say under
+    # --device cuda on a machine without a GPU) must not take it for one.
+    return 3 if report.nothing_ran else 0

@@ -125,7 +125,7 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
     lines.append("")
     if not report.ok:
         lines.append("FAIL")
-    elif all(b.status == "skipped" for b in report.backends):
+    elif report.nothing_ran:
         # Nothing was compared: a PASS here would vouch for numbers no backend gave.
         lines.append("NOTHING RAN: every backend was skipped (see why above)")
     else:

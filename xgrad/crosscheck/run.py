@@ -79,6 +79,11 @@ class Report:
         """No backend failed or raised (skipped ones do not count)."""
         return all(b.status in ("ok", "skipped") for b in self.backends)
 
+    @property
+    def nothing_ran(self) -> bool:
+        """Every backend was skipped: nothing was compared (no pass to report)."""
+        return all(b.status == "skipped" for b in self.backends)
+
 
 def _run_one(
     entry: Entry,
