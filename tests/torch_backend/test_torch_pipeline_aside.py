@@ -83,7 +83,7 @@ def _dropped(rank: int, world: int) -> dict[str, Any]:
 
 def test_a_dropped_runtime_still_poisons_its_peers() -> None:
     results = spawn(_dropped, 2, timeout=120)
-    for rank, out in enumerate(results):
+    for out in results:
         for attempt in range(2):
             # Rank 1's error on both ranks, rank 0's after its slow forward, not its timeout
             # (was: rank 0 timed out, then both failed the next step on rank 1's timeout).
