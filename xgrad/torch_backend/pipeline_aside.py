@@ -5,13 +5,15 @@ never taken), so its private groups are not reused: the next step makes fresh on
 the failed step's are aborted once every rank started a later step on the same pipeline
 group (each has then left the failed step) or a rank of it is known lost.
 
-The step's wire is kept with its groups. Its poison sends stay pending until the peer
-posts the matching receive, and a gloo send whose work is freed before then is dropped
-without a word: a peer still computing when this rank failed then waited its whole
-timeout for a message that never came, and failed its next step on this rank's timeout.
-The runtime held the wire, so a loop that made a fresh ``PipelineRuntime`` after a failed
-step (a retry, a notebook cell run again) freed it with the old runtime. Kept here, per
-pipeline group, a later step of any runtime on that group releases it.
+The step's transfers in flight are kept with its groups (its wire's sends and posted
+receives, not its activations: those hold the stages' graphs, and a DDP inside a stage
+through them). Its poison sends stay pending until the peer posts the matching receive,
+and a gloo send whose work is freed before then is dropped without a word: a peer still
+computing when this rank failed then waited its whole timeout for a message that never
+came, and failed its next step on this rank's timeout. The runtime held the wire, so a
+loop that made a fresh ``PipelineRuntime`` after a failed step (a retry, a notebook cell
+run again) freed them with the old runtime. Kept here, per pipeline group, a later step
+of any runtime on that group releases them.
 """
 
 from __future__ import annotations
@@ -29,16 +31,16 @@ class _Aside(NamedTuple):
     pipeline: str  # the pipeline group's name (its steps are numbered per group)
     step: int  # the failed step's number on that group
     groups: tuple[Any, ...]  # its private groups
-    wire: Any  # its StepWire (the pending sends and their tensors), None if it had none
+    transfers: Any  # its transfers in flight, (work, buffers) each; None if it had none
 
 
 _set_aside: list[_Aside] = []
 
 
-def set_aside(pipeline: str, step: int, groups: tuple[Any, ...], wire: Any) -> None:
+def set_aside(pipeline: str, step: int, groups: tuple[Any, ...], transfers: Any) -> None:
     """Keep failed step ``step`` of pipeline group ``pipeline`` (its private ``groups``
-    and ``wire``) until :func:`abort_set_aside` (or exit)."""
-    _set_aside.append(_Aside(pipeline, step, tuple(groups), wire))
+    and ``transfers`` in flight) until :func:`abort_set_aside` (or exit)."""
+    _set_aside.append(_Aside(pipeline, step, tuple(groups), transfers))
 
 
 def abort_set_aside(pipeline: str, *, before: int | None = None, step: int | None = None) -> int:
@@ -55,7 +57,7 @@ def abort_set_aside(pipeline: str, *, before: int | None = None, step: int | Non
     _set_aside[:] = kept
     for entry in gone:
         for group in entry.groups:
-            retire(group)  # the name stays taken; the wire goes with the entry
+            retire(group)  # the name stays taken; the transfers go with the entry
     return len(gone)
 
 

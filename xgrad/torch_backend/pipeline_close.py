@@ -148,6 +148,11 @@ class StepClose:
         except Exception as exc:
             raise transfer_failed(self._channel, what, exc, peer) from exc
 
+    def in_flight(self) -> list[tuple[Any, Any]]:
+        """The exchange's sends and posted receives, as ``(work, buffer)``."""
+        incoming = [(work, buf) for buf, work in (self._incoming or {}).values()]
+        return [*self._sends, *incoming]
+
     def poison(self, origin: int | None) -> None:
         """After this rank failed (its failure posted first): tell the peers of the
         exchange it has not told yet, but ``origin`` (the live rank whose failure this

@@ -100,7 +100,6 @@ class StepWire(EdgeBook):
         self._start.update({e: edges.last(("out", *e)) for e in plan.out_edges})
         self._recvs = plan.recvs
         self._next = 0  # next receive action to post
-        self._posted: dict[tuple[int, int, int], list[Incoming]] = {}  # (s, t, dir) -> FIFO
         self._posted_actions: set[Action] = set()
         self.waited = 0.0  # seconds spent blocked in receives (for the action records)
 

@@ -86,6 +86,8 @@ class EdgeBook:
         # a second wait blocks for a next send); per (stage, consumer, mb) a forward's.
         self._sends: dict[int, tuple[Any, torch.Tensor]] = {}
         self._forward_sends: dict[tuple[int, int, int], list[int]] = {}
+        #: receives posted, per edge (s, t, dir), in the order their messages come.
+        self._posted: dict[tuple[int, int, int], list[Incoming]] = {}
         self._keys = itertools.count()
         #: when set, a message from a peer that proves it posted the receives of some of
         #: this rank's sends lets those sends be awaited at once (see pipeline_posted).
@@ -205,6 +207,16 @@ class EdgeBook:
                     self._send_one(edge, poison)
                 self._remaining[edge] = 0
         self.closing.poison(origin)
+
+    def in_flight(self) -> list[tuple[Any, Any]]:
+        """The step's transfers that may still be pending, as ``(work, its buffers)``: what
+        a failed step keeps alive until its group is aborted (:mod:`.pipeline_aside`;
+        gloo drops a send whose work is freed, and writes a receive into its buffer when
+        it lands). Not the step's activations, which the wire's caller holds."""
+        kept: list[tuple[Any, Any]] = list(self._sends.values())
+        for queue in self._posted.values():
+            kept += [(work, msg.buffers) for msg in queue for work in msg.works]
+        return kept + self.closing.in_flight()
 
     def finish(self, waiter: Waiter) -> None:
         """Wait until every send of the step is done (watching the channel: a peer that

@@ -207,7 +207,7 @@ class StepGroups(StageState):
         if self._p2p is not None:
             # Kept apart from this runtime, so that a loop that makes a new one after the
             # failure keeps the poison sends alive too (pipeline_aside).
-            set_aside(self._pipeline, self._index, self._p2p, wire)
+            set_aside(self._pipeline, self._index, self._p2p, wire and wire.in_flight())
             self._dying = self._index
             self._p2p = None
         for waiter in self._waiters:
