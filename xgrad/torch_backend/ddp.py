@@ -62,6 +62,7 @@ from xgrad.torch_backend.ddp_logging import RuntimeLog, environment
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
+from xgrad.torch_backend.ddp_recover import before_wrapping
 from xgrad.torch_backend.ddp_stats import InspectableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_watched_comm import WatchedComm
@@ -170,6 +171,7 @@ class DistributedDataParallel(
             )
         self.module = module
         self.process_group, self.device_mesh = resolve_group(process_group, device_mesh)
+        before_wrapping()  # a failed DDP told, a dropped one's hooks gone
         self._watch = StepWatch(self.process_group, timeout)
         self.comm = WatchedComm(self._watch)
         self.dim = dim

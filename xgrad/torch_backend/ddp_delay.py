@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from xgrad.torch_backend.comm import CollectiveWork, TorchComm
+from xgrad.torch_backend.weak_hooks import owned_by, weak_method
 
 
 class DelayedAllReduce:
@@ -52,8 +53,11 @@ class DelayedAllReduce:
         self._work: CollectiveWork | None = None
         self._arrived = 0  # delayed gradients added in this pass
         self._late = False  # the hooked gradient came first: reduce at the end of the pass
-        self._handles = [p.register_post_accumulate_grad_hook(self._arrive) for p in params]
-        self._handle = hooked.register_hook(self._reduce)
+        arrive, reduce = weak_method(self._arrive), weak_method(self._reduce)
+        self._handles = [p.register_post_accumulate_grad_hook(arrive) for p in params]
+        self._handle = hooked.register_hook(reduce)
+        # Gone with the DDP: a dropped one's reduction ran in every later backward pass.
+        owned_by(self, [*self._handles, self._handle])
 
     def _arrive(self, param: torch.Tensor) -> None:
         self._arrived += 1

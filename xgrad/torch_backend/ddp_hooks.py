@@ -15,9 +15,10 @@ import itertools
 import operator
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -31,8 +32,9 @@ from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
-from xgrad.torch_backend.ddp_recover import UNFINISHED
+from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+from xgrad.torch_backend.weak_hooks import owned_by
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -92,6 +94,16 @@ class GradientHooks:
         #: the thread of the last synchronised forward pass (the one its backward runs from).
         self.forward_thread = 0
 
+    def __del__(self) -> None:
+        # Collected (its DDP dropped) with a step under way on this rank: a forward pass
+        # whose backward never came, or no_sync passes begun. The peers may wait in that
+        # step's collectives for this rank's part: recorded, for the next forward pass or
+        # DDP made here to post (not posted here: the collector runs wherever it is).
+        if self.sync_pending or self.accumulating or self.nosync_open:
+            watch = getattr(self, "watch", None)
+            if watch is not None:
+                DROPPED.append(watch)
+
     def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
         """Register the autograd hooks that feed ``reducer``.
 
@@ -104,47 +116,55 @@ class GradientHooks:
             p.register_post_accumulate_grad_hook(h)
             for p, h in zip(self.params, python_hooks, strict=True)
         ]
+        # The hooks hold this object weakly, and leave the parameters when it is collected
+        # (weak_hooks): a dropped DDP is freed, and a DDP made later on the same module
+        # does not run its hooks.
+        owned_by(self, self.handles)
         self.arrivals = ArrivalLog(self.params, self.handles, python_hooks)
         if not log_arrivals:
             self.arrivals.enabled = False
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        reducer = self.reducer
-        assert reducer is not None
+        assert self.reducer is not None
         engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        ref = weakref.ref(self)  # not the DDP itself: see attach
 
         def hook(param: torch.Tensor) -> None:
-            if self.sync_pending:
+            me = ref()
+            if me is None:  # the DDP was dropped: its hooks are being removed
+                return
+            reducer = cast(Reducer, me.reducer)  # set before any hook was made
+            if me.sync_pending:
                 # First gradient of a synchronised backward pass: end it with finalize.
                 refuse_compiled_autograd()
-                self.sync_pending = False
-                self.backward_started = time.perf_counter()
-                engine.queue_callback(self._finalize)
-                self.finalize_queued = True
-                UNFINISHED.add(self)
-                if self.arrivals.enabled:
-                    self._task = current_graph_task()
-            elif self.nosync_pending:
+                me.sync_pending = False
+                me.backward_started = time.perf_counter()
+                engine.queue_callback(me._finalize)
+                me.finalize_queued = True
+                UNFINISHED.add(me)
+                if me.arrivals.enabled:
+                    me._task = current_graph_task()
+            elif me.nosync_pending:
                 # First gradient of a no_sync backward pass: its end is watched as well.
-                self.nosync_pending = False
-                self.nosync_open = True
-                engine.queue_callback(self._nosync_done)
-            elif self.arrivals.enabled and reducer.expecting and current_graph_task() != self._task:
+                me.nosync_pending = False
+                me.nosync_open = True
+                engine.queue_callback(me._nosync_done)
+            elif me.arrivals.enabled and reducer.expecting and current_graph_task() != me._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
-                self.arrivals.disable()
-            if RemovableHandle.next_id != self.arrivals.handles_made and not (
-                self.arrivals.hooks_last(index)
+                me.arrivals.disable()
+            if RemovableHandle.next_id != me.arrivals.handles_made and not (
+                me.arrivals.hooks_last(index)
             ):
                 # A hook added since the forward runs after this one: the gradient is
                 # marked at the next drain, once that hook has changed it.
-                self.arrivals.log.append(param)
+                me.arrivals.log.append(param)
                 return
-            if self.arrivals.log:
-                self.drain()
+            if me.arrivals.log:
+                me.drain()
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
-                raise_from(self._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
+                raise_from(me._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
 
         return hook
 

@@ -9,9 +9,9 @@ failed anywhere moves the reductions to a fresh private group (:mod:`.ddp_failur
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,14 +19,17 @@ import torch
 from xgrad.callers import user_stacklevel
 from xgrad.failure import error_for
 from xgrad.torch_backend.ddp_skipped import settle_skipped
+from xgrad.torch_backend.weak_hooks import collect_dropped
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
 
 __all__ = [
+    "DROPPED",
     "UNFINISHED",
     "abandon_step",
+    "before_wrapping",
     "post_failed_pass",
     "post_failed_passes",
     "recover",
@@ -36,8 +39,17 @@ __all__ = [
 current_graph_task = torch._C._current_graph_task_id
 
 #: the DDPs of this process whose synchronised backward pass has begun and not finished
-#: (empty between good steps): one that stays here past its pass failed part-way.
-UNFINISHED: weakref.WeakSet[GradientHooks] = weakref.WeakSet()
+#: (empty between good steps): one that stays here past its pass failed part-way. Held
+#: strongly: a failed DDP that the user dropped (a retry loop that wraps the module
+#: again) still tells its peers at the next forward pass or DDP made here, and is freed
+#: then.
+UNFINISHED: set[GradientHooks] = set()
+
+#: the step watches of DDPs collected with a step under way on this rank (a forward pass
+#: whose backward never came, ``no_sync`` passes begun): the peers may wait in that
+#: step's collectives. Posted at the next forward pass, pipeline step or DDP made here
+#: (:func:`post_failed_passes`), not by the collector, which runs wherever it is.
+DROPPED: list[StepWatch] = []
 
 
 def start_forward(
@@ -138,7 +150,7 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
     """
     reducer = hooks.reducer
     assert reducer is not None
-    if UNFINISHED:
+    if UNFINISHED or DROPPED:
         post_failed_passes(hooks)
     rank = watch.channel.rank  # the global rank, as the failures name them
     if hooks.arrivals.log:
@@ -227,7 +239,30 @@ def post_failed_passes(current: GradientHooks | None) -> None:
     """
     if current_graph_task() != -1:
         return
+    while DROPPED:
+        # A dropped DDP's step: its peers stop now, naming this rank, as for a pass that
+        # raised (a rank that dropped it too waits for nothing there any more). Best
+        # effort: a store gone since (its group destroyed) fails nothing of this pass.
+        watch = DROPPED.pop()
+        with contextlib.suppress(Exception):
+            watch.post(
+                "backward",
+                RuntimeError("the DDP was dropped before its step's backward pass ran here"),
+            )
     me = threading.get_ident()
     for hooks in list(UNFINISHED):
         if hooks is not current and hooks.forward_thread == me:  # current None: every one
             post_failed_pass(hooks, hooks.watch)
+
+
+def before_wrapping() -> None:
+    """At a DDP's construction, before its collectives: a retry loop that wraps the module
+    again after a failed step tells the peers of the failed DDP now (they wait in its
+    collectives while this rank would wait in the new one's, both to a timeout), and the
+    hooks of a DDP it dropped leave the parameters before the new DDP's are added (they
+    would run in its backward pass, with the dropped one's reductions and failures)."""
+    if UNFINISHED:
+        post_failed_passes(None)  # a failed DDP's: told, then no longer kept for it
+    collect_dropped()
+    if DROPPED:
+        post_failed_passes(None)  # a step under way on a DDP collected just now

@@ -21,7 +21,7 @@ from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.raising import raise_from
-from xgrad.torch_backend.ddp_recover import UNFINISHED, post_failed_passes
+from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED, post_failed_passes
 from xgrad.torch_backend.failure import Waiter
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
@@ -216,7 +216,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         check_release(self.release_sends, self.post_ahead)
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got a {type(losses).__name__}")
-        if UNFINISHED:  # a DDP's backward pass raised on this thread: its peers are told now
+        if UNFINISHED or DROPPED:  # a DDP's pass raised or was dropped: its peers told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
         if self._dp is not None and not self._evaluating:
