@@ -11,13 +11,29 @@ with the store's own ``num_keys`` on three real gloo ranks.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from failing import failing_function
 from ranks import key_count, run_ranks
 
 Boom = failing_function("Boom", lambda: ValueError("boom in backward"))
+
+
+@contextlib.contextmanager
+def _no_probes() -> Iterator[None]:
+    """Contexts whose keys are counted write no probe records of their own: a wait that
+    lasts ``PROBE_AFTER`` (a rank that starts late, a loaded machine) writes one, kept
+    until the next clean context, and the count then depended on the machine's speed."""
+    from xgrad.torch_backend import dist_ledger
+
+    saved, dist_ledger.PROBE_AFTER = dist_ledger.PROBE_AFTER, 3600.0
+    try:
+        yield
+    finally:
+        dist_ledger.PROBE_AFTER = saved
 
 
 def _keys(rank: int, world: int) -> dict[str, Any]:
@@ -45,19 +61,21 @@ def _keys(rank: int, world: int) -> dict[str, Any]:
             da.backward(cid, roots)
             return da.get_gradients(cid)[w]
 
-    out: dict[str, Any] = {"grads": [step()]}
-    out["after_1"] = key_count(store)
-    out["grads"] += [step() for _ in range(6)]
-    out["after_7"] = key_count(store)
+    with _no_probes():
+        out: dict[str, Any] = {"grads": [step()]}
+        out["after_1"] = key_count(store)
+        out["grads"] += [step() for _ in range(6)]
+        out["after_7"] = key_count(store)
     try:
         step(fail=rank == 1)
         out["failed"] = None
     except Exception as exc:  # every rank raises the failure of rank 1
         out["failed"] = type(exc).__name__
-    out["grads"] += [step()]
-    out["after_failure"] = key_count(store)
-    out["grads"] += [step() for _ in range(6)]
-    out["after_failure_7"] = key_count(store)
+    with _no_probes():
+        out["grads"] += [step()]
+        out["after_failure"] = key_count(store)
+        out["grads"] += [step() for _ in range(6)]
+        out["after_failure_7"] = key_count(store)
     first = out.pop("grads")
     out["same_grads"] = all(torch.equal(g, first[0]) for g in first)
     return out
@@ -103,18 +121,20 @@ def _failed_keys(rank: int, world: int, rounds: int) -> dict[str, Any]:
             da.backward(cid, roots)
             return da.get_gradients(cid)[w]
 
-    out: dict[str, Any] = {"grads": [step(), step()], "failed": []}
-    out["clean"] = key_count(store)
+    with _no_probes():
+        out: dict[str, Any] = {"grads": [step(), step()], "failed": []}
+        out["clean"] = key_count(store)
     out["after"] = []
     for i in range(rounds):
         kind = ("node", "misuse")[i % 2]
-        try:
+        try:  # probes on: the misuse is diagnosed from them
             step(fail=kind)
             out["failed"].append(None)
         except da.DistBackwardError as exc:
             out["failed"].append(f"{kind}: {exc}")
-        out["grads"].append(step())
-        out["after"].append(key_count(store))
+        with _no_probes():
+            out["grads"].append(step())
+            out["after"].append(key_count(store))
     out["slow"] = []
     for _ in range(3):
         out["grads"].append(step(slow=True))
@@ -138,5 +158,7 @@ def test_failed_contexts_leave_no_keys_once_a_context_works_again() -> None:
         assert out["after"] == [out["clean"]] * rounds, (rank, out)
         # A clean context whose waits lasted leaves the probe records a slower peer may
         # still read; the next clean context deletes them (they were never deleted).
-        assert out["slow"][0] <= out["clean"] + 3 and len(set(out["slow"])) == 1, (rank, out)
+        # How many ranks probe in a slow context depends on the machine's load (rank 1's
+        # peers always do, rank 1 when it is slow too): bounded, not growing.
+        assert max(out["slow"]) <= out["clean"] + 3, (rank, out)
         assert out["same_grads"], (rank, out)

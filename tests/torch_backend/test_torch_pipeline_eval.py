@@ -208,6 +208,13 @@ def test_a_failed_eval_leaves_the_replicas_next_steps_right(mode: str) -> None:
         assert out == [first, "step ok", "step ok"], (rank, out)
 
 
+def _next_step(seconds: float) -> str:
+    """How long the step after a failure took, against the runtime's 6 s timeout (the bug
+    waited it out); well under it on a loaded machine, where the process's first backward
+    pass alone (a lazy import of torch's) took more than half a second."""
+    return "next step well within the timeout" if seconds < 3.0 else f"next step in {seconds} s"
+
+
 def _after_switch(rank: int, world: int) -> list[str]:
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
@@ -223,7 +230,7 @@ def _after_switch(rank: int, world: int) -> list[str]:
             out.append(type(exc).__name__)
         start = time.perf_counter()
         rt.step(x, y)
-        out.append(f"next step in {time.perf_counter() - start:.0f} s")
+        out.append(_next_step(time.perf_counter() - start))
     return out
 
 
@@ -232,8 +239,8 @@ def test_a_bad_batch_right_after_a_switch_leaves_the_next_step_working() -> None
     step's group is made; the failing rank kept its group while its peers reset theirs,
     and the next step waited out the timeout on every rank."""
     results = spawn(_after_switch, 2, timeout=120)
-    assert results[0] == ["ValueError", "next step in 0 s", "ValueError", "next step in 0 s"]
-    assert results[1] == ["RankError", "next step in 0 s", "RankError", "next step in 0 s"]
+    assert results[0] == ["ValueError", "next step well within the timeout", "ValueError", "next step well within the timeout"]
+    assert results[1] == ["RankError", "next step well within the timeout", "RankError", "next step well within the timeout"]
 
 
 class _Uneven(nn.Module):
@@ -265,7 +272,7 @@ def _unmergeable(rank: int, world: int) -> list[str]:
         out.append("cannot be merged" if "cannot be merged" in str(exc) else str(exc))
     start = time.perf_counter()
     rt.step(x, y)
-    out.append(f"next step in {time.perf_counter() - start:.0f} s")
+    out.append(_next_step(time.perf_counter() - start))
     return out
 
 
@@ -273,4 +280,4 @@ def test_outputs_that_cannot_be_merged_fail_the_last_rank_alone() -> None:
     """The merge ran inside the step, whose failure reset the last rank's group and not
     the others': the next step waited out the timeout."""
     results = spawn(_unmergeable, 2, timeout=120)
-    assert results == [["eval ran", "next step in 0 s"], ["cannot be merged", "next step in 0 s"]]
+    assert results == [["eval ran", "next step well within the timeout"], ["cannot be merged", "next step well within the timeout"]]
