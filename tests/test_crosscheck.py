@@ -370,7 +370,8 @@ def test_powersgd_is_measured_against_its_model_not_the_exact_gradient() -> None
 def test_a_pair_off_the_compression_model_is_not_explained_as_rounding() -> None:
     """The pair line said "explained by rounding ..." whatever the two were: a JAX model
     scaled by 1.001 failed the run and was still explained away as the hook's rounding."""
-    from xgrad.crosscheck.run import BackendReport, _wire_pair
+    from xgrad.crosscheck.compare_backends import _wire_pair
+    from xgrad.crosscheck.run import BackendReport
 
     g = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
     one = BackendReport("a", "", "ok", grads={"w": g})

@@ -227,7 +227,7 @@ def _callback_raises(rank: int, world: int) -> tuple[str, float]:
     ddp.register_comm_hook(None, hook)
     # Not timed: what a process's first DDP forward and first backward pass import (torch's
     # dynamo, about 1.2 s, and sympy), which took most of the bound on a loaded machine.
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
 
     torch.ones(1, requires_grad=True).sum().backward()
     start = time.monotonic()

@@ -208,11 +208,14 @@ def test_a_failed_eval_leaves_the_replicas_next_steps_right(mode: str) -> None:
         assert out == [first, "step ok", "step ok"], (rank, out)
 
 
+_QUICK = "next step well within the timeout"
+
+
 def _next_step(seconds: float) -> str:
     """How long the step after a failure took, against the runtime's 6 s timeout (the bug
     waited it out); well under it on a loaded machine, where the process's first backward
     pass alone (a lazy import of torch's) took more than half a second."""
-    return "next step well within the timeout" if seconds < 3.0 else f"next step in {seconds} s"
+    return _QUICK if seconds < 3.0 else f"next step in {seconds} s"
 
 
 def _after_switch(rank: int, world: int) -> list[str]:
@@ -239,8 +242,8 @@ def test_a_bad_batch_right_after_a_switch_leaves_the_next_step_working() -> None
     step's group is made; the failing rank kept its group while its peers reset theirs,
     and the next step waited out the timeout on every rank."""
     results = spawn(_after_switch, 2, timeout=120)
-    assert results[0] == ["ValueError", "next step well within the timeout", "ValueError", "next step well within the timeout"]
-    assert results[1] == ["RankError", "next step well within the timeout", "RankError", "next step well within the timeout"]
+    assert results[0] == ["ValueError", _QUICK, "ValueError", _QUICK]
+    assert results[1] == ["RankError", _QUICK, "RankError", _QUICK]
 
 
 class _Uneven(nn.Module):
@@ -280,4 +283,4 @@ def test_outputs_that_cannot_be_merged_fail_the_last_rank_alone() -> None:
     """The merge ran inside the step, whose failure reset the last rank's group and not
     the others': the next step waited out the timeout."""
     results = spawn(_unmergeable, 2, timeout=120)
-    assert results == [["eval ran", "next step well within the timeout"], ["cannot be merged", "next step well within the timeout"]]
+    assert results == [["eval ran", _QUICK], ["cannot be merged", _QUICK]]

@@ -54,6 +54,7 @@ from xgrad.crosscheck.case import RunResult as RunResult
 from xgrad.crosscheck.case import bucket_plan as bucket_plan
 from xgrad.crosscheck.case import make_inputs as make_inputs
 from xgrad.crosscheck.case import tolerance as tolerance
+from xgrad.crosscheck.compare_backends import agreement as agreement
 from xgrad.crosscheck.metrics import Metrics as Metrics
 from xgrad.crosscheck.metrics import compare as compare
 from xgrad.crosscheck.metrics import compare_buckets as compare_buckets
@@ -65,7 +66,6 @@ from xgrad.crosscheck.report import report_to_dict as report_to_dict
 from xgrad.crosscheck.report import write_outputs as write_outputs
 from xgrad.crosscheck.run import BackendReport as BackendReport
 from xgrad.crosscheck.run import Report as Report
-from xgrad.crosscheck.run import agreement as agreement
 from xgrad.crosscheck.run import run_crosscheck as run_crosscheck
 from xgrad.crosscheck.runners import Entry as Entry
 from xgrad.crosscheck.runners import Runner as Runner
