@@ -11,6 +11,7 @@ by :mod:`.ddp_recover`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import threading
@@ -99,10 +100,12 @@ class GradientHooks:
         # whose backward never came, or no_sync passes begun. The peers may wait in that
         # step's collectives for this rank's part: recorded, for the next forward pass or
         # DDP made here to post (not posted here: the collector runs wherever it is).
-        if self.sync_pending or self.accumulating or self.nosync_open:
-            watch = getattr(self, "watch", None)
-            if watch is not None:
-                DROPPED.append(watch)
+        # At the interpreter's exit (module globals cleared) there is no one to tell.
+        with contextlib.suppress(Exception):
+            if self.sync_pending or self.accumulating or self.nosync_open:
+                watch = getattr(self, "watch", None)
+                if watch is not None:
+                    DROPPED.append(watch)
 
     def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
         """Register the autograd hooks that feed ``reducer``.
