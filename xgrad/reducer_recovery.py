@@ -30,6 +30,7 @@ class StepState:
     learned: list[int] | None  # its hooks per parameter per iteration
     repeats: bool
     rebuild_order: list[int] | None  # the ready order kept for the one rebuild
+    rebuilt: bool  # whether the buckets were rebuilt
 
 
 class JoinAndRecovery:
@@ -121,7 +122,13 @@ class JoinAndRecovery:
         the rebuild. Taken at each step's start (references: each is replaced, not
         changed), for :meth:`restore_step_state` if the step fails."""
         counts = self._counts
-        return StepState(self._unused.static, counts.learned, counts.repeats, self._rebuild_order)
+        return StepState(
+            self._unused.static,
+            counts.learned,
+            counts.repeats,
+            self._rebuild_order,
+            self.has_rebuilt_buckets,
+        )
 
     def restore_step_state(self, state: StepState) -> None:
         """Undo what a failed step taught: the ranks learn it again alike in a later one.
@@ -133,6 +140,10 @@ class JoinAndRecovery:
         """
         self._unused.static, self._counts.learned = state.static, state.learned
         self._counts.repeats, self._rebuild_order = state.repeats, state.rebuild_order
+        # A rebuild's broadcast that completed on one rank may have raised a peer's failure
+        # on another: every rank rebuilds again (its plan, rank 0's, the one already taken
+        # where the broadcast completed), or one would broadcast alone at the next step.
+        self.has_rebuilt_buckets = state.rebuilt
 
     def reset_state(self) -> None:
         """Start over on a new communicator (DDP's ``_update_process_group``).

@@ -12,6 +12,7 @@ it give the mean of the ranks' local gradients.
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
@@ -37,12 +38,14 @@ def _data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _run(rank: int, world: int, where: str) -> list[Any]:
+def _run(rank: int, world: int, where: str, race: bool = False) -> list[Any]:
     from xgrad.torch_backend import DistributedDataParallel
 
     model = _model()
     ddp = DistributedDataParallel(model, static_graph=True, timeout=5.0)
-    armed = [False]
+    armed, first = [False], [True]
+    if race:
+        _late_agreement(rank, first)
 
     def forward_hook(module: Any, args: Any) -> None:
         if armed[0] and where == "forward":
@@ -65,14 +68,50 @@ def _run(rank: int, world: int, where: str) -> list[Any]:
             out.append([p.grad.clone() for p in model.parameters()])
         except Exception as exc:
             out.append(str(exc))
+        first[0] = False
     return out
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+def _late_agreement(rank: int, first: list[bool]) -> None:
+    """In the first step's agreement (two all-gathers): rank 1 comes 0.3 s late to the
+    second, and rank 0, napping in its wait for it, is held 0.5 s before it reads the
+    channel. The all-gather completes on both; rank 1 goes on, raises in its backward pass
+    and posts that at its next forward, which rank 0 reads first, before it sees its own
+    all-gather complete (as a loaded machine had it once in eight runs)."""
+    from xgrad.torch_backend import ddp_failure, ddp_watched_comm
+
+    state = {"gathering": False, "done": False}
+    gather, check = ddp_watched_comm.WatchedComm._bytes, ddp_failure.StepWatch._check
+
+    def late_gather(self: Any, obj: Any, length: int) -> Any:
+        if first[0] and not state["done"]:
+            state["done"] = rank == 1  # rank 1: late once; rank 0: held at the next check
+            state["gathering"] = rank == 0
+            if rank == 1:
+                time.sleep(0.3)
+        return gather(self, obj, length)
+
+    def held_check(self: Any) -> None:
+        if state["gathering"]:
+            state["gathering"], state["done"] = False, True
+            time.sleep(0.5)
+        check(self)
+
+    ddp_watched_comm.WatchedComm._bytes = late_gather  # type: ignore[method-assign]
+    ddp_failure.StepWatch._check = held_check  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward", "race"])
 def test_a_failed_first_static_iteration_is_learned_again_alike(where: str) -> None:
+    """``race``: rank 0 raised rank 1's failure though its agreement had completed, and
+    kept it pending while rank 1 had cleared it: from the next step on, rank 0 all-gathered
+    while rank 1 reduced, to the timeout, every step."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = spawn(_run, 2, args=(where,), timeout=120)
+        args = ("backward", True) if where == "race" else (where,)
+        results = spawn(_run, 2, args=args, timeout=120)
+    if where == "race":
+        where = "backward"
     local = _model()
     for step in range(1, STEPS):
         grads = []

@@ -88,6 +88,9 @@ class StepWatch:
         self.settled = -1
         #: why the private group was dropped (a peer died or froze), until a new one is made.
         self.lost: RankError | None = None
+        #: set by a begin_step that found the previous step failed, for the DDP's next
+        #: forward pass, which checks the ranks' agreement again (on every rank alike).
+        self.regrouped = False
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
         self.channel: FailureChannel = failure_channel(group, self._last_namespace)
@@ -151,6 +154,7 @@ class StepWatch:
             self.lost = None
         if failed is not None:
             read_failure(self, old)
+            self.regrouped = True
         return failed
 
     def post(self, where: str, exc: BaseException) -> RankError:

@@ -55,6 +55,15 @@ def pre_forward(
         ddp._join_config.enable,
         accumulate=not ddp.require_backward_grad_sync,
     )
+    if ddp._watch.regrouped:
+        # The last step failed, as every rank saw at this step's start. Whether a rank had
+        # finished that step's agreement depends on when it read the failure (one whose
+        # all-gather had completed raised a peer's failure all the same when it read the
+        # channel first, and kept the agreement pending while the peer had cleared it: at
+        # the next step one all-gathered while the other reduced, to the timeout, every
+        # step after). Every rank agrees again, on the fresh group.
+        ddp._watch.regrouped = False
+        ddp._agreement_pending = True
     ddp._still_training = notify_join_context(ddp)
     if sync:  # PyTorch's logger samples here, before the rebuild
         ddp._runtime_log.sample(ddp, ddp._runtime_logging_sample_rate)
