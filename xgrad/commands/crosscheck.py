@@ -26,7 +26,8 @@ HELP = (
     "float32 1e-6, float16 1e-2, bfloat16 5e-2; hooks fp16 2e-3, bf16 1.6e-2; powersgd is "
     "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails, 3 "
     "when every backend was skipped (nothing compared: no backend available, or --device "
-    "cuda without a GPU), 0 otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a bare --bucket-cap is in MB)."
+    "cuda without a GPU), 0 otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a "
+    "bare --bucket-cap is in MB)."
 )
 
 

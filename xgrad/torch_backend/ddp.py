@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
+from xgrad.torch_backend.weak_hooks import weak_method
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
@@ -251,12 +253,15 @@ class DistributedDataParallel(
         self.bucket_bytes_cap_list = list(caps.cap_list or ())
         #: whether the first bucket is PyTorch's small default one (no cap given).
         self.bucket_bytes_cap_default = bucket_cap_mb is None and caps.cap_list is None
+        hooks = self._grad_hooks
+        # The reducer holds the DDP and its hooks weakly (they hold it): a dropped DDP is
+        # freed at once, not left in a cycle for the collector (weak_hooks).
         self.reducer = ddp_reducer(
             self._params,
             self.comm,
             TorchArrayOps(flat_dtype=flat_dtype),
-            set_grad=self._grad_hooks.set_grad,
-            set_grads=self._grad_hooks.set_grads,
+            set_grad=weak_method(hooks.set_grad),
+            set_grads=weak_method(hooks.set_grads),
             limits=limits,
             plan=plan,
             names=self.parameter_names,
@@ -267,10 +272,10 @@ class DistributedDataParallel(
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy,
             hook=None if self._casts is None else self._casts.hook(self.comm),
-            lender=self._grad_hooks,
+            lender=weakref.proxy(hooks),
             # An unused parameter's bucket slot gets its .grad, as PyTorch's (not with
             # mixed precision, whose buckets hold the low-precision gradients).
-            get_grad=None if self._casts is not None else self._grad_of,
+            get_grad=None if self._casts is not None else weak_method(self._grad_of),
         )
         self.initial_plan = self.reducer.initial_plan
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
