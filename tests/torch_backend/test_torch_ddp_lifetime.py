@@ -69,7 +69,9 @@ def _retry(rank: int, world: int, where: str) -> list[Any]:
     from xgrad.torch_backend.ddp import DistributedDataParallel as DDP
 
     warnings.simplefilter("ignore")
-    ref = _reference(world)
+    ref = _reference(world)  # also runs the process's first backward pass (its imports)
+    import torch._dynamo  # not timed: a process's first DDP forward imports it (about 1.2 s)
+
     x, y = _batch(rank)
     net = _Net()
     out: list[Any] = []
