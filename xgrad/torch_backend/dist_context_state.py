@@ -6,8 +6,6 @@ block is left (dropped then, so the next context starts clean).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,27 +24,9 @@ from xgrad.torch_backend.dist_self import ToSelf
 from xgrad.torch_backend.dist_watch import wait_here
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
+from xgrad.torch_backend.weak_hooks import weak_method
 
 __all__ = ["Context"]
-
-
-def _weakly(method: Callable[[], None]) -> Callable[[], None]:
-    """``method`` called through a weak reference to its object (nothing if it is gone).
-
-    The ledger, which the context holds, calls back into the context: through a bound
-    method that would be a reference cycle, and every context (its tensors, the graph
-    they hold) would wait for the garbage collector instead of going when its block
-    is left, and the survivors bring on full collections (about 50 ms on a rank, in a
-    pass of a few milliseconds).
-    """
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 class Context:
@@ -71,8 +51,12 @@ class Context:
         self.ranks = group_ranks(pg)
         self.me = dist.get_rank()
         self.channel = ProbingChannel(failure_channel(pg, f"dist_autograd/{seq}"))
+        # The ledger calls back into the context weakly: a bound method would be a cycle,
+        # and every context (its tensors, the graph they hold) would wait for the
+        # collector instead of going when its block is left (full collections of about
+        # 50 ms on a rank, in a pass of a few milliseconds).
         self.ledger = Ledger(
-            self.channel.store, self.channel.prefix, self.me, self.ranks, _weakly(self.release)
+            self.channel.store, self.channel.prefix, self.me, self.ranks, weak_method(self.release)
         )
         self.channel.ledger = self.ledger
         self.device = header_device(pg)

@@ -68,14 +68,10 @@ class StepGroups(StageState):
             channel.post("", f"step failed: {type(early).__name__}: {early}")
             self._keep_written(channel)
             raise early
-        # Only a step that makes a new group waits on the members (a failed step's group
-        # is set aside together with the private group): not looked up on every step.
-        members = (
-            dist.get_process_group_ranks(self.group or dist.group.WORLD)
-            if self._p2p is None
-            else []
-        )
         if self._p2p is None:
+            # Only a step that makes a new group waits on the members (a failed step's
+            # group is set aside with the private group): not looked up on every step.
+            members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
             if self._dying is not None and self._lost is not None:
                 # The failed step lost a rank: its group is aborted now, not once every
                 # rank started this step (the lost one would hold the wait for the whole

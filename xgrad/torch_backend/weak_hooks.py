@@ -1,4 +1,5 @@
-"""Autograd hooks that do not keep their owner alive, and leave the tensors with it.
+"""Autograd hooks that do not keep their owner alive, and leave the tensors with it
+(:func:`weak_method` serves any callback held by what its owner holds: a context's ledger).
 
 A DDP puts hooks on its module's parameters. Torch keeps a tensor's hooks out of the
 cycle collector's sight, so a hook that holds its DDP (a closure over it, a bound method)
