@@ -431,7 +431,7 @@ def test_hook_installs_once_and_only_between_iterations() -> None:
     assert "cannot be called while a backward pass is expected or under way (rank 0)" in (
         hook_during
     )
-    assert "_set_static_graph must be called before" in static_late
+    assert "set_static_graph() should be called before training loop starts" in static_late
 
 
 def test_skip_all_reduce_unused_params_launches_no_reduction_for_unused_buckets() -> None:

@@ -23,12 +23,9 @@ from xgrad.buckets import (
     BucketPlan,
 )
 from xgrad.reducer_buckets import arrive, build_buckets, reclaim
-from xgrad.reducer_errors import (
-    marked_ready_twice,
-    prior_reduction_unfinished,
-    static_graph_now_used,
-)
+from xgrad.reducer_errors import marked_ready_twice, static_graph_now_used
 from xgrad.reducer_finalize import EndOfPass
+from xgrad.reducer_inspect import Inspection
 from xgrad.reducer_launch import BucketLaunches
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
@@ -44,7 +41,7 @@ from xgrad.reducer_unused import UnusedParams
 RECORDS_KEPT = 64
 
 
-class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A]):
+class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Inspection, Generic[A]):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -173,7 +170,7 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Generic[A])
     def _ensure_prior_reduction_finished(self) -> None:
         if not self._require_finalize:
             return
-        raise prior_reduction_unfinished(self._missing(), self.names, self.comm.rank)
+        raise self.prior_reduction_error()
 
     def check_finalized(self) -> None:
         """Raise DDP's "Expected to have finished reduction" error if the last pass that

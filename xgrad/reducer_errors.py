@@ -19,17 +19,71 @@ def describe_missing(missing: Sequence[int], names: Sequence[str], rank: int) ->
     )
 
 
+#: PyTorch's sentences of its "prior iteration" error (``reducer.cpp``), word for word:
+#: its own tests, and users' scripts, look for them.
+_PRIOR = "Expected to have finished reduction in the prior iteration before starting a new one. "
+_NOT_USED = (
+    "This error indicates that your module has parameters that were not used in producing loss. "
+)
+_OUTPUTS = "making sure all `forward` function outputs participate in calculating loss. "
+_NOT_LOCATED = (
+    "\nIf you already have done the above, then the distributed data parallel module wasn't "
+    "able to locate the output tensors in the return value of your module's `forward` "
+    "function. Please include the loss function and the structure of the return value of "
+    "`forward` of your module when reporting this issue (e.g. list, dict, iterable)."
+)
+_DEBUG_HINT = (
+    "\n In addition, you can set the environment variable TORCH_DISTRIBUTED_DEBUG to either "
+    "INFO or DETAIL to print out information about which particular parameters did not "
+    "receive gradient on this rank as part of this error"
+)
+
+
 def prior_reduction_unfinished(
-    missing: Sequence[int], names: Sequence[str], rank: int
+    missing: Sequence[int],
+    names: Sequence[str],
+    rank: int,
+    *,
+    static_graph: bool = False,
+    find_unused: bool = False,
+    name_params: bool = True,
 ) -> RuntimeError:
-    """A new iteration started while the previous one still waited for gradients."""
+    """A new iteration started while the previous one still waited for gradients.
+
+    PyTorch's text for each case (a static graph, ``find_unused_parameters`` on or off).
+    ``name_params``: the parameters' names too, as PyTorch gives them when
+    ``TORCH_DISTRIBUTED_DEBUG`` is INFO or DETAIL; otherwise its hint to set it.
+    """
+    if static_graph:
+        text = _PRIOR + _GRAPH_CHANGED.format("used", "unused").replace(
+            "Your training graph", "This error indicates that your training graph", 1
+        )
+    elif find_unused:
+        text = (
+            _PRIOR
+            + _NOT_USED
+            + "Since `find_unused_parameters=True` is enabled, this likely  means that not "
+            "all `forward` outputs participate in computing loss. You can fix this by "
+            + _OUTPUTS
+            + _NOT_LOCATED
+        )
+    else:
+        text = (
+            _PRIOR
+            + _NOT_USED
+            + "You can enable unused parameter detection by passing the keyword argument "
+            "`find_unused_parameters=True` to `torch.nn.parallel.DistributedDataParallel`, "
+            "and by \n" + _OUTPUTS + _NOT_LOCATED
+        )
+    indices = (
+        f"\nParameter indices which did not receive grad for rank {rank}: "
+        f"{' '.join(map(str, missing))}"
+    )
+    if not name_params:
+        return RuntimeError(text + indices + _DEBUG_HINT)
+    listed = ", ".join(names[i] for i in missing)
     return RuntimeError(
-        "Expected to have finished reduction in the prior iteration before starting a "
-        "new one. This error indicates that your module has parameters that were not "
-        "used in producing loss. You can enable unused parameter detection by passing "
-        "the keyword argument `find_unused_parameters=True`, and by making sure all "
-        "outputs of `forward` take part in calculating the loss. "
-        + describe_missing(missing, names, rank)
+        f"{text}\nParameters which did not receive grad for rank {rank}: {listed}{indices}"
     )
 
 

@@ -97,9 +97,9 @@ class LateSetup:
     def set_static_graph(self) -> None:
         """Switch to ``static_graph`` before the first iteration (DDP's ``_set_static_graph``)."""
         if self.num_iterations or self._expect_hooks:
-            raise RuntimeError(
-                "_set_static_graph must be called before the first forward/backward pass "
-                f"(rank {self.comm.rank})"
+            raise RuntimeError(  # PyTorch's words
+                "set_static_graph() should be called before training loop starts and after "
+                f"DistributedDataParallel is constructed (rank {self.comm.rank})."
             )
         self.static_graph = True
 

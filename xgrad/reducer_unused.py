@@ -45,12 +45,25 @@ class UnusedParams:
         self.used_unsynced: set[int] = set()
         #: this iteration's globally unused set, when it was needed before the end.
         self._found: set[int] | None = None
+        #: every iteration so far left the same parameters unused (PyTorch's
+        #: ``ddp_graph_static``, compared from the second iteration on).
+        self.graph_static = True
+        self._previous: list[int] | None = None
 
     def prepare(self, unused: list[int], static_graph: bool) -> None:
         """Start an iteration with the caller's unused set (a static graph's learned one wins)."""
         self.local = self.static if static_graph and self.static is not None else unused
         self._pending = None
         self._found = None
+        if not static_graph and self.graph_static:
+            if self._previous is not None:
+                self.graph_static = self._previous == unused
+            self._previous = unused
+
+    @property
+    def last_sum(self) -> np.ndarray | None:
+        """The last summed used map (None before the first)."""
+        return self._last_sum
 
     @property
     def current(self) -> list[int]:

@@ -1,11 +1,13 @@
-"""One rank's "received no gradient" error reaches the others at once; the next step works.
+"""One rank's "received no gradient" failure reaches the others at once; the next step works.
 
 Two gloo ranks, no ``find_unused_parameters``; in one step rank 1 leaves a layer unused
-while rank 0 uses it. Rank 1 raises DDP's error at the end of its backward (PyTorch's
-text), and stays alive. Rank 0 waited for the buckets rank 1 would never launch until
-the DDP's whole timeout (as PyTorch's DDP does), then named itself; the error is now
-posted, so rank 0 raises it within a poll, naming rank 1, and the steps after give both
-ranks the gradients of one process.
+while rank 0 uses it. PyTorch's DDP ends rank 1's backward pass without a word and raises
+"Expected to have finished reduction in the prior iteration" at its next forward pass;
+rank 0 waits for the buckets rank 1 never launches until the whole timeout. xgrad's rank 1
+ends its pass as PyTorch's does and posts why: rank 0 stops waiting within a poll and ends
+its pass too, and both raise at their next forward pass (rank 1 PyTorch's text, rank 0 the
+posted one, naming rank 1), so their loops stay in step; the step after gives both ranks
+the gradients of one process.
 """
 
 from __future__ import annotations
@@ -26,16 +28,20 @@ def _steps(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(Branchy().double(), timeout=TIMEOUT, bucket_cap_mb=1e-4)
     x = torch.ones(2, 4, dtype=torch.float64) * (rank + 1)
-    out: dict[str, Any] = {"errors": [], "grads": []}
-    for step in range(3):
+    out: dict[str, Any] = {"errors": [], "grads": {}, "seconds": {}}
+    for step in range(4):
         ddp.zero_grad()
-        start = time.monotonic()
         try:
-            ddp(x, not (step == 1 and rank == 1)).sum().backward()
+            y = ddp(x, not (step == 1 and rank == 1))
         except RuntimeError as exc:
-            out["errors"].append((step, str(exc), time.monotonic() - start))
+            out["errors"].append((step, str(exc)))
             continue
-        out["grads"].append([p.grad.tolist() for p in ddp.module.parameters()])
+        start = time.monotonic()
+        y.sum().backward()
+        out["seconds"][step] = time.monotonic() - start
+        out["grads"][step] = [
+            None if p.grad is None else p.grad.tolist() for p in ddp.module.parameters()
+        ]
     return out
 
 
@@ -50,14 +56,20 @@ def test_a_peers_unused_parameter_error_is_raised_at_once_and_the_next_step_work
     for rank in (0, 1):
         status, out = results[rank]
         assert status == "ok", out
-        [(step, text, seconds)] = out["errors"]
-        assert step == 1, out["errors"]
-        assert "Parameters which did not receive grad for rank 1: c.weight, c.bias" in text, text
+        [(step, text)] = out["errors"]
+        assert step == 2, out["errors"]  # both at the forward pass after the failed one
         if rank == 0:
-            assert text.startswith("rank 1 in backward: RuntimeError: Some parameters"), text
-            assert seconds < 5.0, seconds  # not the 20 s timeout
-        assert out["grads"][0] == out["grads"][1], "the step after differs from the one before"
-        for got, expected in zip(out["grads"][1], want, strict=True):
+            assert text.startswith(
+                "rank 1 in backward (parameters without a gradient): RuntimeError: Some "
+                "parameters received no gradient"
+            ), text
+            assert "Parameters which did not receive grad for rank 1: c.weight, c.bias" in text
+            assert out["seconds"][1] < 5.0, out["seconds"]  # not the 20 s timeout
+        else:
+            assert text.startswith("Expected to have finished reduction in the prior"), text
+            assert "Parameter indices which did not receive grad for rank 1: 2 3" in text, text
+        assert out["grads"][3] == out["grads"][0], "the step after differs from the one before"
+        for got, expected in zip(out["grads"][3], want, strict=True):
             torch.testing.assert_close(
                 torch.tensor(got, dtype=torch.float64),
                 torch.tensor(expected, dtype=torch.float64),

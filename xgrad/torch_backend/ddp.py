@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
@@ -288,6 +289,9 @@ class DistributedDataParallel(
         self._logging_environment = environment(self.process_group)
         self._runtime_log = RuntimeLog()
         self._grad_hooks.watch = self._watch
+        self._grad_hooks.log_error = self._runtime_log.error
+        # PyTorch names the parameters in its "prior iteration" error only when debugging.
+        self.reducer.name_unreduced = dist.get_debug_level() != dist.DebugLevel.OFF
         if comm_hook is not None:
             self.register_hook(comm_hook(self.comm))
         self._grad_hooks.attach(self.reducer)
@@ -308,6 +312,10 @@ class DistributedDataParallel(
                 "You've set static_graph to be True, no need to set it again.", stacklevel=2
             )
             return
-        self.reducer.set_static_graph()
+        try:
+            self.reducer.set_static_graph()
+        except RuntimeError as exc:
+            self._runtime_log.error(exc)
+            raise
         self.static_graph = True
         warn_as_pytorch(False, True, self.find_unused_parameters)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook, Reducer
 from xgrad.torch_backend.ddp_failure import StepWatch
+from xgrad.torch_backend.ddp_logging import RuntimeLog
 from xgrad.torch_backend.ddp_watched import WatchedFuture
 
 __all__ = [
@@ -40,6 +41,7 @@ class CommHookDDP:
     _watch: StepWatch
     _agreement_pending: bool
     _hook_name: str
+    _runtime_log: RuntimeLog
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """Register a PyTorch communication hook, ``hook(state, bucket) -> Future``.
@@ -51,7 +53,11 @@ class CommHookDDP:
         timeout. Call once, before the first forward pass. The hook's signature is
         checked first, as PyTorch checks it (:func:`check_comm_hook`).
         """
-        check_comm_hook(hook)
+        try:
+            check_comm_hook(hook)
+        except Exception as exc:
+            self._runtime_log.error(exc)  # PyTorch's logger keeps it
+            raise
         # Gloo runs a future's callbacks as collectives complete, in an order that differs
         # between ranks; PowerSGD issues collectives there (PyTorch's DDP hangs), so on
         # gloo buckets' hooks run one after another, unless the hook is known to issue
@@ -65,6 +71,7 @@ class CommHookDDP:
             serial=serial,
         )
         self._hook_name = getattr(hook, "__qualname__", type(hook).__name__)
+        self._runtime_log.keys["comm_hook"] = self._hook_name  # PyTorch's logging key
         self._agreement_pending = True  # the ranks compare hooks again at the next step
         self._hook_state = state  # per-bucket memories a conversion clears (ddp._apply)
 
@@ -83,6 +90,7 @@ class CommHookDDP:
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         """PyTorch's built-in C++ hooks (``ALLREDUCE``, ``FP16_COMPRESS``), as Python hooks."""
         self.register_comm_hook(self.process_group, builtin_hook(comm_hook_type))
+        self._runtime_log.keys["comm_hook"] = str(comm_hook_type)  # PyTorch logs the type
 
 
 def _meaning(annotation: Any, hook: Callable[..., Any]) -> Any:

@@ -44,6 +44,19 @@ class CompatDDP:
         ddp: Any = self
         ddp.reducer.check_finalized()
 
+    def _remove_autograd_hooks(self) -> None:
+        """Take this DDP's gradient hooks off the parameters (PyTorch's; its tests call it
+        before another DDP wraps the same module while this one is alive): a backward
+        pass reduces nothing for this DDP after."""
+        ddp: Any = self
+        hooks = ddp._grad_hooks
+        hooks.arrivals.enabled = False
+        for handle in hooks.handles:
+            handle.remove()
+        hooks.handles = []
+        if ddp._delayed is not None:
+            ddp._delayed.remove()
+
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """Refresh ``_get_ddp_logging_data``'s runtime keys every ``sample_rate``
         iterations after the first 10, as PyTorch samples them (``ddp_logging``); xgrad's

@@ -59,6 +59,11 @@ class DelayedAllReduce:
         # Gone with the DDP: a dropped one's reduction ran in every later backward pass.
         owned_by(self, [*self._handles, self._handle])
 
+    def remove(self) -> None:
+        """Take the hooks off the parameters (the DDP's ``_remove_autograd_hooks``)."""
+        for handle in (*self._handles, self._handle):
+            handle.remove()
+
     def _arrive(self, param: torch.Tensor) -> None:
         self._arrived += 1
 

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
+    from xgrad.torch_backend.ddp_logging import RuntimeLog
 
 #: per DDP searching for unused parameters: its parameters' accumulators (see
 #: :func:`~xgrad.torch_backend.autograd_graph.grad_accumulators`), held while it lives.
@@ -44,6 +45,13 @@ def pre_forward(
     ddp: DistributedDataParallel, inputs: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Any]:
     """Everything DDP does before the module runs; returns the inputs to run it on."""
+    unfinished = ddp._grad_hooks.unfinished
+    if unfinished is not None and torch.is_grad_enabled():
+        # The last backward pass left buckets unreduced: PyTorch's error, raised where
+        # PyTorch raises it (the peers were told at that pass's end); the pass after
+        # starts clean (start_forward drops the failed step on every rank).
+        ddp._grad_hooks.unfinished = None
+        raise unfinished
     ddp._forward_started = time.perf_counter()
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
@@ -128,6 +136,7 @@ class ForwardDDP:
 
     _watch: StepWatch
     _grad_hooks: GradientHooks
+    _runtime_log: RuntimeLog
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -149,11 +158,13 @@ class ForwardDDP:
     def _forward_failed(self, exc: Exception) -> RankError:
         """The error of a forward pass that raised, posted where the peers look: a
         ``no_sync`` pass's in the step it accumulated for (``abandon_step``)."""
+        error = None
         if self._grad_hooks.accumulating:
             error = abandon_step(self._watch, self._grad_hooks, "forward", exc, until_sync=True)
-            if error is not None:
-                return error
-        return self._watch.post("forward", exc)
+        if error is None:
+            error = self._watch.post("forward", exc)
+        self._runtime_log.error(error)  # PyTorch's logger keeps the DDP's last error
+        return error
 
     def _abandon_step(self, where: str, exc: BaseException, since: int | None = None) -> None:
         """This rank gave up the step the DDP is in or accumulating for: the peers are
@@ -166,12 +177,20 @@ class ForwardDDP:
     @outside_dynamo
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Rebuild, buffer sync, input placement and casts (never traced by dynamo)."""
-        return pre_forward(self, inputs, kwargs)  # type: ignore[arg-type]
+        try:
+            return pre_forward(self, inputs, kwargs)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._runtime_log.error(exc)
+            raise
 
     @outside_dynamo
     def _post_forward(self, output: Any) -> Any:
         """Unused-parameter search and the reducer's preparation (never traced by dynamo)."""
-        return post_forward(self, output)  # type: ignore[arg-type]
+        try:
+            return post_forward(self, output)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._runtime_log.error(exc)
+            raise
 
     def _check_agreement(self) -> None:
         check_agreement_once(self)  # type: ignore[arg-type]

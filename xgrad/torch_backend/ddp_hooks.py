@@ -12,8 +12,6 @@ by :mod:`.ddp_recover`.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import operator
 import threading
 import time
 import weakref
@@ -25,22 +23,33 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from xgrad.failure import Failure, RankError
+from xgrad.failure import Failure, RankError, error_for
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
 from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
 from xgrad.torch_backend.ddp_failure import StepWatch
-from xgrad.torch_backend.ddp_lend import lend_sole, lendable, sole_grad, views_free
+from xgrad.torch_backend.ddp_lend import lendable
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+from xgrad.torch_backend.ddp_writeback import GradientWriteBack
 from xgrad.torch_backend.weak_hooks import owned_by
 
 current_graph_task = torch._C._current_graph_task_id
 
 
-class GradientHooks:
+#: where a pass that left buckets unreduced is posted (its peers recognise it there).
+UNREDUCED = "backward (parameters without a gradient)"
+
+
+def _peer_unreduced(exc: Exception) -> bool:
+    """Whether ``exc`` is a peer's pass that left buckets unreduced, posted as this
+    rank waited for them."""
+    return isinstance(exc, RankError) and exc.failure.where == UNREDUCED
+
+
+class GradientHooks(GradientWriteBack):
     """Per-parameter autograd hooks feeding a reducer, and the end-of-backward callback.
 
     Args:
@@ -94,6 +103,10 @@ class GradientHooks:
         self._task = -1
         #: the thread of the last synchronised forward pass (the one its backward runs from).
         self.forward_thread = 0
+        #: PyTorch's "prior iteration" error of a pass that left buckets unreduced,
+        #: raised at the next forward pass with grad enabled, as PyTorch raises it.
+        self.unfinished: RuntimeError | None = None
+        self.log_error: Callable[[BaseException], None] = lambda exc: None  # the DDP's log
 
     def __del__(self) -> None:
         # Collected (its DDP dropped) with a step under way on this rank: a forward pass
@@ -212,11 +225,9 @@ class GradientHooks:
                 # One fused copy for every gradient instead of one call per parameter.
                 torch._foreach_copy_(self._copy_dst, self._copy_src)
         except Exception as exc:
-            if not reducer.all_ready():  # gradients never came: DDP's unused-parameter error
-                # Raised here as PyTorch raises it; posted, so that the peers, which wait
-                # for buckets this rank will not launch, raise it now, not at the timeout.
-                self.watch.post("backward", exc)
-                raise
+            if not reducer.all_ready() or _peer_unreduced(exc):
+                self._defer(exc)
+                return
             raise_from(self._fail("reduction", exc), exc)
         finally:
             self._copy_dst.clear()
@@ -233,6 +244,23 @@ class GradientHooks:
             )
         )
 
+    def _defer(self, exc: Exception) -> None:
+        """A pass that left buckets unreduced (gradients never came) ends here as in
+        PyTorch, whose next forward pass raises its "prior iteration" error; this one's
+        raises it too (:attr:`unfinished`), and the pass after starts clean on every rank.
+
+        Posted first, so that the peers, which wait for buckets this rank will not launch,
+        stop now instead of at the timeout; they end their pass the same way and raise
+        this rank's error at their next forward pass, so every rank's loop stays in step.
+        """
+        assert self.reducer is not None
+        if isinstance(exc, RankError):  # a peer's: the error it will raise too, here
+            self.reducer.fail(str(exc))
+            self.unfinished = error_for(exc.failure, self.watch.channel.rank)
+        else:
+            self.watch.post(UNREDUCED, exc)
+            self.unfinished = self.reducer.prior_reduction_error()
+
     def wait_buffer_futures(self) -> None:
         """Wait for the buffer comm hook's futures (each bounded and watched), then drop them."""
         pending, self.buffer_futures = self.buffer_futures, []
@@ -248,66 +276,5 @@ class GradientHooks:
         assert self.reducer is not None
         error = self.watch.post(where, exc)
         self.reducer.fail(str(error))
+        self.log_error(error)
         return error
-
-    def lend(self, index: int, view: torch.Tensor) -> bool:
-        """Make ``view`` the gradient when the old one is seen by its parameter only."""
-        p = self.params[index]
-        if not sole_grad(p):
-            return False
-        p.grad = view
-        return True
-
-    def lend_many(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> list[bool]:
-        """:meth:`lend` for several parameters in one call (see :func:`.ddp_lend.lend_sole`)."""
-        return lend_sole(self.params, indices, views)
-
-    def free(self, flat: torch.Tensor, views: Sequence[torch.Tensor], lent: Sequence[int]) -> bool:
-        """Whether every lent view of ``flat`` came back (see :func:`.ddp_lend.views_free`)."""
-        return views_free(flat, views, lent)
-
-    def set_grad(self, index: int, view: torch.Tensor) -> None:
-        """The reducer's write-back of parameter ``index``'s reduced gradient."""
-        p = self.params[index]
-        grad = p.grad
-        if view.layout is not torch.strided:
-            # A sparse bucket: the reduced tensor replaces the gradient (PyTorch copies
-            # the result into the gradient tensor, which comes to the same values).
-            p.grad = view
-            return
-        # Under mixed precision the buckets hold param_dtype: the gradient cannot be their
-        # view, so it is a full-precision copy (as PyTorch's, gradient_as_bucket_view or not).
-        if self.gradient_as_bucket_view and view.dtype == p.dtype:
-            if grad is None or grad.data_ptr() != view.data_ptr():
-                p.grad = view
-        elif grad is None:
-            p.grad = view.to(p.dtype, copy=True)
-        else:
-            self._copy_dst.append(grad)
-            self._copy_src.append(view)
-
-    def set_grads(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> None:
-        """:meth:`set_grad` for a bucket's members: one list operation when all are copies."""
-        params = self.params
-        grads = [params[i].grad for i in indices]
-        if (
-            self.gradient_as_bucket_view
-            or views[0].layout is not torch.strided
-            or any(map(operator.is_, grads, itertools.repeat(None)))
-        ):
-            for i, view in zip(indices, views, strict=True):
-                self.set_grad(i, view)
-            return
-        self._copy_dst += grads  # type: ignore[arg-type]
-        self._copy_src += views
-
-    def alias_grads_to_buckets(self) -> None:
-        """Make existing gradients views into the (new) buckets, keeping their values."""
-        assert self.reducer is not None
-        with torch.no_grad():
-            for p, view in zip(self.params, self.reducer.bucket_views(), strict=True):
-                if view is None or view.dtype != p.dtype:
-                    continue  # a sparse gradient has no bucket view; mixed precision's differ
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view

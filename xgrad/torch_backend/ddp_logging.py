@@ -99,6 +99,12 @@ class RuntimeLog:
         self._sums: dict[str, int] = {}
         self._samples = 0
 
+    def error(self, exc: BaseException) -> None:
+        """An error the DDP raised on this rank: PyTorch's logger keeps the last one
+        (``has_error``, ``error``), for a job's post-mortem and its own tests."""
+        self.keys["has_error"] = 1
+        self.keys["error"] = str(exc)
+
     def sample(self, ddp: Any, rate: int) -> None:
         """At the start of a synchronised forward pass, before any rebuild: refresh the
         keys if PyTorch's logger would sample this iteration (see the module docstring)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -27,6 +28,24 @@ def _dense(x: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _higher_order(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient that requires grad (``backward(create_graph=True)``), detached: reduced
+    as any other, the graph behind it left local, with PyTorch's warning (its reducer
+    does the same: the higher-order gradient is not synchronised)."""
+    warnings.warn(_CREATE_GRAPH, UserWarning, stacklevel=2)
+    return grad.detach()
+
+
+#: PyTorch's words (``reducer.cpp``); warned once per place, as Python warnings are.
+_CREATE_GRAPH = (
+    "Using DistributedDataParallel with create_graph=True  is not well-supported. The "
+    "higher-order gradient will  not be synchronized across ranks, and backpropagation  "
+    "through all_reduce operations will not occur. If you require  DDP to work with "
+    "higher-order gradients for your use case,  please ping "
+    "https://github.com/pytorch/pytorch/issues/63929"
+)
 
 
 class TorchArrayOps:
@@ -60,6 +79,8 @@ class TorchArrayOps:
         return torch.zeros(numel, dtype=dtype, device=like[0].device)
 
     def copy_to(self, out: torch.Tensor, x: torch.Tensor, scale: float | None = None) -> None:
+        if x.requires_grad:
+            x = _higher_order(x)
         if scale is None:
             out.copy_(x)
             return
@@ -75,6 +96,8 @@ class TorchArrayOps:
     def copy_all(
         self, outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], scale: float | None
     ) -> None:
+        if any(x.requires_grad for x in xs):
+            xs = [_higher_order(x) for x in xs]
         if scale is None:
             torch._foreach_copy_(list(outs), list(xs))
             return
