@@ -242,3 +242,40 @@ def test_a_hook_returning_the_wrong_number_of_gradients_is_named() -> None:
         assert want in str(exc)
     else:
         raise AssertionError("no error")
+
+
+def _unneeded(rank: int, world: int) -> dict[str, Any]:
+    """A hooked leaf sent (as is, and through a node) to a rank that does not use it."""
+    from xgrad.torch_backend import dist_autograd as da
+
+    out: dict[str, Any] = {}
+    for execute in ("nodes", "waves"):
+        da.EXECUTE = execute
+        for through_node in (False, True):
+            w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+            v = torch.ones(3, dtype=torch.float64, requires_grad=True)
+            calls: list[Any] = []
+            with da.context(timeout=20) as cid:
+                if rank == 0:
+                    w.register_hook(lambda g, seen=calls: seen.append(g) or g * 2)
+                    da.send(torch.tanh(w) * 2 if through_node else w, 1)
+                    da.backward(cid, [], accumulate_grad=True)
+                else:
+                    da.recv(0)  # received, its gradient not needed
+                    da.backward(cid, [(v * 3).sum()], accumulate_grad=True)
+                grads = da.get_gradients(cid)
+            leaf = w if rank == 0 else v
+            out[f"{execute} {through_node}"] = (len(grads), calls, leaf.grad is None)
+    return out
+
+
+def test_a_hooked_leaf_whose_gradient_no_rank_needs_gets_none_and_no_hook_call() -> None:
+    # Torch calls no tensor hook when no gradient reaches the tensor; the engine gave the
+    # hook None (a hook that used it failed the pass on every rank), and a leaf with a
+    # hook came out of get_gradients with None.
+    results, codes = run_ranks(_unneeded, 2, timeout=90)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    for case, (count, calls, no_grad) in results[0][1].items():
+        assert (count, calls, no_grad) == (0, [], True), case
+    for case, (count, calls, no_grad) in results[1][1].items():
+        assert (count, calls, no_grad) == (1, [], False), case

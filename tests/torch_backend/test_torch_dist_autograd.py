@@ -373,6 +373,44 @@ def test_a_lost_rank_is_named_within_the_timeout_and_the_others_exit(how: str) -
         assert codes[rank] == 0
 
 
+def _killed_on_entry(rank: int, world: int) -> list[tuple[str, int]]:
+    """Rank 1 of 3 dies entering a context in which rank 0 sends to it and rank 2 sends to
+    rank 0, needing its gradient back."""
+    import torch
+
+    from xgrad.torch_backend import dist_autograd as da
+
+    os.environ.update(FAST_HEARTBEAT)
+    w = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    try:
+        with da.context(timeout=20) as cid:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == 2:
+                da.send(torch.tanh(w), 0)
+            roots = []
+            if rank == 0:
+                da.send(w * 2, 1)
+                roots = [(da.recv(2) * w).sum()]
+            da.backward(cid, roots)
+    except da.DistBackwardError as exc:
+        return [(str(exc), exc.rank)]
+    return [("no error", -1)]
+
+
+def test_a_rank_killed_on_entry_is_named_not_the_rank_whose_transfer_failed() -> None:
+    # Gloo failed the survivors' transfers at once ("Connection closed by peer"); each
+    # was posted as the failure of the rank that saw it, before rank 1's heartbeat was
+    # seen stopped: "Error on rank 0: RuntimeError: ... Connection closed by peer".
+    for _ in range(3):
+        results, codes = run_ranks(_killed_on_entry, 3, timeout=90, frozen=[1])
+        for rank in (0, 2):
+            status, [(msg, origin)] = results[rank]
+            assert status == "ok", msg
+            assert msg.startswith("Error on rank 1: stopped answering"), (rank, msg)
+            assert origin == 1 and codes[rank] == 0, (rank, codes)
+
+
 def _threads(rank: int, world: int) -> dict[str, Any]:
     """Contexts from two threads: on one group refused at once; on a group each, correct."""
     import threading

@@ -94,6 +94,10 @@ def leaf_hooks(engine: Engine, leaf: torch.Tensor, node_hooks: Any = None) -> An
     pre-hooks, which may replace it, then the post-hooks, given no results."""
 
     def run(param: int, grad: Any) -> None:
+        if grad is None:
+            # Nothing reached the leaf (a recv whose gradient was not needed answered
+            # its send with none): torch calls no hook then, and the leaf has no gradient.
+            return
         for hook in list((leaf._backward_hooks or {}).values()):
             out = hook(grad)
             if out is not None:

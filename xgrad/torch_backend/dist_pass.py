@@ -22,13 +22,20 @@ from xgrad.failure import (
     RankError,
     RankUnresponsiveError,
     default_seconds,
+    error_for,
 )
 from xgrad.torch_backend.dist_edges import recv_hooks
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
 from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
 from xgrad.torch_backend.failure import poisoned, transfer_failed, wait_posted
-from xgrad.torch_backend.lost_rank import CLOSED_BEFORE
+from xgrad.torch_backend.lost_rank import CLOSED_BEFORE, silent_peer
+
+#: gloo's words for a transfer on a pair whose peer went away.
+_GLOO_LOST = ("Connection closed", "Connection reset", "Read error", "caused pair closure")
+
+#: seconds the heartbeats are read for, after such a failure, for the peer that stopped.
+_LOST_WITHIN = 2.5
 
 __all__ = [
     "DistBackwardError",
@@ -225,8 +232,21 @@ class ProcessPass:
     def fail(self, worker: int, node: int, node_name: str, message: str) -> Exception:
         """Post this rank's failure (the first one posted wins) and return the error to raise."""
         self.failed = True
-        if not node_name and "Connection closed" in message:  # gloo, posting a receive
-            message += f" ({CLOSED_BEFORE})"
+        if not node_name and any(words in message for words in _GLOO_LOST):
+            # Gloo, posting or waiting on a transfer: a peer that died closed the
+            # connection, so the rank to name is the one whose heartbeat stopped (a killed
+            # one is seen stale within about a second), not this one.
+            silent = silent_peer(self._channel, within=_LOST_WITHIN)
+            if silent is not None and silent != self.me:
+                failure = self._channel.post(
+                    "",
+                    f"stopped answering while rank {self.me} waited in backward: {message}",
+                    kind="unresponsive",
+                    rank=silent,
+                )
+                return self._make_error(error_for(failure, self.me))
+            if "Connection closed" in message:  # every rank beats: the group was lost before
+                message += f" ({CLOSED_BEFORE})"
         failure = self._channel.post(node_name, message)
         return self._make_error(RankError(failure, self.me))
 
