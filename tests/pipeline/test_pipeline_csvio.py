@@ -39,6 +39,27 @@ def test_bad_cells_and_placement() -> None:
         xp.schedule_from_csv("\n")
 
 
+def test_a_huge_stage_number_is_named_without_listing_every_stage_below() -> None:
+    # Every stage below the largest was listed (a 7.9 MB message at 10**6; memory
+    # exhausted at 10**8).
+    for stage in (10**6, 10**11):
+        with pytest.raises(ValueError) as err:
+            xp.schedule_from_csv(f"0F0,{stage}F0\n")
+        assert len(str(err.value)) < 300
+        assert f"highest stage named is {stage}" in str(err.value)
+        assert f"(and {stage - 11} more)" in str(err.value)
+
+
+def test_blank_lines_do_not_make_ranks() -> None:
+    # A trailing blank line was read as a third rank with no actions, which validate and
+    # simulate accepted (torch's _load_csv refuses the file); one between rows moved the
+    # ranks after it.
+    s = xp.schedule_from_csv("0F0,0B0\n1F0,1B0\n\n\n")
+    assert s.num_ranks == 2 and s.placement == (0, 1)
+    with pytest.raises(ValueError, match="CSV row 1 is blank"):
+        xp.schedule_from_csv("0F0,0B0\n\n1F0,1B0\n")
+
+
 def test_torch_reads_our_actions_and_we_read_its_comm_pass() -> None:
     torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     s = xp.interleaved_1f1b(2, 4, chunks=2)

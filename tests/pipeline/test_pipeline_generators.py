@@ -88,8 +88,15 @@ def test_v_placement_puts_first_and_last_stage_on_rank_0() -> None:
 
 
 def test_make_unknown_lists_known() -> None:
-    with pytest.raises(ValueError, match="gpipe"):
-        xp.make("pipedream", 2, 2)
+    for name in ("pipedream", ["gpipe"], {"gpipe": 1}):  # unhashable: was a bare TypeError
+        with pytest.raises(ValueError, match=r"unknown schedule .*; known: .*gpipe"):
+            xp.make(name, 2, 2)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_sizes() -> None:
+    np = pytest.importorskip("numpy")
+    s = xp.make("1f1b", np.int64(4), np.int32(8))
+    assert s == xp.make("1f1b", 4, 8) and type(s.num_microbatches) is int
 
 
 @pytest.mark.parametrize("chunks", ["x", 0, 1.5, True])

@@ -61,6 +61,10 @@ def _csv_text(schedule: Schedule) -> str:
     return buf.getvalue()
 
 
+#: missing stages a CSV error lists.
+_LISTED = 10
+
+
 def schedule_from_csv(
     text: str, *, placement: tuple[int, ...] | None = None, name: str = "csv"
 ) -> Schedule:
@@ -79,8 +83,12 @@ def schedule_from_csv(
             ranks, or a stage that never appears.
     """
     rows = list(csv.reader(io.StringIO(text)))
+    while rows and not any(cell.strip() for cell in rows[-1]):
+        rows.pop()  # a file's last newline, or blank lines after the last rank
     actions: list[tuple[Action, ...]] = []
     for r, row in enumerate(rows):
+        if not row:  # a blank line: the ranks after it would each be taken for the next
+            raise ValueError(f"CSV row {r} is blank: each rank's row must list its actions")
         parsed: list[Action] = []
         for c, cell in enumerate(row):
             if not cell.strip():
@@ -102,9 +110,21 @@ def schedule_from_csv(
                         f"CSV: stage {a.stage} has actions on ranks {owner[a.stage]} and {r}"
                     )
         n = max(a.stage for a in everything) + 1
-        missing = [s for s in range(n) if s not in owner]
-        if missing:
-            raise ValueError(f"CSV: stages {missing} have no compute action, placement unknown")
+        if len(owner) < n:
+            # The first few missing (a typo'd stage number may be huge: not every one).
+            missing: list[int] = []
+            stage = 0
+            while len(missing) < _LISTED and stage < n:
+                if stage not in owner:
+                    missing.append(stage)
+                stage += 1
+            more = (
+                f" (and {n - len(owner) - len(missing)} more)" if n - len(owner) > _LISTED else ""
+            )
+            raise ValueError(
+                f"CSV: stages {missing}{more} have no compute action, placement unknown "
+                f"(the highest stage named is {n - 1})"
+            )
         placement = tuple(owner[s] for s in range(n))
     m = max(a.microbatch for a in everything) + 1  # stage ops have none (-1)
     return Schedule(tuple(actions), tuple(placement), m, name)

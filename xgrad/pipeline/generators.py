@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.invocation import Invocation, placement_of, sources_of
 from xgrad.pipeline.multistage import MULTISTAGE, interleaved_1f1b
+from xgrad.pipeline.multistage import check_count as _check
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = [
@@ -31,12 +32,6 @@ __all__ = [
 ]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
-
-
-def _check(name: str, value: object, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _chain(p: int) -> tuple[int, ...]:
@@ -251,7 +246,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     """The schedule called ``name`` (a key of :data:`SCHEDULES`); ``chunks`` (stages per rank)
     is used by the multi-stage ones only (:mod:`xgrad.pipeline.multistage`)."""
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         # Checked for every schedule, so a bad value is not silently ignored by the

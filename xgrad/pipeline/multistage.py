@@ -10,6 +10,7 @@ so rank 0 holds the first and the last stage.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from xgrad.pipeline.actions import Action, Kind
@@ -27,10 +28,21 @@ __all__ = [
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 
 
-def _check(name: str, value: object, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+def check_count(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int of at least ``minimum`` (any integer type, numpy's too, not a
+    bool); a ``ValueError`` naming ``name`` and the value otherwise."""
+    if not isinstance(value, bool):
+        try:
+            count = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if count >= minimum:
+                return count
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+_check = check_count
 
 
 def _rounds(p: int, m: int, what: str) -> int:
