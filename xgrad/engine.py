@@ -32,6 +32,7 @@ from xgrad.engine_errors import BackwardError as BackwardError
 from xgrad.engine_errors import DistBackwardError as DistBackwardError
 from xgrad.engine_plan import lists
 from xgrad.engine_plan import plan as make_plan
+from xgrad.failure import describe
 from xgrad.graph import BackwardGraph, NodeKind
 
 #: A node's backward: one gradient per input (None where none arrived) -> one per next edge
@@ -314,7 +315,7 @@ class Engine:
 
 def _failed(graph: BackwardGraph, u: int, exc: Exception, worker: int | None) -> BackwardError:
     """The error of node ``u`` (its function, or a deferred part of it) raising ``exc``."""
-    return BackwardError(u, graph.name(u), f"{type(exc).__name__}: {exc}", worker)
+    return BackwardError(u, graph.name(u), describe(exc), worker)
 
 
 def _mark_node(exc: BaseException, graph: BackwardGraph, u: int) -> None:
@@ -341,12 +342,12 @@ def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
         except BackwardError as exc:
             raise ctx.fail(worker, exc.node, exc.node_name, exc.message) from exc
         except Exception as exc:
-            raise ctx.fail(worker, -1, "", f"{type(exc).__name__}: {exc}") from exc
+            raise ctx.fail(worker, -1, "", describe(exc)) from exc
         except BaseException as exc:
             # Ctrl-C or exit inside the pass: posted (the others stop at once, told where),
             # then raised here as it is.
             node, name = getattr(exc, "_xgrad_node", (-1, ""))
-            ctx.fail(worker, node, name, f"{type(exc).__name__}: {exc}")
+            ctx.fail(worker, node, name, describe(exc))
             raise
         ctx.finish(worker)
         return out

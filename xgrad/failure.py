@@ -45,6 +45,7 @@ __all__ = [
     "RankUnresponsiveError",
     "check_seconds",
     "default_seconds",
+    "describe",
     "error_for",
 ]
 
@@ -151,6 +152,16 @@ class RankError(RuntimeError):
 
 class RankUnresponsiveError(RankError, TimeoutError):
     """A rank stopped answering (died, froze) or a wait ran past its timeout."""
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"``, a failure's text; also for an exception whose ``str()`` raises
+    (its peers must still hear of it: formatting it in the handler raised, unposted)."""
+    try:
+        text = str(exc)
+    except Exception as inner:
+        text = f"<str() of the exception raised {type(inner).__name__}>"
+    return f"{type(exc).__name__}: {text}"
 
 
 def error_for(failure: Failure, raised_on: int | None = None, prefix: str = "") -> RankError:

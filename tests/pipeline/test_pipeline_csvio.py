@@ -50,16 +50,6 @@ def test_a_huge_stage_number_is_named_without_listing_every_stage_below() -> Non
         assert f"(and {stage - 11} more)" in str(err.value)
 
 
-def test_blank_lines_do_not_make_ranks() -> None:
-    # A trailing blank line was read as a third rank with no actions, which validate and
-    # simulate accepted (torch's _load_csv refuses the file); one between rows moved the
-    # ranks after it.
-    s = xp.schedule_from_csv("0F0,0B0\n1F0,1B0\n\n\n")
-    assert s.num_ranks == 2 and s.placement == (0, 1)
-    with pytest.raises(ValueError, match="CSV row 1 is blank"):
-        xp.schedule_from_csv("0F0,0B0\n\n1F0,1B0\n")
-
-
 def test_torch_reads_our_actions_and_we_read_its_comm_pass() -> None:
     torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
     s = xp.interleaved_1f1b(2, 4, chunks=2)

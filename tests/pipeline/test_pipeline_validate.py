@@ -107,3 +107,11 @@ def test_schedule_rejects_bad_fields() -> None:
         sched(["0F0"], (3,), 1)
     with pytest.raises(ValueError, match="num_microbatches"):
         sched(["0F0"], (0,), 0)
+
+
+def test_a_w_without_its_i_or_beside_a_b_is_worded_for_what_it_is() -> None:
+    # "0F0,0W0" was said to mix a full backward with a split one, with no B anywhere.
+    with pytest.raises(xp.ScheduleError, match="0W0 has no I: a split backward's W follows"):
+        xp.validate(xp.schedule_from_csv("0F0,0W0"))
+    with pytest.raises(xp.ScheduleError, match=r"0W0 mixes full backward \(B\) with split"):
+        xp.validate(xp.schedule_from_csv("0F0,0B0,0W0"))

@@ -83,12 +83,8 @@ def schedule_from_csv(
             ranks, or a stage that never appears.
     """
     rows = list(csv.reader(io.StringIO(text)))
-    while rows and not any(cell.strip() for cell in rows[-1]):
-        rows.pop()  # a file's last newline, or blank lines after the last rank
     actions: list[tuple[Action, ...]] = []
     for r, row in enumerate(rows):
-        if not row:  # a blank line: the ranks after it would each be taken for the next
-            raise ValueError(f"CSV row {r} is blank: each rank's row must list its actions")
         parsed: list[Action] = []
         for c, cell in enumerate(row):
             if not cell.strip():

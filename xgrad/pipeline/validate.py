@@ -149,11 +149,15 @@ def _check_contents(schedule: Schedule) -> None:
                 continue
             split = schedule.backward_kind(a.stage, a.microbatch) is I
             if (split and a.kind is B) or (not split and a.kind is W):
+                full = Action(a.stage, B, a.microbatch)
+                mixed = split or any(full in schedule.compute(q) for q in range(schedule.num_ranks))
                 raise ScheduleError(
                     schedule,
                     r,
                     i,
-                    f"{a} mixes full backward (B) with split backward (I, W) for one microbatch",
+                    f"{a} mixes full backward (B) with split backward (I, W) for one microbatch"
+                    if mixed
+                    else f"{a} has no I: a split backward's W follows the I of its microbatch",
                 )
             need = {
                 F: None,

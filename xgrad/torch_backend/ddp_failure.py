@@ -30,7 +30,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import Failure, FailureChannel, RankError, default_seconds, error_for
+from xgrad.failure import (
+    Failure,
+    FailureChannel,
+    RankError,
+    default_seconds,
+    describe,
+    error_for,
+)
 from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.local_errors import as_local
 from xgrad.raising import raise_from
@@ -50,8 +57,7 @@ from xgrad.torch_backend.private_groups import group_count, private_group
 __all__ = ["StepWatch"]
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+_describe = describe
 
 
 class StepWatch:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.failure import RankError, check_seconds
+from xgrad.failure import RankError, check_seconds, describe
 from xgrad.torch_backend import dist_hooks
 from xgrad.torch_backend.dist_accumulate import Accumulate, keep
 from xgrad.torch_backend.dist_context_state import Context
@@ -169,7 +169,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
         ok = True
     except BaseException as exc:
         if not isinstance(exc, RankError):
-            ctx.channel.post("forward", f"{type(exc).__name__}: {exc}")
+            ctx.channel.post("forward", describe(exc))
         if not ctx.answered:
             # Peers in a backward pass wait on this rank's own thread-free receives,
             # which only a message ends: a failure outside a pass (this rank's, or
@@ -296,7 +296,7 @@ def backward(
         # others hear of the failure at their next wait; a next pass of theirs waits for
         # this rank's messages, which the context's exit answers (``Context.poison``), as
         # after a failure outside a pass.
-        failure = ctx.channel.post("AccumulateGrad", f"{type(exc).__name__}: {exc}")
+        failure = ctx.channel.post("AccumulateGrad", describe(exc))
         raise ctx.error(RankError(failure, ctx.me)) from exc
 
 
@@ -327,7 +327,7 @@ def _run(
             ctx.seen,
         )
     except Exception as exc:  # bad roots: the others must not wait for this rank
-        failure = ctx.channel.post("backward", f"{type(exc).__name__}: {exc}")
+        failure = ctx.channel.post("backward", describe(exc))
         end(inbox, failed=True)
         raise ctx.error(RankError(failure, ctx.me)) from exc
     sends = [

@@ -96,7 +96,7 @@ class TorchArrayOps:
     def copy_all(
         self, outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor], scale: float | None
     ) -> None:
-        if any(x.requires_grad for x in xs):
+        if torch.is_grad_enabled() and any(x.requires_grad for x in xs):  # create_graph
             xs = [_higher_order(x) for x in xs]
         if scale is None:
             torch._foreach_copy_(list(outs), list(xs))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.failure import Failure, FailureChannel, RankError, describe, error_for
 from xgrad.pipeline import Action
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
@@ -249,7 +249,7 @@ class StepGroups(StageState):
             failure = channel.relay(exc.failure)
         else:
             where = f"{action} failed" if action is not None else "step failed"
-            failure = channel.post("", f"{where}: {type(exc).__name__}: {exc}")
+            failure = channel.post("", f"{where}: {describe(exc)}")
         wire.poison()
         self._reset(None, wire)
         self._tell_replicas(error_for(failure, channel.rank))

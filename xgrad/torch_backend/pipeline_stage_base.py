@@ -108,6 +108,19 @@ class StageState:
         """``loss_fn(y, target)``, its failure naming the two shapes (a target batch that
         does not match the inputs' ends there, in a broadcast error); it must be a
         floating-point scalar tensor that requires a gradient."""
+        if (
+            isinstance(y, torch.Tensor)
+            and isinstance(target, torch.Tensor)
+            and y.dim() > 0
+            and target.dim() > 0
+            and y.shape[0] != target.shape[0]
+        ):
+            # A loss that broadcasts (mse_loss over (1, 4) and (2, 4)) would not say it.
+            raise ValueError(
+                f"loss_fn(output, target): the microbatch's output has {y.shape[0]} rows and "
+                f"its target {target.shape[0]}: inputs and targets must have the same batch "
+                f"size ({_shapes(y, target)})"
+            )
         try:
             loss = self.loss_fn(y, target)
         except (RuntimeError, ValueError, TypeError) as exc:
