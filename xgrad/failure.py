@@ -27,11 +27,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+from xgrad.failure_store import KeyValueStore as KeyValueStore
+from xgrad.failure_store import MemoryStore as MemoryStore
 
 if TYPE_CHECKING:
     from xgrad.heartbeat import Liveness
@@ -168,53 +170,6 @@ def error_for(failure: Failure, raised_on: int | None = None, prefix: str = "") 
     """The exception for ``failure``: unresponsive ranks and timeouts are also TimeoutErrors."""
     cls = RankError if failure.kind == "error" else RankUnresponsiveError
     return cls(failure, raised_on, prefix)
-
-
-class KeyValueStore(Protocol):
-    """The store protocol the channel needs (a subset of ``torch.distributed.Store``).
-
-    ``get`` is only called for keys that :meth:`check` found, so it need not block.
-    """
-
-    def set(self, key: str, value: bytes) -> None: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def add(self, key: str, amount: int) -> int: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-    def delete_key(self, key: str) -> bool: ...
-
-
-class MemoryStore:
-    """A :class:`KeyValueStore` in one process's memory (threads as ranks; tests, reference)."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._lock:
-            self._data[key] = bytes(value)
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            return self._data[key]
-
-    def add(self, key: str, amount: int) -> int:
-        with self._lock:
-            value = int(self._data.get(key, b"0")) + int(amount)
-            self._data[key] = str(value).encode()
-            return value
-
-    def check(self, keys: list[str]) -> bool:
-        with self._lock:
-            return all(k in self._data for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        with self._lock:
-            return self._data.pop(key, None) is not None
 
 
 class FailureChannel:
