@@ -59,5 +59,5 @@ class Inspection:
         """The last summed used map, per parameter how many ranks used it (int32; zeros
         before the first sum), as PyTorch's reducer keeps it after its allreduce."""
         last = self._unused.last_sum
-        used = np.zeros(len(self.params), dtype=np.int32) if last is None else last
+        used = np.zeros(len(self.params), dtype=np.int32) if last is None else last.copy()
         return self.ops.from_numpy(used, self.params[0])
