@@ -96,9 +96,8 @@ def _mixed_reference(rank: int, base: nn.Module, mp: Any) -> list[dict[str, np.n
     import torch.distributed as dist
 
     model = copy.deepcopy(base)
-    for b in model.buffers():
-        if b.is_floating_point():
-            b.data = b.to(mp.buffer_dtype)
+    for b in model.buffers():  # every one, as PyTorch's _cast_buffers
+        b.data = b.to(mp.buffer_dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _batch(rank)
     grads = []
@@ -175,6 +174,13 @@ def _options(rank: int, world: int) -> dict[str, Any]:
         # Compared at the first step: later steps start from parameters updated with
         # these rounded gradients, so their reference would be another run.
         out[name + "_view"] = {"xgrad": viewed[:1], "reference": rounded[:1]}
+    # buffer_dtype casts every buffer, BatchNorm's integer count too: PyTorch's construction
+    # (which runs on the CPU) leaves the same dtypes.
+    out["buffer_dtypes"] = {}
+    for label, cls in (("xgrad", DistributedDataParallel), ("torch", TorchDDP)):
+        model = _seeded()
+        cls(model, mixed_precision=_MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16))
+        out["buffer_dtypes"][label] = {n: str(b.dtype) for n, b in model.named_buffers()}
     base = _seeded()
     delayed = [("a.weight", base.a.weight), ("a.bias", base.a.bias)]
 
@@ -328,6 +334,14 @@ def test_logging_values_equal_pytorchs(results: list[dict[str, Any]]) -> None:
     for r in results:
         ours, theirs = r["logging_values"]
         assert ours == theirs
+
+
+def test_mixed_precision_casts_the_buffers_pytorch_casts(results: list[dict[str, Any]]) -> None:
+    # Was float buffers only: num_batches_tracked stayed int64, PyTorch's is bfloat16.
+    for r in results:
+        dtypes = r["buffer_dtypes"]
+        assert dtypes["xgrad"] == dtypes["torch"], dtypes
+        assert dtypes["xgrad"]["norm.num_batches_tracked"] == "torch.bfloat16"
 
 
 def test_mixed_precision_on_cpu(results: list[dict[str, Any]]) -> None:

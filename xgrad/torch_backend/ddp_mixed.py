@@ -50,8 +50,11 @@ class MixedPrecisionCasts:
         self.params = [p for n, p in module.named_parameters() if n not in ignore]
         self._full = {id(p): p.data for p in self.params}
         if config.buffer_dtype is not None:
+            # Every buffer DDP does not ignore, integer ones too (BatchNorm's
+            # num_batches_tracked), as PyTorch's _cast_buffers casts them: the same dtypes
+            # in the state_dict.
             for name, buf in module.named_buffers():
-                if name not in ignore and buf.is_floating_point():
+                if name not in ignore:
                     buf.data = buf.to(dtype=config.buffer_dtype)
 
     def to_low(self, inputs: Any, kwargs: Any) -> tuple[Any, Any]:
