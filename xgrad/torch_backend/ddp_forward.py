@@ -11,6 +11,7 @@ no collective here is traced.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,24 +46,23 @@ def pre_forward(
     ddp: DistributedDataParallel, inputs: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, Any]:
     """Everything DDP does before the module runs; returns the inputs to run it on."""
-    unfinished = ddp._grad_hooks.unfinished
-    if unfinished is not None and torch.is_grad_enabled():
-        # The last backward pass left buckets unreduced: PyTorch's error, raised where
-        # PyTorch raises it (the peers were told at that pass's end); the pass after
-        # starts clean (start_forward drops the failed step on every rank).
-        ddp._grad_hooks.unfinished = None
-        raise unfinished
     ddp._forward_started = time.perf_counter()
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    start_forward(
-        ddp._watch,
-        ddp._grad_hooks,
-        sync,
-        ddp._join_config.enable,
-        accumulate=not ddp.require_backward_grad_sync,
-    )
+    unfinished = ddp._grad_hooks.unfinished
+    if unfinished is not None and torch.is_grad_enabled():
+        # The last backward pass left buckets unreduced: PyTorch's error, raised where
+        # PyTorch raises it. Every rank raises here (the peers were told at that pass's
+        # end), after dropping the failed step as a forward pass does, so that a rank
+        # whose inputs then run out (join) leaves no one waiting in that; the error says
+        # what the warning about it would.
+        ddp._grad_hooks.unfinished = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            _start(ddp, sync)
+        raise unfinished
+    _start(ddp, sync)
     if ddp._watch.regrouped:
         # The last step failed, as every rank saw at this step's start. Whether a rank had
         # finished that step's agreement depends on when it read the failure (one whose
@@ -93,6 +93,16 @@ def pre_forward(
     if ddp._casts is not None:
         return ddp._casts.to_low(inputs, kwargs)
     return inputs, kwargs
+
+
+def _start(ddp: DistributedDataParallel, sync: bool) -> None:
+    start_forward(
+        ddp._watch,
+        ddp._grad_hooks,
+        sync,
+        ddp._join_config.enable,
+        accumulate=not ddp.require_backward_grad_sync,
+    )
 
 
 def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:

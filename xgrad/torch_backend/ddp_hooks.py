@@ -180,6 +180,9 @@ class GradientHooks(GradientWriteBack):
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
+                if _peer_unreduced(exc):  # seen waiting for a bucket (a hook's callbacks)
+                    me._defer(exc)
+                    return
                 raise_from(me._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
 
         return hook
@@ -192,6 +195,9 @@ class GradientHooks(GradientWriteBack):
         try:
             reducer.mark_many(indices, grads)
         except Exception as exc:
+            if _peer_unreduced(exc):
+                self._defer(exc)
+                return
             raise_from(self._fail(f"gradient hook of {reducer.names[reducer.marking]}", exc), exc)
 
     def expect_backward(self) -> None:
@@ -216,24 +222,32 @@ class GradientHooks(GradientWriteBack):
         UNFINISHED.discard(self)
         done = reducer.num_iterations
         try:
-            reducer.finalize()
-            self.wait_buffer_futures()
-            if self.arrivals.enabled and reducer.num_iterations > done:
-                record = reducer.records[-1]
-                self.arrivals.relayout(record.ready_order, record.unused, reducer.plan)
-            if self._copy_dst:
-                # One fused copy for every gradient instead of one call per parameter.
-                torch._foreach_copy_(self._copy_dst, self._copy_src)
+            if self.unfinished is None:  # (a hook may have ended the pass already)
+                reducer.finalize()
+                self.wait_buffer_futures()
+                if self.arrivals.enabled and reducer.num_iterations > done:
+                    record = reducer.records[-1]
+                    self.arrivals.relayout(record.ready_order, record.unused, reducer.plan)
+                if self._copy_dst:
+                    # One fused copy for every gradient instead of one call per parameter.
+                    torch._foreach_copy_(self._copy_dst, self._copy_src)
         except Exception as exc:
             if not reducer.all_ready() or _peer_unreduced(exc):
                 self._defer(exc)
-                return
-            raise_from(self._fail("reduction", exc), exc)
+            else:
+                raise_from(self._fail("reduction", exc), exc)
         finally:
             self._copy_dst.clear()
             self._copy_src.clear()
             if self.after_backward is not None:
                 self.after_backward()
+        if self.unfinished is not None:
+            # The pass's gradients are dropped: each rank's own, partly reduced. PyTorch
+            # leaves them, and an optimizer step before the next forward pass (which
+            # raises) makes replicas that differ for good; with none, it changes nothing.
+            for p in self.params:
+                p.grad = None
+            return
         end = time.perf_counter()
         self.timeline.append(
             IterationTimes.of(
