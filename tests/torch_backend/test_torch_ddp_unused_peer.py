@@ -128,3 +128,42 @@ def test_replicas_stay_equal_and_in_step_after_the_error(hook: str) -> None:
         assert [(s, where) for s, where, _ in out["errors"]] == [(2, "forward")], out["errors"]
         assert out["none_after"] == [False, True, False, False], out  # step 1's: dropped
     assert outs[0]["params"] == outs[1]["params"]
+
+
+def _joined(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's last step (of 2) leaves c unused, then it joins; rank 0 trains 4 steps."""
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(Branchy().double(), timeout=TIMEOUT, bucket_cap_mb=1e-4)
+    x = torch.ones(2, 4, dtype=torch.float64) * (rank + 1)
+    out: dict[str, Any] = {"steps": [], "join": "no error"}
+    start = time.monotonic()
+    try:
+        with ddp.join():
+            for step in range(4 if rank == 0 else 2):
+                ddp.zero_grad()
+                try:
+                    ddp(x, not (step == 1 and rank == 1)).sum().backward()
+                    out["steps"].append("ok")
+                except RuntimeError as exc:
+                    out["steps"].append(str(exc)[:60])
+    except RuntimeError as exc:
+        out["join"] = str(exc)[:60]
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_a_rank_that_joins_right_after_the_failed_step_leaves_no_one_waiting() -> None:
+    # Rank 0's forward pass that raised dropped the failed step with a fresh group, which
+    # rank 1, counting the ranks still training in its join, never made: both waited out
+    # the timeout, then failed (this was so before the error moved to the next forward).
+    results, codes = run_ranks(_joined, 2, timeout=120)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    first, second = results[0][1], results[1][1]
+    assert first["steps"][:2] == ["ok", "ok"] and first["steps"][3] == "ok", first
+    assert first["steps"][2].startswith("rank 1 in backward (parameters without"), first
+    assert first["join"] == "no error", first
+    assert second["steps"] == ["ok", "ok"], second
+    assert second["join"].startswith("Expected to have finished reduction in the prior"), second
+    assert first["seconds"] < TIMEOUT and second["seconds"] < TIMEOUT, (first, second)

@@ -24,6 +24,7 @@ bounded by the DDP's ``timeout``.
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +93,9 @@ class Join(TorchJoin):
         return float(t.item())
 
     def _get_num_nonjoined_procs(self) -> float:
+        for hook in self._join_hooks:  # before the count, as the others' forward does it
+            if isinstance(hook, DDPJoinHook):
+                hook.drop_failed_step()
         return self._all_reduce(0.0)
 
     def _notify_procs_to_terminate(self) -> None:
@@ -183,7 +187,22 @@ class DDPJoinHook(JoinHook):
             )
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        #: this rank's last pass left buckets unreduced: raised when the join ends.
+        self.failed: BaseException | None = None
         super().__init__()
+
+    def drop_failed_step(self) -> None:
+        """If this rank's last pass left buckets unreduced, drop that step now, as the
+        ranks still training do at the forward pass where they raise it (they drop it
+        first, in step: a fresh group made by all); raised here when the join ends, since
+        raising now would leave them waiting for this rank in their next steps."""
+        hooks = self.ddp._grad_hooks
+        if hooks.unfinished is None:
+            return
+        self.failed, hooks.unfinished = hooks.unfinished, None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the error says it
+            start_forward(self.ddp._watch, hooks, True, joining=True)
 
     def main_hook(self) -> None:
         """Enter the collectives of one forward and backward pass of the others."""
@@ -210,6 +229,9 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last."""
         sync_final_model(self.ddp, is_last_joiner)
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
 
 
 def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
