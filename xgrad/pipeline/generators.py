@@ -14,8 +14,7 @@ from collections.abc import Callable, Sequence
 
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.invocation import Invocation, placement_of, sources_of
-from xgrad.pipeline.multistage import MULTISTAGE, interleaved_1f1b
-from xgrad.pipeline.multistage import check_count as _check
+from xgrad.pipeline.multistage import MULTISTAGE, check_count, interleaved_1f1b
 from xgrad.pipeline.schedule import Schedule
 
 __all__ = [
@@ -46,7 +45,7 @@ def _chain(p: int) -> tuple[int, ...]:
 #   rank 3  ......F0F1F2F3F4F5F6F7B0B0B1B1B2B2B3B3B4B4B5B5B6B6B7B7
 def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """GPipe: all m forwards, then all m backwards (bubble (p-1)/(m+p-1), holds m)."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     actions = tuple(
         tuple(Action(r, F, i) for i in range(m)) + tuple(Action(r, B, i) for i in range(m))
         for r in range(p)
@@ -63,7 +62,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
 #   rank 3  ......F0B0B0F1B1B1F2B2B2F3B3B3F4B4B4F5B5B5F6B6B6F7B7B7
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """1F1B (PipeDream-flush): bubble (p-1)/(m+p-1), at most p microbatches held."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     ranks = []
     for r in range(p):
         warmup = min(p - 1 - r, m)
@@ -86,7 +85,7 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
 #   rank 3  ......F0I0F1I1F2I2F3I3W0F4I4W1F5I5W2F6I6W3F7I7W4W5W6W7
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1: bubble about a third of 1F1B's, at most p microbatches held."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     ranks = []
     for r in range(p):
         warmup = min(p - 1 - r, m)
@@ -190,7 +189,7 @@ def _greedy(
 #   rank 3  ......F0I0F1I1F2I2F3I3F4I4F5I5F6I6W0F7I7W1W2W3W4W5W6W7
 def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H2: about zero bubble for steps run back to back, at most 2p-1 microbatches held."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     order = _greedy(_chain(p), m, [2 * p - 1] * p, split=True)
     return Schedule(tuple(tuple(acts) for acts in order), _chain(p), m, "zb_h2")
 
@@ -213,7 +212,7 @@ def from_invocations(
     """
     placement = placement_of(invocations)
     srcs = sources_of(invocations)
-    m = _check("num_microbatches", num_microbatches)
+    m = check_count("num_microbatches", num_microbatches)
     n, p = len(placement), max(placement) + 1
     if policy == "gpipe":
         order = _greedy(placement, m, [n * m] * p, split=False, forward_first=True, sources=srcs)

@@ -42,9 +42,6 @@ def check_count(name: str, value: object, minimum: int = 1) -> int:
     raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-_check = check_count
-
-
 def _rounds(p: int, m: int, what: str) -> int:
     """Microbatches per round: torch's flexible interleaving runs max(1, m // p) rounds and
     needs m to split evenly into them (m = 10 for p = 4 is 2 rounds of 5; m < p is one)."""
@@ -119,8 +116,8 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int = 2) ->
     Any m that splits evenly into max(1, m // p) rounds (m = 10 for p = 4; m < p), as torch's
     ``ScheduleInterleaved1F1B``. Bubble fraction (p-1)/(v·m+p-1) for m a multiple of p.
     """
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
-    v = _check("chunks", chunks)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
+    v = check_count("chunks", chunks)
     ranks = tuple(tuple(_looped_1f1b(p, m, v, r, zero_bubble=False)) for r in range(p))
     return Schedule(ranks, _loop_placement(p, v), m, f"interleaved_1f1b(v={v})")
 
@@ -129,8 +126,8 @@ def interleaved_zb(num_stages: int, num_microbatches: int, chunks: int = 2) -> S
     """Interleaved zero-bubble (ZB-1P over v chunks per rank), torch's
     ``ScheduleInterleavedZeroBubble``: interleaved 1F1B's order with the backward split into I
     and W, a shorter warm-up, and rank r deferring its weight passes by r steps."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
-    v = _check("chunks", chunks)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
+    v = check_count("chunks", chunks)
     ranks = tuple(tuple(_looped_1f1b(p, m, v, r, zero_bubble=True)) for r in range(p))
     return Schedule(ranks, _loop_placement(p, v), m, f"interleaved_zb(v={v})")
 
@@ -139,8 +136,8 @@ def looped_bfs(num_stages: int, num_microbatches: int, chunks: int = 2) -> Sched
     """Breadth-first looping (torch's ``ScheduleLoopedBFS``): each rank runs every microbatch
     through its lowest chunk, then the next; backwards run the chunks from the top down, the
     microbatches in reverse. Holds all m microbatches of every chunk, like GPipe."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
-    v = _check("chunks", chunks)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
+    v = check_count("chunks", chunks)
     ranks = []
     for r in range(p):
         stages = range(r, p * v, p)
@@ -152,7 +149,7 @@ def looped_bfs(num_stages: int, num_microbatches: int, chunks: int = 2) -> Sched
 
 def v_placement(num_ranks: int) -> tuple[int, ...]:
     """Stage -> rank for the V shape: 0, 1, ..., p-1, p-1, ..., 1, 0."""
-    p = _check("num_ranks", num_ranks)
+    p = check_count("num_ranks", num_ranks)
     return tuple(range(p)) + tuple(reversed(range(p)))
 
 
@@ -217,7 +214,7 @@ def _zbv_rank(p: int, m: int, r: int) -> list[Action]:
 def zbv(num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedule:
     """ZB-V (torch's ``ScheduleZBVZeroBubble``): two stages per rank in V placement (rank 0
     holds stages 0 and 2p-1), backward split into I and W; zero bubble when F = I = W."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     if chunks != 2:
         raise ValueError(f"zbv places exactly 2 stages per rank (chunks=2), got chunks={chunks!r}")
     ranks = tuple(tuple(_zbv_rank(p, m, r)) for r in range(p))
@@ -296,7 +293,7 @@ def dualpipev(num_stages: int, num_microbatches: int, chunks: int = 2) -> Schedu
     """DualPipeV (torch's ``ScheduleDualPipeV``, after DeepSeek's DualPipe): V placement, the
     steady state issuing a forward of one stage and a backward of the other as one
     overlapped pair (``OVERLAP_F_B``), the drain split into I and W. Needs m >= 2p."""
-    p, m = _check("num_stages", num_stages), _check("num_microbatches", num_microbatches)
+    p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
     if chunks != 2:
         raise ValueError(
             f"dualpipev places exactly 2 stages per rank (chunks=2), got chunks={chunks!r}"

@@ -57,9 +57,6 @@ from xgrad.torch_backend.private_groups import group_count, private_group
 __all__ = ["StepWatch"]
 
 
-_describe = describe
-
-
 class StepWatch:
     """The failure channel of one DDP, step by step, and the private group it reduces on.
 
@@ -167,7 +164,7 @@ class StepWatch:
         """Report this rank's failure; the error every rank raises for the step's first one."""
         if isinstance(exc, RankError):
             return exc
-        failure = self.channel.post(where, _describe(exc))
+        failure = self.channel.post(where, describe(exc))
         # Also an instance of this rank's own exception's type: ``except ValueError``
         # around a forward pass catches it, as under PyTorch's DDP (xgrad.local_errors).
         return as_local(error_for(failure, self.channel.rank), exc)

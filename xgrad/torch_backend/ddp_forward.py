@@ -11,7 +11,6 @@ no collective here is traced.
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from xgrad.torch_backend.ddp_buffers import sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
-from xgrad.torch_backend.ddp_recover import abandon_step, start_forward
+from xgrad.torch_backend.ddp_recover import abandon_step, drop_unreduced, start_forward
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, notify_join_context
 
@@ -50,18 +49,14 @@ def pre_forward(
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-    unfinished = ddp._grad_hooks.unfinished
-    if unfinished is not None and torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         # The last backward pass left buckets unreduced: PyTorch's error, raised where
         # PyTorch raises it. Every rank raises here (the peers were told at that pass's
         # end), after dropping the failed step as a forward pass does, so that a rank
-        # whose inputs then run out (join) leaves no one waiting in that; the error says
-        # what the warning about it would.
-        ddp._grad_hooks.unfinished = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            _start(ddp, sync)
-        raise unfinished
+        # whose inputs then run out (join) leaves no one waiting in that.
+        unfinished = drop_unreduced(ddp._grad_hooks, lambda: _start(ddp, sync))
+        if unfinished is not None:
+            raise unfinished
     _start(ddp, sync)
     if ddp._watch.regrouped:
         # The last step failed, as every rank saw at this step's start. Whether a rank had

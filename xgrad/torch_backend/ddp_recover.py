@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "UNFINISHED",
     "abandon_step",
     "before_wrapping",
+    "drop_unreduced",
     "post_failed_pass",
     "post_failed_passes",
     "recover",
@@ -121,6 +123,23 @@ def start_forward(
         hooks.accumulating = False
         return
     _begin_step(watch, hooks)
+
+
+def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeError | None:
+    """If the last pass left buckets unreduced (``hooks.unfinished``), drop that step now
+    with ``start`` (the forward pass's :func:`start_forward`) and return its error to
+    raise; else None.
+
+    Every rank does this at the same point (the forward pass where it raises, or a joined
+    rank's count of the ranks still training), so the fresh group the dropped step needs
+    is made by all; its warning is not given, the error says it.
+    """
+    error, hooks.unfinished = hooks.unfinished, None
+    if error is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            start()
+    return error
 
 
 def _begin_step(watch: StepWatch, hooks: GradientHooks) -> None:

@@ -24,7 +24,6 @@ bounded by the DDP's ``timeout``.
 
 from __future__ import annotations
 
-import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
@@ -196,13 +195,12 @@ class DDPJoinHook(JoinHook):
         ranks still training do at the forward pass where they raise it (they drop it
         first, in step: a fresh group made by all); raised here when the join ends, since
         raising now would leave them waiting for this rank in their next steps."""
-        hooks = self.ddp._grad_hooks
-        if hooks.unfinished is None:
-            return
-        self.failed, hooks.unfinished = hooks.unfinished, None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the error says it
-            start_forward(self.ddp._watch, hooks, True, joining=True)
+        ddp = self.ddp
+        failed = drop_unreduced(
+            ddp._grad_hooks, lambda: start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
+        )
+        if failed is not None:
+            self.failed = failed
 
     def main_hook(self) -> None:
         """Enter the collectives of one forward and backward pass of the others."""
