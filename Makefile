@@ -34,15 +34,16 @@ bench: setup
 
 # CUDA: the GPU tests and the crosscheck on the GPUs (torch on NCCL, one process per GPU;
 # JAX on the same GPUs with its preallocation off), each runner also compared with its
-# own CPU run. Uses the existing environment (no network); without a GPU it says so and
-# exits 0.
+# own CPU run. Uses the existing environment (no network; `make gpu PY=python3` takes
+# another interpreter's, with the repository on PYTHONPATH); without a GPU it says so and
+# exits 0. .ci/gpu runs the same, then the benchmarks, each step bounded (a borrowed GPU).
 gpu:
-	@test -x $(PY) || { echo "make gpu: no $(PY): run 'make setup' first"; exit 2; }
+	@command -v $(PY) >/dev/null || { echo "make gpu: no $(PY): run 'make setup' first"; exit 2; }
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  n=$$($(PY) -c "import torch; print(torch.cuda.device_count())"); \
 	  echo "make gpu: $$n CUDA device(s); GPU tests, then xgrad crosscheck --device cuda --world-size $$n"; \
-	  JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(VENV)/bin/pytest -m gpu -q -rs && \
-	  XLA_PYTHON_CLIENT_PREALLOCATE=false $(VENV)/bin/xgrad crosscheck --device cuda \
+	  JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -m gpu -q -rs && \
+	  XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m xgrad crosscheck --device cuda \
 	    --world-size $$n --out xgrad-out/gpu; \
 	else \
 	  echo "make gpu: skipped: no CUDA device here (torch.cuda.is_available() is False)"; \
