@@ -27,6 +27,7 @@ def test_bench_prints_one_row_per_case(
     printed = capsys.readouterr().out
     # --scale tiny takes 2 rounds of 3 steps per side, and says so.
     assert "median of 6 timed steps per side" in printed
+    assert "xgrad DDP vs torch DDP: gloo on CPU, 1 thread(s) per rank, median of 6" in printed
     assert printed.count("| mlp |") == 2 and printed.count("| many |") == 2
     rows = json.loads(out.read_text())["bench ddp"]
     # The CSV has the same rows, one per case, with the ratios.

@@ -10,7 +10,8 @@ backward, optimizer step); the time ratio, the median of the per-turn ratios xgr
 (``xgrad.bench_stats``); the CPU of the whole process
 per step (every thread), since a faster step may be bought with CPU; memory (bytes allocated by
 DDP's construction plus the peak of one step above its start, from the C allocator,
-polled by a thread during the step), and xgrad's Python cost per gradient hook."""
+polled by a thread during the step), and xgrad's Python cost per gradient hook.
+``--device cuda`` runs the same on NCCL, rank r on ``cuda:r`` (:mod:`.ddp_bench_device`)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,26 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from xgrad.bench_stats import interval_label, rule
 from xgrad.tables import add_table_outputs, print_tables
 from xgrad.torch_backend.ddp import DistributedDataParallel
-from xgrad.torch_backend.ddp_bench_models import MODELS, SCALES, build
+from xgrad.torch_backend.ddp_bench_device import (
+    BACKENDS,
+    DEVICES,
+    LABELS,
+    BenchDevice,
+    CudaMeter,
+    check_worlds,
+    step_peak,
+)
+from xgrad.torch_backend.ddp_bench_models import MODELS
 from xgrad.torch_backend.ddp_bench_rows import CaseSample, pooled, rows_table, table
-from xgrad.torch_backend.memory import HeapMeter, PeakWatch
+from xgrad.torch_backend.memory import HeapMeter
 from xgrad.torch_backend.spawn import spawn
 
-HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU): step time and memory ratios"
+HELP = "xgrad's DDP vs PyTorch's DDP (gloo, CPU; or NCCL, CUDA): step time and memory ratios"
 
 #: timed (rounds, iterations per round) and warm-up steps when not given, per scale.
 _STEPS = {"full": (18, 10, 4), "tiny": (2, 3, 1)}
@@ -51,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--wide-world-size",
         type=int,
-        default=4,
-        help="also run the first model at this world size (0: no such row)",
+        help="also run the first model at this world size (0: no such row; "
+        "default 4 on cpu, 0 on cuda)",
     )
     parser.add_argument(
         "--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}"
@@ -80,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the find_unused_parameters settings to run (the wide row: no)",
     )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cuda: NCCL, rank r on cuda:r (--world-size at most the GPUs; 1 allowed)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the run")
     add_table_outputs(parser, "the rows (seconds, bytes, ratios)")
 
@@ -91,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--models {args.models!r} names no model; expected some of {MODELS}")
     if unknown:
         raise ValueError(f"--models: unknown model(s) {unknown}; expected some of {MODELS}")
+    world, wide_world = check_worlds(args.device, args.world_size, args.wide_world_size)
     for label, least in (
-        ("world_size", 2),
         ("rounds", 1),
         ("launches", 1),
         ("iters", 1),
@@ -102,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, label)
         if value is not None and value < least:
             raise ValueError(f"--{label.replace('_', '-')} must be at least {least}, got {value}")
-    if args.wide_world_size == 1 or args.wide_world_size < 0:
-        raise ValueError(f"--wide-world-size must be 0 (none) or >= 2, got {args.wide_world_size}")
     rounds, iters, warmup = _STEPS[args.scale]
     rounds = rounds if args.rounds is None else args.rounds
     launches = _LAUNCHES[args.scale] if args.launches is None else args.launches
@@ -116,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
         "iters": iters if args.iters is None else args.iters,
         "warmup": warmup if args.warmup is None else args.warmup,
         "scale": args.scale,
+        "device": args.device,
         "find_unused": {"both": (False, True), "no": (False,), "yes": (True,)}[args.find_unused],
     }
     wide = settings | {"models": models[:1], "find_unused": (False,)}
-    runs = [(args.world_size, settings)]
-    if args.wide_world_size:
-        runs.append((args.wide_world_size, wide))
+    runs = [(world, settings)]
+    if wide_world:
+        runs.append((wide_world, wide))
     samples: dict[tuple[int, tuple[str, bool, int]], list[CaseSample]] = {}
     # Launch after launch, every world size in each, so a slow spell of the machine
     # falls on one launch of many cases rather than on every launch of one case.
@@ -132,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
                 _bench,
                 world,
                 args=(case_settings | share,),
+                backend=BACKENDS[args.device],
                 timeout=args.timeout,
                 num_threads=args.threads,
             )[0]:
@@ -142,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     turns = min((r.turns for r in results if r.turns), default=None)
     pooled_n = min((r.pooled_turns for r in results if r.pooled_turns), default=0)
     head = (
-        f"xgrad DDP vs torch DDP: gloo on CPU, {args.threads} thread(s) per rank, median of "
-        f"{'/'.join(map(str, steps))} timed steps per side over {launches} launch(es) of "
+        f"xgrad DDP vs torch DDP: {LABELS[args.device]}, {args.threads} thread(s) per rank, "
+        f"median of {'/'.join(map(str, steps))} timed steps per side over {launches} launch(es) of "
         "fresh processes (each step alternated with the other side and with the bare "
         "model); time ratio = median over those turns of xgrad step / torch step in the "
         f"same turn [{interval_label(pooled_n)} of that "
@@ -161,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 class _Side:
     """One implementation under test: its model copy, DDP wrapper and optimizer."""
 
-    def __init__(self, wrap: Callable[[Any], Any], base: Any, meter: HeapMeter) -> None:
+    def __init__(self, wrap: Callable[[Any], Any], base: Any, meter: HeapMeter | CudaMeter) -> None:
         self.model = copy.deepcopy(base)
         # Garbage of the last case is freed now, not by a collection that happens to run
         # inside one side's construction (which read as that side taking less).
@@ -191,20 +206,22 @@ class _Side:
 _TURNS = (("xgrad", "torch", "local"), ("torch", "xgrad", "local"))
 
 
-def _factories(find_unused: bool) -> dict[str, Callable[[Any], Any]]:
+def _factories(find_unused: bool, device: BenchDevice) -> dict[str, Callable[[Any], Any]]:
+    kw = {"find_unused_parameters": find_unused, **device.ddp_kwargs}
     return {
-        "xgrad": functools.partial(DistributedDataParallel, find_unused_parameters=find_unused),
-        "torch": functools.partial(TorchDDP, find_unused_parameters=find_unused),
+        "xgrad": functools.partial(DistributedDataParallel, **kw),
+        "torch": functools.partial(TorchDDP, **kw),
         "local": lambda model: model,  # the bare model: what a step costs without DDP
     }
 
 
 def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    meter = HeapMeter()
+    device = BenchDevice(settings["device"], rank)
+    meter = device.meter()
     # Both implementations allocate once per process on first use (gloo's pair buffers,
     # PyTorch's logger, pickling tables): pay that here, outside every measurement.
-    base, x, y = build("mlp", SCALES["mlp"]["tiny"])
-    for key, make in _factories(True).items():
+    base, x, y = device.build("mlp", "tiny")
+    for key, make in _factories(True, device).items():
         if key == "local":
             continue
         _Side(make, base, meter).step(x, y)
@@ -212,8 +229,8 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
     case = 0
     for name in settings["models"]:
         for find_unused in settings["find_unused"]:
-            base, x, y = build(name, SCALES[name][settings["scale"]])
-            factories = _factories(find_unused)
+            base, x, y = device.build(name, settings["scale"])
+            factories = _factories(find_unused, device)
             # Constructed in alternating order, so neither is always first on a fresh heap.
             order = ["xgrad", "torch", "local"] if case % 2 == 0 else ["torch", "xgrad", "local"]
             case += 1
@@ -221,7 +238,7 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             for side in sides.values():
                 for _ in range(settings["warmup"]):
                     side.step(x, y)
-            dist.barrier()
+            device.barrier()
             # Alternate step by step (each step is synchronised across ranks by its
             # allreduce), so load on the machine hits both alike: x t l, t x l, x t l...
             # No side ever follows itself (a side right after its own step finds its
@@ -231,10 +248,12 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                     side = sides[key]
                     start, cpu = time.perf_counter(), time.process_time()
                     side.step(x, y)
+                    device.finish()  # the GPU's queued work (CPU: nothing)
                     side.times.append(time.perf_counter() - start)
                     side.cpu.append(time.process_time() - cpu)
             for key in ("xgrad", "torch"):
-                _measure_peak(sides[key], x, y, meter)
+                side = sides[key]
+                side.peak = step_peak(meter, side.opt.zero_grad, functools.partial(side.step, x, y))
             hook = _hook_seconds(sides["xgrad"], x, y)
             params = list(base.parameters())
             rows.append(
@@ -259,22 +278,6 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             del sides
             torch.manual_seed(0)
     return rows
-
-
-def _measure_peak(side: _Side, x: Any, y: Any, meter: HeapMeter, steps: int = 3) -> None:
-    """Peak bytes above the start of a step, polled by a thread while the step runs.
-
-    Polling rather than sampling in gradient hooks: PyTorch's reducer runs its hooks at
-    another point of the autograd node than tensor hooks do, so samples taken in hooks
-    would see the two implementations at different moments (the backward pass runs
-    without the GIL, so the poller gets to run throughout). The step also samples at the
-    ends of its forward and backward passes, so short peaks there are not missed.
-    """
-    with PeakWatch(meter) as watch:
-        for _ in range(steps):
-            side.opt.zero_grad()
-            peak = watch.measure(lambda: side.step(x, y, sample=watch.sample))
-            side.peak = max(side.peak, peak)
 
 
 def _hook_seconds(side: _Side, x: Any, y: Any) -> float:
