@@ -43,7 +43,7 @@ gpu:
 	  n=$$($(PY) -c "import torch; print(torch.cuda.device_count())"); \
 	  echo "make gpu: $$n CUDA device(s); GPU tests, then xgrad crosscheck --device cuda --world-size $$n"; \
 	  JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m pytest -m gpu -q -rs && \
-	  XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m xgrad crosscheck --device cuda \
+	  mkdir -p xgrad-out && XLA_PYTHON_CLIENT_PREALLOCATE=false $(PY) -m xgrad crosscheck --device cuda \
 	    --world-size $$n --out xgrad-out/gpu; \
 	else \
 	  echo "make gpu: skipped: no CUDA device here (torch.cuda.is_available() is False)"; \

@@ -23,6 +23,19 @@ class CompatDDP:
     _runtime_logging_sample_rate = 100
 
     @property
+    def broadcast_buffers(self) -> bool:
+        """PyTorch 2.13's alias of ``forward_sync_buffers``, defined here too: the methods
+        inherited from an older PyTorch (``will_sync_module_buffers`` before 2.13) read
+        ``broadcast_buffers``, which there is an attribute of its own constructor."""
+        ddp: Any = self
+        return bool(ddp.forward_sync_buffers)
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        ddp: Any = self
+        ddp.forward_sync_buffers = value
+
+    @property
     def _has_rebuilt_buckets(self) -> bool:
         """Whether the buckets were rebuilt from an observed order (PyTorch's flag, read by
         its ZeRO overlap hook); set to False, they are rebuilt again at the next pass."""
