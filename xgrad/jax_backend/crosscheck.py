@@ -100,7 +100,10 @@ def run_data_parallel(
     # float64 weights need JAX's 64-bit mode, which is off by default (arrays would be
     # silently rounded to float32); scoped to this run so other JAX code is unaffected.
     wide = any(np.dtype(w.dtype) == np.float64 for w in weights.values())
-    with jax.enable_x64(wide):
+    # Full float32 matmuls, as torch's on CUDA by default (allow_tf32 off): JAX's own
+    # default on a GPU is TF32-like, 6e-4 off at float32 (seen on an H200), which would
+    # fail every comparison with torch for a reason the crosscheck is not about.
+    with jax.enable_x64(wide), jax.default_matmul_precision("highest"):
         return _timed_run(
             model_name,
             weights,

@@ -197,7 +197,7 @@ class StepWire(EdgeBook):
             description = self._start.get((source, s))
             if description is None:
                 raise RuntimeError(f"{what}: a repeated description arrived before any")
-            tensors = msg.frame.leaves(msg.buffers)
+            tensors = self._to_stage(msg.frame.leaves(msg.buffers), s)
         else:
             raw = torch.empty(code, dtype=torch.uint8, device=self._device(s))
             peer = self._peer(edge)
@@ -207,6 +207,7 @@ class StepWire(EdgeBook):
             works = [self._recv_one(edge, t, side=True) for t in tensors]
             for work in works:
                 self._wait(work, what, peer)
+            tensors = self._to_stage(tensors, s)
         self._edges.remember(cache_key, description)
         mark_gradients(description, tensors)
         return rebuild(description, tensors)
@@ -223,7 +224,7 @@ class StepWire(EdgeBook):
             if sched.placement[t] == self.rank:
                 continue
             msg, code = self._arrive((s, t, 1), mb, str(recv))
-            leaves = msg.frame.leaves(msg.buffers)
+            leaves = self._to_stage(msg.frame.leaves(msg.buffers), s)
             out.append(with_nones(code, leaves) if code else cast(_Grads, leaves))
             for key in self._forward_sends.pop((s, t, mb), []):
                 entry = self._sends.pop(key, None)  # else awaited already (pipeline_posted)
@@ -256,7 +257,9 @@ class StepWire(EdgeBook):
                 raw = raw.to(dev)
                 works = [self._send_one(edge, x) for x in frame.pack(raw.numel(), mb, None)]
                 works.append(self._send_one(edge, raw, side=True))
-                works += [self._send_one(edge, x.detach().contiguous(), True) for x in tensors]
+                works += [
+                    self._send_one(edge, x.detach().to(dev).contiguous(), True) for x in tensors
+                ]
             self._edges.remember(("out", s, t), description)
             self._remaining[edge] -= 1
             self._forward_sends[(s, t, mb)] = works

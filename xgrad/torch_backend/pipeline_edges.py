@@ -23,7 +23,7 @@ from xgrad.failure_wait import wait_until
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
-from xgrad.torch_backend.pipeline_frame import Frame
+from xgrad.torch_backend.pipeline_frame import Frame, wire_device
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import Edge, WirePlan
 from xgrad.torch_backend.private_groups import group_count
@@ -80,7 +80,11 @@ class EdgeBook:
             e: (groups[up if e in plan.upstream else 0], ranks[q]) for e, q in plan.peers.items()
         }
         self.channel, self.timeout = channel, timeout
-        self._tag, self._device = tag, device
+        # Messages go on the wire device (the CPU on gloo: "writev: Bad address" from a
+        # CUDA pointer); ``_to_stage`` moves what lands to the stage's device.
+        self._stage_device = device
+        self._device = wire_device(groups[0], device)
+        self._tag = tag
         self._remaining = dict(plan.sends)  # (s, t, dir) -> messages still to send
         # Posted sends not yet waited, with their tensors (a gloo send must be waited once:
         # a second wait blocks for a next send); per (stage, consumer, mb) a forward's.
@@ -116,6 +120,11 @@ class EdgeBook:
     @globals.setter
     def globals(self, ranks: list[int]) -> None:
         self.closing.globals = list(ranks)
+
+    def _to_stage(self, tensors: list[torch.Tensor], stage: int) -> list[torch.Tensor]:
+        """Received ``tensors`` (on the wire device) on ``stage``'s device."""
+        dev = self._stage_device(stage)
+        return [t if t.device == dev else t.to(dev) for t in tensors]
 
     def _peer(self, edge: Edge) -> int:
         """The schedule rank at the other end of ``edge``."""
