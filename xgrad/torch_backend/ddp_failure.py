@@ -80,7 +80,7 @@ class StepWatch:
         self.ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.lowest = min(self.ranks)
         #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
-        self.spin = resolve_spin(self.world, self.poll)
+        self.spin = resolve_spin(self.world, self.poll, str(dist.get_backend(group)))
         #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still
         #: to be deleted (:mod:`.ddp_skipped`).
         self.skipped_steps: list[tuple[int, str]] = []
