@@ -105,7 +105,7 @@ class EdgeBook:
             self._ranks,
             rank,
             self._tag_of((0, 0, 0), False),
-            device(first),
+            self._device(first),
             channel,
             timeout,
             POISON,
