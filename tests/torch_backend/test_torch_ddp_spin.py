@@ -47,14 +47,14 @@ def test_the_spin_is_on_by_default_only_where_each_rank_can_have_a_cpu(
     assert resolve_spin(2, poll=0.02) == 0.0
 
 
-def test_no_spin_on_nccl_where_polling_a_collective_waits_for_the_gpu(
+def test_no_spin_on_cuda_where_polling_a_collective_waits_for_the_gpu(
     env: pytest.MonkeyPatch,
 ) -> None:
     env.setattr(ddp_spin, "_usable_cpus", lambda: 16)
-    assert resolve_spin(1, poll=0.02, backend="gloo") == DEFAULT_SPIN_S
-    assert resolve_spin(1, poll=0.02, backend="nccl") == 0.0
+    assert resolve_spin(1, poll=0.02, device="cpu") == DEFAULT_SPIN_S
+    assert resolve_spin(1, poll=0.02, device="cuda") == 0.0
     env.setenv(SPIN_ENV, "0.003")  # asked for explicitly: the user's choice
-    assert resolve_spin(1, poll=0.02, backend="nccl") == 0.003
+    assert resolve_spin(1, poll=0.02, device="cuda") == 0.003
 
 
 def test_the_environment_sets_the_spin_and_bad_values_are_named(env: pytest.MonkeyPatch) -> None:

@@ -44,3 +44,20 @@ def test_on_gloo_the_messages_of_cuda_stages_go_through_host_memory() -> None:
             "closing": "cpu",
             "stage_device": "cuda:0",
         }
+
+
+def _lanes(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from xgrad.torch_backend.pipeline_lanes import open_lanes
+
+    lanes = open_lanes(list(range(world)), 2)
+    return {"group": dist.get_backend(), "lanes": [dist.get_backend(g) for g in lanes]}
+
+
+def test_the_lanes_are_gloo_groups_whatever_the_pipelines_group_is() -> None:
+    # A group whose backend is not plain gloo (here one per device, as NCCL users have
+    # "cpu:gloo,cuda:nccl"): the lanes are gloo still, since the step's protocol needs
+    # gloo's point-to-point (tags, receives completed by shorter messages).
+    for got in spawn(_lanes, 2, backend="cpu:gloo,cuda:gloo", timeout=60):
+        assert got == {"group": "cpu:gloo,cuda:gloo", "lanes": ["gloo", "gloo"]}

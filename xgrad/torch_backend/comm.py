@@ -61,7 +61,7 @@ class FutureWork:
                 f"{self._name or 'a communication future'} did not complete within "
                 f"{self._timeout:g} s"
             )
-        value = self._future.value()
+        value = self._future.wait()  # (not value(): orders the current CUDA stream after it)
         # PyTorch's collectives complete their futures with a one-element list.
         if isinstance(value, list) and len(value) == 1:
             return value[0]

@@ -80,7 +80,7 @@ class StepWatch:
         self.ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.lowest = min(self.ranks)
         #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
-        self.spin = resolve_spin(self.world, self.poll, str(dist.get_backend(group)))
+        self.spin = resolve_spin(self.world, self.poll)  # (use_device: the DDP's device)
         #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still
         #: to be deleted (:mod:`.ddp_skipped`).
         self.skipped_steps: list[tuple[int, str]] = []
@@ -188,6 +188,10 @@ class StepWatch:
             raise
 
     # ----------------------------------------------------------------- waits
+
+    def use_device(self, device_type: str) -> None:
+        """The DDP's parameters are on ``device_type``: no spin unless the CPU (ddp_spin)."""
+        self.spin = resolve_spin(self.world, self.poll, device_type)
 
     def wait_work(self, work: Any, what: str) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.

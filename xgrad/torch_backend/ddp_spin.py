@@ -19,11 +19,12 @@ at once): at world size 2 the transformer 0.94–0.96 and the mlp 0.93–1.03 of
 time, for 3–5% more main-thread CPU; at world size 4 on those 2 cores the mlp 1.05–1.12,
 so there it stays off.
 
-On NCCL the spin is off: there ``is_completed()`` asks the GPU whether the collective
-has run, so polling it holds the host until the GPU has caught up with everything queued
-before it (the backward pass), and the CPU can no longer queue the next work ahead. The
-collective's future completes when it is queued and its ``wait()`` only orders the current
-stream, so there is nothing to gain from it. On an H200 (NCCL, one rank), with the spin
+On CUDA the spin is off, decided by the parameters' device (a default group made
+without a backend names its backend ``undefined``). On NCCL ``is_completed()`` asks the
+GPU whether the collective has run, so polling it holds the host until the GPU has caught
+up with everything queued before it (the backward pass), and the CPU can no longer queue
+the next work ahead; the collective's future completes when it is queued and its
+``wait()`` only orders the current stream, so there is nothing to gain from it. On an H200 (NCCL, one rank), with the spin
 on, xgrad took 1.26 of PyTorch's step on the mlp and 1.12 on the transformer; the run
 without it is still to be made.
 
@@ -59,13 +60,14 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_spin(world_size: int, poll: float, backend: str = "gloo") -> float:
+def resolve_spin(world_size: int, poll: float, device: str = "cpu") -> float:
     """Seconds a DDP wait polls before it blocks: ``$XGRAD_DDP_SPIN``, else the default.
 
     The default is :data:`DEFAULT_SPIN_S` (at most ``poll``, the failure channel's
     interval) when each rank on this machine can have a CPU to itself while it spins
     (``$LOCAL_WORLD_SIZE`` ranks, as torchrun sets it, else ``world_size``), and 0 (block
-    at once) when they cannot, or when ``backend`` (the group's) is ``"nccl"``.
+    at once) when they cannot, or when the buckets are on ``device`` other than the CPU
+    (their collectives then run on NCCL, or on gloo's CUDA path: nothing to keep hot).
 
     Raises:
         ValueError: ``$XGRAD_DDP_SPIN`` or ``$LOCAL_WORLD_SIZE`` is not a number, or the
@@ -80,7 +82,7 @@ def resolve_spin(world_size: int, poll: float, backend: str = "gloo") -> float:
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{SPIN_ENV}={env!r}: expected a finite number of seconds >= 0")
         return value
-    if backend == "nccl":
+    if device != "cpu":
         return 0.0
     local = os.environ.get("LOCAL_WORLD_SIZE")
     try:

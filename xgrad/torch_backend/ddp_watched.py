@@ -77,7 +77,12 @@ class WatchedFuture:
         try:
             self._watch.wait_event(self._done, self._what)
             try:
-                value = self._future.value()
+                # ``wait()``, not ``value()``: a CUDA future (NCCL's, a hook's ``then``)
+                # completes when its work is queued, and only ``wait()`` makes the current
+                # stream wait for the streams that write the result; ``value()`` would read
+                # the bucket while NCCL's or the callback's stream may still be writing it.
+                # The future is complete here, so this does not block.
+                value = self._future.wait()
             except Exception as exc:  # the collective or the hook's own chain failed
                 raise_from(self._watch.failed(exc, self._what, posted=_hook_raised(exc)), exc)
         finally:

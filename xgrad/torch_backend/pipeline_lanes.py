@@ -18,6 +18,14 @@ number of groups would wait in ``dist.new_group`` for ever, so every rank reads 
 rank's count before any group is made and all open the fewest: machines with fewer cores
 than ranks, or one node's setting, make the whole pipeline use one lane (a choice of
 speed, not of correctness, so it is not refused).
+
+The lanes are gloo groups whatever the pipeline's group is: the step's protocol needs what
+gloo's point-to-point gives and NCCL's does not (tags that keep a message's header, its
+description and its leaves apart; a receive that a shorter message completes, as the
+header-only messages, the poison and a changed description do; receives posted ahead
+that never hold up a send to the same peer: NCCL ignores tags, needs exact sizes and puts
+a pair's sends and receives on one stream). GPU stages' messages then go through host
+memory (``pipeline_frame.wire_device``): slower than NCCL would be, not wrong.
 """
 
 from __future__ import annotations
@@ -76,6 +84,6 @@ def agree_lanes(counts: Sequence[int]) -> int:
 
 
 def open_lanes(members: Sequence[int], lanes: int, parent: Any = None) -> tuple[Any, ...]:
-    """``lanes`` private groups of ``members`` (global ranks, those of ``parent``), made
-    alike on every rank."""
-    return tuple(private_group(members, parent=parent) for _ in range(lanes))
+    """``lanes`` private gloo groups of ``members`` (global ranks, those of ``parent``),
+    made alike on every rank."""
+    return tuple(private_group(members, parent=parent, backend="gloo") for _ in range(lanes))
