@@ -24,6 +24,7 @@ from xgrad.torch_backend.dist_self import ToSelf
 from xgrad.torch_backend.dist_watch import wait_here
 from xgrad.torch_backend.dist_wire import POISON, Link, header_device
 from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
+from xgrad.torch_backend.private_groups import gloo_twin
 from xgrad.torch_backend.weak_hooks import weak_method
 
 __all__ = ["Context"]
@@ -59,7 +60,9 @@ class Context:
             self.channel.store, self.channel.prefix, self.me, self.ranks, weak_method(self.release)
         )
         self.channel.ledger = self.ledger
-        self.device = header_device(pg)
+        #: the group the messages go on (a gloo twin of a group that is not gloo)
+        self.wire = gloo_twin(pg, timeout)
+        self.device = header_device(self.wire)
         self._leader = leader
         self.links: dict[int, Link] = {}
         self.to_self = ToSelf(self.me)
@@ -106,9 +109,9 @@ class Context:
         if link is None:
             if self.rank_of(peer, arg) == self.me:
                 raise ValueError(f"{arg}={peer} is this rank, which has no link to itself")
-            group_peer = dist.get_group_rank(self.pg, peer)
+            group_peer = dist.get_group_rank(self.wire, peer)
             link = self.links[peer] = Link(
-                self.pg, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
+                self.wire, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
                 self.seq, self.device,
             )  # fmt: skip
         return link

@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-__all__ = ["group_count", "private_group", "require_member"]
+__all__ = ["gloo_twin", "group_count", "private_group", "require_member"]
 
 #: per (what is counted, group name): how many this process counted on that group.
 _COUNTS: dict[tuple[str, str], int] = {}
@@ -115,3 +115,28 @@ def require_member(group: Any, role: str) -> None:
             f"group: rank {dist.get_rank()} is not a member of this process group; only its "
             f"ranks {role}"
         )
+
+
+#: per process group (by name) that is not plain gloo, its gloo twin (:func:`gloo_twin`).
+_twins: dict[str, Any] = {}
+
+
+def gloo_twin(group: Any, timeout: float) -> Any:
+    """``group`` if it is a gloo group, else a private gloo group of the same ranks (made at
+    the first call on every rank, in the same order, as any group is; then kept).
+
+    For messages whose protocol needs gloo's point-to-point where the user's group is NCCL
+    (or has a backend per device): distributed autograd's passes need tags that keep a
+    context's streams (and a failed context's leftovers) apart, and receives posted ahead
+    that never hold up a send to the same peer. NCCL ignores tags and puts a pair's sends
+    and receives on one stream, so a round trip (A to B to A) would deadlock there; through
+    gloo, CUDA tensors are staged in host memory.
+    """
+    if dist.get_backend(group) == "gloo":
+        return group
+    name = str(dist.distributed_c10d._get_process_group_name(group))
+    twin = _twins.get(name)
+    if twin is None:
+        ranks = dist.get_process_group_ranks(group)
+        twin = _twins[name] = private_group(ranks, parent=group, timeout=timeout, backend="gloo")
+    return twin
