@@ -54,6 +54,14 @@ def test_bad_world_size() -> None:
         spawn(_sum_ranks, 0)
 
 
+def test_nccl_with_more_ranks_than_gpus_is_refused_before_any_rank_starts() -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"world_size={gpus + 1} is more than the {gpus} CUDA"):
+        spawn(_sum_ranks, gpus + 1, args=(1,), backend="nccl")
+
+
 def _killed_peer(rank: int, world_size: int) -> int:
     import os
     import signal

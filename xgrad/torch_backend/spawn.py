@@ -142,6 +142,16 @@ def spawn(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout!r}")
+    if backend == "nccl":
+        import torch  # (its device count reads NVML: no CUDA context here, none to fork)
+
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            # Two ranks on one GPU would fail later, inside NCCL ("Duplicate GPU detected").
+            raise ValueError(
+                f"backend='nccl' takes one GPU per rank: world_size={world_size} is more "
+                f"than the {gpus} CUDA device(s) here"
+            )
     packed = pack(fn, args)
     ctx = context()
     tmpdir = tempfile.mkdtemp(prefix="xgrad-spawn-")
