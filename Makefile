@@ -1,5 +1,5 @@
 # One virtual environment in the repository; torch pinned to the CPU build this kind of
-# machine keeps on disk (GPU users install their own CUDA build: the package asks only torch>=2.4).
+# machine keeps on disk (GPU users install their own CUDA build: the package asks only torch>=2.11).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
