@@ -63,9 +63,8 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
     microbatches of the target, the middle ones receive and send; activations move as
     point-to-point messages whose receives are posted ahead, on private gloo groups through
     host memory also for GPU stages (see :mod:`~xgrad.torch_backend.pipeline_lanes`) and
-    are dropped once sent. Gradients
-    accumulate into the partitions' ``.grad`` and equal those of the whole model run on the
-    whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean over
+    are dropped once sent. Gradients accumulate into the partitions' ``.grad`` and equal
+    those of the whole model run on the whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean over
     the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default; ``scale_grads=False``
     for a sum).
 
