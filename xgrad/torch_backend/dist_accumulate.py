@@ -34,6 +34,18 @@ def _refs_of_a_local_passed_on() -> int:
     return _count_refs(value)
 
 
+def _alone() -> int:
+    """What torch counts for a storage that one tensor holds, asked as ``private`` asks:
+    2 where the storage object made to ask holds a reference of its own (torch 2.13), 1
+    where it does not (torch 2.6); a literal would take an aliased gradient for a private
+    one on the releases that count 1."""
+    t = torch.empty(1)
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+_ALONE = _alone()
+
+
 class Accumulate:
     """How the engine adds a leaf's gradients: the first one is kept as it is, for now.
 
@@ -79,8 +91,8 @@ class Accumulate:
             and grad._base is None
             and not grad.requires_grad
             and grad._use_count() == 1
-            # the storage object made to ask holds one reference, the gradient the other
-            and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) <= 2
+            # no tensor but the gradient on its storage (what that counts is measured)
+            and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) <= _ALONE
             and sys.getrefcount(grad) <= self.REFS
         ):
             return grad
