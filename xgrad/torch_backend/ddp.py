@@ -215,7 +215,6 @@ class DistributedDataParallel(
             self._params, device_ids, output_device
         )
         self.device = self._params[0].device
-        self._watch.use_device(self.device_type)
         self.logger = None  # set before PyTorch's checks below, which log through it
         self._passing_sync_batchnorm_handle(module)  # PyTorch's: SyncBatchNorm needs a GPU
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1

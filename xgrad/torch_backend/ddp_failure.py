@@ -79,8 +79,10 @@ class StepWatch:
         #: of failed steps).
         self.ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.lowest = min(self.ranks)
-        #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`).
-        self.spin = resolve_spin(self.world, self.poll)  # (use_device: the DDP's device)
+        #: seconds a wait polls its collective before it blocks (:mod:`.ddp_spin`), for a
+        #: collective of CPU tensors and for one of CUDA tensors (by default none).
+        self.spin = resolve_spin(self.world, self.poll)
+        self.cuda_spin = resolve_spin(self.world, self.poll, "cuda")
         #: on the lowest rank: ``(step, namespace)`` of skip rounds whose keys are still
         #: to be deleted (:mod:`.ddp_skipped`).
         self.skipped_steps: list[tuple[int, str]] = []
@@ -189,17 +191,14 @@ class StepWatch:
 
     # ----------------------------------------------------------------- waits
 
-    def use_device(self, device_type: str) -> None:
-        """The DDP's parameters are on ``device_type``: no spin unless the CPU (ddp_spin)."""
-        self.spin = resolve_spin(self.world, self.poll, device_type)
-
-    def wait_work(self, work: Any, what: str) -> None:
+    def wait_work(self, work: Any, what: str, cuda: bool = False) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.
 
-        The work is polled for :attr:`spin` seconds first (the thread stays hot for what
-        follows the wait); then the blocking wait, which counts the spin as waited.
+        The work is polled for :attr:`spin` seconds first (:attr:`cuda_spin` for a
+        collective of CUDA tensors, ``cuda``), so the thread stays hot for what follows
+        the wait; then the blocking wait, which counts the spin as waited.
         """
-        spin = self.spin
+        spin = self.cuda_spin if cuda else self.spin
         if work.is_completed() or (spin > 0.0 and spin_until(work.is_completed, spin)):
             self._finish(work, what)
             return

@@ -19,8 +19,8 @@ at once): at world size 2 the transformer 0.94–0.96 and the mlp 0.93–1.03 of
 time, for 3–5% more main-thread CPU; at world size 4 on those 2 cores the mlp 1.05–1.12,
 so there it stays off.
 
-On CUDA the spin is off, decided by the parameters' device (a default group made
-without a backend names its backend ``undefined``). On NCCL ``is_completed()`` asks the
+A collective of CUDA tensors gets no spin, decided by its tensors' device at each wait
+(a default group made without a backend names its backend ``undefined``). On NCCL ``is_completed()`` asks the
 GPU whether the collective has run, so polling it holds the host until the GPU has caught
 up with everything queued before it (the backward pass), and the CPU can no longer queue
 the next work ahead; the collective's future completes when it is queued and its
@@ -66,8 +66,8 @@ def resolve_spin(world_size: int, poll: float, device: str = "cpu") -> float:
     The default is :data:`DEFAULT_SPIN_S` (at most ``poll``, the failure channel's
     interval) when each rank on this machine can have a CPU to itself while it spins
     (``$LOCAL_WORLD_SIZE`` ranks, as torchrun sets it, else ``world_size``), and 0 (block
-    at once) when they cannot, or when the buckets are on ``device`` other than the CPU
-    (their collectives then run on NCCL, or on gloo's CUDA path: nothing to keep hot).
+    at once) when they cannot, or for collectives of tensors on ``device`` other than the
+    CPU (they run on NCCL, or on gloo's CUDA path: nothing to keep hot).
 
     Raises:
         ValueError: ``$XGRAD_DDP_SPIN`` or ``$LOCAL_WORLD_SIZE`` is not a number, or the

@@ -45,7 +45,7 @@ class WatchedWork:
         self._what = what
 
     def wait(self) -> torch.Tensor:
-        self._watch.wait_work(self._work, self._what)
+        self._watch.wait_work(self._work, self._what, self._result.is_cuda)
         return self._result
 
     def get_future(self) -> torch.futures.Future[Any]:

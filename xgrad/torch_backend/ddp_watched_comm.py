@@ -52,7 +52,7 @@ class WatchedComm(TorchComm):
         pass
 
     def _run(self, work: Any, what: str) -> None:
-        self.watch.wait_work(work, what)
+        self.watch.wait_work(work, what, self._device.type == "cuda")
 
     def allreduce(self, buffer: torch.Tensor) -> WatchedWork:  # type: ignore[override]
         group = self.group

@@ -46,7 +46,7 @@ def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> to
     t = torch.tensor([value], device=ddp.join_device)
     group = ddp.comm.group  # the DDP's private group, watched like its reductions
     work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
-    ddp._watch.wait_work(work, "join allreduce")
+    ddp._watch.wait_work(work, "join allreduce", t.is_cuda)
     return t
 
 

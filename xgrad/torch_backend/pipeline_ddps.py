@@ -93,9 +93,10 @@ class DataParallelSteps:
             self.begun = True
         return self.watch.current_group()
 
-    def wait(self, work: Any, what: str) -> None:
-        """Wait for one all-reduce, watching the data-parallel step's channel."""
-        self.watch.wait_work(work, what)
+    def wait(self, work: Any, what: str, cuda: bool = False) -> None:
+        """Wait for one all-reduce (of CUDA tensors: ``cuda``), watching the data-parallel
+        step's channel."""
+        self.watch.wait_work(work, what, cuda)
 
     def finished(self) -> None:
         """One partition's REDUCE_GRAD is done (all its all-reduces awaited)."""

@@ -172,7 +172,7 @@ class StageState:
             launched.append((params, flat, work))
         size = dist.get_world_size(self._dp_group)
         for params, flat, work in launched:
-            self._dp.wait(work, f"{action} (all-reduce)")
+            self._dp.wait(work, f"{action} (all-reduce)", flat.is_cuda)
             counts = flat[-len(params) :].tolist()
             values = flat[: -len(params)]
             values /= size
