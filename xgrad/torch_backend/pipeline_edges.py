@@ -23,7 +23,7 @@ from xgrad.failure_wait import wait_until
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import Waiter, transfer_failed
 from xgrad.torch_backend.pipeline_close import StepClose
-from xgrad.torch_backend.pipeline_frame import Frame, wire_device
+from xgrad.torch_backend.pipeline_frame import Frame
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import Edge, WirePlan
 from xgrad.torch_backend.private_groups import group_count
@@ -57,6 +57,10 @@ class Incoming:
         self.buffers = buffers
 
 
+#: where every message of a step is built and received (see ``EdgeBook``).
+_HOST = torch.device("cpu")
+
+
 class EdgeBook:
     """The edges of this rank in one step, and its sends until they are done."""
 
@@ -80,10 +84,11 @@ class EdgeBook:
             e: (groups[up if e in plan.upstream else 0], ranks[q]) for e, q in plan.peers.items()
         }
         self.channel, self.timeout = channel, timeout
-        # Messages go on the wire device (the CPU on gloo: "writev: Bad address" from a
-        # CUDA pointer); ``_to_stage`` moves what lands to the stage's device.
+        # The lanes are gloo groups (pipeline_lanes), whose transport reads and writes host
+        # memory only ("writev: Bad address" from a CUDA pointer): messages are built and
+        # received on the CPU, and ``_to_stage`` moves what lands to the stage's device.
         self._stage_device = device
-        self._device = wire_device(groups[0], device)
+        self._device: Callable[[int], torch.device] = lambda stage: _HOST
         self._tag = tag
         self._remaining = dict(plan.sends)  # (s, t, dir) -> messages still to send
         # Posted sends not yet waited, with their tensors (a gloo send must be waited once:

@@ -18,7 +18,7 @@ the same either way (dtypes NumPy lacks, like bfloat16, and other devices use to
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,6 @@ __all__ = [
     "Frame",
     "frame_of",
     "none_code",
-    "wire_device",
     "with_nones",
 ]
 
@@ -221,14 +220,3 @@ def frame_of(layout: Layout, device: Any) -> Frame:
             _FRAMES.clear()
         frame = _FRAMES[key] = Frame(layout, device)
     return frame
-
-
-def wire_device(group: Any, device: Callable[[int], torch.device]) -> Callable[[int], torch.device]:
-    """Where stage s's messages are built and received on ``group``: ``device(s)``, or the
-    CPU on a gloo group (whose transport reads and writes host memory only)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) != "gloo":
-        return device
-    cpu = torch.device("cpu")
-    return lambda stage: cpu

@@ -25,7 +25,7 @@ description and its leaves apart; a receive that a shorter message completes, as
 header-only messages, the poison and a changed description do; receives posted ahead
 that never hold up a send to the same peer: NCCL ignores tags, needs exact sizes and puts
 a pair's sends and receives on one stream). GPU stages' messages then go through host
-memory (``pipeline_frame.wire_device``): slower than NCCL would be, not wrong.
+memory (``pipeline_edges.EdgeBook``): slower than NCCL would be, not wrong.
 """
 
 from __future__ import annotations
