@@ -3,12 +3,15 @@
 Separate from :mod:`.ddp_failure` because the watch does not issue collectives: it owns
 the failure channel, the private group and the bounded waits, while this is the
 :class:`~xgrad.backend.Comm` the reducer, ``join()`` and the buffer broadcasts call:
-each wait goes through the watch, an all-reduce's as a :mod:`.ddp_watched` work.
+each wait goes through the watch, an all-reduce's as a :mod:`.ddp_watched` work. A sparse
+bucket whose device the group's backend cannot all-reduce sparse tensors on (NCCL) is
+summed by all-gather instead (:mod:`.sparse_gather`), bit-identical to gloo's sum.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +21,7 @@ from xgrad.torch_backend.comm import TorchComm
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_split import Halves, pieces, wanted_pieces
 from xgrad.torch_backend.ddp_watched import WatchedWork
+from xgrad.torch_backend.sparse_gather import SparseGather, gathers_sparse
 
 __all__ = ["WatchedComm"]
 
@@ -31,6 +35,12 @@ class WatchedComm(TorchComm):
     because ``broadcast_object_list`` and ``all_gather_object`` have no asynchronous form
     and so could only be bounded by the group's own timeout.
     """
+
+    #: whether a sparse bucket is summed by all-gather: ``None`` decides per bucket, by
+    #: the group's backend for the gradient's device (:func:`.sparse_gather.gathers_sparse`);
+    #: ``True`` forces it, which is how the tests run that path on gloo (whose CPU and CUDA
+    #: backends both all-reduce sparse tensors themselves).
+    _gather_sparse: bool | None = None
 
     def __init__(self, watch: StepWatch) -> None:
         super().__init__(watch.user_group, timeout=watch.timeout)
@@ -54,8 +64,18 @@ class WatchedComm(TorchComm):
     def _run(self, work: Any, what: str) -> None:
         self.watch.wait_work(work, what, self._device.type == "cuda")
 
-    def allreduce(self, buffer: torch.Tensor) -> WatchedWork:  # type: ignore[override]
+    def allreduce(  # type: ignore[override]
+        self, buffer: torch.Tensor
+    ) -> WatchedWork | SparseGather:
         group = self.group
+        if buffer.is_sparse and (
+            gathers_sparse(group, buffer.device)
+            if self._gather_sparse is None
+            else self._gather_sparse
+        ):
+            # Its layout is gathered and checked before this returns; the sum, in place
+            # as gloo's, when the reducer waits for the bucket.
+            return SparseGather(buffer, group, self._wait_on(buffer), in_place=True)
         if buffer.is_complex():  # c10d reduces complex numbers as pairs of reals
             work = dist.all_reduce(buffer, group=group, async_op=True)
         elif (n := pieces(buffer, self._pieces, self.size, self._backend)) > 1:
@@ -66,6 +86,11 @@ class WatchedComm(TorchComm):
             # of ``dist.all_reduce`` (which cost as much again, and hold for a bucket).
             work = group.allreduce([buffer], _SUM)
         return WatchedWork(work, buffer, self.watch, f"allreduce of {buffer.numel()} elements")
+
+    def _wait_on(self, buffer: torch.Tensor) -> Callable[[Any, str], None]:
+        """A watched wait for the collectives of ``buffer``'s device."""
+        cuda = buffer.is_cuda
+        return lambda work, what: self.watch.wait_work(work, what, cuda)
 
     def _sizes(self, n: int) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64, device=self._device)
