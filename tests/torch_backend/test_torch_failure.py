@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from typing import Any
 
@@ -73,3 +76,64 @@ def test_raise_then_kill_reach_every_rank_and_processes_exit() -> None:
         assert codes[r] == 0
     # The failing rank itself raises its own failure in step 1.
     assert results.get(1) is None
+
+
+#: one rank as its own interpreter (its exit runs the atexit handlers, which a launcher's
+#: forkserver child skips): ``n`` pipeline runtimes on the default group, a step on each,
+#: the time printed, then the runtimes left alive as the interpreter exits.
+_MANY_RUNTIMES = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import xgrad.pipeline as xp
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    rank, init, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    runtimes = []
+    for _ in range(n):
+        rt = PipelineRuntime(xp.one_f_one_b(2, 2), [nn.Linear(3, 3)], nn.MSELoss(), timeout=30)
+        rt.step(x if rank == 0 else None, y if rank == 1 else None)
+        runtimes.append(rt)
+    print(time.time(), flush=True)
+    """
+)
+
+
+def test_a_process_with_many_pipeline_runtimes_exits_promptly(tmp_path: Any) -> None:
+    """Each runtime keeps an idle waiter thread; exit joined them one by one with half a
+    second each, so 20 runtimes held each rank's exit for 10 s (1 s now, 0.4 s of it with
+    none: torch's own teardown, about 30 ms a private group)."""
+    import xgrad
+
+    root = os.path.dirname(os.path.dirname(xgrad.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    init = f"file://{tmp_path}/store"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MANY_RUNTIMES, str(rank), init, "20"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in ranks]
+        exited = time.time()
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(ranks, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        took = exited - float(out.split()[-1])
+        assert took < 5.0, took  # with room for a loaded machine
