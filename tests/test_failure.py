@@ -147,3 +147,35 @@ def test_wait_until_is_still_found_where_it_was() -> None:
     from xgrad import failure
 
     assert failure.wait_until is wait_until
+
+
+def test_a_rank_that_raises_names_every_failure_that_reached_it() -> None:
+    """The first post wins, but two ranks failing at once were named as one: a rank names
+    the others whose failure is in the store when it raises, once per origin, and no more
+    (it does not wait for a ticket whose failure is not written yet)."""
+    import pickle
+
+    from xgrad.local_errors import as_local
+
+    store = MemoryStore()
+    channels = [FailureChannel(store, "step", r) for r in range(4)]
+    assert channels[3].others() == []
+    first = channels[1].post("", "1F1 failed: ValueError: one")
+    assert FailureChannel(store, "step", 3).others() == []
+    channels[2].post("", "2F0 failed: ValueError: two")
+    channels[3].relay(first)  # the same origin again, relayed by another rank
+    channels[3].post("", "3F0 failed: ValueError: three")  # it knows the first: not posted
+    channels[0].post("", "0F2 failed: ValueError: zero")
+    assert [f.rank for f in channels[3].others()] == [2, 0]
+    error = error_for(first, 3, also=channels[3].others())
+    assert str(error) == (
+        "rank 1: 1F1 failed: ValueError: one\n"
+        "also rank 2: 2F0 failed: ValueError: two\n"
+        "also rank 0: 0F2 failed: ValueError: zero"
+    )
+    for copy in (error, as_local(error, ValueError("one"))):
+        back = pickle.loads(pickle.dumps(copy))
+        assert type(back) is type(copy) and str(back) == str(error) and back.also == error.also
+    store.add("step/failures", 1)  # a ticket taken, its failure not written yet
+    store.set("step/failure/7", Failure(3, "", "after the gap").to_bytes())
+    assert [f.rank for f in channels[3].others()] == [2, 0]

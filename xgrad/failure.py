@@ -138,18 +138,27 @@ class RankError(RuntimeError):
         failure: the :class:`Failure` (``rank``, ``where``, ``message``, ``kind``).
         rank: the rank the failure started on.
         raised_on: the rank raising this copy (None when unknown).
+        also: other ranks' failures that had reached this rank when it raised
+            (:meth:`FailureChannel.others`), a line each (``"also rank 2: ..."``).
     """
 
-    def __init__(self, failure: Failure, raised_on: int | None = None, prefix: str = "") -> None:
+    def __init__(
+        self,
+        failure: Failure,
+        raised_on: int | None = None,
+        prefix: str = "",
+        also: Sequence[Failure] = (),
+    ) -> None:
         self.failure = failure
         self.rank = failure.rank
         self.raised_on = raised_on
         self.prefix = prefix
-        super().__init__(prefix + failure.text())
+        self.also = tuple(also)
+        super().__init__(prefix + failure.text() + "".join(f"\nalso {f.text()}" for f in also))
 
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable (a launcher sends it to the parent): rebuilt from its parts.
-        return type(self), (self.failure, self.raised_on, self.prefix)
+        return type(self), (self.failure, self.raised_on, self.prefix, self.also)
 
 
 class RankUnresponsiveError(RankError, TimeoutError):
@@ -166,10 +175,12 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def error_for(failure: Failure, raised_on: int | None = None, prefix: str = "") -> RankError:
+def error_for(
+    failure: Failure, raised_on: int | None = None, prefix: str = "", also: Sequence[Failure] = ()
+) -> RankError:
     """The exception for ``failure``: unresponsive ranks and timeouts are also TimeoutErrors."""
     cls = RankError if failure.kind == "error" else RankUnresponsiveError
-    return cls(failure, raised_on, prefix)
+    return cls(failure, raised_on, prefix, also)
 
 
 class FailureChannel:
@@ -228,6 +239,19 @@ class FailureChannel:
         if self._failure is None and self.store.check([f"{self.prefix}/failure/1"]):
             self._failure = Failure.from_bytes(self.store.get(f"{self.prefix}/failure/1"))
         return self._failure
+
+    def others(self) -> list[Failure]:
+        """The failures posted after the first, one per origin rank but the first's: those
+        in the store now (lookups; a ticket whose failure is not written yet ends them)."""
+        first = self.poll()
+        found: list[Failure] = []
+        ticket = 2
+        while first is not None and self.store.check([key := f"{self.prefix}/failure/{ticket}"]):
+            failure = Failure.from_bytes(self.store.get(key))
+            if failure.rank not in {first.rank, *(f.rank for f in found)}:
+                found.append(failure)
+            ticket += 1
+        return found
 
     def _first(self) -> Failure | None:
         # The poster of ticket 1 writes its record right after taking the ticket.

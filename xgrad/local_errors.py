@@ -29,7 +29,7 @@ def as_local(error: RankError, cause: BaseException) -> RankError:
     mixed = _mixed(type(error), type(cause))
     if mixed is None:
         return error
-    return mixed(error.failure, error.raised_on, error.prefix)
+    return mixed(error.failure, error.raised_on, error.prefix, error.also)
 
 
 #: the classes made so far, per (error class, exception class): one class per pair.
@@ -64,7 +64,7 @@ def _make(error_type: type[RankError], cause_type: type[Exception]) -> type[Rank
 def _reduce(self: RankError) -> tuple[Any, ...]:
     # Picklable (a launcher sends it to the parent) where both classes can be found by name.
     error_type, cause_type = type(self).__bases__
-    return _rebuild, (error_type, cause_type, self.failure, self.raised_on, self.prefix)
+    return _rebuild, (error_type, cause_type, self.failure, self.raised_on, self.prefix, self.also)
 
 
 def _rebuild(
@@ -73,7 +73,8 @@ def _rebuild(
     failure: Failure,
     raised_on: int | None,
     prefix: str,
+    also: tuple[Failure, ...],
 ) -> RankError:
     mixed = _mixed(error_type, cause_type)
     cls = error_type if mixed is None else mixed
-    return cls(failure, raised_on, prefix)
+    return cls(failure, raised_on, prefix, also)

@@ -353,3 +353,110 @@ def test_a_failed_ddp_backward_is_posted_when_the_rank_steps_a_pipeline() -> Non
     assert error.startswith("RankError: rank 1 in backward"), error
     assert took < 8.0, took  # not the DDP's 15 s timeout
     assert "bad gradient" in per_rank[1][0], per_rank[1]
+
+
+class _Counted(nn.Module):
+    """A block that raises at its ``fail_at``-th forward (counted over the steps), and uses
+    its ``extra`` layer only when told (unused otherwise, unknown to DDP)."""
+
+    def __init__(self, fail_at: int = 0, use_extra: bool = True) -> None:
+        super().__init__()
+        self.lin, self.extra = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.fail_at, self.use_extra, self.calls = fail_at, use_extra, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("bad batch")
+        h = torch.tanh(self.lin(x))
+        return h + self.extra(h) if self.use_extra else h
+
+
+def _ddp_errors(rank: int, world: int) -> dict[str, list[str]]:
+    """Pipelines {0, 1} and {2, 3} of DDP stages (data-parallel groups {0, 2} and {1, 3}),
+    per step "ok" or the error: rank 0's stage raising in its synchronised forward in step
+    1 (DDP names it "forward"; the last microbatch's forward runs without gradients in
+    0F3 and again in 0B3, so that is the step's 10th call), then, with fresh stages, rank
+    1's leaving a layer unused that rank 3's uses (DDP's "prior iteration" error)."""
+    import os
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    os.environ.update({"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"})
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    x, y = torch.ones(BATCH, WIDTH), torch.zeros(BATCH, WIDTH)
+    cases = {
+        "sync forward": _Counted(fail_at=2 * (M + 1) if rank == 0 else 0),
+        "unused": _Counted(use_extra=rank != 1),
+    }
+    out: dict[str, list[str]] = {}
+    for name, stage in cases.items():
+        ddp = DistributedDataParallel(stage, process_group=dp_groups[pp_rank], timeout=20)
+        rt = PipelineRuntime(
+            xp.one_f_one_b(2, M),
+            [ddp],
+            nn.functional.mse_loss,
+            group=pp_groups[replica],
+            checkpoint="never",
+            timeout=20,
+            no_sync=_no_sync([ddp]),
+        )
+        out[name] = []
+        for _ in range(3 if name == "sync forward" else 2):
+            ddp.zero_grad(set_to_none=True)
+            try:
+                rt.step(x if pp_rank == 0 else None, y if pp_rank == 1 else None)
+                out[name].append("ok")
+            except Exception as exc:
+                out[name].append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_errors() -> list[dict[str, list[str]]]:
+    return spawn(_ddp_errors, 4, timeout=150)
+
+
+def test_a_ddp_failure_names_where_it_reached_the_pipeline(
+    ddp_errors: list[dict[str, list[str]]],
+) -> None:
+    """A DDP's failure relayed by a stage's action was named by the DDP's own place alone
+    ("rank 0 in forward: ..." for a failure that surfaced in 0B3): the relay names the
+    action too, on each pipeline (rank 2's DDP took rank 0's failure in its 0B3)."""
+    for rank, out in enumerate(ddp_errors):
+        steps = out["sync forward"]
+        assert steps[0] == steps[2] == "ok", (rank, steps)
+        by = f"rank {rank // 2 * 2}, in 0B3"
+        want = (
+            f"RankError: rank 0 in forward: ValueError: bad batch\n(raised in the pipeline by {by})"
+        )
+        assert steps[1] == want, (rank, steps)
+
+
+def test_a_ddp_error_reaches_the_peers_with_its_text_rank_and_action(
+    ddp_errors: list[dict[str, list[str]]],
+) -> None:
+    """Rank 1's DDP raises PyTorch's "prior iteration" error in its first forward, 1F0:
+    its pipeline peer names rank, action and DDP's text (as it did). Rank 3's DDP raises
+    there rank 1's failure of the step before (the unused layer, named), which its
+    pipeline used to relay with no word of the action that raised it."""
+    prior = "RankError: rank 1: 1F0 failed: RuntimeError: Expected to have finished reduction"
+    unused = (
+        "RankError: rank 1 in backward (parameters without a gradient): RuntimeError: Some "
+        "parameters received no gradient"
+    )
+    for rank, out in enumerate(ddp_errors):
+        first, failed = out["unused"]
+        assert first == "ok", (rank, out)
+        if rank < 2:
+            assert failed.startswith(prior), (rank, failed)
+            assert "Parameter indices which did not receive grad for rank 0: 2 3" in failed
+        else:
+            assert failed.startswith(unused), (rank, failed)
+            assert failed.endswith(
+                "Parameters which did not receive grad for rank 0: extra.weight, extra.bias\n"
+                "(raised in the pipeline by rank 3, in 1F0)"
+            ), (rank, failed)

@@ -207,3 +207,69 @@ def test_a_live_rank_late_for_a_later_step_is_said_late_not_gone() -> None:
     assert seconds < 1.5 + 2.0 + 3.0, out
     for rank in (0, 1):
         assert all(o[0][0] == "ok" and o[0][1] < 1e-12 for o in results[rank][1][-2:]), rank
+
+
+class _Ordered(nn.Module):
+    """A stage that, at its ``at``-th forward while armed, waits until ``posted`` failures
+    of the step are in the store (read there: the runtime's channel would take the first
+    for its own), then raises ``fail`` if it has one."""
+
+    def __init__(self, at: int, posted: int, fail: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.at, self.posted, self.fail = at, posted, fail
+        self.calls = 0
+        self.runtime: Any = None  # armed: the runtime, whose step's channel is read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and self.runtime is not None:
+            channel = self.runtime._channel
+            key = f"{channel.prefix}/failure/{self.posted}"
+            deadline = time.monotonic() + 20.0
+            while self.posted and not channel.store.check([key]):
+                assert time.monotonic() < deadline, f"failure {self.posted} never posted"
+                time.sleep(0.005)
+            if self.fail:
+                raise ValueError(self.fail)
+        return torch.tanh(self.lin(x))
+
+
+def _two_fail(rank: int, world: int) -> list[str]:
+    """GPipe over 3 stages and 3 microbatches; in the first step rank 1 raises in its
+    second forward (1F1), rank 0 in its third (0F2) once rank 1's failure is posted, and
+    rank 2 holds its first (2F0) until both are, then takes the poison on 2F1's input.
+    Then a good step. Per step: the error, or "ok"."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    torch.manual_seed(0)
+    stage = _Ordered(*{0: (3, 1, "zero"), 1: (2, 0, "one"), 2: (1, 2, "")}[rank])
+    rt = PipelineRuntime(
+        xp.gpipe(world, 3), [stage], nn.functional.mse_loss, checkpoint="never", timeout=20
+    )
+    x, y = torch.zeros(6, WIDTH), torch.zeros(6, WIDTH)
+    out: list[str] = []
+    for runtime in (rt, None):
+        stage.calls, stage.runtime = 0, runtime
+        try:
+            rt.step(x if rank == 0 else None, y if rank == 2 else None)
+            out.append("ok")
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def test_a_rank_names_every_rank_whose_failure_reached_it() -> None:
+    """Two ranks fail in the same step: the third named the first one posted alone. Each
+    rank now names every failure in the channel when it raises (rank 1 raised first, so
+    it may not know of rank 0's yet)."""
+    from ranks import run_ranks
+
+    results, codes = run_ranks(_two_fail, 3, timeout=60)
+    both = "rank 1: 1F1 failed: ValueError: one\nalso rank 0: 0F2 failed: ValueError: zero"
+    assert results[0] == ("ok", [f"RankError[ValueError]: {both}", "ok"]), results
+    assert results[2] == ("ok", [f"RankError: {both}", "ok"]), results
+    status, out = results[1]
+    assert status == "ok" and out[1] == "ok", results
+    assert out[0].startswith("RankError[ValueError]: rank 1: 1F1 failed: ValueError: one"), out
+    assert codes == {0: 0, 1: 0, 2: 0}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.failure import Failure, FailureChannel, RankError
 from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.raising import raise_from
@@ -75,7 +75,8 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
 
     Failures: an exception in any action on any rank makes every rank raise
     :class:`xgrad.failure.RankError` naming where it started (``"rank 1: 1F3 failed:
-    ValueError: ..."``) at once, even when the failing process stays alive (it poisons the
+    ValueError: ..."``; then ``"also rank 2: ..."`` for each other failure that reached it
+    by then) at once, even when the failing process stays alive (it poisons the
     messages its peers wait for, see :mod:`~xgrad.torch_backend.pipeline_comm`); a rank
     that dies is named after its heartbeat stops (about a second), one that freezes after
     ``timeout``, and no wait lasts longer than that. The next :meth:`step` starts clean, on
@@ -242,7 +243,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
             # step alike (a fresh group, the schedule agreed again).
             self._reset(error, None)
             self._tell_replicas(error)
-            raise
+            if self._channel is None or self._channel.poll() != error.failure:
+                raise  # not posted to this step (the last step's lost rank, raised again)
+            raise_from(self._raised(error.failure, self._channel), error)
         except Exception as exc:  # this rank's batch it cannot split (posted by _open_step)
             # The peers reset as above: so does this rank, or after a switch between step
             # and eval (which agrees again on an open group) the ranks open the next step
@@ -292,7 +295,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
             failure = self._fail_here(channel, wire, action, exc)
             if not split:
                 raise  # this rank's own bad batch: its ValueError/TypeError, peers a RankError
-            raise as_local(error_for(failure, channel.rank), exc) from exc
+            raise as_local(self._raised(failure, channel), exc) from exc
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._fail_here(channel, wire, action, exc)
             raise

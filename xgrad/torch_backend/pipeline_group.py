@@ -217,7 +217,7 @@ class StepGroups(StageState):
         if channel.poll() != error.failure:
             # Another group's failure (a DDP inside a stage): this rank's action failed,
             # so the pipeline's peers are told, as for any exception.
-            return error_for(self._fail_here(channel, wire, action, error), channel.rank)
+            return self._raised(self._fail_here(channel, wire, action, error), channel)
         # The failure is posted: peers waiting on this rank stop now (a live origin has
         # stopped already; one outside this pipeline, a data-parallel peer whose failure
         # a rank of this pipeline relayed, is no peer here).
@@ -226,7 +226,13 @@ class StepGroups(StageState):
         wire.poison(self._pipeline_rank(error.rank) if live else None)
         self._reset(error, wire)
         self._tell_replicas(error)
-        return error
+        return self._raised(error.failure, channel)
+
+    def _raised(self, failure: Failure, channel: FailureChannel) -> RankError:
+        """The error this rank raises for the step's first ``failure``, naming the other
+        ranks whose failures reached the channel by now (read, not waited for: two ranks
+        that fail at once are both named, where the first alone hid the other)."""
+        return error_for(failure, channel.rank, also=channel.others())
 
     def _tell_replicas(self, error: BaseException) -> None:
         """A failed step tells the data-parallel replicas (:func:`tell_replicas`); a failed
@@ -242,11 +248,16 @@ class StepGroups(StageState):
         """Post this rank's failure in ``action``, poison what the peers wait for, reset.
 
         Another group's failure (a data-parallel peer's, through a DDP in a stage or the
-        REDUCE_GRAD all-reduce) is relayed as it is: its origin, place and kind (a dead
-        rank stays "unresponsive"), not as this live rank's failure with it nested inside.
+        REDUCE_GRAD all-reduce) is relayed with its origin, place, kind (a dead rank
+        stays "unresponsive") and text, not as this live rank's failure with it nested
+        inside; and with where it reached the pipeline, which its own place (a DDP's
+        "forward", "backward") does not say.
         """
         if isinstance(exc, RankError):
-            failure = channel.relay(exc.failure)
+            f = exc.failure
+            here = f"in {action}" if action is not None else "outside its actions"
+            seen = f"{f.message}\n(raised in the pipeline by rank {channel.rank}, {here})"
+            failure = channel.relay(Failure(f.rank, f.where, seen, f.kind))
         else:
             where = f"{action} failed" if action is not None else "step failed"
             failure = channel.post("", f"{where}: {describe(exc)}")
