@@ -108,6 +108,18 @@ class JoinAndRecovery:
         self._drop_pass()
         return dropped
 
+    def drop_prepared(self) -> None:
+        """Drop a synchronised pass that was prepared (:meth:`prepare_for_backward`) and
+        whose backward never began: its step was given up around the DDP (a pipeline step
+        that failed between a stage's synchronised forward and backward passes).
+
+        Left expecting, the reducer took the next ``no_sync`` backward pass for it: its
+        gradients were launched, never finalized, and the pass after raised the "prior
+        iteration" error with no parameter missing. Nothing of the dropped pass reached
+        a bucket or ``.grad``, so there is nothing to report (unlike :meth:`recover`).
+        """
+        self._drop_pass()
+
     def _drop_pass(self) -> None:
         self._failure = None
         self._expect_hooks = self._require_finalize = self._marked_unused = False

@@ -231,12 +231,27 @@ def abandon_step(
     pass: when this rank's next pass is that synchronised one, the step ends there, raising
     the failure again, so that the ranks' next steps pair up (:func:`start_forward`).
     Otherwise the step is over now (a pipeline's: every rank gave it up).
+
+    A rank whose synchronised forward pass of the step ran and whose backward never
+    began (a pipeline step that failed in between: a later stage raised, or this stage's
+    backward raised before any gradient reached DDP) posts the failure too, and drops
+    the pass the reducer was prepared for. Left so, every replica's stage could be in
+    that state at once: the next step's skip round found nobody reduced anything, no
+    failure, and the reducer, still expecting, took the next ``no_sync`` backward pass
+    for the given-up one ("prior iteration" error, and a failed step, on every rank).
+    Posted, a peer waiting in the step's reduction stops now, and every rank moves to a
+    fresh private group at the next step, as after any failed step.
     """
     if hooks.finalize_queued:
         post_failed_pass(hooks, watch)
         return None
     if unbegun:
         _begin_step(watch, hooks)
+    elif hooks.sync_pending and not until_sync:
+        hooks.sync_pending = False  # no skip round: the step failed, and is posted
+        assert hooks.reducer is not None
+        hooks.reducer.drop_prepared()
+        return watch.post_here(where, exc)
     elif not hooks.accumulating:
         return None
     hooks.accumulating = False  # the step (begun at the accumulation's first pass) is over

@@ -47,9 +47,10 @@ def tell_replicas(
     error: BaseException, ddps: Sequence[Any], since: Sequence[int], dp: DataParallelSteps | None
 ) -> None:
     """After a failed step (``error``): each DDP whose step this rank gave up (it was
-    accumulating for one, its synchronised pass was cut short, or it had not begun the
-    one its peers are in: its number is still ``since``'s) tells its peers at once, and
-    so do the REDUCE_GRAD all-reduces over ``dp_group`` (``dp``)."""
+    accumulating for one, its synchronised pass was cut short or its backward never
+    began, or it had not begun the one its peers are in: its number is still
+    ``since``'s) tells its peers at once, and so do the REDUCE_GRAD all-reduces over
+    ``dp_group`` (``dp``)."""
     for ddp, step in zip(ddps, since, strict=True):
         with contextlib.suppress(Exception):  # the step's own error is the one raised
             ddp._abandon_step("pipeline step", error, since=step)
