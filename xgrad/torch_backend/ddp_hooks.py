@@ -29,6 +29,7 @@ from xgrad.reducer import Reducer
 from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
+from xgrad.torch_backend.ddp_cut_short import note_backward_errors
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lendable
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
@@ -106,6 +107,10 @@ class GradientHooks(GradientWriteBack):
         #: PyTorch's "prior iteration" error of a pass that left buckets unreduced,
         #: raised at the next forward pass with grad enabled, as PyTorch raises it.
         self.unfinished: RuntimeError | None = None
+        #: the exception (``"Type: text"``) that cut the synchronised pass under way short
+        #: on this rank, noted as it left autograd (:mod:`.ddp_cut_short`): what the next
+        #: forward pass posts for it.
+        self.cut_short: str | None = None
         self.log_error: Callable[[BaseException], None] = lambda exc: None  # the DDP's log
 
     def __del__(self) -> None:
@@ -127,6 +132,7 @@ class GradientHooks(GradientWriteBack):
         order is known (:mod:`.ddp_arrivals`); off, every hook is a Python one.
         """
         self.reducer = reducer
+        note_backward_errors()
         python_hooks = [self._make_hook(i) for i in range(len(self.params))]
         self.handles = [
             p.register_post_accumulate_grad_hook(h)
@@ -220,6 +226,7 @@ class GradientHooks(GradientWriteBack):
             self.drain()
         self.finalize_queued = False
         UNFINISHED.discard(self)
+        self.cut_short = None  # (noted by another thread's pass that raised)
         done = reducer.num_iterations
         try:
             if self.unfinished is None:  # (a hook may have ended the pass already)

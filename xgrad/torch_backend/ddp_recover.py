@@ -40,6 +40,9 @@ __all__ = [
 
 current_graph_task = torch._C._current_graph_task_id
 
+#: what a synchronised pass cut short is posted as when its exception was not seen.
+_CUT_SHORT = "RuntimeError: the backward pass raised an exception"
+
 #: the DDPs of this process whose synchronised backward pass has begun and not finished
 #: (empty between good steps): one that stays here past its pass failed part-way. Held
 #: strongly: a failed DDP that the user dropped (a retry loop that wraps the module
@@ -201,9 +204,12 @@ def post_failed_pass(hooks: GradientHooks, watch: StepWatch) -> None:
     if hooks.finalize_queued:
         hooks.finalize_queued = False
         UNFINISHED.discard(hooks)
-        error = watch.post("backward", RuntimeError("the backward pass raised an exception"))
+        # What raised, as the peers hear a forward pass's or a comm hook's failure; the
+        # generic words where it was not seen leaving autograd (:mod:`.ddp_cut_short`).
+        cause, hooks.cut_short = hooks.cut_short, None
+        failure = watch.channel.post("backward", cause or _CUT_SHORT)
         assert hooks.reducer is not None
-        hooks.reducer.fail(str(error))
+        hooks.reducer.fail(failure.text())
 
 
 def abandon_step(
