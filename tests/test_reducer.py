@@ -573,3 +573,42 @@ def test_relayout_makes_the_buckets_again_for_the_parameters_new_dtype(
             dtype = np.float64 if i in converted else np.float32
             assert got[i].dtype == dtype
             np.testing.assert_array_equal(got[i], expected_mean(2, dtype)[i])
+
+
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"batched_grad_copy": True}, {"gradient_as_bucket_view": True}, {"static_graph": True}],
+)
+def test_a_gradient_of_another_dtype_than_its_bucket_is_refused(
+    big: bool, options: dict[str, bool]
+) -> None:
+    """Parameters converted behind the reducer's back (a module converted after its DDP
+    was made): their float64 gradients were copied into the float32 bucket and rounded,
+    without a word. As PyTorch's reducer, the bucket refuses them, naming the parameter
+    and both dtypes; on each copy path (a large gradient is copied in as it arrives, a
+    static graph's first pass copies at its end) and with nothing reduced."""
+    size = 1 << 14 if big else 3  # from 2**14 elements a gradient is copied on arrival
+
+    def body(comm: ReferenceComm) -> tuple[str, dict[int, np.ndarray]]:
+        got: dict[int, np.ndarray] = {}
+        params = [np.zeros(size, np.float32), np.zeros(2, np.float32)]
+        plan = BucketPlan(((0, 1),), (1 << 20,))
+        reducer = Reducer(
+            params, plan, comm, NumpyOps(), names=["w", "b"], set_grad=got.__setitem__, **options
+        )
+        reducer.prepare_for_backward()
+        try:
+            reducer.mark_ready(1, np.ones(2, np.float32))
+            reducer.mark_ready(0, np.full(size, 1 / 3, np.float64))
+            reducer.finalize()
+        except RuntimeError as exc:
+            return str(exc), got
+        return "", got
+
+    for error, got in spawn(body, 1):
+        assert error.startswith(
+            "The gradient of parameter at index 0 with name w is float64 but its bucket "
+            "holds float32 on rank 0: the module's parameters were converted"
+        ), error
+        assert got == {}

@@ -65,6 +65,13 @@ class NumpyOps:
             and x.dtype == view.dtype
         )
 
+    def dtype_mismatch(self, flat: np.ndarray, xs: Sequence[Any]) -> tuple[int, str, str] | None:
+        for k, x in enumerate(xs):
+            dtype = np.asarray(x).dtype
+            if dtype != flat.dtype:
+                return k, str(dtype), str(flat.dtype)
+        return None
+
     def from_numpy(self, a: np.ndarray, like: Any) -> np.ndarray:
         return np.array(a, copy=True)
 

@@ -153,8 +153,14 @@ def arrive(bucket: BucketState, k: int, grad: Any, ops: ArrayOps, scale: float |
     cache (PyTorch's reducer copies each gradient in its hook too); small ones wait for
     the bucket's one batched copy. ``scale`` ``None``: no early copy (a hook divides, or
     the copy is of another kind); the arithmetic is :func:`fill_bucket`'s either way.
+    A gradient of another dtype than its bucket is kept for :func:`fill_bucket` to refuse.
     """
-    if scale is not None and grad is not None and bucket.big[k]:
+    if (
+        scale is not None
+        and grad is not None
+        and bucket.big[k]
+        and ops.dtype_mismatch(bucket.flat, (grad,)) is None
+    ):
         ops.copy_to(bucket.in_views[k], grad, scale)
         grad = COPIED
     bucket.grads[k] = grad
@@ -224,7 +230,7 @@ def fill_bucket(
     *,
     gradient_as_bucket_view: bool,
     batched_grad_copy: bool,
-) -> None:
+) -> tuple[int, str, str] | None:
     """Copy a complete bucket's gradients in, pre-divided, with batched array calls.
 
     The arithmetic is PyTorch's: by default each gradient is multiplied by
@@ -235,6 +241,15 @@ def fill_bucket(
     sparse gradients that share their values, one upstream gradient into two
     embeddings, were reduced into each other). ``scale`` is ``None`` when a
     communication hook divides.
+
+    Returns:
+        ``None``; or, copying nothing, ``(parameter index, its gradient's dtype, the
+        bucket's dtype)`` for a gradient whose dtype is not its bucket's (the module was
+        converted after the buckets were made): PyTorch's reducer refuses it too, where a
+        copy would round it to the bucket's dtype without a word. Under
+        ``gradient_as_bucket_view`` the conversion replaced the data of the gradients that
+        were the bucket's views, so those views are checked too: left, they were left out
+        of the buffer that is reduced. A sparse gradient has no buffer to round it.
     """
     grads = bucket.grads
     if bucket.sparse:
@@ -242,7 +257,7 @@ def fill_bucket(
         if scale is not None:
             ops.div_(flat, world_size)  # in place, as PyTorch's reducer does
         bucket.flat = flat
-        return
+        return None
     views = bucket.in_views
     dst: list[Any] = []
     src: list[Any] = []
@@ -260,12 +275,17 @@ def fill_bucket(
             src.append(grad)
     # The copies are made: hold no gradient past them (a lender counts who holds one).
     bucket.grads = [None] * len(grads)
+    wrong = _wrong_dtype(bucket, ops, grads, src)
+    if wrong is None and aliased:
+        wrong = _wrong_dtype(bucket, ops, views, aliased)
+    if wrong is not None:
+        return wrong
     if batched_grad_copy:
         if dst:
             ops.copy_all(dst, src, None)
         if scale is not None:
             ops.div_(bucket.flat, world_size)
-        return
+        return None
     if (
         scale is not None
         and not (aliased or early)
@@ -275,11 +295,26 @@ def fill_bucket(
         # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
         ops.copy_all(dst, src, None)
         ops.copy_to(bucket.flat, bucket.flat, scale)
-        return
+        return None
     if dst:
         ops.copy_all(dst, src, scale)
     if aliased and scale is not None:
         ops.div_all(aliased, world_size)
+    return None
+
+
+def _wrong_dtype(
+    bucket: BucketState, ops: ArrayOps, members: Sequence[Any], xs: Sequence[Any]
+) -> tuple[int, str, str] | None:
+    """:meth:`~xgrad.reducer_types.ArrayOps.dtype_mismatch` of ``xs`` (some of
+    ``members``, the bucket's gradients or views) against the bucket, with the
+    parameter's index in place of the position in ``xs``."""
+    found = ops.dtype_mismatch(bucket.flat, xs)
+    if found is None:
+        return None
+    k, dtype, expected = found
+    member = next(m for m, x in enumerate(members) if x is xs[k])
+    return bucket.indices[member], dtype, expected
 
 
 def reduced_views(

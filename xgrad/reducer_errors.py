@@ -148,3 +148,30 @@ def sparse_gradient_missing(index: int, names: Sequence[str], rank: int) -> Runt
         f"Expected sparse gradient to be defined: parameter at index {index} with name "
         f"{names[index]} got no gradient on rank {rank}"
     )
+
+
+class GradientDtypeError(RuntimeError):
+    """A gradient's dtype is not its bucket's: the module was converted after its DDP was
+    made. Its own type, so the end of a pass raises it as the pass's failure rather than
+    taking it for a pass that left buckets waiting (a static graph's first iteration
+    copies its gradients in there)."""
+
+
+def gradient_dtype_mismatch(
+    index: int, grad_dtype: str, bucket_dtype: str, names: Sequence[str], rank: int
+) -> GradientDtypeError:
+    """A gradient of another dtype than its bucket (PyTorch: "Expected ..., got ...").
+
+    PyTorch's reducer refuses such a gradient where it checks the gradient's layout; the
+    copy would otherwise round it to the bucket's dtype and every step reduce it so,
+    without a word.
+    """
+    return GradientDtypeError(
+        f"The gradient of parameter at index {index} with name {names[index]} is "
+        f"{grad_dtype} but its bucket holds {bucket_dtype} on rank {rank}: the module's "
+        "parameters were converted (module.double(), .half(), .to(dtype), perhaps of one "
+        "submodule) after DistributedDataParallel was constructed, and its buckets keep "
+        "the dtypes they were made with. Convert the module before constructing "
+        "DistributedDataParallel (or wrap it again after converting it), or convert "
+        "through the DDP itself (ddp.double()), which makes its buckets again."
+    )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from xgrad.reducer_buckets import fill_bucket
-from xgrad.reducer_errors import sparse_gradient_missing
+from xgrad.reducer_errors import gradient_dtype_mismatch, sparse_gradient_missing
 from xgrad.reducer_types import GradBucket
 
 if TYPE_CHECKING:
@@ -50,10 +50,11 @@ class BucketLaunches:
         def serial_hooks(self) -> bool: ...
 
     def _fill(self, bucket: BucketState) -> None:
-        """A bucket's last gradient arrived: copy its gradients in (launched in order)."""
+        """A bucket's last gradient arrived: copy its gradients in (launched in order);
+        one of another dtype than the bucket is refused (:func:`gradient_dtype_mismatch`)."""
         if bucket.sparse and bucket.grads[0] is None:
             raise sparse_gradient_missing(bucket.indices[0], self.names, self.comm.rank)
-        fill_bucket(
+        wrong = fill_bucket(
             bucket,
             self.ops,
             self._scale,
@@ -61,6 +62,8 @@ class BucketLaunches:
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             batched_grad_copy=self.batched_grad_copy,
         )
+        if wrong is not None:
+            raise gradient_dtype_mismatch(*wrong, self.names, self.comm.rank)
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in bucket order: a ready bucket waits for all before it."""

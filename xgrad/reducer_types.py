@@ -72,6 +72,14 @@ class ArrayOps(Protocol[A]):
         """Whether ``x`` already is (aliases the memory of) ``view``."""
         ...
 
+    def dtype_mismatch(self, flat: A, xs: Sequence[A]) -> tuple[int, str, str] | None:
+        """The first ``xs[k]`` whose dtype is not bucket buffer ``flat``'s, as ``(k, its
+        dtype, the buffer's dtype)``; ``None`` when all match. ``xs`` are gradients about
+        to be copied into the bucket (or its views): a copy would round one of another
+        dtype to the bucket's without a word (a module converted after its DDP was made).
+        Called once per bucket, on the per-gradient path: keep it cheap."""
+        ...
+
     def from_numpy(self, a: np.ndarray, like: A) -> A:
         """``a`` as this library's array, on ``like``'s device."""
         ...

@@ -10,6 +10,7 @@ mean of the local gradients is the reduced one bit for bit).
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -94,3 +95,76 @@ def test_powersgd_s_memories_start_again_after_a_conversion() -> None:
     results: Any = spawn(_powersgd, 2, timeout=90)
     want = ["torch.float32 equal"] * 3 + ["torch.float64 equal"] * 2
     assert results == [want, want], results
+
+
+class _Two(nn.Module):
+    """Two layers, the second fed in its own dtype (so one alone can be converted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
+
+
+def _behind_its_back(
+    rank: int, world: int, when: int, view: bool, part: bool, static: bool
+) -> list[str]:
+    """The module (or its second layer, ``part``) converted to float64 at step ``when``,
+    not through the DDP: per step, what it raised ("" when nothing)."""
+    import time
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Two()
+    ddp = DistributedDataParallel(
+        model, gradient_as_bucket_view=view, static_graph=static, timeout=20
+    )
+    out = []
+    for step in range(when + 2):
+        if step == when:
+            (model.b if part else model).double()
+        model.zero_grad()
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        start = time.monotonic()
+        try:
+            ddp(x.to(model.a.weight.dtype)).pow(2).mean().backward()
+            out.append("")
+        except RuntimeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        assert time.monotonic() - start < 10.0, out  # never the DDP's timeout
+    return out
+
+
+@pytest.mark.parametrize(
+    ("when", "view", "part", "static"),
+    [
+        (0, False, False, False),
+        (0, True, False, False),
+        (2, False, False, False),
+        (2, True, False, False),
+        (2, False, True, False),
+        (0, False, False, True),
+    ],
+)
+def test_a_module_converted_behind_the_ddp_s_back_is_refused_on_every_rank(
+    when: int, view: bool, part: bool, static: bool
+) -> None:
+    """``ddp.module.double()`` (or of one submodule) goes round the DDP: its float64
+    gradients went through the float32 buckets and came back rounded, without a word.
+    As PyTorch's reducer, every rank now refuses them at the conversion's first step and
+    at every step after, naming the parameter and both dtypes."""
+    results: Any = spawn(_behind_its_back, 2, args=(when, view, part, static), timeout=90)
+    named = re.compile(
+        rf"with name {'b' if part else '[ab]'}\.(weight|bias) is torch\.float64 but its "
+        r"bucket holds torch\.float32 on rank [01]: .*Convert the module before "
+        "constructing DistributedDataParallel"
+    )
+    for rank, errors in enumerate(results):
+        assert errors[:when] == [""] * when, (rank, errors)
+        for error in errors[when:]:
+            assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
+            assert named.search(error), (rank, error)

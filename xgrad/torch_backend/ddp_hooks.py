@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from xgrad.failure import Failure, RankError, error_for
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
+from xgrad.reducer_errors import GradientDtypeError
 from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
@@ -239,7 +240,10 @@ class GradientHooks(GradientWriteBack):
                     # One fused copy for every gradient instead of one call per parameter.
                     torch._foreach_copy_(self._copy_dst, self._copy_src)
         except Exception as exc:
-            if not reducer.all_ready() or _peer_unreduced(exc):
+            # A gradient refused at its copy (a static graph's first pass copies them
+            # here) fails the pass as it would in its hook, not as one left unreduced.
+            unreduced = not reducer.all_ready() and not isinstance(exc, GradientDtypeError)
+            if unreduced or _peer_unreduced(exc):
                 self._defer(exc)
             else:
                 raise_from(self._fail("reduction", exc), exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Hashable, Sequence
 
@@ -13,6 +14,9 @@ __all__ = ["TorchArrayOps"]
 #: from this many elements a gradient is scaled while copied (one pass) rather than
 #: batched with others (a copy and a multiply: two passes, but one call for all).
 _ONE_PASS_NUMEL = 1 << 14
+
+#: a tensor's dtype, read without a Python frame (:meth:`TorchArrayOps.dtype_mismatch`).
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -158,6 +162,21 @@ class TorchArrayOps:
             and x.stride() == view.stride()
             and x.dtype == view.dtype
         )
+
+    def dtype_mismatch(
+        self, flat: torch.Tensor, xs: Sequence[torch.Tensor]
+    ) -> tuple[int, str, str] | None:
+        if not xs:
+            return None
+        # The dtypes are read and counted in C, with no Python frame per gradient (about
+        # 65 ns a gradient, most of it torch's dtype getter); only a bucket that fails
+        # is searched.
+        dtypes = list(map(_DTYPE, xs))
+        dtype = flat.dtype
+        if dtypes.count(dtype) == len(dtypes):
+            return None
+        k = next(k for k, other in enumerate(dtypes) if other is not dtype)
+        return k, str(dtypes[k]), str(dtype)
 
     def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
