@@ -113,7 +113,8 @@ class JoinAndRecovery:
         whose backward never began: its step was given up around the DDP (a pipeline step
         that failed between a stage's synchronised forward and backward passes).
 
-        Left expecting, the reducer took the next ``no_sync`` backward pass for it: its
+        Left expecting, the reducer took the next ``no_sync`` backward pass for it (as it
+        should after a pass every rank skipped alike, not after one given up): its
         gradients were launched, never finalized, and the pass after raised the "prior
         iteration" error with no parameter missing. Nothing of the dropped pass reached
         a bucket or ``.grad``, so there is nothing to report (unlike :meth:`recover`).

@@ -26,7 +26,12 @@ from xgrad.torch_backend.ddp_buffers import sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
-from xgrad.torch_backend.ddp_recover import abandon_step, drop_unreduced, start_forward
+from xgrad.torch_backend.ddp_recover import (
+    abandon_step,
+    drop_unreduced,
+    reduces_unsynced,
+    start_forward,
+)
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.join import announce_backward_sync, notify_join_context
 
@@ -104,6 +109,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
     if ddp._check_sync_bufs_post_fwd():  # a buffer hook registered to run after
         sync_buffers(ddp)
+    hooks = ddp._grad_hooks
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp.require_forward_param_sync = True
         unused: Sequence[int] = ()
@@ -116,16 +122,26 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
             )
             output = route_outputs(output)  # a loss may leave outputs out (PyTorch's sink)
         ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
-        ddp._grad_hooks.expect_backward()
-        ddp._grad_hooks.forward_started = ddp._forward_started
-        ddp._grad_hooks.forward_seconds = time.perf_counter() - ddp._forward_started
+        _expect_backward(ddp)
+    elif torch.is_grad_enabled() and not hooks.accumulating and reduces_unsynced(hooks):
+        # A no_sync pass after a synchronised forward pass that every rank left without
+        # a backward: the reducer, still prepared for it, reduces this pass (PyTorch's).
+        ddp.require_forward_param_sync = False
+        _expect_backward(ddp)
     else:
         ddp.require_forward_param_sync = False
-        ddp._grad_hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
-        ddp._grad_hooks.nosync_pending = torch.is_grad_enabled()
+        hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
+        hooks.nosync_pending = torch.is_grad_enabled()
     if ddp._delayed is not None:
         ddp._delayed.point_grads_at_buffer()
     return output
+
+
+def _expect_backward(ddp: DistributedDataParallel) -> None:
+    hooks = ddp._grad_hooks
+    hooks.expect_backward()
+    hooks.forward_started = ddp._forward_started
+    hooks.forward_seconds = time.perf_counter() - ddp._forward_started
 
 
 def check_agreement_once(ddp: DistributedDataParallel) -> None:

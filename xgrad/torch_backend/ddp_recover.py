@@ -35,6 +35,7 @@ __all__ = [
     "post_failed_pass",
     "post_failed_passes",
     "recover",
+    "reduces_unsynced",
     "start_forward",
 ]
 
@@ -119,13 +120,36 @@ def start_forward(
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
             _begin_step(watch, hooks)
-            hooks.accumulating = True
+            # Still prepared (a synchronised forward pass every rank left without a
+            # backward: the skip round found no failure), the reducer takes this pass's
+            # gradients as PyTorch's does: reduced, a step of its own (post_forward).
+            hooks.accumulating = not (torch.is_grad_enabled() and reduces_unsynced(hooks))
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
         hooks.accumulating = False
         return
     _begin_step(watch, hooks)
+
+
+def reduces_unsynced(hooks: GradientHooks) -> bool:
+    """Whether a ``no_sync`` pass starting now is reduced as a synchronised one.
+
+    PyTorch's reducer, prepared by a synchronised forward pass whose backward never ran
+    (a validation loss computed with gradients on, legal when every rank does it), still
+    expects hooks: the next backward pass, ``no_sync`` or not, marks its gradients ready,
+    reduces them (the accumulated ``.grad``) and finalizes; later ``no_sync`` passes stay
+    local. With peers (and no ``join()``), xgrad's reducer is left prepared only where
+    the skip round (:mod:`.ddp_skipped`) found that every rank skipped alike (one rank's
+    skip fails the step, and the reducer drops the pass at :func:`_begin_step`), so the
+    ranks' next passes reduce together, in a step of their own: the skipped one's
+    namespace holds every rank's skip notice, which a waiting peer would take for a
+    failure. Not during a synchronised backward pass (a forward pass that a checkpoint's
+    recomputation runs there).
+    """
+    reducer = hooks.reducer
+    assert reducer is not None
+    return reducer.expecting and not hooks.finalize_queued
 
 
 def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeError | None:

@@ -11,7 +11,9 @@ complete theirs, and every later step would reduce one rank's step with another'
 silently (PyTorch's DDP does that). So at its next forward pass such a rank says so in
 the step's namespace of the failure channel and waits, bounded, until
 
-* every rank said the same (nobody reduced anything: go on, nothing to report), or
+* every rank said the same (nobody reduced anything: go on, nothing to report; the
+  reducer stays prepared, as PyTorch's, and reduces the next backward pass even under
+  ``no_sync``: :func:`~.ddp_recover.reduces_unsynced`), or
 * a failure is posted: a peer waiting in that step's reduction saw the notice while it
   polled the channel and posted a failure with this rank as its origin ("rank 1 in
   backward: its backward pass of this step never reached DDP ..."). That peer raises
