@@ -30,6 +30,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -62,6 +63,7 @@ from xgrad.torch_backend.stores import (
 
 __all__ = [
     "Waiter",
+    "Waiters",
     "abort_group",
     "check_lost",
     "failure_channel",
@@ -146,10 +148,11 @@ def _stop_beats(deadline: float) -> None:
 def _stop_all() -> None:
     """Stop every heartbeat and let the waiter threads end, before the interpreter finalizes.
 
-    Every live pipeline runtime holds an idle waiter, which ends only once closed: each is
-    closed here, and all the threads are joined against one deadline. Left open and joined
-    one by one with half a second each, 20 runtimes held the exit for 10 s. A thread stuck
-    on a dead peer stays parked (daemon) once the deadline passed.
+    Every live pipeline runtime holds an idle waiter, which ends only once closed (or its
+    runtime collected, :class:`Waiters`): each is closed here, and all the threads are
+    joined against one deadline. Left open and joined one by one with half a second each,
+    20 runtimes held the exit for 10 s. A thread stuck on a dead peer stays parked
+    (daemon) once the deadline passed.
     """
     deadline = time.monotonic() + EXIT_WAIT
     _stop_beats(deadline)
@@ -249,6 +252,35 @@ class Waiter:
             self._thread.join(timeout)
 
 
+class Waiters:
+    """The :class:`Waiter` threads of one owner (a pipeline runtime), closed with it.
+
+    An idle waiter's thread ends only once closed, and a runtime is dropped without a
+    call (a loop that builds one per experiment): the waiters are closed when ``owner``
+    is garbage-collected. Neither they nor their threads refer to the owner, or it would
+    never be. :meth:`renew` replaces them (after a failed step, when one may be parked on
+    a transfer that never completes); the new ones close with the owner too.
+    """
+
+    def __init__(self, owner: object, *names: str) -> None:
+        self._names = names
+        self._current: tuple[Waiter, ...] = tuple(Waiter(name) for name in names)
+        weakref.finalize(owner, self.close)
+
+    def __getitem__(self, index: int) -> Waiter:
+        return self._current[index]
+
+    def renew(self) -> None:
+        """Close the waiters and use new ones from now on."""
+        self.close()
+        self._current = tuple(Waiter(name) for name in self._names)
+
+    def close(self) -> None:
+        """Let every waiter's thread end once the works given to it are done."""
+        for waiter in self._current:
+            waiter.close()
+
+
 def wait_work(
     work: Any,
     channel: FailureChannel | None,
@@ -332,7 +364,7 @@ def abort_group(group: Any = None) -> None:
         return
     if group is None or group == dist.group.WORLD:
         # Heartbeats only: the waiters on the group end once it is aborted (below), and
-        # the runtimes' idle ones are theirs to close (at exit, if not before).
+        # the runtimes' idle ones close with their runtime (at exit, if not before).
         _stop_beats(time.monotonic() + EXIT_WAIT)
     else:
         stop_heartbeat(pg)

@@ -22,7 +22,7 @@ from xgrad.local_errors import as_local
 from xgrad.pipeline import Action, Invocation, Kind, Schedule
 from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED, post_failed_passes
-from xgrad.torch_backend.failure import Waiter
+from xgrad.torch_backend.failure import Waiters
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.pipeline_args import (
     check_modules,
@@ -182,8 +182,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         #: p = 2: 1, 4, 8, 32 ahead gave 1F1B 56.9, 53.9, 51.5, 51.7 ms per step).
         self.post_ahead = 8
         # Receives are awaited on this thread (see pipeline_comm); waits that must watch
-        # the failure channel (a collective, the step's last sends) hand off to these.
-        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+        # the failure channel (a collective, the step's last sends) hand off to these,
+        # whose threads end when this runtime is collected.
+        self._waiters = Waiters(self, "xgrad-pipeline-wait", "xgrad-pipeline-send")
         self.release_sends = "posted"
         self.records: list[ActionRecord] = []
         self.peak_held_bytes = 0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from xgrad.failure import Failure, FailureChannel, RankError, describe, error_for
 from xgrad.pipeline import Action
 from xgrad.torch_backend.agreement import check_agreement
-from xgrad.torch_backend.failure import Waiter, check_lost, failure_channel
+from xgrad.torch_backend.failure import check_lost, failure_channel
 from xgrad.torch_backend.group_keys import StoreKeys, group_keys
 from xgrad.torch_backend.pipeline_aside import abort_set_aside, set_aside
 from xgrad.torch_backend.pipeline_comm import StepWire
@@ -206,9 +206,7 @@ class StepGroups(StageState):
             set_aside(self._pipeline, self._index, self._p2p, wire and wire.in_flight())
             self._dying = self._index
             self._p2p = None
-        for waiter in self._waiters:
-            waiter.close()
-        self._waiters = (Waiter("xgrad-pipeline-wait"), Waiter("xgrad-pipeline-send"))
+        self._waiters.renew()
 
     def _failed_by(
         self, error: RankError, channel: FailureChannel, wire: StepWire, action: Action | None

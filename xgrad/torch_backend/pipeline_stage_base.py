@@ -16,7 +16,7 @@ from torch import nn
 
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Schedule
-from xgrad.torch_backend.failure import Waiter, wait_work
+from xgrad.torch_backend.failure import Waiters, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_recompute import checkpointed
@@ -40,7 +40,7 @@ class StageState:
     _slot_of: dict[int, int]
     _no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None
     _channel: FailureChannel | None
-    _waiters: tuple[Waiter, Waiter]
+    _waiters: Waiters
     _dp_group: Any
     _dp: Any  # the data-parallel steps (pipeline_ddps.DataParallelSteps), with _dp_group
     _reduce_grad: Callable[[int], None] | None
