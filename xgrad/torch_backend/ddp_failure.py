@@ -4,7 +4,8 @@ Each synchronised step (a forward pass with its backward) gets a fresh namespace
 torch backend's failure channel (:mod:`xgrad.torch_backend.failure`). A rank that fails
 in the forward pass, a gradient hook, a communication hook or the reduction posts where;
 the others, waiting on a collective that will never complete, see it within a poll and
-raise the same :class:`~xgrad.failure.RankError` ("rank 1 in comm hook, bucket 0: ...").
+raise the same :class:`~xgrad.failure.RankError` ("rank 1 in comm hook, bucket 0: ..."),
+with a line for each other rank whose failure had reached the channel ("also rank 2 ...").
 A rank that died or froze stops its heartbeat and is named the same way; a wait that
 outlives ``timeout`` raises too.
 
@@ -108,7 +109,7 @@ class StepWatch:
         """The private group; the failure that lost it if it was dropped (never WORLD)."""
         if self.group is None:
             assert self.lost is not None
-            raise error_for(self.lost.failure, self.channel.rank)
+            raise error_for(self.lost.failure, self.channel.rank, also=self.lost.also)
         return self.group
 
     def _namespace(self) -> str:
@@ -249,9 +250,24 @@ class StepWatch:
 
     def _check(self) -> None:
         """Between naps of a wait: a posted failure, a silent peer, or a peer that said
-        its backward pass of this step never reached DDP (:mod:`.ddp_skipped`) raise."""
-        self.channel.check()
-        check_skipped(self.channel)
+        its backward pass of this step never reached DDP (:mod:`.ddp_skipped`) raise,
+        naming the other failures of the step (:meth:`naming_others`)."""
+        try:
+            self.channel.check()
+            check_skipped(self.channel)
+        except RankError as error:
+            raise_from(self.naming_others(error), error)
+
+    def naming_others(self, error: RankError) -> RankError:
+        """``error`` (the step's first failure) naming after it every other rank's failure
+        in the channel by now, a line each (read, never waited for, and only when raising:
+        of two ranks failing at once a third rank named the first alone); else as it is."""
+        if error.also or error.failure != self.channel.poll():
+            return error
+        also = self.channel.others()
+        if not also:
+            return error
+        return error_for(error.failure, error.raised_on, error.prefix, also)
 
     def drop_group(self, error: RankError, *, abort: bool) -> None:
         """Stop using the private group when a peer died or froze (or a wait timed out).
@@ -283,4 +299,4 @@ class StepWatch:
         :func:`~xgrad.torch_backend.failure.transfer_failed`)."""
         if isinstance(exc, RankError):
             return exc
-        return transfer_error(self.channel, what, exc, None)
+        return self.naming_others(transfer_error(self.channel, what, exc, None))

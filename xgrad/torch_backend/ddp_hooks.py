@@ -281,7 +281,7 @@ class GradientHooks(GradientWriteBack):
         assert self.reducer is not None
         if isinstance(exc, RankError):  # a peer's: the error it will raise too, here
             self.reducer.fail(str(exc))
-            self.unfinished = error_for(exc.failure, self.watch.channel.rank)
+            self.unfinished = error_for(exc.failure, self.watch.channel.rank, also=exc.also)
         else:
             self.watch.post(UNREDUCED, exc)
             self.unfinished = self.reducer.prior_reduction_error()
