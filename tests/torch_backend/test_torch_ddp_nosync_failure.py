@@ -95,3 +95,19 @@ def test_a_loop_that_goes_on_with_the_failed_steps_synchronised_pass_raises_ther
             out = out[:1] + out[2:]
         assert out[0] is True and out[2] is True and out[3] is True, (rank, out)
         assert out[1].startswith("rank 1 in backward"), (rank, out)
+
+
+def test_the_peers_read_the_text_of_what_a_no_sync_backward_pass_raised() -> None:
+    """The exception that cut rank 1's ``no_sync`` pass short reaches rank 0 with its type
+    and text, as a synchronised pass's does (:mod:`xgrad.torch_backend.ddp_cut_short`):
+    rank 0 read only "a no_sync backward pass raised an exception". With a try per
+    micro-batch rank 1's synchronised pass of the failed step raises it too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        per_step = spawn(_steps, 2, timeout=90)
+        per_micro = spawn(_steps, 2, args=(True,), timeout=90)
+    named = "rank 1 in backward: ValueError: boom in a no_sync backward pass"
+    assert per_step[0][1] == named, per_step
+    assert per_micro[0][1] == named and per_micro[1][2] == named, per_micro
+    for out in (*per_step, *per_micro):
+        assert out[-1] is True and out[-2] is True, out

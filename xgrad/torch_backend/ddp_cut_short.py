@@ -8,7 +8,8 @@ next forward pass (:func:`.ddp_recover.post_failed_pass`), and the peers' error 
 the rank but said only "the backward pass raised an exception". So, once a DDP has
 attached its hooks, autograd's engine is entered through :class:`NotingEngine`, which
 notes the exception's type and text (bounded: :data:`NOTED_CHARS`) on each DDP whose
-synchronised pass began within the call and did not finish, and raises it on unchanged.
+backward pass (synchronised or ``no_sync``, whose failure gives up the step it
+accumulated for) began within the call and did not finish, and raises it on unchanged.
 A :class:`~xgrad.failure.RankError` is not noted: the DDP's own hook that raised it
 posted it already, or it is a peer's.
 
@@ -44,7 +45,7 @@ def bounded(text: str, limit: int = NOTED_CHARS) -> str:
 
 
 class NotingEngine(torch._C._ImperativeEngine):
-    """Torch's autograd engine, noting why a DDP's synchronised pass was cut short.
+    """Torch's autograd engine, noting why a DDP's backward pass was cut short.
 
     Only the DDP passes that began within this call are noted: one begun before it (the
     outer pass of a reentrant backward, as checkpointing runs one) is noted by the outer

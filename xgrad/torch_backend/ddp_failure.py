@@ -163,8 +163,11 @@ class StepWatch:
             self.regrouped = True
         return failed
 
-    def post(self, where: str, exc: BaseException) -> RankError:
-        """Report this rank's failure; the error every rank raises for the step's first one."""
+    def post(self, where: str, exc: BaseException | str) -> RankError:
+        """Report this rank's failure; the error every rank raises for the step's first one.
+        ``exc`` may be the ``"Type: text"`` of an exception no longer at hand."""
+        if isinstance(exc, str):
+            return error_for(self.channel.post(where, exc), self.channel.rank)
         if isinstance(exc, RankError):
             return exc
         failure = self.channel.post(where, describe(exc))
@@ -172,7 +175,7 @@ class StepWatch:
         # around a forward pass catches it, as under PyTorch's DDP (xgrad.local_errors).
         return as_local(error_for(failure, self.channel.rank), exc)
 
-    def post_here(self, where: str, exc: BaseException) -> RankError:
+    def post_here(self, where: str, exc: BaseException | str) -> RankError:
         """:meth:`post`, with another group's failure (a ``RankError`` raised around this
         DDP: a pipeline's) relayed to this DDP's peers as it is: its origin, place and
         kind (a dead rank stays "unresponsive"), not as this live rank's."""

@@ -108,7 +108,7 @@ class GradientHooks(GradientWriteBack):
         #: PyTorch's "prior iteration" error of a pass that left buckets unreduced,
         #: raised at the next forward pass with grad enabled, as PyTorch raises it.
         self.unfinished: RuntimeError | None = None
-        #: the exception (``"Type: text"``) that cut the synchronised pass under way short
+        #: the exception (``"Type: text"``) that cut the pass under way (or no_sync) short
         #: on this rank, noted as it left autograd (:mod:`.ddp_cut_short`): what the next
         #: forward pass posts for it.
         self.cut_short: str | None = None
@@ -168,9 +168,11 @@ class GradientHooks(GradientWriteBack):
                 if me.arrivals.enabled:
                     me._task = current_graph_task()
             elif me.nosync_pending:
-                # First gradient of a no_sync backward pass: its end is watched as well.
+                # First gradient of a no_sync backward pass: its end is watched as well,
+                # and what cuts it short noted for the peers (:mod:`.ddp_cut_short`).
                 me.nosync_pending = False
                 me.nosync_open = True
+                UNFINISHED.add(me)
                 engine.queue_callback(me._nosync_done)
             elif me.arrivals.enabled and reducer.expecting and current_graph_task() != me._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
@@ -219,6 +221,8 @@ class GradientHooks(GradientWriteBack):
 
     def _nosync_done(self) -> None:
         self.nosync_open = False
+        UNFINISHED.discard(self)
+        self.cut_short = None  # (noted by another thread's pass that raised)
 
     def _finalize(self) -> None:
         reducer = self.reducer

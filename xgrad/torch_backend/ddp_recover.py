@@ -43,9 +43,11 @@ current_graph_task = torch._C._current_graph_task_id
 
 #: what a synchronised pass cut short is posted as when its exception was not seen.
 _CUT_SHORT = "RuntimeError: the backward pass raised an exception"
+#: the same for a ``no_sync`` pass.
+_NOSYNC_CUT_SHORT = "RuntimeError: a no_sync backward pass raised an exception"
 
-#: the DDPs of this process whose synchronised backward pass has begun and not finished
-#: (empty between good steps): one that stays here past its pass failed part-way. Held
+#: the DDPs of this process whose backward pass (synchronised or ``no_sync``) has begun
+#: and not finished (empty between good steps): one left here failed part-way. Held
 #: strongly: a failed DDP that the user dropped (a retry loop that wraps the module
 #: again) still tells its peers at the next forward pass or DDP made here, and is freed
 #: then.
@@ -88,15 +90,11 @@ def start_forward(
     if hooks.nosync_open and current_graph_task() == -1:
         # A no_sync backward pass raised part-way: its step is given up, and the peers,
         # which would pair its collectives with this rank's next step's (silently wrong
-        # gradients), raise it there.
+        # gradients), raise it there, with its text where noted (:mod:`.ddp_cut_short`).
         hooks.nosync_open = False
-        error = abandon_step(
-            watch,
-            hooks,
-            "backward",
-            RuntimeError("a no_sync backward pass raised an exception"),
-            until_sync=True,
-        )
+        UNFINISHED.discard(hooks)
+        cause, hooks.cut_short = hooks.cut_short, None
+        error = abandon_step(watch, hooks, "backward", cause or _NOSYNC_CUT_SHORT, until_sync=True)
         if error is not None:
             warnings.warn(
                 f"DistributedDataParallel (rank {watch.channel.rank}): {error}; the step it "
@@ -240,7 +238,7 @@ def abandon_step(
     watch: StepWatch,
     hooks: GradientHooks,
     where: str,
-    exc: BaseException,
+    exc: BaseException | str,
     unbegun: bool = False,
     *,
     until_sync: bool = False,
@@ -260,17 +258,14 @@ def abandon_step(
     pass of the user's accumulation raised, and the peers go on to the step's synchronised
     pass: when this rank's next pass is that synchronised one, the step ends there, raising
     the failure again, so that the ranks' next steps pair up (:func:`start_forward`).
-    Otherwise the step is over now (a pipeline's: every rank gave it up).
+    Otherwise the step is over now (a pipeline's: every rank gave it up). ``exc`` may be
+    an exception's noted ``"Type: text"`` (a ``no_sync`` pass cut short in autograd).
 
     A rank whose synchronised forward pass of the step ran and whose backward never
-    began (a pipeline step that failed in between: a later stage raised, or this stage's
-    backward raised before any gradient reached DDP) posts the failure too, and drops
-    the pass the reducer was prepared for. Left so, every replica's stage could be in
-    that state at once: the next step's skip round found nobody reduced anything, no
-    failure, and the reducer, still expecting, took the next ``no_sync`` backward pass
-    for the given-up one ("prior iteration" error, and a failed step, on every rank).
-    Posted, a peer waiting in the step's reduction stops now, and every rank moves to a
-    fresh private group at the next step, as after any failed step.
+    began (a pipeline step that failed in between) posts the failure too, and drops the
+    pass the reducer was prepared for: left so, every replica's stage could be in that
+    state at once, and the reducer, still expecting, took the next ``no_sync`` backward
+    pass for the given-up one ("prior iteration" error on every rank).
     """
     if hooks.finalize_queued:
         post_failed_pass(hooks, watch)
@@ -327,6 +322,9 @@ def before_wrapping() -> None:
     would run in its backward pass, with the dropped one's reductions and failures)."""
     if UNFINISHED:
         post_failed_passes(None)  # a failed DDP's: told, then no longer kept for it
+        # A failed no_sync pass is posted at its DDP's next forward (its text kept on it):
+        # not held here, so a dropped one is collected below and its step posted.
+        UNFINISHED.difference_update([h for h in UNFINISHED if not h.finalize_queued])
     collect_dropped()
     if DROPPED:
         post_failed_passes(None)  # a step under way on a DDP collected just now
