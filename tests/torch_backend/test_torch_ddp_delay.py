@@ -11,8 +11,10 @@ the ranks' own, on both, pass after pass.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +52,75 @@ def _delayed_first(rank: int, world: int) -> list[float]:
 def test_a_delayed_gradient_after_the_hooked_one_is_still_averaged() -> None:
     for errors in spawn(_delayed_first, 2, timeout=60):
         assert max(errors) < 1e-6, errors
+
+
+class _Two(nn.Module):
+    """Two layers, the second fed in its own dtype (so the first alone can be converted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
+
+
+def _converted(rank: int, world: int, part: bool) -> list[str]:
+    """The module (or the delayed layer alone, ``part``) converted to float64 at step 1,
+    not through the DDP: per step, what the pass raised ("" when nothing), or "unequal"
+    where the delayed gradient differs between the ranks."""
+    import time
+
+    import torch.distributed as dist
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Two()
+    ddp = DistributedDataParallel(
+        model,
+        delay_all_reduce_named_params=[("a.weight", model.a.weight)],
+        param_to_hook_all_reduce=model.b.weight,
+        timeout=20,
+    )
+    out = []
+    for step in range(4):
+        if step == 1:
+            (model.a if part else model).double()
+        ddp.zero_grad()
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        start = time.monotonic()
+        try:
+            y = ddp(x.to(model.a.weight.dtype))
+            y.to(torch.float32).square().sum().backward()
+        except RuntimeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        else:
+            grad = model.a.weight.grad
+            assert grad is not None
+            every: list[Any] = [torch.zeros_like(grad) for _ in range(world)]
+            dist.all_gather(every, grad)
+            out.append("" if torch.equal(every[0], every[1]) else "unequal")
+        assert time.monotonic() - start < 10.0, out  # never the DDP's timeout
+    return out
+
+
+@pytest.mark.parametrize("part", [False, True])
+def test_delayed_parameters_converted_behind_the_ddp_s_back_are_refused_on_every_rank(
+    part: bool,
+) -> None:
+    """``ddp.module.double()`` converts the delayed gradients out of the buffer that is
+    reduced: each rank kept its own, without a word (PyTorch 2.13 too). Every rank now
+    refuses the step at its forward pass, naming the parameter and both dtypes."""
+    results: Any = spawn(_converted, 2, args=(part,), timeout=90)
+    named = re.compile(
+        r"parameter a\.weight in delay_all_reduce_named_params is torch\.float64 but the "
+        r"buffer it is reduced in holds torch\.float32 on rank [01]: .*Convert the module "
+        "before constructing DistributedDataParallel"
+    )
+    for rank, errors in enumerate(results):
+        assert errors[0] == "", (rank, errors)
+        for error in errors[1:]:
+            assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
+            assert named.search(error), (rank, error)

@@ -234,7 +234,11 @@ class DistributedDataParallel(
             None
             if param_to_hook_all_reduce is None
             else DelayedAllReduce(
-                [p for _, p in delayed], param_to_hook_all_reduce, self.comm, self.device
+                [p for _, p in delayed],
+                [n for n, _ in delayed],
+                param_to_hook_all_reduce,
+                self.comm,
+                self.device,
             )
         )
         self._casts = (

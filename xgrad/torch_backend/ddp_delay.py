@@ -12,16 +12,31 @@ hooked, its weight delayed), a delayed gradient is added after (or while) the bu
 reduced, and the ranks keep different, unaveraged gradients without a word. Here the
 buffer is reduced at the hooked gradient when every delayed parameter's gradient of the
 pass was added, and otherwise at the end of the pass, when every one that comes came.
+
+The buffer is made in the default dtype, as PyTorch's. A module converted behind the
+DDP's back (``ddp.module.double()``) converts the delayed gradients too: no longer views
+of the buffer, they were left out of its reduction, each rank keeping its own. PyTorch
+2.13 raises nothing there (gloo, 2 ranks: the delayed gradients differ between the ranks
+from the conversion on, and so do its reducer's). Here every grad-enabled forward pass
+compares the delayed parameters' dtypes with the buffer's (a C call for them all) and
+refuses a mismatch on every rank through the failure channel, with the
+:class:`~xgrad.reducer_errors.GradientDtypeError` of a converted module's bucketed
+gradients.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
+from xgrad.reducer_errors import GradientDtypeError
 from xgrad.torch_backend.comm import CollectiveWork, TorchComm
 from xgrad.torch_backend.weak_hooks import owned_by, weak_method
+
+#: a tensor's dtype, read without a Python frame (:meth:`DelayedAllReduce.wrong_dtype`).
+_DTYPE = operator.attrgetter("dtype")
 
 
 class DelayedAllReduce:
@@ -29,6 +44,7 @@ class DelayedAllReduce:
 
     Args:
         params: the delayed parameters.
+        names: their names (for the errors).
         hooked: the parameter whose gradient triggers the reduction.
         comm: the process group.
         device: where the buffer lives (PyTorch: ``device_ids[0]`` or the CPU).
@@ -37,11 +53,13 @@ class DelayedAllReduce:
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
         hooked: torch.nn.Parameter,
         comm: TorchComm,
         device: torch.device,
     ) -> None:
         self.params = list(params)
+        self.names = list(names)
         self.comm = comm
         self.buffer = torch.zeros(sum(p.numel() for p in self.params), device=device)
         comm.broadcast_tensors([p.detach() for p in self.params], src=0)
@@ -90,6 +108,27 @@ class DelayedAllReduce:
         work, self._work = self._work, None
         if work is not None:
             work.wait()
+
+    def wrong_dtype(self) -> GradientDtypeError | None:
+        """The error for a delayed parameter whose dtype is no longer the buffer's (the
+        module converted since the DDP was made: see the module docstring); ``None``
+        when every one matches. Once a forward pass, not per gradient."""
+        dtypes = list(map(_DTYPE, self.params))
+        dtype = self.buffer.dtype
+        if dtypes.count(dtype) == len(dtypes):
+            return None
+        k = next(k for k, other in enumerate(dtypes) if other is not dtype)
+        return GradientDtypeError(
+            f"The gradient of parameter {self.names[k]} in delay_all_reduce_named_params "
+            f"is {dtypes[k]} but the buffer it is reduced in holds {dtype} on rank "
+            f"{self.comm.rank}: the module's parameters were converted (module.double(), "
+            ".half(), .to(dtype), perhaps of one submodule) after DistributedDataParallel "
+            "was constructed, and that buffer keeps the default dtype it was made in (as "
+            "PyTorch's, which leaves such gradients unreduced without a word). Convert the "
+            "module before constructing DistributedDataParallel, with its dtype the default "
+            "then (torch.set_default_dtype), or leave the parameter out of "
+            "delay_all_reduce_named_params."
+        )
 
     def point_grads_at_buffer(self) -> None:
         """End of forward: gradients that are ``None`` become views of the buffer.

@@ -109,6 +109,12 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
     if ddp._check_sync_bufs_post_fwd():  # a buffer hook registered to run after
         sync_buffers(ddp)
+    if ddp._delayed is not None and torch.is_grad_enabled():
+        # Before the reducer is prepared: refused as a forward pass's failure, on every
+        # rank, where the delayed gradients would go unreduced (ddp_delay).
+        wrong = ddp._delayed.wrong_dtype()
+        if wrong is not None:
+            raise_from(ddp._forward_failed(wrong), wrong)
     hooks = ddp._grad_hooks
     if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
         ddp.require_forward_param_sync = True
