@@ -168,3 +168,55 @@ def test_a_module_converted_behind_the_ddp_s_back_is_refused_on_every_rank(
         for error in errors[when:]:
             assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
             assert named.search(error), (rank, error)
+
+
+def _mixed_converted(rank: int, world: int, how: str) -> list[str]:
+    """Mixed precision (float16 compute), the module converted at step 1 not through the
+    DDP (``how``: "double", "half", or "part": the second layer's .double()): per step,
+    what it raised ("" when nothing) or, when nothing, the second layer's dtype."""
+    import time
+
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Two()
+    ddp = DistributedDataParallel(
+        model, mixed_precision=_MixedPrecision(param_dtype=torch.float16), timeout=20
+    )
+    out = []
+    for step in range(4):
+        if step == 1:
+            target = model.b if how == "part" else model
+            target.half() if how == "half" else target.double()
+        model.zero_grad()
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        start = time.monotonic()
+        try:
+            ddp(x).float().pow(2).mean().backward()
+            out.append("" if step == 0 else str(model.b.weight.dtype))
+        except RuntimeError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        assert time.monotonic() - start < 10.0, out  # never the DDP's timeout
+    return out
+
+
+@pytest.mark.parametrize("how", ["double", "half", "part"])
+def test_a_module_converted_behind_a_mixed_precision_ddp_s_back_is_refused(how: str) -> None:
+    """Under ``mixed_precision`` the DDP keeps the full-precision tensors and points the
+    parameters back at them after every backward pass: ``ddp.module.double()`` was undone
+    without a word (float32 again after the step). Every rank now refuses it at the next
+    forward pass, naming the parameter and both dtypes."""
+    results: Any = spawn(_mixed_converted, 2, args=(how,), timeout=90)
+    dtype = "float16" if how == "half" else "float64"
+    named = re.compile(
+        rf"Parameter {'b' if how == 'part' else '[ab]'}\.(weight|bias) is torch\.{dtype} "
+        r"but mixed_precision keeps it in torch\.float32 on rank [01]: .*Convert the "
+        "module before constructing DistributedDataParallel"
+    )
+    for rank, errors in enumerate(results):
+        assert errors[0] == "", (rank, errors)
+        for error in errors[1:]:
+            assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
+            assert named.search(error), (rank, error)

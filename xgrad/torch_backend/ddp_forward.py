@@ -91,6 +91,9 @@ def pre_forward(
             lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (inputs, kwargs)
         )
     if ddp._casts is not None:
+        wrong = ddp._casts.wrong_dtype(ddp._watch.channel.rank)
+        if wrong is not None:  # posted as a forward pass's failure (none without grad)
+            raise_from(ddp._forward_failed(wrong) if torch.is_grad_enabled() else wrong, wrong)
         return ddp._casts.to_low(inputs, kwargs)
     return inputs, kwargs
 

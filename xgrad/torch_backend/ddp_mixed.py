@@ -7,10 +7,18 @@ casts a bucket to ``reduce_dtype``, sums it, divides by the world size and point
 parameters (and their gradients) back at full precision. PyTorch does the copies on a
 side stream, which needs an accelerator; here they run in line, so the CPU path works and
 the arithmetic (casts, sum, then division) is the same.
+
+A module converted behind the DDP's back (``ddp.module.double()``, ``.half()``) was
+silently undone: the next forward pass cast the kept full-precision tensors, and the
+backward pass pointed the parameters back at them. Each forward pass now compares the
+parameters' dtypes with the kept tensors' (one C call for them all,
+:meth:`MixedPrecisionCasts.wrong_dtype`) and the DDP refuses a mismatch on every rank,
+with the :class:`~xgrad.reducer_errors.GradientDtypeError` of a converted module.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +27,11 @@ from torch import nn
 
 from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook
+from xgrad.reducer_errors import GradientDtypeError
 from xgrad.torch_backend.comm import TorchComm
+
+#: a tensor's dtype, read without a Python frame (:meth:`MixedPrecisionCasts.wrong_dtype`).
+_DTYPE = operator.attrgetter("dtype")
 
 
 class _Done:
@@ -47,8 +59,13 @@ class MixedPrecisionCasts:
     def __init__(self, config: Any, module: nn.Module, ignore: set[str]) -> None:
         self.param_dtype: torch.dtype | None = config.param_dtype
         self.reduce_dtype: torch.dtype | None = config.reduce_dtype
-        self.params = [p for n, p in module.named_parameters() if n not in ignore]
+        self._names = {n: p for n, p in module.named_parameters() if n not in ignore}
+        self.params = list(self._names.values())
         self._full = {id(p): p.data for p in self.params}
+        self._full_dtypes = list(map(_DTYPE, self.params))
+        #: the last backward pass pointed every parameter back at full precision: no
+        #: parameter may hold ``param_dtype`` now (one converted to it is caught too).
+        self._settled = False
         if config.buffer_dtype is not None:
             # Every buffer DDP does not ignore, integer ones too (BatchNorm's
             # num_batches_tracked), as PyTorch's _cast_buffers casts them: the same dtypes
@@ -57,11 +74,36 @@ class MixedPrecisionCasts:
                 if name not in ignore:
                     buf.data = buf.to(dtype=config.buffer_dtype)
 
+    def wrong_dtype(self, rank: int) -> GradientDtypeError | None:
+        """Before the forward pass: the error for a parameter converted behind the DDP's
+        back (its dtype neither its kept tensor's nor, while it may hold its
+        low-precision copy, ``param_dtype``); ``None`` when none was."""
+        dtypes = list(map(_DTYPE, self.params))
+        if dtypes == self._full_dtypes:
+            return None
+        low = self.param_dtype
+        if not self._settled and dtypes.count(low) == len(dtypes):
+            return None  # still the copies of the last pass (no_sync, no backward)
+        for p, dtype, full in zip(self.params, dtypes, self._full_dtypes, strict=True):
+            if dtype is not full and (self._settled or dtype is not low):
+                name = next(n for n, q in self._names.items() if q is p)
+                return GradientDtypeError(
+                    f"Parameter {name} is {dtype} but mixed_precision keeps it in {full} "
+                    f"on rank {rank}: the module's parameters were converted "
+                    "(module.double(), .half(), .float(), perhaps of one submodule) after "
+                    "DistributedDataParallel was constructed, and its full-precision "
+                    "copies, which every backward pass points the parameters back at, "
+                    "would undo that. Convert the module before constructing "
+                    "DistributedDataParallel (or wrap it again after converting it)."
+                )
+        return None
+
     def to_low(self, inputs: Any, kwargs: Any) -> tuple[Any, Any]:
         """Before the forward pass: parameters (and accumulated gradients) in
         ``param_dtype``; returns the inputs cast to it (floating-point tensors only)."""
         if self.param_dtype is None:
             return inputs, kwargs
+        self._settled = False
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
@@ -83,6 +125,7 @@ class MixedPrecisionCasts:
     def frozen_to_full(self) -> None:
         """End of backward: parameters without a gradient hook go back too (as PyTorch)."""
         self.to_full([p for p in self.params if not p.requires_grad])
+        self._settled = list(map(_DTYPE, self.params)) == self._full_dtypes
 
     def hook(self, comm: TorchComm) -> Hook:
         """The reduction: cast to ``reduce_dtype``, sum, divide, then upcast the parameters."""
