@@ -245,8 +245,9 @@ def fill_bucket(
     Returns:
         ``None``; or, copying nothing, ``(parameter index, its gradient's dtype, the
         bucket's dtype)`` for a gradient whose dtype is not its bucket's (the module was
-        converted after the buckets were made): PyTorch's reducer refuses it too, where a
-        copy would round it to the bucket's dtype without a word. Under
+        converted after the buckets were made), where a copy would round it to the bucket's
+        dtype without a word (PyTorch's DDP reduces nothing then: its hooks stay on the
+        gradient accumulators the conversion replaced). Under
         ``gradient_as_bucket_view`` the conversion replaced the data of the gradients that
         were the bucket's views, so those views are checked too: left, they were left out
         of the buffer that is reduced. A sparse gradient has no buffer to round it.

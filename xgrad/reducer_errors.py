@@ -160,11 +160,12 @@ class GradientDtypeError(RuntimeError):
 def gradient_dtype_mismatch(
     index: int, grad_dtype: str, bucket_dtype: str, names: Sequence[str], rank: int
 ) -> GradientDtypeError:
-    """A gradient of another dtype than its bucket (PyTorch: "Expected ..., got ...").
+    """A gradient of another dtype than its bucket.
 
-    PyTorch's reducer refuses such a gradient where it checks the gradient's layout; the
-    copy would otherwise round it to the bucket's dtype and every step reduce it so,
-    without a word.
+    The copy would otherwise round it to the bucket's dtype and every step reduce it so,
+    without a word. PyTorch's reducer checks a gradient's type against its bucket view's,
+    but after ``module.double()`` its hooks never run (they stay on the gradient
+    accumulators the conversion replaced), so every rank keeps its local gradient.
     """
     return GradientDtypeError(
         f"The gradient of parameter at index {index} with name {names[index]} is "
