@@ -31,6 +31,7 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
     split_step,
 )
+from xgrad.torch_backend.pipeline_call import step_arguments
 from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     ddp_steps,
@@ -125,6 +126,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
     Example:
         >>> rt = PipelineRuntime(one_f_one_b(2, 4), [stage], nn.MSELoss())  # doctest: +SKIP
         >>> loss = rt.step(x if rank == 0 else None, y if rank == 1 else None)
+        >>> loss = rt.step(x if rank == 0 else None, target=y if rank == 1 else None)  # torch's
     """
 
     def __init__(
@@ -195,7 +197,12 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
     # -- the event loop ------------------------------------------------------------------
 
     def step(
-        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        target: Any = None,
+        losses: list[Any] | None = None,
     ) -> torch.Tensor | None:
         """Run one step: every action of this rank, in order.
 
@@ -203,6 +210,8 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
             inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
                 the rank of stage 0 (ignored elsewhere).
             targets: the whole batch's targets, on the rank of the last stage.
+            target: torch's name for ``targets`` (its ``schedule.step(x, target=y)``); give
+                one of the two (both: a ``TypeError`` naming them).
             losses: on the last stage's rank, a list emptied and filled with each
                 microbatch's loss (detached, before the 1/m scaling), as torch's
                 ``schedule.step(..., losses=)`` fills it; left as it is on the others.
@@ -213,11 +222,11 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         Raises:
             xgrad.failure.RankError: this or another rank failed (the message names where),
                 or a peer stopped answering, or a wait ran past ``timeout``.
+            TypeError: both ``targets`` and ``target``, or ``losses`` not a list.
         """
         sched = self.schedule
+        targets = step_arguments("step", targets, target, losses)
         check_release(self.release_sends, self.post_ahead)
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list, got a {type(losses).__name__}")
         if UNFINISHED or DROPPED:  # a DDP's pass raised or was dropped: its peers told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
@@ -236,24 +245,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         index = next_step(self.group)
         n = sched.num_stages
         self._tag = step_tag(index, n)
-        try:
-            channel = self._open_step(index, mine, early)
-        except RankError as error:
-            # A peer failed the step while this rank opened it (its agreement may have
-            # completed there, not here): reset as that peer does, so both open the next
-            # step alike (a fresh group, the schedule agreed again).
-            self._reset(error, None)
-            self._tell_replicas(error)
-            if self._channel is None or self._channel.poll() != error.failure:
-                raise  # not posted to this step (the last step's lost rank, raised again)
-            raise_from(self._raised(error.failure, self._channel), error)
-        except Exception as exc:  # this rank's batch it cannot split (posted by _open_step)
-            # The peers reset as above: so does this rank, or after a switch between step
-            # and eval (which agrees again on an open group) the ranks open the next step
-            # on different groups, and it waits out the timeout.
-            self._reset(None, None)
-            self._tell_replicas(exc)
-            raise
+        channel = self._open_or_reset(index, mine, early)
         slots: dict[tuple[int, int], Slot] = {}
 
         def grad_shapes(stage: int, mb: int) -> Any:

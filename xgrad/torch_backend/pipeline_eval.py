@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from xgrad.pipeline import Action, Kind, Schedule, expand
+from xgrad.torch_backend.pipeline_call import step_arguments
 from xgrad.torch_backend.pipeline_route import WirePlan
 
 __all__ = ["Evaluation", "Mode", "evaluating", "forward_schedule", "merge_outputs"]
@@ -72,7 +73,12 @@ class Evaluation:
         self._outputs: dict[int, Any] = {}
 
     def eval(
-        self, inputs: Any = None, targets: Any = None, *, losses: list[Any] | None = None
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        target: Any = None,
+        losses: list[Any] | None = None,
     ) -> Any:
         """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
         validation loss or predictions. Nothing is added to ``.grad`` and no activation is
@@ -83,6 +89,8 @@ class Evaluation:
             inputs: the whole batch, on the rank of stage 0 (as for :meth:`step`).
             targets: the whole batch's targets on the last stage's rank, or ``None`` for
                 no loss.
+            target: torch's name for ``targets`` (its ``schedule.eval(x, target=y)``); give
+                one of the two (both: a ``TypeError`` naming them).
             losses: on the last stage's rank, a list emptied and filled with each
                 microbatch's loss (when ``targets`` are given), as for :meth:`step`.
 
@@ -92,7 +100,9 @@ class Evaluation:
 
         Raises:
             xgrad.failure.RankError: as :meth:`step`.
+            TypeError: as :meth:`step` (named ``eval()`` here).
         """
+        targets = step_arguments("eval", targets, target, losses)
         with evaluating(self):
             self.step(inputs, targets, losses=losses)
         # Merged after the step, which every rank finished: an output that cannot be merged

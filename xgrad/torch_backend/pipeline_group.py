@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from xgrad.failure import Failure, FailureChannel, RankError, describe, error_for
 from xgrad.pipeline import Action
+from xgrad.raising import raise_from
 from xgrad.torch_backend.agreement import check_agreement
 from xgrad.torch_backend.failure import check_lost, failure_channel
 from xgrad.torch_backend.group_keys import StoreKeys, group_keys
@@ -118,6 +119,27 @@ class StepGroups(StageState):
             )
             self._agreed = self._digest
         return channel
+
+    def _open_or_reset(self, index: int, mine: set[int], early: Any) -> FailureChannel:
+        """:meth:`_open_step`; if it fails, this rank resets as its peers do, then raises."""
+        try:
+            return self._open_step(index, mine, early)
+        except RankError as error:
+            # A peer failed the step while this rank opened it (its agreement may have
+            # completed there, not here): reset as that peer does, so both open the next
+            # step alike (a fresh group, the schedule agreed again).
+            self._reset(error, None)
+            self._tell_replicas(error)
+            if self._channel is None or self._channel.poll() != error.failure:
+                raise  # not posted to this step (the last step's lost rank, raised again)
+            raise_from(self._raised(error.failure, self._channel), error)
+        except Exception as exc:  # this rank's batch it cannot split (posted by _open_step)
+            # The peers reset as above: so does this rank, or after a switch between step
+            # and eval (which agrees again on an open group) the ranks open the next step
+            # on different groups, and it waits out the timeout.
+            self._reset(None, None)
+            self._tell_replicas(exc)
+            raise
 
     def _all_started(self, channel: FailureChannel, members: list[int]) -> list[int]:
         counts = wait_all_started(channel, members, self.timeout, self._lanes)
