@@ -42,6 +42,22 @@ def test_bad_sizes_are_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "'X'" in capsys.readouterr().err
 
 
+def test_costs_with_b_not_i_plus_w_refused_where_both_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # DualPipeV runs full backwards (its overlapped pairs) and split ones (its drain): the
+    # simulator times each by its kind, so B=3 with I = W = 1 gave a wrong step time.
+    argv = ["schedule", "dualpipev", "-p", "2", "-m", "4", "--costs"]
+    assert main([*argv, "B=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--costs B=3 but I + W = 1 + 1 = 2: dualpipev runs both" in err
+    assert main([*argv, "F=1,B=3,I=2,W=1"]) == 0
+    assert "step time" in capsys.readouterr().out
+    # A schedule with one of the two alone never reads the other costs: accepted.
+    assert main(["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "B=3"]) == 0
+    assert main(["schedule", "zb_h1", "-p", "2", "-m", "4", "--costs", "I=2"]) == 0
+
+
 def test_png_without_matplotlib_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

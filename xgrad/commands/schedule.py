@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--costs",
         type=_costs,
         default=None,
-        help="per-kind costs, e.g. F=1,B=2,I=1,W=1 (default: equal, B = I + W)",
+        help=(
+            "per-kind costs, e.g. F=1,B=2,I=1,W=1 (default: equal, B = I + W); a schedule "
+            "with both full (B) and split (I, W) backwards, as dualpipev, needs B = I + W"
+        ),
     )
     parser.add_argument("--comms", action="store_true", help="show the sends and receives")
     parser.add_argument("--timeline", action="store_true", help="also print the time grid")
@@ -90,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 if kind is None:
                     raise ValueError(f"--costs kind {key!r} is not one of F, B, I, W")
                 costs[kind] = value
+            _check_backwards(schedule, costs)
         sim = xp.simulate(schedule, costs)
     except ValueError as exc:
         print(f"xgrad schedule: error: {exc}", file=sys.stderr)
@@ -122,6 +126,26 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"PNG written to {args.png}")
     return 0
+
+
+def _check_backwards(schedule: Any, costs: dict[Any, float]) -> None:
+    """Refuse ``--costs`` with B != I + W for a schedule that runs both a full backward
+    (B) and split ones (I, W): a full backward is the same work as its two halves, and the
+    simulator times each action by its kind alone, so such costs gave wrong step times and
+    bubbles without a word. A schedule with one of the two alone never reads the others
+    (``F=1,B=3`` stays right for 1F1B, ``I=2`` for ZB-H1).
+    """
+    from xgrad.pipeline import Kind
+
+    kinds = {a.kind for r in range(schedule.num_ranks) for a in schedule.compute(r)}
+    b, i, w = (costs[k] for k in (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT))
+    split = {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT} & kinds
+    if Kind.BACKWARD in kinds and split and not math.isclose(b, i + w, rel_tol=1e-9):
+        raise ValueError(
+            f"--costs B={b:g} but I + W = {i:g} + {w:g} = {i + w:g}: {schedule.name} runs "
+            f"both full backwards (B) and their halves (I, W), so B must equal I + W (a "
+            f"full backward is both halves' work); give --costs B, I and W that agree"
+        )
 
 
 def simulation_tables(sim: Any) -> list[Table]:
