@@ -31,7 +31,7 @@ from xgrad.torch_backend.pipeline_args import (
     slot_map,
     split_step,
 )
-from xgrad.torch_backend.pipeline_call import step_arguments
+from xgrad.torch_backend.pipeline_call import StepCall
 from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     ddp_steps,
@@ -57,7 +57,7 @@ __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 _SENDS = (Kind.SEND_F, Kind.SEND_B)
 
 
-class PipelineRuntime(StepGroups, StagePasses, Evaluation):
+class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
     """Runs this rank's part of a pipeline schedule, as an event loop over its actions.
 
     The first stage reads microbatches of the input, the last computes the loss on
@@ -98,7 +98,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         partitions: this rank's modules, slot ``index`` of its :class:`Location` s. Without
             ``invocations``, slot k is the k-th virtual stage placed on this rank.
         loss_fn: ``loss_fn(output, target)`` on the last stage (pytrees as the stage returns
-            and the targets hold).
+            and the targets hold), with :meth:`step`'s ``loss_kwargs`` as keywords.
         invocations: fairscale-style invocations mapping virtual stages to partitions (a
             partition may be invoked more than once; its gradient is then the sum).
         group: the pipeline process group (default: the default group); schedule rank r is
@@ -127,6 +127,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
         >>> rt = PipelineRuntime(one_f_one_b(2, 4), [stage], nn.MSELoss())  # doctest: +SKIP
         >>> loss = rt.step(x if rank == 0 else None, y if rank == 1 else None)
         >>> loss = rt.step(x if rank == 0 else None, target=y if rank == 1 else None)  # torch's
+        >>> out = rt.step(x, target=y, return_outputs=True)  # torch's return: merged outputs
     """
 
     def __init__(
@@ -196,36 +197,10 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation):
 
     # -- the event loop ------------------------------------------------------------------
 
-    def step(
-        self,
-        inputs: Any = None,
-        targets: Any = None,
-        *,
-        target: Any = None,
-        losses: list[Any] | None = None,
-    ) -> torch.Tensor | None:
-        """Run one step: every action of this rank, in order.
-
-        Args:
-            inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
-                the rank of stage 0 (ignored elsewhere).
-            targets: the whole batch's targets, on the rank of the last stage.
-            target: torch's name for ``targets`` (its ``schedule.step(x, target=y)``); give
-                one of the two (both: a ``TypeError`` naming them).
-            losses: on the last stage's rank, a list emptied and filled with each
-                microbatch's loss (detached, before the 1/m scaling), as torch's
-                ``schedule.step(..., losses=)`` fills it; left as it is on the others.
-
-        Returns:
-            The whole batch's loss (detached) on the last stage's rank, else ``None``.
-
-        Raises:
-            xgrad.failure.RankError: this or another rank failed (the message names where),
-                or a peer stopped answering, or a wait ran past ``timeout``.
-            TypeError: both ``targets`` and ``target``, or ``losses`` not a list.
-        """
+    def _run_step(self, inputs: Any, targets: Any, losses: list[Any] | None) -> Any:
+        """Run one step (:meth:`step`, pipeline_call) or evaluation: every action of this
+        rank, in order. Its loss on the last stage's rank (``None`` in an evaluation)."""
         sched = self.schedule
-        targets = step_arguments("step", targets, target, losses)
         check_release(self.release_sends, self.post_ahead)
         if UNFINISHED or DROPPED:  # a DDP's pass raised or was dropped: its peers told now
             post_failed_passes(None)

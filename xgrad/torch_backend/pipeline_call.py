@@ -1,19 +1,24 @@
-"""The arguments of the pipeline runtime's ``step`` and ``eval``, taken as torch's
-schedules take them.
+"""The pipeline runtime's ``step`` and the arguments of ``step`` and ``eval``, taken as
+torch's schedules take them.
 
 ``torch.distributed.pipelining``'s ``schedule.step(*args, target=None, losses=None,
-**kwargs)`` and ``schedule.eval`` name the targets ``target``; the runtime's
-``step(inputs, targets, *, losses)`` named them ``targets`` alone, so a torch user's
-``runtime.step(x, target=y, losses=losses)`` raised a ``TypeError``. Either name is taken,
-one at a time. Kept apart from :mod:`~xgrad.torch_backend.pipeline`, which holds the
-event loop.
+return_outputs=True, loss_kwargs=None, **kwargs)`` and ``schedule.eval`` name the targets
+``target``, give ``loss_fn(output, target, **loss_kwargs)`` its keywords and return the
+last stage's outputs, merged along the batch dimension (checked on torch 2.13). The
+runtime's ``step`` returns the loss: ``return_outputs=None``, its default, keeps that,
+``True`` returns what torch's returns and ``False`` nothing. Kept apart from
+:mod:`~xgrad.torch_backend.pipeline`, which holds the event loop (``_run_step``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["step_arguments"]
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["StepCall", "merge_outputs", "step_arguments"]
 
 
 def step_arguments(method: str, targets: Any, target: Any, losses: Any) -> Any:
@@ -36,3 +41,114 @@ def step_arguments(method: str, targets: Any, target: Any, losses: Any) -> Any:
             "targets and target= (torch's name for it); give one"
         )
     return target
+
+
+class StepCall:
+    """:meth:`step`, the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
+    that takes torch's keywords and returns what was asked for (its ``_run_step`` runs the
+    actions; the last stage's forward keeps its outputs while ``_keep_outputs``)."""
+
+    _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
+    _keep_outputs: bool
+    _loss_kwargs: dict[str, Any] | None
+    _run_step: Callable[..., Any]
+
+    def step(
+        self,
+        inputs: Any = None,
+        targets: Any = None,
+        *,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run one step: every action of this rank, in order.
+
+        Args:
+            inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
+                the rank of stage 0 (ignored elsewhere).
+            targets: the whole batch's targets, on the rank of the last stage.
+            target: torch's name for ``targets`` (its ``schedule.step(x, target=y)``); give
+                one of the two (both: a ``TypeError`` naming them).
+            losses: on the last stage's rank, a list emptied and filled with each
+                microbatch's loss (detached, before the 1/m scaling), as torch's
+                ``schedule.step(..., losses=)`` fills it; left as it is on the others.
+            return_outputs: ``None`` (default) returns the loss, as xgrad always did;
+                ``True`` returns what torch's ``step`` returns by default (the last stage's
+                outputs, merged) and ``False`` nothing, as torch's
+                ``step(return_outputs=False)``. The outputs are kept through the step only
+                when ``True`` (detached: their graph is freed by the backward, as torch
+                frees it).
+            loss_kwargs: keywords for the loss, called ``loss_fn(output, target,
+                **loss_kwargs)`` on every microbatch, as torch's schedules call it.
+
+        Returns:
+            On the last stage's rank: the whole batch's loss (detached) by default; with
+            ``return_outputs=True`` its outputs for the whole batch, merged as torch's
+            ``merge_chunks`` merges them (tensor leaves concatenated along dim 0, the
+            pytree kept); ``None`` with ``False``. ``None`` on the other ranks.
+
+        Raises:
+            xgrad.failure.RankError: this or another rank failed (the message names where),
+                or a peer stopped answering, or a wait ran past ``timeout``.
+            TypeError: both ``targets`` and ``target``, ``losses`` not a list,
+                ``return_outputs`` not ``None`` or a bool, ``loss_kwargs`` not a dict
+                (raised before any message, on the rank given it).
+        """
+        targets = step_arguments("step", targets, target, losses)
+        if return_outputs is not None and not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs={return_outputs!r} must be None or a bool")
+        loss, outputs = self._called(inputs, targets, losses, return_outputs is True, loss_kwargs)
+        return loss if return_outputs is None else outputs
+
+    def _called(
+        self,
+        inputs: Any,
+        targets: Any,
+        losses: list[Any] | None,
+        keep: bool,
+        loss_kwargs: dict[str, Any] | None,
+    ) -> tuple[Any, Any]:
+        """Run a step (or, under ``evaluating``, an evaluation): its loss, and the last
+        stage's merged outputs there when ``keep`` (else ``None``)."""
+        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+            raise TypeError(f"loss_kwargs must be a dict, got a {type(loss_kwargs).__name__}")
+        self._keep_outputs, self._loss_kwargs = keep, loss_kwargs
+        try:
+            loss = self._run_step(inputs, targets, losses)
+            outputs = self._outputs
+        finally:  # a failed step's outputs are not kept either
+            self._keep_outputs, self._loss_kwargs, self._outputs = False, None, {}
+        # Merged after the step, which every rank finished: an output that cannot be merged
+        # fails here alone, leaving the step's group as it is (inside the step, its
+        # failure reset this rank's group and not the others', and the next step timed out).
+        if not outputs:
+            return loss, None
+        return loss, merge_outputs([outputs[mb] for mb in sorted(outputs)])
+
+
+def merge_outputs(outputs: list[Any]) -> Any:
+    """The microbatches' outputs as one batch, as torch's ``merge_chunks`` gives them:
+    tensor leaves concatenated along dim 0 (0-dim ones stacked), other leaves as the list
+    of each microbatch's.
+
+    Raises:
+        ValueError: two microbatches' outputs of different structures (named).
+    """
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for mb, (_, other) in enumerate(flat):
+        if other != spec:
+            raise ValueError(
+                f"the last stage's output of microbatch {mb} has another structure than "
+                f"microbatch 0's ({other} against {spec}): they cannot be merged"
+            )
+    merged: list[Any] = []
+    for column in zip(*(leaves for leaves, _ in flat), strict=True):
+        if all(isinstance(t, torch.Tensor) for t in column):
+            ts: list[torch.Tensor] = list(column)
+            merged.append(torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts))
+        else:
+            merged.append(list(column))
+    return pytree.tree_unflatten(merged, spec)

@@ -18,10 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from xgrad.pipeline import Action, Kind, Schedule, expand
-from xgrad.torch_backend.pipeline_call import step_arguments
+from xgrad.torch_backend.pipeline_call import merge_outputs, step_arguments
 from xgrad.torch_backend.pipeline_route import WirePlan
 
 __all__ = ["Evaluation", "Mode", "evaluating", "forward_schedule", "merge_outputs"]
@@ -61,7 +60,7 @@ class Evaluation:
     _plan: Any  # the posted plan of the mode in use (pipeline_posted.PostedPlan)
     _digest: str
     _outputs: dict[int, Any]
-    step: Callable[..., Any]  # the runtime's
+    _called: Callable[..., tuple[Any, Any]]  # the runtime's (pipeline_call.StepCall)
 
     def _start_modes(self) -> None:
         """Training's mode in use (the runtime's schedule, as given); eval's made when
@@ -71,6 +70,8 @@ class Evaluation:
         _use(self, self._train_mode)
         self._evaluating = False
         self._outputs: dict[int, Any] = {}
+        self._keep_outputs = False  # the last stage's outputs kept (eval, return_outputs)
+        self._loss_kwargs: dict[str, Any] | None = None
 
     def eval(
         self,
@@ -79,6 +80,7 @@ class Evaluation:
         *,
         target: Any = None,
         losses: list[Any] | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
         validation loss or predictions. Nothing is added to ``.grad`` and no activation is
@@ -93,6 +95,8 @@ class Evaluation:
                 one of the two (both: a ``TypeError`` naming them).
             losses: on the last stage's rank, a list emptied and filled with each
                 microbatch's loss (when ``targets`` are given), as for :meth:`step`.
+            loss_kwargs: keywords for ``loss_fn``, as for :meth:`step` (torch's ``eval``
+                passes them on to its ``step``).
 
         Returns:
             On the last stage's rank, its outputs for the whole batch, merged as torch's
@@ -104,14 +108,7 @@ class Evaluation:
         """
         targets = step_arguments("eval", targets, target, losses)
         with evaluating(self):
-            self.step(inputs, targets, losses=losses)
-        # Merged after the step, which every rank finished: an output that cannot be merged
-        # fails here alone, leaving the step's group as it is (inside the step, its
-        # failure reset this rank's group and not the others', and the next step timed out).
-        outputs, self._outputs = self._outputs, {}
-        if not outputs:
-            return None
-        return merge_outputs([outputs[mb] for mb in sorted(outputs)])
+            return self._called(inputs, targets, losses, True, loss_kwargs)[1]
 
 
 @contextlib.contextmanager
@@ -138,29 +135,3 @@ def _use(runtime: Any, mode: Mode) -> None:
     runtime._actions = mode.route.actions
     runtime._plan = mode.plan
     runtime._digest = mode.digest
-
-
-def merge_outputs(outputs: list[Any]) -> Any:
-    """The microbatches' outputs as one batch, as torch's ``merge_chunks`` gives them:
-    tensor leaves concatenated along dim 0 (0-dim ones stacked), other leaves as the list
-    of each microbatch's.
-
-    Raises:
-        ValueError: two microbatches' outputs of different structures (named).
-    """
-    flat = [pytree.tree_flatten(out) for out in outputs]
-    spec = flat[0][1]
-    for mb, (_, other) in enumerate(flat):
-        if other != spec:
-            raise ValueError(
-                f"the last stage's output of microbatch {mb} has another structure than "
-                f"microbatch 0's ({other} against {spec}): they cannot be merged"
-            )
-    merged: list[Any] = []
-    for column in zip(*(leaves for leaves, _ in flat), strict=True):
-        if all(isinstance(t, torch.Tensor) for t in column):
-            ts: list[torch.Tensor] = list(column)
-            merged.append(torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts))
-        else:
-            merged.append(list(column))
-    return pytree.tree_unflatten(merged, spec)

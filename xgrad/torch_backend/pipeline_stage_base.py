@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from xgrad.failure import FailureChannel
@@ -30,7 +31,7 @@ class StageState:
 
     schedule: Schedule
     partitions: list[nn.Module]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    loss_fn: Callable[..., torch.Tensor]  # loss_fn(output, target, **step's loss_kwargs)
     group: Any
     rank: int
     checkpoint: str
@@ -50,7 +51,9 @@ class StageState:
     _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
     _joins: StageJoins  # per stage graph, where W starts (this step)
     _evaluating: bool = False  # this step runs the forwards alone (eval)
-    _outputs: dict[int, Any]  # per microbatch, the last stage's output (an evaluation)
+    _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
+    _keep_outputs: bool = False  # kept: an evaluation, or step(return_outputs=True)
+    _loss_kwargs: dict[str, Any] | None = None  # step(loss_kwargs=), torch's
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -93,12 +96,15 @@ class StageState:
     def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
         with self._sync_context(stage, mb):
             y = self._module(stage)(x)
-        if stage == self.schedule.num_stages - 1 and self._evaluating:
-            self._outputs[mb] = y
+        last = stage == self.schedule.num_stages - 1
+        if last and self._keep_outputs and mb not in self._outputs:  # (a recompute's: equal)
+            # Detached, as torch's backward detaches them: the graph is not kept for them.
+            self._outputs[mb] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, y)
+        if last and self._evaluating:
             if target is not None:
                 self._losses[mb] = self._loss(y, target).detach()
             return y
-        if stage == self.schedule.num_stages - 1:
+        if last:
             loss = self._loss(y, target)
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
             return loss / self.schedule.num_microbatches if self.scale_grads else loss
@@ -122,7 +128,7 @@ class StageState:
                 f"size ({_shapes(y, target)})"
             )
         try:
-            loss = self.loss_fn(y, target)
+            loss = self.loss_fn(y, target, **(self._loss_kwargs or {}))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise type(exc)(f"loss_fn(output, target): {exc} ({_shapes(y, target)})") from exc
         if not isinstance(loss, torch.Tensor):
