@@ -1,7 +1,9 @@
 """Two ranks of a DDP fail in the same step: a rank that raises a peer's failure names,
 after the step's first one, every other failure in the channel by then (a line "also
 rank R: ..." each), as the pipeline's errors do. Before, the third rank named the first
-failure alone. The failing ranks' own errors are unchanged."""
+failure alone. A failing rank whose failure was not the first names its own the same way
+(before, only the exception's cause said it); the first failing rank's error is the first
+failure alone, and both are instances of their own ValueError."""
 
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def test_a_rank_names_every_rank_whose_failure_reached_it(where: str) -> None:
         assert status == "ok", (rank, out)
         assert out[0] == "ok" and out[2] == "ok", (rank, out)
     assert results[2][1][1] == f"RankError: {zero}\nalso {one}", results
-    # The failing ranks' own errors, as before: each the first failure's.
+    # The first failing rank: its own failure alone; the second names its own after it.
     assert results[0][1][1] == f"RankError[ValueError]: {zero}", results
-    assert results[1][1][1] == f"RankError[ValueError]: {zero}", results
+    assert results[1][1][1] == f"RankError[ValueError]: {zero}\nalso {one}", results
     assert codes == {0: 0, 1: 0, 2: 0}

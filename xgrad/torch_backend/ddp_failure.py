@@ -166,14 +166,28 @@ class StepWatch:
     def post(self, where: str, exc: BaseException | str) -> RankError:
         """Report this rank's failure; the error every rank raises for the step's first one.
         ``exc`` may be the ``"Type: text"`` of an exception no longer at hand."""
-        if isinstance(exc, str):
-            return error_for(self.channel.post(where, exc), self.channel.rank)
         if isinstance(exc, RankError):
             return exc
-        failure = self.channel.post(where, describe(exc))
+        message = exc if isinstance(exc, str) else describe(exc)
+        error = self._own(self.channel.post(where, message), where, message)
         # Also an instance of this rank's own exception's type: ``except ValueError``
         # around a forward pass catches it, as under PyTorch's DDP (xgrad.local_errors).
-        return as_local(error_for(failure, self.channel.rank), exc)
+        return error if isinstance(exc, str) else as_local(error, exc)
+
+    def _own(self, first: Failure, where: str, message: str) -> RankError:
+        """The error for the step's ``first`` failure on a rank whose own failure was
+        ``where``/``message``: when another rank's came first, naming after it the others
+        in the channel (:meth:`~xgrad.failure.FailureChannel.others`), this rank's among
+        them even if not read there (an earlier ticket not written yet ends the list), as
+        the pipeline's errors do; its text said nothing of this rank's failure before,
+        only its cause did."""
+        rank = self.channel.rank
+        if first.rank == rank:
+            return error_for(first, rank)
+        also = self.channel.others()
+        if all(f.rank != rank for f in also):
+            also.append(Failure(rank, where, message))
+        return error_for(first, rank, also=also)
 
     def post_here(self, where: str, exc: BaseException | str) -> RankError:
         """:meth:`post`, with another group's failure (a ``RankError`` raised around this
