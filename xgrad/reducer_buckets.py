@@ -230,6 +230,7 @@ def fill_bucket(
     *,
     gradient_as_bucket_view: bool,
     batched_grad_copy: bool,
+    point: Callable[[Sequence[int], Sequence[Any]], None] | None = None,
 ) -> tuple[int, str, str] | None:
     """Copy a complete bucket's gradients in, pre-divided, with batched array calls.
 
@@ -251,6 +252,12 @@ def fill_bucket(
         ``gradient_as_bucket_view`` the conversion replaced the data of the gradients that
         were the bucket's views, so those views are checked too: left, they were left out
         of the buffer that is reduced. A sparse gradient has no buffer to round it.
+
+    ``point``: under ``gradient_as_bucket_view``, called once the copies are made with
+    the parameter indices and views of the gradients copied in (not yet views: the
+    first pass's, or after ``zero_grad()``), to make those views the gradients before
+    the bucket's hook runs, as PyTorch's reducer does when it marks one ready. A pass
+    whose gradients all are views already (every later one) calls nothing.
     """
     grads = bucket.grads
     if bucket.sparse:
@@ -281,12 +288,35 @@ def fill_bucket(
         wrong = _wrong_dtype(bucket, ops, views, aliased)
     if wrong is not None:
         return wrong
+    _copy_in(bucket, ops, dst, src, aliased, scale, world_size, batched_grad_copy, early)
+    if point is not None and dst:
+        # dst is views' subsequence: the members copied in, found by identity in order.
+        moved: list[int] = []
+        for k, view in enumerate(views):
+            if len(moved) < len(dst) and view is dst[len(moved)]:
+                moved.append(k)
+        point([bucket.indices[k] for k in moved], dst)
+    return None
+
+
+def _copy_in(
+    bucket: BucketState,
+    ops: ArrayOps,
+    dst: list[Any],
+    src: list[Any],
+    aliased: list[Any],
+    scale: float | None,
+    world_size: int,
+    batched_grad_copy: bool,
+    early: bool,
+) -> None:
+    """:func:`fill_bucket`'s copies of ``src`` into ``dst`` and its division."""
     if batched_grad_copy:
         if dst:
             ops.copy_all(dst, src, None)
         if scale is not None:
             ops.div_(bucket.flat, world_size)
-        return None
+        return
     if (
         scale is not None
         and not (aliased or early)
@@ -296,12 +326,11 @@ def fill_bucket(
         # bucket in one pass (same rounding as scaling each while copying; zeros stay 0).
         ops.copy_all(dst, src, None)
         ops.copy_to(bucket.flat, bucket.flat, scale)
-        return None
+        return
     if dst:
         ops.copy_all(dst, src, scale)
     if aliased and scale is not None:
         ops.div_all(aliased, world_size)
-    return None
 
 
 def _wrong_dtype(

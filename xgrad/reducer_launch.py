@@ -8,7 +8,7 @@ goes out after the last. Kept apart from the state machine in :mod:`xgrad.reduce
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from xgrad.reducer_buckets import fill_bucket
@@ -40,6 +40,9 @@ class BucketLaunches:
     _buckets: list[BucketState]
     _next_bucket: int
     _unused: UnusedParams
+    #: under ``gradient_as_bucket_view``: makes the given parameters' gradients the given
+    #: bucket views (set by the DDP; see :func:`~xgrad.reducer_buckets.fill_bucket`).
+    point_grads: Callable[[Sequence[int], Sequence[Any]], None] | None = None
 
     if TYPE_CHECKING:  # LateSetup's properties (a stub here would shadow them)
 
@@ -61,6 +64,7 @@ class BucketLaunches:
             self._divisor,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             batched_grad_copy=self.batched_grad_copy,
+            point=self.point_grads,
         )
         if wrong is not None:
             raise gradient_dtype_mismatch(*wrong, self.names, self.comm.rank)

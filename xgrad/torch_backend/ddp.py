@@ -301,6 +301,8 @@ class DistributedDataParallel(
         self._grad_hooks.attach(self.reducer)
         if gradient_as_bucket_view:
             self._grad_hooks.alias_grads_to_buckets()
+            if self._casts is None:  # before each bucket's hook, as PyTorch's
+                self.reducer.point_grads = weak_method(hooks.point_grads)
         if self._casts is not None:
             self._grad_hooks.after_backward = self._casts.frozen_to_full
 

@@ -66,6 +66,16 @@ class GradientWriteBack:
             self._copy_dst.append(grad)
             self._copy_src.append(view)
 
+    def point_grads(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> None:
+        """Under ``gradient_as_bucket_view``, once a bucket's gradients are copied in: make
+        the copied ones their bucket views before the bucket's hook runs, as PyTorch's
+        reducer does as it marks each ready, so a hook reading ``p.grad`` sees the views
+        from the first pass on (the reducer's ``point_grads``; not under mixed precision,
+        whose buckets hold another dtype)."""
+        params = self.params
+        for i, view in zip(indices, views, strict=True):
+            params[i].grad = view
+
     def set_grads(self, indices: Sequence[int], views: Sequence[torch.Tensor]) -> None:
         """:meth:`set_grad` for a bucket's members: one list operation when all are copies."""
         params = self.params
