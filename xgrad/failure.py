@@ -348,16 +348,9 @@ class FailureChannel:
         return []
 
     def _post_unresponsive(self, stale: Sequence[int], seconds: float, what: str = "") -> Failure:
-        others = f" (also ranks {list(stale[1:])})" if len(stale) > 1 else ""
+        assert self.liveness is not None  # stale ranks are read from it
         waiting = f" while rank {self.rank} waited in {what}" if what else ""
-        message = f"stopped answering: no heartbeat for {seconds:g} s{others}{waiting}"
-        if self.liveness is not None and stale[0] in self.liveness.never_beat():
-            # Not seen alive at all: it may well never have come (a rank that skips the
-            # context, or that is still busy before it), not stopped.
-            message = (
-                f"never answered: no heartbeat from it in {seconds:g} s{others}{waiting} (it "
-                "has not joined this group's steps yet, or it died before its first beat)"
-            )
+        message = self.liveness.lost(stale, seconds, waiting)
         return self.post("", message, kind="unresponsive", rank=stale[0])
 
 

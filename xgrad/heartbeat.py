@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from xgrad.failure import KeyValueStore, check_seconds, default_seconds
 
-__all__ = ["COLLECTIVE", "Heartbeat", "Liveness", "waiting_for"]
+__all__ = ["ABORTED", "COLLECTIVE", "Heartbeat", "Liveness", "waiting_for"]
 
 #: the rank this process's main wait is for (None: not waiting), published with the
 #: heartbeat: a rank that timed out waiting for a live peer follows the peers' waits to the
@@ -26,6 +26,12 @@ _waiting: list[int | None] = [None]
 #: what a process waiting in a collective publishes: it waits for every other rank of the
 #: group, and a rank that times out there names one that waits for nobody (late for it).
 COLLECTIVE = -1
+
+#: added to its counter by a heartbeat stopped because its process aborted the group: the
+#: peers read it with the counter (no more store calls) and name the abort at once, where
+#: they named a rank that stopped answering, a heartbeat timeout later, or c10d's bare
+#: "Wait timeout" or "Connection closed by peer".
+ABORTED = 1 << 40
 
 
 def waiting_for(rank: int | None) -> int | None:
@@ -62,7 +68,9 @@ class Heartbeat:
         #: :func:`~xgrad.torch_backend.failure.start_heartbeat`), else ``store``.
         self._store = store if beat_store is None else beat_store
         self._stop = threading.Event()
-        store.add(self.key, 1)  # visible before the first peer looks
+        self._aborted = False
+        if store.add(self.key, 1) > ABORTED:  # visible before the first peer looks
+            store.set(self.key, b"1")  # alive again in a group made anew on the same store
         store.set(f"{self.key}/waits", b"-")  # one key for good, not one made later
         self._thread = threading.Thread(target=self._run, name=f"xgrad-heartbeat-{rank}")
         self._thread.daemon = True
@@ -80,13 +88,20 @@ class Heartbeat:
                     published = waiting
             except Exception:  # the store is gone (shutdown): nothing left to tell
                 return
+        if self._aborted:
+            try:
+                self._store.add(self.key, ABORTED)
+            except Exception:  # the store is gone: the peers see the beats stop instead
+                return
 
-    def stop(self, wait: float = 0.0) -> None:
-        """Stop beating; wait up to ``wait`` seconds for the thread to end.
+    def stop(self, wait: float = 0.0, *, aborted: bool = False) -> None:
+        """Stop beating; wait up to ``wait`` seconds for the thread to end. ``aborted``: the
+        process aborts the group, and the thread's last write says so (:data:`ABORTED`).
 
         Waiting matters at interpreter exit: a daemon thread still inside a store call
         when the interpreter finalizes can abort the process.
         """
+        self._aborted = self._aborted or aborted
         self._stop.set()
         if wait > 0 and self._thread is not threading.current_thread():
             self._thread.join(wait)
@@ -168,6 +183,31 @@ class Liveness:
         :meth:`read`): not started, or gone before their first beat."""
         return [r for r in self.ranks if self._seen.get(r, (0, 0.0))[0] == 0]
 
+    def aborted(self) -> list[int]:
+        """The watched ranks that aborted the group (as of the last :meth:`read`)."""
+        return [r for r, (value, _) in sorted(self._seen.items()) if value > ABORTED]
+
+    def lost(self, stale: Sequence[int], seconds: float, waiting: str = "") -> str:
+        """What happened to ``stale[0]``, for a failure naming it: it aborted the group,
+        never beat, or stopped beating ``seconds`` ago (``waiting``: the wait that saw it)."""
+        aborted = self.aborted()
+        if stale[0] in aborted:
+            rest = [r for r in aborted if r != stale[0]]
+            others = f" (so did ranks {rest})" if rest else ""
+            return (
+                f"aborted the process group{others}{waiting}: it takes no part in the "
+                "group's collectives again; make a new group to go on"
+            )
+        others = f" (also ranks {list(stale[1:])})" if len(stale) > 1 else ""
+        if stale[0] in self.never_beat():
+            # Not seen alive at all: it may well never have come (a rank that skips the
+            # context, or that is still busy before it), not stopped.
+            return (
+                f"never answered: no heartbeat from it in {seconds:g} s{others}{waiting} (it "
+                "has not joined this group's steps yet, or it died before its first beat)"
+            )
+        return f"stopped answering: no heartbeat for {seconds:g} s{others}{waiting}"
+
     def idle(self) -> list[int]:
         """The watched ranks that, as their heartbeats last published, wait for nobody:
         those a collective that timed out while the others waited in it is late for."""
@@ -177,12 +217,13 @@ class Liveness:
         """Ranks whose counter has not moved for ``older_than`` seconds (default: timeout).
 
         A rank that never beat (it has not joined a step yet) counts only with
-        ``include_silent``: late is not dead until a wait's own timeout says so.
+        ``include_silent``: late is not dead until a wait's own timeout says so. One that
+        aborted the group counts at once.
         """
         now = time.monotonic()
         limit = self.timeout if older_than is None else older_than
         return [
             r
             for r, (value, t) in sorted(self._seen.items())
-            if now - t >= limit and (value > 0 or include_silent)
+            if value > ABORTED or (now - t >= limit and (value > 0 or include_silent))
         ]

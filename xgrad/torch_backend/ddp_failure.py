@@ -52,7 +52,7 @@ from xgrad.torch_backend.failure import (
     transfer_error,
 )
 from xgrad.torch_backend.group_keys import StoreKeys
-from xgrad.torch_backend.lost_rank import absent_peer
+from xgrad.torch_backend.lost_rank import absent_peer, check_aborted
 from xgrad.torch_backend.private_groups import group_count, private_group
 
 __all__ = ["StepWatch"]
@@ -156,7 +156,11 @@ class StepWatch:
         old = self.channel.prefix
         self.channel = self._next_channel()
         if failed is not None or self.group is None:
-            self.group = self._private_group()
+            check_aborted(self.channel, "the DDP's new process group")
+            try:
+                self.group = self._private_group()
+            except RuntimeError as exc:  # c10d's "Wait timeout": a peer aborted, died
+                raise_from(absent_peer(self.channel, "the DDP's new process group", exc), exc)
             self.lost = None
         if failed is not None:
             read_failure(self, old)

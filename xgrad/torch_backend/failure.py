@@ -123,23 +123,25 @@ def start_heartbeat(
     return beat
 
 
-def stop_heartbeat(group: Any = None) -> None:
-    """Stop this process's heartbeat for ``group`` (peers will then see it as gone)."""
+def stop_heartbeat(group: Any = None, *, aborted: bool = False) -> None:
+    """Stop this process's heartbeat for ``group`` (peers will then see it as gone, or as
+    having aborted the group when ``aborted``)."""
     with _lock:
         beat = _heartbeats.pop(group_key(group), None)
     forget_guards(group_key(group))
     if beat is not None:
-        beat.stop(wait=1.0)
+        beat.stop(wait=1.0, aborted=aborted)
 
 
-def _stop_beats(deadline: float) -> None:
-    """Stop every heartbeat; wait for their threads until ``deadline`` (monotonic)."""
+def _stop_beats(deadline: float, *, aborted: bool = False) -> None:
+    """Stop every heartbeat; wait for their threads until ``deadline`` (monotonic).
+    ``aborted``: the last beat tells the peers this process aborted the groups."""
     with _lock:
         beats = list(_heartbeats.values())
         _heartbeats.clear()
     forget_guards()
     for beat in beats:
-        beat.stop()  # every thread told first, then joined: the waits overlap
+        beat.stop(aborted=aborted)  # every thread told first, then joined: the waits overlap
     for beat in beats:
         beat.stop(wait=max(deadline - time.monotonic(), 1e-3))
 
@@ -354,8 +356,10 @@ def wait_posted(
 def abort_group(group: Any = None) -> None:
     """Drop ``group`` after a fatal failure without waiting for its peers.
 
-    Stops this process's heartbeat for it and aborts its backend (pending sends and
-    receives are abandoned; NCCL communicators are aborted), then removes it like
+    Stops this process's heartbeat for it, its last beat telling the peers of the abort
+    (they name it at once: "rank 0: aborted the process group ..."), and aborts its
+    backend (pending sends and receives are abandoned; NCCL communicators are aborted),
+    then removes it like
     ``destroy_process_group`` does, which must not be called for it afterwards. With the
     default group, every group is dropped. Calling it for a group already gone does nothing.
     """
@@ -365,8 +369,8 @@ def abort_group(group: Any = None) -> None:
     if group is None or group == dist.group.WORLD:
         # Heartbeats only: the waiters on the group end once it is aborted (below), and
         # the runtimes' idle ones close with their runtime (at exit, if not before).
-        _stop_beats(time.monotonic() + EXIT_WAIT)
+        _stop_beats(time.monotonic() + EXIT_WAIT, aborted=True)
     else:
-        stop_heartbeat(pg)
+        stop_heartbeat(pg, aborted=True)
     with contextlib.suppress(ValueError):  # already destroyed or aborted
         dist.distributed_c10d._abort_process_group(group)

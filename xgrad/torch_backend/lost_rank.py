@@ -19,6 +19,7 @@ __all__ = [
     "CLOSED_BEFORE",
     "TIMED_OUT_LIVE",
     "absent_peer",
+    "check_aborted",
     "check_lost",
     "poisoned",
     "silent_peer",
@@ -104,7 +105,12 @@ def transfer_failed(
         failure = channel.post("", message, kind="timeout", rank=silent)
     else:
         # The waiting rank named with its wait: ``what`` is its action, not the lost one's.
-        message = f"stopped answering while rank {channel.rank} waited in {what}: {text}"
+        waiting = f" while rank {channel.rank} waited in {what}"
+        liveness = channel.liveness
+        if liveness is not None and silent in liveness.aborted():
+            message = f"{liveness.lost([silent], 0.0, waiting)} ({text})"
+        else:
+            message = f"stopped answering{waiting}: {text}"
         failure = channel.post("", message, kind="unresponsive", rank=silent)
     return error_for(failure, channel.rank, prefix)
 
@@ -169,6 +175,21 @@ def absent_peer(channel: FailureChannel, what: str, exc: BaseException) -> RankE
             failure = channel.post("", message, kind="unresponsive", rank=absent[0])
             return error_for(failure, channel.rank)
     return transfer_error(channel, what, exc, None)
+
+
+def check_aborted(channel: FailureChannel, what: str) -> None:
+    """Before ``what`` (making a process group): raise, naming it, if a peer aborted the
+    group (``abort_group``), which would leave this rank waiting for it to the timeout and
+    raising c10d's bare "Wait timeout"; one that aborts meanwhile is named after that."""
+    liveness = channel.liveness
+    if liveness is None:
+        return
+    liveness.read(force=True)
+    aborted = liveness.aborted()
+    if aborted:
+        message = liveness.lost(aborted, 0.0, f" before rank {channel.rank} began {what}")
+        failure = channel.post("", message, kind="unresponsive", rank=aborted[0])
+        raise error_for(failure, channel.rank)
 
 
 def check_lost(channel: FailureChannel, lost: Failure | None, *, prefix: str = "") -> None:
