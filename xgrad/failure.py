@@ -142,6 +142,8 @@ class RankError(RuntimeError):
             (:meth:`FailureChannel.others`), a line each (``"also rank 2: ..."``).
     """
 
+    also: tuple[Failure, ...] = ()  # (a subclass that skips __init__ has none)
+
     def __init__(
         self,
         failure: Failure,

@@ -13,6 +13,16 @@ accumulated for) began within the call and did not finish, and raises it on unch
 A :class:`~xgrad.failure.RankError` is not noted: the DDP's own hook that raised it
 posted it already, or it is a peer's.
 
+It also ends a pass that a reentrant backward (checkpointing with ``use_reentrant=True``)
+began: a DDP queues its end-of-pass callback at the pass's first gradient hook, on that
+hook's graph task, which is a reentrant call's own when the checkpoint holds the layers
+whose gradients come first, and ends with that call, before the outer graph's gradients.
+Such a callback, run while a reentrant call is under way (any thread: a CUDA device
+thread runs one there) and before the pass is complete, is put off (:func:`put_off`):
+the next gradient hook queues it again on its own graph task, and the outermost call
+runs it as it returns if no hook came after (as PyTorch's reducer ends the pass at its
+last bucket, wherever that is).
+
 The engine is swapped only while it is torch's own; another one put in its place (by a
 profiler, a library) is left alone, and the peers then hear the generic words again.
 """
@@ -20,6 +30,7 @@ profiler, a library) is left alone, and the peers then hear the generic words ag
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,13 +39,23 @@ from torch.autograd.variable import Variable
 from xgrad.failure import RankError, describe
 from xgrad.torch_backend.ddp_recover import UNFINISHED
 
-__all__ = ["NOTED_CHARS", "NotingEngine", "bounded", "note_backward_errors"]
+__all__ = ["NOTED_CHARS", "NotingEngine", "bounded", "note_backward_errors", "put_off"]
 
 #: the most characters of an exception's text sent to the peers (a tensor printed in a
 #: message can run to megabytes, and every peer reads it from the store).
 NOTED_CHARS = 2000
 
 _NONE: frozenset[Any] = frozenset()
+
+#: a token for each reentrant backward call under way, on any thread (list.append and
+#: remove are atomic: no lock).
+_NESTED: list[object] = []
+
+#: the gradient hooks whose end-of-pass callback ran too early and was put off; each
+#: has it in its ``requeue``.
+PUT_OFF: set[Any] = set()
+
+current_graph_task = torch._C._current_graph_task_id
 
 
 def bounded(text: str, limit: int = NOTED_CHARS) -> str:
@@ -49,20 +70,54 @@ class NotingEngine(torch._C._ImperativeEngine):
 
     Only the DDP passes that began within this call are noted: one begun before it (the
     outer pass of a reentrant backward, as checkpointing runs one) is noted by the outer
-    call, if the exception reaches it. It costs about 1 µs a backward call, nothing a
-    gradient.
+    call, if the exception reaches it. The outermost call also runs the end-of-pass
+    callbacks put off in it (:func:`put_off`). It costs about 1 µs a backward call,
+    nothing a gradient.
     """
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
         # Between good steps no pass is under way: nothing is copied.
         before = frozenset(UNFINISHED) if UNFINISHED else _NONE
+        token = None if current_graph_task() == -1 else object()  # called from a hook
+        if token is not None:
+            _NESTED.append(token)
         try:
-            return super().run_backward(*args, **kwargs)
+            result = super().run_backward(*args, **kwargs)
         except BaseException as exc:
             if UNFINISHED and not isinstance(exc, RankError):
                 with contextlib.suppress(Exception):  # what is raised stays the user's
                     _note(exc, before)
+            if PUT_OFF and token is None:
+                _run_put_off(before, run=False)  # cut short: recovered at the next forward
             raise
+        finally:
+            if token is not None:
+                _NESTED.remove(token)
+        if PUT_OFF and token is None:
+            _run_put_off(before, run=True)
+        return result
+
+
+def put_off(hooks: Any, callback: Callable[[], None], complete: bool) -> bool:
+    """Whether ``hooks``' end-of-pass ``callback``, running now, is put off: a reentrant
+    backward call is under way and the pass is not ``complete``, so this is the end of a
+    graph task within the pass, not of the pass. Its next gradient hook (``requeue``) or
+    the outermost backward call runs it instead."""
+    if complete or not _NESTED:
+        return False
+    hooks.requeue = callback
+    PUT_OFF.add(hooks)
+    return True
+
+
+def _run_put_off(before: frozenset[Any], run: bool) -> None:
+    """Run (``run``) or drop the end-of-pass callbacks put off in passes begun since
+    ``before``, now that the outermost backward call of the pass returned or raised."""
+    for hooks in [h for h in PUT_OFF if h not in before]:
+        PUT_OFF.discard(hooks)
+        callback, hooks.requeue = hooks.requeue, None
+        if run and callback is not None:
+            callback()
 
 
 def _note(exc: BaseException, before: frozenset[Any]) -> None:

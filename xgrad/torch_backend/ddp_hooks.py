@@ -30,7 +30,7 @@ from xgrad.reducer_errors import GradientDtypeError
 from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
-from xgrad.torch_backend.ddp_cut_short import note_backward_errors
+from xgrad.torch_backend.ddp_cut_short import PUT_OFF, note_backward_errors, put_off
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lendable
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
@@ -75,6 +75,9 @@ class GradientHooks(GradientWriteBack):
         self.sync_pending = False
         #: the end-of-backward callback is queued and has not run yet.
         self.finalize_queued = False
+        #: an end callback run at the end of a reentrant backward's graph task before the
+        #: pass was complete (:mod:`.ddp_cut_short`): the next gradient hook queues it again.
+        self.requeue: Callable[[], None] | None = None
         self.forward_seconds = 0.0
         self.forward_started = 0.0  # time.perf_counter() at the forward pass's start
         #: no_sync passes ran since the last synchronised forward pass (the first of
@@ -174,6 +177,10 @@ class GradientHooks(GradientWriteBack):
                 me.nosync_open = True
                 UNFINISHED.add(me)
                 engine.queue_callback(me._nosync_done)
+            elif me.requeue is not None:
+                engine.queue_callback(me.requeue)  # (on this hook's graph task)
+                me.requeue = None
+                PUT_OFF.discard(me)
             elif me.arrivals.enabled and reducer.expecting and current_graph_task() != me._task:
                 # Reentrant backward: the pass's first hook must stay a Python one.
                 me.arrivals.disable()
@@ -220,6 +227,8 @@ class GradientHooks(GradientWriteBack):
             arrivals.disable()  # another hook could change .grad before the log is read
 
     def _nosync_done(self) -> None:
+        if put_off(self, self._nosync_done, complete=False):
+            return
         self.nosync_open = False
         UNFINISHED.discard(self)
         self.cut_short = None  # (noted by another thread's pass that raised)
@@ -229,6 +238,8 @@ class GradientHooks(GradientWriteBack):
         assert reducer is not None
         if self.arrivals.log:
             self.drain()
+        if put_off(self, self._finalize, self.unfinished is not None or reducer.all_ready()):
+            return
         self.finalize_queued = False
         UNFINISHED.discard(self)
         self.cut_short = None  # (noted by another thread's pass that raised)
