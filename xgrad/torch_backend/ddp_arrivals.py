@@ -20,7 +20,9 @@ reducer reads the gradient), moved to the end when the user adds one. A paramete
 only logged while DDP's hook is its only post-accumulate-grad hook (a later hook could replace ``.grad`` before the log is read):
 when one is added, every parameter gets its Python hook back. A backward pass whose
 hooks run in more than one autograd graph task (reentrant checkpointing) keeps the
-Python hooks for good, since the first hook to run decides where the pass ends.
+Python hooks for good: the pass's end is queued from a hook, in that hook's graph task,
+and an end queued inside a reentrant backward is put off until the next hook, of the
+outer task, queues it again (:func:`.ddp_cut_short.put_off`).
 """
 
 from __future__ import annotations
