@@ -21,13 +21,13 @@ from torch import nn
 from xgrad.torch_backend.spawn import spawn
 
 
-def _delayed_first(rank: int, world: int) -> list[float]:
+def _delayed_first(rank: int, world: int, dtype: torch.dtype = torch.float32) -> list[float]:
     import torch.distributed as dist
 
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
     model, local = copy.deepcopy(base), copy.deepcopy(base)
     ddp = DistributedDataParallel(
         model,
@@ -37,6 +37,7 @@ def _delayed_first(rank: int, world: int) -> list[float]:
     errors = []
     for step in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        x = x.to(dtype)
         for m in (ddp, local):
             m.zero_grad(set_to_none=step % 2 == 0)
             m(x).square().sum().backward()
@@ -52,6 +53,14 @@ def _delayed_first(rank: int, world: int) -> list[float]:
 def test_a_delayed_gradient_after_the_hooked_one_is_still_averaged() -> None:
     for errors in spawn(_delayed_first, 2, timeout=60):
         assert max(errors) < 1e-6, errors
+
+
+def test_a_float64_module_s_delayed_gradients_are_averaged() -> None:
+    # The buffer follows the delayed parameters' dtype: made in the default dtype (as
+    # PyTorch's), a float64 module's delayed gradients could not be views of it, and since
+    # the check of converted modules its first forward pass was refused.
+    for errors in spawn(_delayed_first, 2, args=(torch.float64,), timeout=60):
+        assert max(errors) < 1e-12, errors
 
 
 class _Two(nn.Module):

@@ -13,8 +13,10 @@ reduced, and the ranks keep different, unaveraged gradients without a word. Here
 buffer is reduced at the hooked gradient when every delayed parameter's gradient of the
 pass was added, and otherwise at the end of the pass, when every one that comes came.
 
-The buffer is made in the default dtype, as PyTorch's. A module converted behind the
-DDP's back (``ddp.module.double()``) converts the delayed gradients too: no longer views
+The buffer is made in the delayed parameters' dtype when they share one (PyTorch's is
+made in the default dtype, so a float64 module's delayed gradients cannot be its views:
+its DDP raises "attempting to assign a gradient with dtype 'float' to a tensor with
+grad_dtype 'Double'", run here), else in the default dtype. A module converted behind the DDP's back (``ddp.module.double()``) converts the delayed gradients too: no longer views
 of the buffer, they were left out of its reduction, each rank keeping its own. PyTorch
 2.13 raises nothing there (gloo, 2 ranks: the delayed gradients differ between the ranks
 from the conversion on, and so do its reducer's). Here every grad-enabled forward pass
@@ -61,7 +63,9 @@ class DelayedAllReduce:
         self.params = list(params)
         self.names = list(names)
         self.comm = comm
-        self.buffer = torch.zeros(sum(p.numel() for p in self.params), device=device)
+        dtypes = {p.dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: the default dtype
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), device=device, dtype=dtype)
         comm.broadcast_tensors([p.detach() for p in self.params], src=0)
         self.views: list[torch.Tensor] = []
         offset = 0
@@ -123,11 +127,10 @@ class DelayedAllReduce:
             f"is {dtypes[k]} but the buffer it is reduced in holds {dtype} on rank "
             f"{self.comm.rank}: the module's parameters were converted (module.double(), "
             ".half(), .to(dtype), perhaps of one submodule) after DistributedDataParallel "
-            "was constructed, and that buffer keeps the default dtype it was made in (as "
-            "PyTorch's, which leaves such gradients unreduced without a word). Convert the "
-            "module before constructing DistributedDataParallel, with its dtype the default "
-            "then (torch.set_default_dtype), or leave the parameter out of "
-            "delay_all_reduce_named_params."
+            "was constructed, and that buffer keeps the dtype it was made in (PyTorch's "
+            "leaves such gradients unreduced without a word). Convert the module before "
+            "constructing DistributedDataParallel (all delayed parameters in one dtype), or "
+            "leave the parameter out of delay_all_reduce_named_params."
         )
 
     def point_grads_at_buffer(self) -> None:
