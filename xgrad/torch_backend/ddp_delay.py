@@ -28,17 +28,14 @@ gradients.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from xgrad.reducer_errors import GradientDtypeError
 from xgrad.torch_backend.comm import CollectiveWork, TorchComm
+from xgrad.torch_backend.ops import dtypes_of, first_other_dtype
 from xgrad.torch_backend.weak_hooks import owned_by, weak_method
-
-#: a tensor's dtype, read without a Python frame (:meth:`DelayedAllReduce.wrong_dtype`).
-_DTYPE = operator.attrgetter("dtype")
 
 
 class DelayedAllReduce:
@@ -117,11 +114,11 @@ class DelayedAllReduce:
         """The error for a delayed parameter whose dtype is no longer the buffer's (the
         module converted since the DDP was made: see the module docstring); ``None``
         when every one matches. Once a forward pass, not per gradient."""
-        dtypes = list(map(_DTYPE, self.params))
+        dtypes = dtypes_of(self.params)
         dtype = self.buffer.dtype
-        if dtypes.count(dtype) == len(dtypes):
+        k = first_other_dtype(dtypes, dtype)
+        if k is None:
             return None
-        k = next(k for k, other in enumerate(dtypes) if other is not dtype)
         return GradientDtypeError(
             f"The gradient of parameter {self.names[k]} in delay_all_reduce_named_params "
             f"is {dtypes[k]} but the buffer it is reduced in holds {dtype} on rank "

@@ -18,7 +18,6 @@ with the :class:`~xgrad.reducer_errors.GradientDtypeError` of a converted module
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,9 +28,7 @@ from xgrad.backend import Work
 from xgrad.reducer import GradBucket, Hook
 from xgrad.reducer_errors import GradientDtypeError
 from xgrad.torch_backend.comm import TorchComm
-
-#: a tensor's dtype, read without a Python frame (:meth:`MixedPrecisionCasts.wrong_dtype`).
-_DTYPE = operator.attrgetter("dtype")
+from xgrad.torch_backend.ops import dtypes_of
 
 
 class _Done:
@@ -59,10 +56,11 @@ class MixedPrecisionCasts:
     def __init__(self, config: Any, module: nn.Module, ignore: set[str]) -> None:
         self.param_dtype: torch.dtype | None = config.param_dtype
         self.reduce_dtype: torch.dtype | None = config.reduce_dtype
-        self._names = {n: p for n, p in module.named_parameters() if n not in ignore}
-        self.params = list(self._names.values())
+        named = [(n, p) for n, p in module.named_parameters() if n not in ignore]
+        self._names = [n for n, _ in named]  # aligned with params (for the errors)
+        self.params = [p for _, p in named]
         self._full = {id(p): p.data for p in self.params}
-        self._full_dtypes = list(map(_DTYPE, self.params))
+        self._full_dtypes = dtypes_of(self.params)
         #: the last backward pass pointed every parameter back at full precision: no
         #: parameter may hold ``param_dtype`` now (one converted to it is caught too).
         self._settled = False
@@ -78,15 +76,14 @@ class MixedPrecisionCasts:
         """Before the forward pass: the error for a parameter converted behind the DDP's
         back (its dtype neither its kept tensor's nor, while it may hold its
         low-precision copy, ``param_dtype``); ``None`` when none was."""
-        dtypes = list(map(_DTYPE, self.params))
+        dtypes = dtypes_of(self.params)
         if dtypes == self._full_dtypes:
             return None
         low = self.param_dtype
-        if not self._settled and dtypes.count(low) == len(dtypes):
+        if not self._settled and low is not None and dtypes.count(low) == len(dtypes):
             return None  # still the copies of the last pass (no_sync, no backward)
-        for p, dtype, full in zip(self.params, dtypes, self._full_dtypes, strict=True):
+        for name, dtype, full in zip(self._names, dtypes, self._full_dtypes, strict=True):
             if dtype is not full and (self._settled or dtype is not low):
-                name = next(n for n, q in self._names.items() if q is p)
                 return GradientDtypeError(
                     f"Parameter {name} is {dtype} but mixed_precision keeps it in {full} "
                     f"on rank {rank}: the module's parameters were converted "
@@ -125,7 +122,7 @@ class MixedPrecisionCasts:
     def frozen_to_full(self) -> None:
         """End of backward: parameters without a gradient hook go back too (as PyTorch)."""
         self.to_full([p for p in self.params if not p.requires_grad])
-        self._settled = list(map(_DTYPE, self.params)) == self._full_dtypes
+        self._settled = dtypes_of(self.params) == self._full_dtypes
 
     def hook(self, comm: TorchComm) -> Hook:
         """The reduction: cast to ``reduce_dtype``, sum, divide, then upcast the parameters."""

@@ -9,14 +9,29 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["TorchArrayOps"]
+__all__ = ["TorchArrayOps", "dtypes_of", "first_other_dtype"]
 
 #: from this many elements a gradient is scaled while copied (one pass) rather than
 #: batched with others (a copy and a multiply: two passes, but one call for all).
 _ONE_PASS_NUMEL = 1 << 14
 
-#: a tensor's dtype, read without a Python frame (:meth:`TorchArrayOps.dtype_mismatch`).
+#: a tensor's dtype, read without a Python frame (:func:`dtypes_of`).
 _DTYPE = operator.attrgetter("dtype")
+
+
+def dtypes_of(xs: Sequence[torch.Tensor]) -> list[torch.dtype]:
+    """Every tensor's dtype, read in C (no Python frame per tensor: about 65 ns each, most
+    of it torch's dtype getter), for the checks of a module converted behind the DDP's
+    back, which run once per bucket or per forward pass."""
+    return list(map(_DTYPE, xs))
+
+
+def first_other_dtype(dtypes: list[torch.dtype], dtype: torch.dtype) -> int | None:
+    """The index of the first of ``dtypes`` that is not ``dtype``; ``None`` when all are
+    (counted in C; only a list that fails is searched)."""
+    if dtypes.count(dtype) == len(dtypes):
+        return None
+    return next(k for k, other in enumerate(dtypes) if other is not dtype)
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -168,15 +183,9 @@ class TorchArrayOps:
     ) -> tuple[int, str, str] | None:
         if not xs:
             return None
-        # The dtypes are read and counted in C, with no Python frame per gradient (about
-        # 65 ns a gradient, most of it torch's dtype getter); only a bucket that fails
-        # is searched.
-        dtypes = list(map(_DTYPE, xs))
-        dtype = flat.dtype
-        if dtypes.count(dtype) == len(dtypes):
-            return None
-        k = next(k for k, other in enumerate(dtypes) if other is not dtype)
-        return k, str(dtypes[k]), str(dtype)
+        dtypes = dtypes_of(xs)
+        k = first_other_dtype(dtypes, flat.dtype)
+        return None if k is None else (k, str(dtypes[k]), str(flat.dtype))
 
     def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
