@@ -1,7 +1,9 @@
-"""An autograd function whose backward raises on purpose, for the failure tests.
+"""Autograd functions whose backward raises on purpose, for the failure tests.
 
-Its node is named after the class (``BoomBackward`` for ``failing_function("Boom", ...)``),
-so the tests can check that an error names the node where it started.
+A :func:`failing_function`'s node is named after the class (``BoomBackward`` for
+``failing_function("Boom", ...)``), so the tests can check that an error names the node
+where it started. :class:`Raising` raises once, when armed (a stage's backward failing in
+a chosen microbatch).
 """
 
 from __future__ import annotations
@@ -30,3 +32,20 @@ def failing_function(
 
     body = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     return type(name, (torch.autograd.Function,), body)
+
+
+class Raising(torch.autograd.Function):
+    """Identity whose backward raises ``ValueError("bad gradient")`` once when armed."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if Raising.armed:
+            Raising.armed = False
+            raise ValueError("bad gradient")
+        return g

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from two_layers import TwoLayers
 
 from xgrad.torch_backend.spawn import spawn
 
@@ -97,18 +98,6 @@ def test_powersgd_s_memories_start_again_after_a_conversion() -> None:
     assert results == [want, want], results
 
 
-class _Two(nn.Module):
-    """Two layers, the second fed in its own dtype (so one alone can be converted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
-
-
 def _behind_its_back(
     rank: int, world: int, when: int, view: bool, part: bool, static: bool
 ) -> list[str]:
@@ -119,7 +108,7 @@ def _behind_its_back(
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = _Two()
+    model = TwoLayers()
     ddp = DistributedDataParallel(
         model, gradient_as_bucket_view=view, static_graph=static, timeout=20
     )
@@ -181,7 +170,7 @@ def _mixed_converted(rank: int, world: int, how: str) -> list[str]:
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = _Two()
+    model = TwoLayers()
     ddp = DistributedDataParallel(
         model, mixed_precision=_MixedPrecision(param_dtype=torch.float16), timeout=20
     )

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from two_layers import TwoLayers
 
 from xgrad.torch_backend.spawn import spawn
 
@@ -63,18 +64,6 @@ def test_a_float64_module_s_delayed_gradients_are_averaged() -> None:
         assert max(errors) < 1e-12, errors
 
 
-class _Two(nn.Module):
-    """Two layers, the second fed in its own dtype (so the first alone can be converted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)).to(self.b.weight.dtype))
-
-
 def _converted(rank: int, world: int, part: bool) -> list[str]:
     """The module (or the delayed layer alone, ``part``) converted to float64 at step 1,
     not through the DDP: per step, what the pass raised ("" when nothing), or "unequal"
@@ -86,7 +75,7 @@ def _converted(rank: int, world: int, part: bool) -> list[str]:
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = _Two()
+    model = TwoLayers()
     ddp = DistributedDataParallel(
         model,
         delay_all_reduce_named_params=[("a.weight", model.a.weight)],

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+from failing import Raising  # noqa: E402
 from torch import nn  # noqa: E402
 
 import xgrad.pipeline as xp  # noqa: E402
@@ -190,23 +191,6 @@ def test_two_by_two_data_and_pipeline_parallel() -> None:
             assert err <= 1e-6, (rank, name, err)
 
 
-class _Raising(torch.autograd.Function):
-    """Identity whose backward raises when armed (a stage's backward failing)."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        if _Raising.armed:
-            _Raising.armed = False
-            raise ValueError("bad gradient")
-        return g
-
-
 class _Stage(nn.Module):
     """A block that raises in its forward pass, or arms its backward to raise, when told."""
 
@@ -221,8 +205,8 @@ class _Stage(nn.Module):
             raise ValueError("bad batch")
         if self.fail == "backward":
             self.fail = ""
-            _Raising.armed = True
-        return _Raising.apply(self.block(x))
+            Raising.armed = True
+        return Raising.apply(self.block(x))
 
 
 def _ddp_stage_fails(rank: int, world: int, where: str, culprit: int, mode: str) -> list[Any]:

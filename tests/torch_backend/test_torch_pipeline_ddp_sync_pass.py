@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+from failing import Raising  # noqa: E402
 from torch import nn  # noqa: E402
 
 import xgrad.pipeline as xp  # noqa: E402
@@ -19,23 +20,6 @@ from xgrad.torch_backend.spawn import spawn  # noqa: E402
 WIDTH, BATCH, M = 6, 16, 4
 WHERE = ("forward", "backward", "late backward")
 WORDS = {"forward": "bad batch", "backward": "bad gradient", "late backward": "bad gradient"}
-
-
-class _Raising(torch.autograd.Function):
-    """Identity whose backward raises once when armed."""
-
-    armed = False
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        if _Raising.armed:
-            _Raising.armed = False
-            raise ValueError("bad gradient")
-        return g
 
 
 class _Stage(nn.Module):
@@ -56,12 +40,12 @@ class _Stage(nn.Module):
             raise ValueError("bad batch")
         h = torch.tanh(self.inner(x))
         if where == "late backward":
-            _Raising.armed = True
-        h = _Raising.apply(h)
+            Raising.armed = True
+        h = Raising.apply(h)
         out = torch.tanh(self.outer(h))
         if where == "backward":
-            _Raising.armed = True
-        return _Raising.apply(out)
+            Raising.armed = True
+        return Raising.apply(out)
 
 
 def _stages() -> list[_Stage]:
