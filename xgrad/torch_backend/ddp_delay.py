@@ -16,12 +16,13 @@ pass was added, and otherwise at the end of the pass, when every one that comes 
 The buffer is made in the delayed parameters' dtype when they share one (PyTorch's is
 made in the default dtype, so a float64 module's delayed gradients cannot be its views:
 its DDP raises "attempting to assign a gradient with dtype 'float' to a tensor with
-grad_dtype 'Double'", run here), else in the default dtype. A module converted behind the DDP's back (``ddp.module.double()``) converts the delayed gradients too: no longer views
-of the buffer, they were left out of its reduction, each rank keeping its own. PyTorch
-2.13 raises nothing there (gloo, 2 ranks: the delayed gradients differ between the ranks
-from the conversion on, and so do its reducer's). Here every grad-enabled forward pass
-compares the delayed parameters' dtypes with the buffer's (a C call for them all) and
-refuses a mismatch on every rank through the failure channel, with the
+grad_dtype 'Double'", run here), else in the default dtype. A module converted behind
+the DDP's back (``ddp.module.double()``) converts the delayed gradients too: no longer
+views of the buffer, they were left out of its reduction, each rank keeping its own.
+PyTorch 2.13 raises nothing there (gloo, 2 ranks: the delayed gradients differ between
+the ranks from the conversion on, and so do its reducer's). Here every grad-enabled
+forward pass compares the delayed parameters' dtypes with the buffer's (a C call for
+them all) and refuses a mismatch on every rank through the failure channel, with the
 :class:`~xgrad.reducer_errors.GradientDtypeError` of a converted module's bucketed
 gradients.
 """

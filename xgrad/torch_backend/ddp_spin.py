@@ -20,13 +20,14 @@ time, for 3–5% more main-thread CPU; at world size 4 on those 2 cores the mlp 
 so there it stays off.
 
 A collective of CUDA tensors gets no spin, decided by its tensors' device at each wait
-(a default group made without a backend names its backend ``undefined``). On NCCL ``is_completed()`` asks the
-GPU whether the collective has run, so polling it holds the host until the GPU has caught
-up with everything queued before it (the backward pass), and the CPU can no longer queue
-the next work ahead; the collective's future completes when it is queued and its
-``wait()`` only orders the current stream, so there is nothing to gain from it. On an
-H200 (NCCL, one rank), with the spin on, xgrad took 1.26 of PyTorch's step on the mlp and
-1.12 on the transformer; the run without it is still to be made.
+(a default group made without a backend names its backend ``undefined``). On NCCL
+``is_completed()`` asks the GPU whether the collective has run, so polling it holds the
+host until the GPU has caught up with everything queued before it (the backward pass),
+and the CPU can no longer queue the next work ahead; the collective's future completes
+when it is queued and its ``wait()`` only orders the current stream, so there is nothing
+to gain from it. On an H200 (NCCL, one rank), with the spin on, xgrad took 1.26 of
+PyTorch's step on the mlp and 1.12 on the transformer; the run without it is still to be
+made.
 
 A spin that outlasts its bound falls back to the blocking wait it replaced, which checks
 the failure channel and counts the spin against the timeout: a peer's failure, a dead or

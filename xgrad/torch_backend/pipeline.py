@@ -62,12 +62,13 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
 
     The first stage reads microbatches of the input, the last computes the loss on
     microbatches of the target, the middle ones receive and send; activations move as
-    point-to-point messages whose receives are posted ahead, on private gloo groups through
-    host memory also for GPU stages (see :mod:`~xgrad.torch_backend.pipeline_lanes`) and
-    are dropped once sent. Gradients accumulate into the partitions' ``.grad`` and equal
-    those of the whole model run on the whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean over
-    the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default; ``scale_grads=False``
-    for a sum).
+    point-to-point messages whose receives are posted ahead, on private gloo groups
+    through host memory also for GPU stages (see
+    :mod:`~xgrad.torch_backend.pipeline_lanes`) and are dropped once sent. Gradients
+    accumulate into the partitions' ``.grad`` and equal those of the whole model run on
+    the whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean
+    over the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default;
+    ``scale_grads=False`` for a sum).
 
     Stage inputs and outputs are pytrees (tuples, lists, dicts of tensors, integer masks,
     tensors that need no gradient, constants), whose shapes may change from step to step;
