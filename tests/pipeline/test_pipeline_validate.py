@@ -115,3 +115,44 @@ def test_a_w_without_its_i_or_beside_a_b_is_worded_for_what_it_is() -> None:
         xp.validate(xp.schedule_from_csv("0F0,0W0"))
     with pytest.raises(xp.ScheduleError, match=r"0W0 mixes full backward \(B\) with split"):
         xp.validate(xp.schedule_from_csv("0F0,0B0,0W0"))
+
+
+@pytest.mark.parametrize(
+    ("rows", "placement", "idle"),
+    [
+        (["0F0 0B0", "1F0 1B0", ""], (0, 1), 2),  # one rank too many (a blank last CSV row)
+        (["0F0 0B0", "", "1F0 1B0"], (0, 2), 1),  # stages placed around a rank
+    ],
+)
+def test_a_rank_that_holds_no_stage_is_refused_naming_it(
+    rows: list[str], placement: tuple[int, ...], idle: int
+) -> None:
+    """torch's schedules build a stage on every rank and xgrad's torch runtime refuses a
+    rank without one; validate passed such a schedule, and both simulators counted the idle
+    rank into the bubble (two stages, one microbatch on 3 ranks: 0.67 instead of 0.5), for a
+    schedule that no runtime runs."""
+    s = sched(rows, placement, 1)
+    want = (
+        rf"rank {idle} holds no stage \(placement \[{', '.join(map(str, placement))}\]\); every "
+        "rank of a schedule runs a stage"
+    )
+    for check in (
+        xp.validate,
+        lambda s: xp.validate(xp.insert_comms(s)),
+        xp.simulate,
+        lambda s: xp.simulate_messages(s, lambda a: 1.0),
+    ):
+        with pytest.raises(ScheduleError, match=want) as info:
+            check(s)
+        assert (info.value.rank, info.value.step) == (idle, 0)
+    # The same schedule without the idle rank is valid.
+    kept = sched([r for r in rows if r], (0, 1), 1)
+    assert xp.validate(kept) is kept
+    assert xp.simulate(kept).bubble_fraction == pytest.approx(0.5)
+
+
+def test_a_blank_last_row_of_a_csv_is_named_as_an_idle_rank() -> None:
+    s = xp.schedule_from_csv("0F0,0B0\n1F0,1B0\n\n")
+    assert s.num_ranks == 3  # csv reads the blank row as a rank with no actions
+    with pytest.raises(ScheduleError, match="rank 2 holds no stage"):
+        xp.validate(s)

@@ -20,6 +20,7 @@ from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.passes import insert_comms
 from xgrad.pipeline.schedule import Schedule
 from xgrad.pipeline.simulate import Simulation, Span, checked_cost, dependencies, summarize
+from xgrad.pipeline.validate import check_ranks
 
 __all__ = ["simulate_messages"]
 
@@ -58,7 +59,9 @@ def simulate_messages(
     Raises:
         ValueError: the schedule cannot finish, or a cost, latency or dispatch is negative,
             NaN or infinite (the error names which, and the action or rank).
+        ScheduleError: a rank holds no stage (as :func:`~xgrad.pipeline.simulate`).
     """
+    check_ranks(schedule)
     sched = schedule if schedule.has_comms else insert_comms(schedule)
     p = sched.num_ranks
     queues = [list(expand(sched.actions[r])) for r in range(p)]

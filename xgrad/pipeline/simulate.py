@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from xgrad.pipeline.actions import Action, Kind
 from xgrad.pipeline.schedule import Schedule, format_grid
+from xgrad.pipeline.validate import check_ranks
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -190,7 +191,10 @@ def simulate(
     Raises:
         ValueError: the schedule cannot finish (validate it for a drawn explanation), a
             cost or ``comm_cost`` is negative, NaN or infinite, or together they overflow.
+        ScheduleError: a rank holds no stage (its idle time would count into the bubble
+            of a schedule no runtime runs; :func:`~xgrad.pipeline.validate.check_ranks`).
     """
+    check_ranks(schedule)
     cost = _cost_fn(costs)
     comm_cost = checked_cost(comm_cost, "comm_cost")
     p = schedule.num_ranks

@@ -6,7 +6,7 @@ from xgrad.pipeline.actions import Action, Kind, expand
 from xgrad.pipeline.edge_order import first_misordered
 from xgrad.pipeline.schedule import Schedule
 
-__all__ = ["ScheduleError", "check_placement", "validate"]
+__all__ = ["ScheduleError", "check_placement", "check_ranks", "validate"]
 
 F, B, I, W = Kind.FORWARD, Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT  # noqa: E741
 
@@ -124,6 +124,26 @@ def check_placement(schedule: Schedule) -> None:
                     schedule, r, i, f"{a}: stage {a.stage} is listed on rank {r}, but "
                     f"placement puts it on rank {q} (placement {list(schedule.placement)})"
                 )  # fmt: skip
+
+
+def check_ranks(schedule: Schedule) -> None:
+    """Every rank holds a stage.
+
+    torch's schedules build a ``PipelineStage`` on every rank of the group, and xgrad's
+    torch runtime refuses a rank with none, so no runtime runs a schedule with an idle
+    rank; validated, it passed, and :func:`~xgrad.pipeline.simulate` counted the idle rank
+    into the bubble. Such a schedule is most often a slip (a blank last row in a CSV, one
+    rank too many), refused naming the rank (checked by :func:`validate` and both
+    simulators).
+    """
+    held = set(schedule.placement)
+    for r in range(schedule.num_ranks):
+        if r not in held:
+            raise ScheduleError(
+                schedule, r, 0, f"rank {r} holds no stage (placement {list(schedule.placement)}"
+                f"); every rank of a schedule runs a stage, as in torch's schedules: drop the "
+                "rank, or place a stage on it"
+            )  # fmt: skip
 
 
 def _check_contents(schedule: Schedule) -> None:
@@ -272,9 +292,9 @@ def _run(schedule: Schedule, rendezvous: bool) -> None:
 def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
     """Check that ``schedule`` can run, and return it.
 
-    Checks: each action on the rank of its stage, once; every (stage, microbatch) has its
-    forward and its backward (B, or I and W); a forward before its backward and I before
-    W; every send matched by a receive on the peer and every cross-rank input received; each
+    Checks: every rank holds a stage; each action on the rank of its stage, once; every
+    (stage, microbatch) has its forward and its backward (B, or I and W); a forward before
+    its backward and I before W; every send matched by a receive on the peer and every cross-rank input received; each
     edge's messages taken in the order they are sent (a runtime matches them first in, first
     out, see :mod:`~xgrad.pipeline.edge_order`); and that executing it cannot deadlock.
     Point-to-point is taken as blocking: with ``rendezvous`` a send and its receive complete
@@ -287,6 +307,7 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    check_ranks(schedule)
     _check_contents(schedule)
     if schedule.has_comms:
         _check_pairs(schedule)
