@@ -129,6 +129,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         >>> loss = rt.step(x if rank == 0 else None, y if rank == 1 else None)
         >>> loss = rt.step(x if rank == 0 else None, target=y if rank == 1 else None)  # torch's
         >>> out = rt.step(x, target=y, return_outputs=True)  # torch's return: merged outputs
+        >>> loss = rt.step(x, target=y, mask=m)  # the model's keywords, split as torch's
     """
 
     def __init__(
@@ -209,6 +210,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         if self._dp is not None and not self._evaluating:
             self._dp.start()
         self._devices, self._joins, self._losses, self._outputs = {}, StageJoins(), {}, {}
+        self._keyword_mbs = None
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
         # private group is made (the peers wait for it in wait_all_started), else below.
@@ -237,7 +239,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
                 wire.advance(0)  # receives posted first: the peers' poison is taken at once
                 early = self._split(inputs, targets, mine)
                 split = True
-            xs, ys = early
+            xs, ys, self._keyword_mbs = early
             loss = None
             self.records = []
             for i, action in enumerate(self._actions):
@@ -269,8 +271,15 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
             self._fail_here(channel, wire, action, exc)
             raise
 
-    def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any]:
-        """This rank's microbatches of the inputs (stage 0) and targets (the last stage)."""
+    def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any, Any]:
+        """This rank's microbatches of the inputs (stage 0), targets (the last stage) and
+        the model's keywords (its every stage)."""
         return split_step(
-            self.schedule, self.rank, inputs, targets, mine, evaluating=self._evaluating
+            self.schedule,
+            self.rank,
+            inputs,
+            targets,
+            mine,
+            evaluating=self._evaluating,
+            keywords=self._keywords,
         )

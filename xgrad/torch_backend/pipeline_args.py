@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from xgrad.pipeline import (
@@ -28,13 +29,25 @@ from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 from xgrad.torch_backend.pipeline_wire import split_batch
 
 __all__ = [
+    "KEYWORDS_ONLY",
     "check_modules",
     "check_settings",
     "reduce_points",
     "runtime_schedule",
     "slot_map",
+    "split_keywords",
     "split_step",
 ]
+
+
+class _KeywordsOnly:
+    def __repr__(self) -> str:
+        return "KEYWORDS_ONLY"
+
+
+#: Stage 0's microbatch when the step gave the model keywords alone (torch's
+#: ``schedule.step(x=x)``): the stage is called with its keywords and no positional input.
+KEYWORDS_ONLY: Any = _KeywordsOnly()
 
 
 def check_settings(checkpoint: str, timeout: Any) -> float:
@@ -170,12 +183,16 @@ def split_step(
     mine: set[int],
     *,
     evaluating: bool = False,
-) -> tuple[Any, Any]:
-    """``rank``'s microbatches of a step's inputs (stage 0) and targets (the last stage;
-    optional in an evaluation, which then computes no loss).
+    keywords: dict[str, Any] | None = None,
+) -> tuple[Any, Any, list[dict[str, Any]] | None]:
+    """``rank``'s microbatches of a step's inputs (stage 0), targets (the last stage;
+    optional in an evaluation, which then computes no loss) and the model's keywords (each
+    of this rank's stages; ``None`` without any).
 
-    Also refuses a training step under ``torch.no_grad()``: its forwards would keep no
-    graph, and the first backward would fail after others had added to ``.grad``.
+    Stage 0 given no inputs but tensor keywords is called with the keywords alone
+    (:data:`KEYWORDS_ONLY`), as torch's ``schedule.step(x=x)`` calls it. Also refuses a
+    training step under ``torch.no_grad()``: its forwards would keep no graph, and the
+    first backward would fail after others had added to ``.grad``.
     """
     if not evaluating and not torch.is_grad_enabled():
         raise RuntimeError(
@@ -184,7 +201,39 @@ def split_step(
             "eval() for the forwards alone"
         )
     m, last = schedule.num_microbatches, schedule.num_stages - 1
-    xs = split_batch(inputs, m, "inputs", rank) if 0 in mine else None
+    kws = split_keywords(keywords, m, rank) if keywords else None
+    xs = None
+    if 0 in mine and inputs is None and keywords:
+        if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(keywords)):
+            raise TypeError(
+                f"rank {rank}: inputs must be a tensor or a pytree of tensors on this rank "
+                f"(the rank of stage 0), got None, and the keywords {sorted(keywords)} hold "
+                "no tensor to split into microbatches either"
+            )
+        xs = [KEYWORDS_ONLY] * m
+    elif 0 in mine:
+        xs = split_batch(inputs, m, "inputs", rank)
     wanted = last in mine and not (evaluating and targets is None)
     ys = split_batch(targets, m, "targets", rank) if wanted else None
-    return xs, ys
+    return xs, ys, kws
+
+
+def split_keywords(keywords: dict[str, Any], m: int, rank: int) -> list[dict[str, Any]]:
+    """A step's keywords for the model as m microbatches' (torch's
+    ``split_args_kwargs_into_chunks``): a tensor chunked along dim 0 like the inputs, any
+    other value given whole to every microbatch.
+
+    A container's tensors are chunked too (torch gives a nested one whole): xgrad splits
+    every tensor of a step's batch alike, as it splits a pytree of inputs.
+
+    Raises:
+        ValueError: a tensor whose batch size is not a multiple of m, or a 0-dim one
+            (naming the keyword and the rank), before anything is sent.
+    """
+    columns: dict[str, list[Any]] = {}
+    for name, value in keywords.items():
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
+            columns[name] = split_batch(value, m, f"keyword {name!r}", rank)
+        else:
+            columns[name] = [value] * m
+    return [{name: column[k] for name, column in columns.items()} for k in range(m)]

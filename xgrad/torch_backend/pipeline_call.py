@@ -6,8 +6,10 @@ return_outputs=True, loss_kwargs=None, **kwargs)`` and ``schedule.eval`` name th
 ``target``, give ``loss_fn(output, target, **loss_kwargs)`` its keywords and return the
 last stage's outputs, merged along the batch dimension (checked on torch 2.13). The
 runtime's ``step`` returns the loss: ``return_outputs=None``, its default, keeps that,
-``True`` returns what torch's returns and ``False`` nothing. Kept apart from
-:mod:`~xgrad.torch_backend.pipeline`, which holds the event loop (``_run_step``).
+``True`` returns what torch's returns and ``False`` nothing. The model's own keywords
+(torch's ``**kwargs``) are split into microbatches as torch splits them and given to each
+stage this rank runs. Kept apart from :mod:`~xgrad.torch_backend.pipeline`, which holds
+the event loop (``_run_step``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class StepCall:
     _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
     _keep_outputs: bool
     _loss_kwargs: dict[str, Any] | None
+    _keywords: dict[str, Any] | None
+    _keyword_mbs: list[dict[str, Any]] | None
     _run_step: Callable[..., Any]
 
     def step(
@@ -62,12 +66,18 @@ class StepCall:
         losses: list[Any] | None = None,
         return_outputs: bool | None = None,
         loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Run one step: every action of this rank, in order.
 
+        Torch's ``schedule.step(*args, target=..., **kwargs)`` calls stage 0 as
+        ``forward(*args)``; here ``inputs`` is stage 0's one positional argument (a pytree
+        for several) and a second positional argument is ``targets`` (xgrad's form, kept).
+
         Args:
             inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
-                the rank of stage 0 (ignored elsewhere).
+                the rank of stage 0 (ignored elsewhere). ``None`` there with tensor
+                ``kwargs``: stage 0 is called with the keywords alone (``step(x=x)``).
             targets: the whole batch's targets, on the rank of the last stage.
             target: torch's name for ``targets`` (its ``schedule.step(x, target=y)``); give
                 one of the two (both: a ``TypeError`` naming them).
@@ -78,10 +88,21 @@ class StepCall:
                 ``True`` returns what torch's ``step`` returns by default (the last stage's
                 outputs, merged) and ``False`` nothing, as torch's
                 ``step(return_outputs=False)``. The outputs are kept through the step only
-                when ``True`` (detached: their graph is freed by the backward, as torch
-                frees it).
+                when ``True``, detached, as torch detaches them to free their graph. Every
+                one: torch cannot detach a view in place and returns it (``y[:, :2]``, and
+                the merged batch made of such views) requiring grad, with a graph that
+                holds the stage's inputs and their gradients and that a backward cannot
+                go through (the step's backward freed it). Equal values, no graph here.
             loss_kwargs: keywords for the loss, called ``loss_fn(output, target,
                 **loss_kwargs)`` on every microbatch, as torch's schedules call it.
+            **kwargs: keywords for the model, split as torch splits them: a tensor (each
+                tensor of a container too, where torch gives a nested one whole) chunked
+                along dim 0 into the microbatches, any other value given whole to each. As
+                in torch, each rank's go to every stage it runs (one stage a rank:
+                ``step(x, mask=m)`` on stage 0's reaches stage 0 alone), each microbatch's
+                forward called ``forward(x, **its_kwargs)``. A tensor keyword that requires
+                grad gets the unpipelined model's gradient in ``.grad`` (torch's is m times
+                that: it divides the parameters' gradients alone by m, after the backward).
 
         Returns:
             On the last stage's rank: the whole batch's loss (detached) by default; with
@@ -95,11 +116,15 @@ class StepCall:
             TypeError: both ``targets`` and ``target``, ``losses`` not a list,
                 ``return_outputs`` not ``None`` or a bool, ``loss_kwargs`` not a dict
                 (raised before any message, on the rank given it).
+            ValueError: a tensor keyword (or input, target) whose batch size does not split
+                into the microbatches, or has no dim 0: raised on the rank given it, naming
+                it, before this rank sends anything; the other ranks raise a RankError.
         """
         targets = step_arguments("step", targets, target, losses)
         if return_outputs is not None and not isinstance(return_outputs, bool):
             raise TypeError(f"return_outputs={return_outputs!r} must be None or a bool")
-        loss, outputs = self._called(inputs, targets, losses, return_outputs is True, loss_kwargs)
+        keep = return_outputs is True
+        loss, outputs = self._called(inputs, targets, losses, keep, loss_kwargs, kwargs)
         return loss if return_outputs is None else outputs
 
     def _called(
@@ -109,17 +134,20 @@ class StepCall:
         losses: list[Any] | None,
         keep: bool,
         loss_kwargs: dict[str, Any] | None,
+        keywords: dict[str, Any],
     ) -> tuple[Any, Any]:
-        """Run a step (or, under ``evaluating``, an evaluation): its loss, and the last
-        stage's merged outputs there when ``keep`` (else ``None``)."""
+        """Run a step (or, under ``evaluating``, an evaluation) with the model's
+        ``keywords``: its loss, and the last stage's merged outputs there when ``keep``
+        (else ``None``)."""
         if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
             raise TypeError(f"loss_kwargs must be a dict, got a {type(loss_kwargs).__name__}")
-        self._keep_outputs, self._loss_kwargs = keep, loss_kwargs
+        self._keep_outputs, self._loss_kwargs, self._keywords = keep, loss_kwargs, keywords
         try:
             loss = self._run_step(inputs, targets, losses)
             outputs = self._outputs
-        finally:  # a failed step's outputs are not kept either
+        finally:  # a failed step's outputs are not kept either, nor the keywords' chunks
             self._keep_outputs, self._loss_kwargs, self._outputs = False, None, {}
+            self._keywords = self._keyword_mbs = None
         # Merged after the step, which every rank finished: an output that cannot be merged
         # fails here alone, leaving the step's group as it is (inside the step, its
         # failure reset this rank's group and not the others', and the next step timed out).

@@ -80,12 +80,21 @@ class Evaluation:
         *,
         target: Any = None,
         losses: list[Any] | None = None,
+        return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Run the forwards alone, on every microbatch, as torch's ``schedule.eval``: for a
         validation loss or predictions. Nothing is added to ``.grad`` and no activation is
         kept; every rank calls it (the ranks agree on the schedule again when they change
         between :meth:`step` and this, so one that trains meanwhile is refused by name).
+
+        torch's ``eval(*args, target=None, losses=None, **kwargs)`` is its ``step`` with the
+        backward off, its keywords passed on: ``return_outputs`` (default ``True``) and
+        ``loss_kwargs`` too. It runs with gradients on, so its outputs and losses come back
+        requiring grad, each holding its microbatch's graph and saved activations until
+        dropped; here the forwards run under ``torch.no_grad()`` and give the same values
+        without one.
 
         Args:
             inputs: the whole batch, on the rank of stage 0 (as for :meth:`step`).
@@ -95,20 +104,27 @@ class Evaluation:
                 one of the two (both: a ``TypeError`` naming them).
             losses: on the last stage's rank, a list emptied and filled with each
                 microbatch's loss (when ``targets`` are given), as for :meth:`step`.
-            loss_kwargs: keywords for ``loss_fn``, as for :meth:`step` (torch's ``eval``
-                passes them on to its ``step``).
+            return_outputs: ``False`` returns nothing, and keeps no output through the step
+                (torch's ``eval(..., return_outputs=False)``).
+            loss_kwargs: keywords for ``loss_fn``, as for :meth:`step`.
+            **kwargs: keywords for the model, split and given as :meth:`step` gives them.
 
         Returns:
             On the last stage's rank, its outputs for the whole batch, merged as torch's
-            schedules merge them (tensor leaves concatenated along dim 0); else ``None``.
+            schedules merge them (tensor leaves concatenated along dim 0); else ``None``,
+            and everywhere with ``return_outputs=False``.
 
         Raises:
             xgrad.failure.RankError: as :meth:`step`.
-            TypeError: as :meth:`step` (named ``eval()`` here).
+            TypeError: as :meth:`step` (named ``eval()`` here), or ``return_outputs`` not a
+                bool.
+            ValueError: as :meth:`step`.
         """
         targets = step_arguments("eval", targets, target, losses)
+        if not isinstance(return_outputs, bool):
+            raise TypeError(f"return_outputs={return_outputs!r} must be a bool")
         with evaluating(self):
-            return self._called(inputs, targets, losses, True, loss_kwargs)[1]
+            return self._called(inputs, targets, losses, return_outputs, loss_kwargs, kwargs)[1]
 
 
 @contextlib.contextmanager

@@ -183,16 +183,19 @@ class StagePasses(StageState):
             if outs:
                 # A batch with a graph upstream (``base * scale``) shares it between the
                 # microbatches: the first backward freed it for the others.
-                keep = self._takes_batch_grad(s, slot)
+                keep = self._takes_batch_grad(s, slot, mb)
                 torch.autograd.backward(outs, out_grads, retain_graph=keep)
             found: list[torch.Tensor | None] = [x.grad for x in flat]
             slot.output = slot.input = slot.out_edges = slot.grad_output = None
         else:
             found = [None] * len(flat)
             if flat and outs:
-                # W's starting points (see pipeline_joins), captured by the same call.
+                # W's starting points (see pipeline_joins), captured by the same call; none
+                # where W must reach a keyword that requires grad too (its whole backward).
                 joins = (
-                    self._joins.edges(s, outs, flat, self._params(s)) if self.w_from_joins else None
+                    self._joins.edges(s, outs, flat, self._params(s))
+                    if self.w_from_joins and not self._takes_batch_grad(s, slot, mb)
+                    else None
                 )
                 edges = [] if joins is None else joins[1]
                 got = torch.autograd.grad(
@@ -218,12 +221,6 @@ class StagePasses(StageState):
                     slot.grad_layout = slot.grad_layout or {}
                     slot.grad_layout[src] = [(x.shape, x.dtype) for x in group]
 
-    def _takes_batch_grad(self, stage: int, slot: Slot) -> bool:
-        """Whether ``stage`` reads the step's batch and some of it requires grad."""
-        if self.schedule.sources(stage) or slot.input is None:
-            return False
-        return any(t.requires_grad for t in tensor_leaves(slot.input))
-
     def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
         return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
@@ -244,7 +241,7 @@ class StagePasses(StageState):
                 outs, grads = [slot.output], None
             else:
                 outs, grads = self._targets(action, slot, slot.grad_output)
-            if outs and self._takes_batch_grad(action.stage, slot):
+            if outs and self._takes_batch_grad(action.stage, slot, action.microbatch):
                 # The step's own input requires grad (an adversarial input, a penalty on
                 # it): I had nothing of this stage's to differentiate, so W takes the
                 # whole backward, into the batch too, as B would (else its .grad stayed

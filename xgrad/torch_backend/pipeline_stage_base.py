@@ -18,9 +18,11 @@ from torch import nn
 from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Schedule
 from xgrad.torch_backend.failure import Waiters, wait_work
+from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_recompute import checkpointed
+from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageState"]
@@ -52,8 +54,10 @@ class StageState:
     _joins: StageJoins  # per stage graph, where W starts (this step)
     _evaluating: bool = False  # this step runs the forwards alone (eval)
     _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
-    _keep_outputs: bool = False  # kept: an evaluation, or step(return_outputs=True)
+    _keep_outputs: bool = False  # kept: eval(), or step(), with return_outputs=True
     _loss_kwargs: dict[str, Any] | None = None  # step(loss_kwargs=), torch's
+    _keywords: dict[str, Any] | None = None  # step(**kwargs): the model's, whole batch
+    _keyword_mbs: list[dict[str, Any]] | None = None  # the same per microbatch (this step)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -93,12 +97,32 @@ class StageState:
             with self._no_sync(self._slot_of[stage]):
                 yield
 
+    def _keywords_of(self, mb: int) -> dict[str, Any]:
+        """Microbatch ``mb``'s keywords for this rank's stages (torch gives a rank's
+        ``step(**kwargs)`` to each stage it runs)."""
+        return {} if self._keyword_mbs is None else self._keyword_mbs[mb]
+
+    def _takes_batch_grad(self, stage: int, slot: Slot, mb: int) -> bool:
+        """Whether ``stage``'s forward read something of the step's own that requires grad:
+        the batch (stage 0) or a keyword. Its backward then goes on into them (into
+        ``.grad`` of the tensors the caller gave), as the unpipelined model's does."""
+        if any(t.requires_grad for t in tensor_leaves(self._keywords_of(mb))):
+            return True
+        if self.schedule.sources(stage) or slot.input is None:
+            return False
+        return any(t.requires_grad for t in tensor_leaves(slot.input))
+
     def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
+        args = () if x is KEYWORDS_ONLY else (x,)
         with self._sync_context(stage, mb):
-            y = self._module(stage)(x)
+            y = self._module(stage)(*args, **self._keywords_of(mb))
         last = stage == self.schedule.num_stages - 1
         if last and self._keep_outputs and mb not in self._outputs:  # (a recompute's: equal)
-            # Detached, as torch's backward detaches them: the graph is not kept for them.
+            # Detached, all of them. torch's backward detaches its outputs in place, to
+            # free their graph, but cannot detach a view in place, and returns views
+            # (``y[:, :2]``, ``y.view(...)``) with theirs: it holds the stage's inputs and
+            # their gradients, and a backward through it fails (freed). Its ``eval`` runs
+            # with gradients and returns every output with its graph and saved activations.
             self._outputs[mb] = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, y)
         if last and self._evaluating:
             if target is not None:
