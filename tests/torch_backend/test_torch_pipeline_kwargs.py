@@ -292,3 +292,35 @@ def test_keyword_gradients_equal_the_whole_models_under_split_backward() -> None
                 torch.testing.assert_close(leaf, leaves[rank], rtol=1e-12, atol=1e-15, msg=where)
                 for g, w in zip(got, grads[rank], strict=True):
                     torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-15, msg=where)
+
+
+class _Clamping(_First):
+    """A first stage that changes its mask keyword in place."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return super().forward(x, mask.clamp_(min=0), **kw)
+
+
+def _in_place(rank: int, world: int) -> str:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    part = _Clamping() if rank == 0 else _part(1)
+    rt = PipelineRuntime(xp.make("1f1b", 2, M), [part], nn.MSELoss(), checkpoint="always")
+    d = _data()
+    try:
+        rt.step(d["x"], target=d["y"], **({"mask": d["mask"]} if rank == 0 else {}))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def test_a_checkpointed_stage_changing_a_keyword_in_place_is_refused() -> None:
+    """Its recomputation would read the changed keyword, and give the gradients of another
+    forward without a word, as for a changed input."""
+    zero, one = spawn(_in_place, 2, timeout=90)
+    want = (
+        "0F0: stage 0's forward changed its input in place (tensor leaf 0 of keyword 'mask', "
+        "shape (2, 5), torch.float64): with checkpoint='always' this forward runs again"
+    )
+    for text in (zero, one):  # raised on every rank, naming where
+        assert text.startswith(f"RankError: rank 0: 0F0 failed: RuntimeError: {want}"), text

@@ -193,22 +193,34 @@ def no_activations() -> contextlib.AbstractContextManager[None]:
     return torch.autograd.graph.saved_tensors_hooks(_dropped, _never_read)
 
 
-def versions(tree: Any) -> list[int]:
-    """The version counters of ``tree``'s tensor leaves (an in-place change bumps one)."""
-    return [t._version for t in tensor_leaves(tree)]
+def _labelled(tree: Any, keywords: dict[str, Any] | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensor leaves of a forward's input and keywords, each with where it is."""
+    found = [(f"tensor leaf {i} of the input", t) for i, t in enumerate(tensor_leaves(tree))]
+    for name, value in (keywords or {}).items():
+        leaves = enumerate(tensor_leaves(value))
+        found += [(f"tensor leaf {j} of keyword {name!r}", t) for j, t in leaves]
+    return found
 
 
-def check_unchanged(what: str, tree: Any, before: list[int], mode: str) -> None:
-    """Refuse a checkpointed forward that changed its input in place.
+def versions(tree: Any, keywords: dict[str, Any] | None = None) -> list[int]:
+    """The version counters of the tensor leaves of ``tree`` and then ``keywords`` (an
+    in-place change bumps one)."""
+    return [t._version for _, t in _labelled(tree, keywords)]
+
+
+def check_unchanged(
+    what: str, tree: Any, before: list[int], mode: str, keywords: dict[str, Any] | None = None
+) -> None:
+    """Refuse a checkpointed forward that changed its input (or a keyword) in place.
 
     Its recomputation, right before the backward, runs on the same input, which by then
     holds the changed values: the gradients would be those of another forward, without a
     word (the loss, from the first run, stays right). Raised naming the input's position.
     """
-    for i, (t, old) in enumerate(zip(tensor_leaves(tree), before, strict=True)):
+    for (where, t), old in zip(_labelled(tree, keywords), before, strict=True):
         if t._version != old:
             raise RuntimeError(
-                f"{what} changed its input in place (tensor leaf {i} of the input, shape "
+                f"{what} changed its input in place ({where}, shape "
                 f"{tuple(t.shape)}, {t.dtype}): with checkpoint={mode!r} this forward runs "
                 "again on that input before its backward, where it would see the changed "
                 "values and give wrong gradients; change a copy in the stage (x = x.clone()) "

@@ -75,7 +75,8 @@ class StagePasses(StageState):
         else:
             slot.rng = RngState.capture(self._device(s))
             buffers = BufferSnapshot(self._module(s))
-            before = versions(x)
+            kw = self._keywords_of(mb)
+            before = versions(x, kw)
             if self._data_parallel(s):
                 # DDP: a forward in grad mode would be waited for by its reducer.
                 with torch.no_grad():
@@ -87,7 +88,7 @@ class StagePasses(StageState):
                 slot.carry = carried(y)
                 y = detach_tree(y, [False] * len(slot.carry))  # its graph goes
             slot.buffers = buffers.changed()
-            check_unchanged(f"{action}: stage {s}'s forward", x, before, self.checkpoint)
+            check_unchanged(f"{action}: stage {s}'s forward", x, before, self.checkpoint, kw)
         carried_leaves = [t for t, c in zip(tensor_leaves(y), slot.carry, strict=True) if c]
         slot.grad_shapes = [(t.shape, t.dtype) for t in carried_leaves]
         slot.input = x
