@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,6 @@ from xgrad.torch_backend.pipeline_args import (
     check_settings,
     runtime_schedule,
     slot_map,
-    split_step,
 )
 from xgrad.torch_backend.pipeline_call import StepCall
 from xgrad.torch_backend.pipeline_ddps import (
@@ -48,9 +47,13 @@ from xgrad.torch_backend.pipeline_lanes import default_lanes
 from xgrad.torch_backend.pipeline_posted import check_release
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
+from xgrad.torch_backend.pipeline_specs import chunk_specs
 from xgrad.torch_backend.pipeline_stage import StagePasses
 from xgrad.torch_backend.pipeline_wire import EdgeCache
 from xgrad.torch_backend.private_groups import require_member
+
+if TYPE_CHECKING:  # torch's module takes a second and a half to import (pipeline_specs)
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 __all__ = ["CHECKPOINT_MODES", "ActionRecord", "PipelineRuntime"]
 
@@ -123,6 +126,17 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         scale_grads: each microbatch's loss is divided by m (default), as torch's schedules
             scale the gradients: for a loss that is a mean over its batch. False: for a sum
             (the gradients, and the loss :meth:`step` returns, are then sums over microbatches).
+        args_chunk_spec: torch's: how stage 0's positional arguments split into
+            microbatches, ``(spec,)`` for xgrad's one (``inputs``), ``spec`` a
+            ``TensorChunkSpec(split_dim)`` (``TensorChunkSpec(1)``: sequence-first),
+            ``_Replicate()`` (given whole to each) or a pytree of them, a leaf standing for
+            its subtree (:mod:`~xgrad.torch_backend.pipeline_specs`). Default: dim 0. The
+            targets split along dim 0, as torch's.
+        kwargs_chunk_spec: torch's: a spec per keyword of the model, by name; a step that
+            gives keywords must give those it names. Default: a tensor along dim 0 (each
+            tensor of a container too), any other value whole.
+        output_merge_spec: torch's: how :meth:`step` and :meth:`eval` merge the last
+            stage's outputs (``TensorChunkSpec(dim)``, ``sum_reducer``). Default: dim 0.
 
     Example:
         >>> rt = PipelineRuntime(one_f_one_b(2, 4), [stage], nn.MSELoss())  # doctest: +SKIP
@@ -147,6 +161,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         dp_group: Any = None,
         device: torch.device | str | None = None,
         scale_grads: bool = True,
+        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+        output_merge_spec: dict[str, Any] | tuple[Any, ...] | TensorChunkSpec | None = None,
     ) -> None:
         self.timeout = check_settings(checkpoint, timeout)
         require_member(group, "run the pipeline")
@@ -163,6 +180,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         if not isinstance(scale_grads, bool):
             raise TypeError(f"scale_grads={scale_grads!r} must be a bool")
         self.scale_grads = scale_grads
+        self._chunk_specs = chunk_specs(
+            args_chunk_spec, kwargs_chunk_spec, output_merge_spec, self.rank
+        )
         self._no_sync = no_sync
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group
@@ -270,16 +290,3 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         except BaseException as exc:  # Ctrl-C, exit: the peers are told, here it stays as is
             self._fail_here(channel, wire, action, exc)
             raise
-
-    def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any, Any]:
-        """This rank's microbatches of the inputs (stage 0), targets (the last stage) and
-        the model's keywords (its every stage)."""
-        return split_step(
-            self.schedule,
-            self.rank,
-            inputs,
-            targets,
-            mine,
-            evaluating=self._evaluating,
-            keywords=self._keywords,
-        )

@@ -26,6 +26,7 @@ from xgrad.pipeline import (
     validate,
 )
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
+from xgrad.torch_backend.pipeline_specs import ChunkSpecs, split_inputs, split_keywords_by_spec
 from xgrad.torch_backend.pipeline_wire import split_batch
 
 __all__ = [
@@ -184,13 +185,16 @@ def split_step(
     *,
     evaluating: bool = False,
     keywords: dict[str, Any] | None = None,
+    specs: ChunkSpecs | None = None,
 ) -> tuple[Any, Any, list[dict[str, Any]] | None]:
     """``rank``'s microbatches of a step's inputs (stage 0), targets (the last stage;
     optional in an evaluation, which then computes no loss) and the model's keywords (each
     of this rank's stages; ``None`` without any).
 
     Stage 0 given no inputs but tensor keywords is called with the keywords alone
-    (:data:`KEYWORDS_ONLY`), as torch's ``schedule.step(x=x)`` calls it. Also refuses a
+    (:data:`KEYWORDS_ONLY`), as torch's ``schedule.step(x=x)`` calls it. ``specs``: the
+    runtime's ``args_chunk_spec`` and ``kwargs_chunk_spec`` (:mod:`.pipeline_specs`; unused
+    where there are no inputs, or no keywords, as torch's). Also refuses a
     training step under ``torch.no_grad()``: its forwards would keep no graph, and the
     first backward would fail after others had added to ``.grad``.
     """
@@ -201,7 +205,12 @@ def split_step(
             "eval() for the forwards alone"
         )
     m, last = schedule.num_microbatches, schedule.num_stages - 1
-    kws = split_keywords(keywords, m, rank) if keywords else None
+    specs = specs or ChunkSpecs()
+    kws = None
+    if keywords and specs.kwargs is not None:
+        kws = split_keywords_by_spec(keywords, specs.kwargs, m, rank)
+    elif keywords:
+        kws = split_keywords(keywords, m, rank)
     xs = None
     if 0 in mine and inputs is None and keywords:
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(keywords)):
@@ -211,6 +220,8 @@ def split_step(
                 "no tensor to split into microbatches either"
             )
         xs = [KEYWORDS_ONLY] * m
+    elif 0 in mine and specs.args is not None and inputs is not None:
+        xs = split_inputs(inputs, specs.args, m, rank)
     elif 0 in mine:
         xs = split_batch(inputs, m, "inputs", rank)
     wanted = last in mine and not (evaluating and targets is None)
@@ -220,11 +231,9 @@ def split_step(
 
 def split_keywords(keywords: dict[str, Any], m: int, rank: int) -> list[dict[str, Any]]:
     """A step's keywords for the model as m microbatches' (torch's
-    ``split_args_kwargs_into_chunks``): a tensor chunked along dim 0 like the inputs, any
-    other value given whole to every microbatch.
-
-    A container's tensors are chunked too (torch gives a nested one whole): xgrad splits
-    every tensor of a step's batch alike, as it splits a pytree of inputs.
+    ``split_args_kwargs_into_chunks`` without a ``kwargs_chunk_spec``): a tensor chunked
+    along dim 0 like the inputs (each tensor of a container too, as torch's), any other
+    value given whole to every microbatch.
 
     Raises:
         ValueError: a tensor whose batch size is not a multiple of m, or a 0-dim one

@@ -7,8 +7,9 @@ return_outputs=True, loss_kwargs=None, **kwargs)`` and ``schedule.eval`` name th
 last stage's outputs, merged along the batch dimension (checked on torch 2.13). The
 runtime's ``step`` returns the loss: ``return_outputs=None``, its default, keeps that,
 ``True`` returns what torch's returns and ``False`` nothing. The model's own keywords
-(torch's ``**kwargs``) are split into microbatches as torch splits them and given to each
-stage this rank runs. Kept apart from :mod:`~xgrad.torch_backend.pipeline`, which holds
+(torch's ``**kwargs``) are split into microbatches as torch splits them (by default, or as
+the runtime's chunk specs say: :mod:`~xgrad.torch_backend.pipeline_specs`) and given to
+each stage this rank runs. Kept apart from :mod:`~xgrad.torch_backend.pipeline`, which holds
 the event loop (``_run_step``).
 """
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.utils._pytree as pytree
+from xgrad.pipeline import Schedule
+from xgrad.torch_backend.pipeline_args import split_step
+from xgrad.torch_backend.pipeline_merge import merge_outputs
+from xgrad.torch_backend.pipeline_specs import ChunkSpecs
 
 __all__ = ["StepCall", "merge_outputs", "step_arguments"]
 
@@ -55,6 +58,10 @@ class StepCall:
     _loss_kwargs: dict[str, Any] | None
     _keywords: dict[str, Any] | None
     _keyword_mbs: list[dict[str, Any]] | None
+    _chunk_specs: ChunkSpecs  # the runtime's args/kwargs_chunk_spec, output_merge_spec
+    rank: int
+    schedule: Schedule
+    _evaluating: bool
     _run_step: Callable[..., Any]
 
     def step(
@@ -96,8 +103,9 @@ class StepCall:
             loss_kwargs: keywords for the loss, called ``loss_fn(output, target,
                 **loss_kwargs)`` on every microbatch, as torch's schedules call it.
             **kwargs: keywords for the model, split as torch splits them: a tensor (each
-                tensor of a container too, where torch gives a nested one whole) chunked
-                along dim 0 into the microbatches, any other value given whole to each. As
+                tensor of a container too, as torch's) chunked along dim 0 into the
+                microbatches, any other value given whole to each, or as the runtime's
+                ``kwargs_chunk_spec`` says (and the inputs as its ``args_chunk_spec``). As
                 in torch, each rank's go to every stage it runs (one stage a rank:
                 ``step(x, mask=m)`` on stage 0's reaches stage 0 alone), each microbatch's
                 forward called ``forward(x, **its_kwargs)``. A tensor keyword that requires
@@ -108,7 +116,8 @@ class StepCall:
             On the last stage's rank: the whole batch's loss (detached) by default; with
             ``return_outputs=True`` its outputs for the whole batch, merged as torch's
             ``merge_chunks`` merges them (tensor leaves concatenated along dim 0, the
-            pytree kept); ``None`` with ``False``. ``None`` on the other ranks.
+            pytree kept, or as the runtime's ``output_merge_spec`` says); ``None`` with
+            ``False``. ``None`` on the other ranks.
 
         Raises:
             xgrad.failure.RankError: this or another rank failed (the message names where),
@@ -117,8 +126,11 @@ class StepCall:
                 ``return_outputs`` not ``None`` or a bool, ``loss_kwargs`` not a dict
                 (raised before any message, on the rank given it).
             ValueError: a tensor keyword (or input, target) whose batch size does not split
-                into the microbatches, or has no dim 0: raised on the rank given it, naming
-                it, before this rank sends anything; the other ranks raise a RankError.
+                into the microbatches, or has no dim 0 (or no spec'd dim; a keyword without
+                a spec in ``kwargs_chunk_spec``, or a spec for one not given): raised on the
+                rank given it, naming it, before this rank sends anything; the other ranks
+                raise a RankError. Outputs that ``output_merge_spec`` cannot merge: on the
+                last stage's rank alone, after the step.
         """
         targets = step_arguments("step", targets, target, losses)
         if return_outputs is not None and not isinstance(return_outputs, bool):
@@ -153,30 +165,19 @@ class StepCall:
         # failure reset this rank's group and not the others', and the next step timed out).
         if not outputs:
             return loss, None
-        return loss, merge_outputs([outputs[mb] for mb in sorted(outputs)])
+        chunks = [outputs[mb] for mb in sorted(outputs)]
+        return loss, merge_outputs(chunks, self._chunk_specs.outputs, self.rank)
 
-
-def merge_outputs(outputs: list[Any]) -> Any:
-    """The microbatches' outputs as one batch, as torch's ``merge_chunks`` gives them:
-    tensor leaves concatenated along dim 0 (0-dim ones stacked), other leaves as the list
-    of each microbatch's.
-
-    Raises:
-        ValueError: two microbatches' outputs of different structures (named).
-    """
-    flat = [pytree.tree_flatten(out) for out in outputs]
-    spec = flat[0][1]
-    for mb, (_, other) in enumerate(flat):
-        if other != spec:
-            raise ValueError(
-                f"the last stage's output of microbatch {mb} has another structure than "
-                f"microbatch 0's ({other} against {spec}): they cannot be merged"
-            )
-    merged: list[Any] = []
-    for column in zip(*(leaves for leaves, _ in flat), strict=True):
-        if all(isinstance(t, torch.Tensor) for t in column):
-            ts: list[torch.Tensor] = list(column)
-            merged.append(torch.stack(ts) if ts[0].dim() == 0 else torch.cat(ts))
-        else:
-            merged.append(list(column))
-    return pytree.tree_unflatten(merged, spec)
+    def _split(self, inputs: Any, targets: Any, mine: set[int]) -> tuple[Any, Any, Any]:
+        """This rank's microbatches of the inputs (stage 0), targets (the last stage) and
+        the model's keywords (its every stage)."""
+        return split_step(
+            self.schedule,
+            self.rank,
+            inputs,
+            targets,
+            mine,
+            evaluating=self._evaluating,
+            keywords=self._keywords,
+            specs=self._chunk_specs,
+        )

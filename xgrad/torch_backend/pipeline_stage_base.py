@@ -23,6 +23,7 @@ from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_recompute import checkpointed
 from xgrad.torch_backend.pipeline_slot import Slot
+from xgrad.torch_backend.pipeline_specs import ChunkSpecs
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageState"]
@@ -58,6 +59,7 @@ class StageState:
     _loss_kwargs: dict[str, Any] | None = None  # step(loss_kwargs=), torch's
     _keywords: dict[str, Any] | None = None  # step(**kwargs): the model's, whole batch
     _keyword_mbs: list[dict[str, Any]] | None = None  # the same per microbatch (this step)
+    _chunk_specs: ChunkSpecs = ChunkSpecs()  # the runtime's torch chunk specs (pipeline_specs)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -137,19 +139,23 @@ class StageState:
     def _loss(self, y: Any, target: Any) -> torch.Tensor:
         """``loss_fn(y, target)``, its failure naming the two shapes (a target batch that
         does not match the inputs' ends there, in a broadcast error); it must be a
-        floating-point scalar tensor that requires a gradient."""
+        floating-point scalar tensor that requires a gradient. The output's batch is along
+        dim 0, or the ``output_merge_spec``'s dim (unknown with other specs alone)."""
+        dim = self._chunk_specs.batch_dim
         if (
-            isinstance(y, torch.Tensor)
+            dim is not None
+            and isinstance(y, torch.Tensor)
             and isinstance(target, torch.Tensor)
-            and y.dim() > 0
+            and -y.dim() <= dim < y.dim()
             and target.dim() > 0
-            and y.shape[0] != target.shape[0]
+            and y.shape[dim] != target.shape[0]
         ):
             # A loss that broadcasts (mse_loss over (1, 4) and (2, 4)) would not say it.
+            rows = "rows" if dim == 0 else f"along dim {dim} (output_merge_spec)"
             raise ValueError(
-                f"loss_fn(output, target): the microbatch's output has {y.shape[0]} rows and "
-                f"its target {target.shape[0]}: inputs and targets must have the same batch "
-                f"size ({_shapes(y, target)})"
+                f"loss_fn(output, target): the microbatch's output has {y.shape[dim]} {rows} "
+                f"and its target {target.shape[0]}: inputs and targets must have the same "
+                f"batch size ({_shapes(y, target)})"
             )
         try:
             loss = self.loss_fn(y, target, **(self._loss_kwargs or {}))
