@@ -173,7 +173,7 @@ def _bad_arguments(rank: int, world: int) -> list[str]:
     if 0 < rank < world - 1:
         return messages  # a middle stage takes no batch
     try:
-        rt.step(torch.zeros(5, WIDTH), torch.zeros(5, WIDTH))
+        rt.step(torch.zeros(1, WIDTH), torch.zeros(1, WIDTH))
     except ValueError as exc:
         messages.append(str(exc))
     return messages
@@ -206,13 +206,11 @@ def test_every_schedule_matches_the_whole_model(world: int) -> None:
         assert "timeout must be positive" in messages[1]
         assert f"rank {rank}: schedule has {world + 1} ranks, the group {world}" in messages[2]
         assert f"rank {rank}: needs partitions for slots [0, 1], got 1" in messages[3]
-        assert all(
-            "batch size 5 is not a multiple of the 2 microbatches" in e for e in messages[4:]
-        )
+        assert all("batch size 1 is smaller than the 2 microbatches" in e for e in messages[4:])
 
 
 def _one_bad_batch(rank: int, world: int, rows: list[int]) -> list[str]:
-    """Rank 1 (the last stage) gets targets of ``rows[k]`` rows at step k (6 cannot be split
+    """Rank 1 (the last stage) gets targets of ``rows[k]`` rows at step k (3 cannot be split
     into 4 microbatches), rank 0 good inputs. What each step raised ("ok" when nothing)."""
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
@@ -235,10 +233,10 @@ def test_a_batch_one_rank_cannot_split_fails_that_step_on_every_rank() -> None:
     ("ok" with the next targets) and every later step stayed shifted by one."""
     from ranks import run_ranks
 
-    results, _ = run_ranks(_one_bad_batch, 2, ([BATCH, 6, BATCH],), timeout=30)
+    results, _ = run_ranks(_one_bad_batch, 2, ([BATCH, 3, BATCH],), timeout=30)
     zero, one = results[0][1], results[1][1]
-    assert (
-        one[1] == "ValueError: rank 1: targets batch size 6 is not a multiple of the 4 microbatches"
+    assert one[1].startswith(
+        "ValueError: rank 1: targets batch size 3 is smaller than the 4 microbatches"
     )
     assert zero[1].startswith("RankError: rank 1: step failed: ValueError: rank 1: targets"), zero
     assert zero[0] == zero[2] == one[0] == one[2] == "ok", results
@@ -251,10 +249,10 @@ def test_a_bad_batch_on_the_first_step_fails_that_step_on_every_rank() -> None:
     (after a failure), good."""
     from ranks import run_ranks
 
-    results, _ = run_ranks(_one_bad_batch, 2, ([6, BATCH, 6, 6, BATCH],), timeout=30)
+    results, _ = run_ranks(_one_bad_batch, 2, ([3, BATCH, 3, 3, BATCH],), timeout=30)
     zero, one = results[0][1], results[1][1]
     for k in (0, 2, 3):
-        assert one[k].startswith("ValueError: rank 1: targets batch size 6 is not a multiple"), one
+        assert one[k].startswith("ValueError: rank 1: targets batch size 3 is smaller than"), one
         assert zero[k].startswith("RankError: rank 1: step failed: ValueError: rank 1:"), zero
     assert zero[1] == zero[4] == one[1] == one[4] == "ok", results
 

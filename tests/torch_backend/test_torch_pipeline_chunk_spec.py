@@ -378,7 +378,10 @@ def test_bad_specs_are_refused_naming_them_on_every_rank() -> None:
     stepped = zero["stepped"]
     assert stepped == [
         "ValueError: rank 0: inputs size 6 along dim 1 (args_chunk_spec[0] TensorChunkSpec(1)) "
-        "is not a multiple of the 4 microbatches",
+        "and keyword 'mask' size 8 along dim 1 (kwargs_chunk_spec['mask'] TensorChunkSpec(1)) "
+        "split into microbatches of different rows ([2, 2, 1, 1] and [2, 2, 2, 2]): "
+        "microbatch k would pair rows that do not belong together; give them the same batch "
+        "size (or both multiples of the 4 microbatches)",
         "ok",
         "ValueError: rank 0: args_chunk_spec[0] is TensorChunkSpec(1), and inputs has 1 dims "
         "(shape [8]): split_dim must be in [-1, 0]",

@@ -225,7 +225,7 @@ def _after_switch(rank: int, world: int) -> list[str]:
     x, y = ts.data(1)
     out = []
     rt.step(x, y)
-    bad = torch.zeros(2 * ts.M + 1, ts.WIDTH, dtype=torch.float64)
+    bad = torch.zeros(ts.M - 1, ts.WIDTH, dtype=torch.float64)  # fewer rows than microbatches
     for call in (rt.eval, rt.step):  # a bad batch at the first call after each switch
         try:
             call(bad if rank == 0 else None, y)

@@ -176,13 +176,17 @@ def _bad(rank: int, world: int) -> list[str]:
 def test_a_bad_keyword_is_refused_naming_it_on_every_rank() -> None:
     """Raised on the rank given it before it sends anything; its peer's step fails naming
     that rank (it does not wait out its timeout), and the next step works. torch raises an
-    ``IndexError`` for the 0-dim tensor and splits 6 rows into 4 uneven microbatches."""
+    ``IndexError`` for the 0-dim tensor, and splits a mask of 6 rows into 2, 2, 1, 1 and
+    inputs of 8 into 2 each, and pairs them."""
     from ranks import run_ranks
 
     results, _ = run_ranks(_bad, 2, timeout=60)
     zero, one = results[0][1], results[1][1]
     assert zero == [
-        "ValueError: rank 0: keyword 'mask' batch size 6 is not a multiple of the 4 microbatches",
+        "ValueError: rank 0: keyword 'mask' batch size 6 and inputs batch size 8 split into "
+        "microbatches of different rows ([2, 2, 1, 1] and [2, 2, 2, 2]): microbatch k would "
+        "pair rows that do not belong together; give them the same batch size (or both "
+        "multiples of the 4 microbatches)",
         "ok",
         "ValueError: rank 0: keyword 'scale' is a 0-dim tensor: it has no batch dimension to "
         "split into 4 microbatches (give it one, or pass a Python number, which every "

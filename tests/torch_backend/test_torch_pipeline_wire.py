@@ -78,10 +78,13 @@ def test_edge_cache_reuses_a_description_and_remembers_the_last() -> None:
 def test_split_batch_and_its_errors() -> None:
     parts = split_batch({"x": torch.arange(8).reshape(4, 2), "k": 1}, 2, "inputs", 0)
     assert [p["x"].shape[0] for p in parts] == [2, 2] and parts[1]["k"] == 1
-    with pytest.raises(ValueError, match="rank 0: inputs batch size 5 is not a multiple of the 2"):
-        split_batch(torch.zeros(5, 1), 2, "inputs", 0)
-    with pytest.raises(ValueError, match="inputs leaf 1 batch size 3"):
-        split_batch((torch.zeros(4), torch.zeros(3)), 2, "inputs", 0)
+    # m that does not divide the batch: torch's tensor_split, the larger microbatches first
+    parts = split_batch(torch.arange(5), 2, "inputs", 0)
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="rank 0: inputs batch size 1 is smaller than the 2"):
+        split_batch(torch.zeros(1, 1), 2, "inputs", 0)
+    with pytest.raises(ValueError, match="inputs leaf 1 batch size 3 is smaller than the 4"):
+        split_batch((torch.zeros(4), torch.zeros(3)), 4, "inputs", 0)
     # A 0-dim leaf has no batch dimension (it was said to have "batch size 0", which is
     # a multiple of every m).
     with pytest.raises(ValueError, match="inputs leaf 1 is a 0-dim tensor: it has no batch"):

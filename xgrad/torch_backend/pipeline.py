@@ -71,7 +71,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
     accumulate into the partitions' ``.grad`` and equal those of the whole model run on
     the whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean
     over the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default;
-    ``scale_grads=False`` for a sum).
+    ``scale_grads=False`` for a sum). A batch m does not divide splits as torch's
+    (10 rows: 3, 3, 2, 2), each loss still over m, as torch's: then not the whole
+    batch's mean (:mod:`~xgrad.torch_backend.pipeline_rows`).
 
     Stage inputs and outputs are pytrees (tuples, lists, dicts of tensors, integer masks,
     tensors that need no gradient, constants), whose shapes may change from step to step;

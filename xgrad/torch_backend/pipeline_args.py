@@ -26,6 +26,7 @@ from xgrad.pipeline import (
     validate,
 )
 from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
+from xgrad.torch_backend.pipeline_rows import Rows, check_rows
 from xgrad.torch_backend.pipeline_specs import ChunkSpecs, split_inputs, split_keywords_by_spec
 from xgrad.torch_backend.pipeline_wire import split_batch
 
@@ -194,7 +195,9 @@ def split_step(
     Stage 0 given no inputs but tensor keywords is called with the keywords alone
     (:data:`KEYWORDS_ONLY`), as torch's ``schedule.step(x=x)`` calls it. ``specs``: the
     runtime's ``args_chunk_spec`` and ``kwargs_chunk_spec`` (:mod:`.pipeline_specs`; unused
-    where there are no inputs, or no keywords, as torch's). Also refuses a
+    where there are no inputs, or no keywords, as torch's). Tensors split as torch's
+    ``tensor_split``, unevenly where m does not divide them; those of this rank must then
+    split alike (:func:`~xgrad.torch_backend.pipeline_rows.check_rows`). Also refuses a
     training step under ``torch.no_grad()``: its forwards would keep no graph, and the
     first backward would fail after others had added to ``.grad``.
     """
@@ -206,11 +209,8 @@ def split_step(
         )
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     specs = specs or ChunkSpecs()
-    kws = None
-    if keywords and specs.kwargs is not None:
-        kws = split_keywords_by_spec(keywords, specs.kwargs, m, rank)
-    elif keywords:
-        kws = split_keywords(keywords, m, rank)
+    # Each tensor's size along its split dim, to check they split alike (pipeline_rows).
+    rows: Rows = []
     xs = None
     if 0 in mine and inputs is None and keywords:
         if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(keywords)):
@@ -221,28 +221,36 @@ def split_step(
             )
         xs = [KEYWORDS_ONLY] * m
     elif 0 in mine and specs.args is not None and inputs is not None:
-        xs = split_inputs(inputs, specs.args, m, rank)
+        xs = split_inputs(inputs, specs.args, m, rank, rows)
     elif 0 in mine:
-        xs = split_batch(inputs, m, "inputs", rank)
+        xs = split_batch(inputs, m, "inputs", rank, rows)
+    kws = None
+    if keywords and specs.kwargs is not None:
+        kws = split_keywords_by_spec(keywords, specs.kwargs, m, rank, rows)
+    elif keywords:
+        kws = split_keywords(keywords, m, rank, rows)
     wanted = last in mine and not (evaluating and targets is None)
-    ys = split_batch(targets, m, "targets", rank) if wanted else None
+    ys = split_batch(targets, m, "targets", rank, rows) if wanted else None
+    check_rows(rows, m, rank)
     return xs, ys, kws
 
 
-def split_keywords(keywords: dict[str, Any], m: int, rank: int) -> list[dict[str, Any]]:
+def split_keywords(
+    keywords: dict[str, Any], m: int, rank: int, rows: Rows | None = None
+) -> list[dict[str, Any]]:
     """A step's keywords for the model as m microbatches' (torch's
-    ``split_args_kwargs_into_chunks`` without a ``kwargs_chunk_spec``): a tensor chunked
-    along dim 0 like the inputs (each tensor of a container too, as torch's), any other
-    value given whole to every microbatch.
+    ``split_args_kwargs_into_chunks`` without a ``kwargs_chunk_spec``): a tensor split
+    along dim 0 like the inputs (each tensor of a container too, as torch's; unevenly where
+    m does not divide it), any other value given whole to every microbatch.
 
     Raises:
-        ValueError: a tensor whose batch size is not a multiple of m, or a 0-dim one
-            (naming the keyword and the rank), before anything is sent.
+        ValueError: a tensor with fewer rows than m, or a 0-dim one (naming the keyword and
+            the rank), before anything is sent.
     """
     columns: dict[str, list[Any]] = {}
     for name, value in keywords.items():
         if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value)):
-            columns[name] = split_batch(value, m, f"keyword {name!r}", rank)
+            columns[name] = split_batch(value, m, f"keyword {name!r}", rank, rows)
         else:
             columns[name] = [value] * m
     return [{name: column[k] for name, column in columns.items()} for k in range(m)]

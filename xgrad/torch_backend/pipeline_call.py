@@ -82,7 +82,8 @@ class StepCall:
         for several) and a second positional argument is ``targets`` (xgrad's form, kept).
 
         Args:
-            inputs: the whole batch (a tensor or a pytree of them, split along dim 0), on
+            inputs: the whole batch (a tensor or a pytree of them, split along dim 0 as
+                torch's ``tensor_split``: 10 rows into 4 microbatches are 3, 3, 2, 2), on
                 the rank of stage 0 (ignored elsewhere). ``None`` there with tensor
                 ``kwargs``: stage 0 is called with the keywords alone (``step(x=x)``).
             targets: the whole batch's targets, on the rank of the last stage.
@@ -125,8 +126,10 @@ class StepCall:
             TypeError: both ``targets`` and ``target``, ``losses`` not a list,
                 ``return_outputs`` not ``None`` or a bool, ``loss_kwargs`` not a dict
                 (raised before any message, on the rank given it).
-            ValueError: a tensor keyword (or input, target) whose batch size does not split
-                into the microbatches, or has no dim 0 (or no spec'd dim; a keyword without
+            ValueError: a tensor keyword (or input, target) with fewer rows than
+                microbatches, or that would split otherwise than another of this rank's
+                (:mod:`~xgrad.torch_backend.pipeline_rows`), or with no dim 0 (or no spec'd
+                dim; a keyword without
                 a spec in ``kwargs_chunk_spec``, or a spec for one not given): raised on the
                 rank given it, naming it, before this rank sends anything; the other ranks
                 raise a RankError. Outputs that ``output_merge_spec`` cannot merge: on the

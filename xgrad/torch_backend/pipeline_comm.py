@@ -11,8 +11,9 @@ of two int64, ``(code, microbatch)``, on that edge's main tag, packed with the l
 one buffer when they are small (:mod:`~xgrad.torch_backend.pipeline_frame`):
 
 * ``code == 0``: the leaves follow, laid out as both ends expect: the description the
-  edge carried last in the previous step (forward), or the gradients of the leaves that
-  carried one (backward). The receiver posted those buffers ahead.
+  edge carried for that microbatch in the step before (forward; per microbatch, so that
+  uneven microbatches, 3, 3, 2, 2 rows, each find theirs), or the gradients of the leaves
+  that carried one (backward). The receiver posted those buffers ahead.
 * ``code > 0`` (forward only): the description changed (or none is known yet, the first
   step). The header comes alone (with dummies for leaf buffers posted apart from it); the
   description (``code`` bytes of JSON) and the leaves follow on the edge's side tag.
@@ -70,8 +71,8 @@ class StepWire(EdgeBook):
         schedule: the validated schedule (with comms); ``rank`` this rank.
         groups: the private groups (lanes, see ``pipeline_lanes``) of the step's
             transfers; ``ranks[r]`` is schedule rank r's rank in them.
-        tag: this step's tag base; ``edges`` the descriptions carried last per edge (from
-            the previous step: what receives are posted for).
+        tag: this step's tag base; ``edges`` the descriptions carried last per edge and
+            microbatch (from the steps before: what receives are posted for).
         channel: the step's failure channel; ``timeout`` bounds every wait.
         device: ``device(stage)``, where a stage's received tensors go.
         grad_shapes: ``grad_shapes(stage, mb)``, the shapes of the gradients that come back
@@ -96,8 +97,6 @@ class StepWire(EdgeBook):
     ) -> None:
         super().__init__(plan, schedule, rank, groups, ranks, tag, channel, timeout, device)
         self._edges, self._grad_shapes, self._window = edges, grad_shapes, window
-        self._start = {e: edges.last(("in", *e)) for e in plan.in_edges}
-        self._start.update({e: edges.last(("out", *e)) for e in plan.out_edges})
         self._recvs = plan.recvs
         self._next = 0  # next receive action to post
         self._posted_actions: set[Action] = set()
@@ -128,7 +127,7 @@ class StepWire(EdgeBook):
         else:
             for src in sched.sources(s):
                 if sched.placement[src] != self.rank:
-                    known = self._start.get((src, s))
+                    known = self._edges.last(("in", src, s, mb))
                     shapes = [] if known is None else layout(known)
                     self._expect((src, s, 0), mb, shapes)
         self._posted_actions.add(action)
@@ -192,9 +191,9 @@ class StepWire(EdgeBook):
         self.ensure(Action(s, Kind.RECV_F, mb))
         edge = (source, s, 0)
         msg, code = self._arrive(edge, mb, what)
-        cache_key = ("in", source, s)
+        cache_key = ("in", source, s, mb)
         if code == 0:
-            description = self._start.get((source, s))
+            description = self._edges.last(cache_key)
             if description is None:
                 raise RuntimeError(f"{what}: a repeated description arrived before any")
             tensors = self._to_stage(msg.frame.leaves(msg.buffers), s)
@@ -242,8 +241,9 @@ class StepWire(EdgeBook):
             if sched.placement[t] == self.rank:
                 continue
             edge = (s, t, 0)
-            description, tensors = self._edges.describe(("out", s, t), tree, carry, str(action))
-            start = self._start.get((s, t))
+            key = ("out", s, t, mb)
+            description, tensors = self._edges.describe(key, tree, carry, str(action))
+            start = self._edges.last(key)
             works = []
             dev = self._device(s)
             frame = frame_of([] if start is None else layout(start), dev)
@@ -260,7 +260,7 @@ class StepWire(EdgeBook):
                 works += [
                     self._send_one(edge, x.detach().to(dev).contiguous(), True) for x in tensors
                 ]
-            self._edges.remember(("out", s, t), description)
+            self._edges.remember(key, description)
             self._remaining[edge] -= 1
             self._forward_sends[(s, t, mb)] = works
 

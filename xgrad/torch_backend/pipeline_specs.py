@@ -11,8 +11,9 @@ spec standing for every leaf under it (``_Replicate()`` for a whole dict, where 
 a spec per leaf). Better than torch's: ``kwargs_chunk_spec`` is matched with the keywords
 by name (torch pairs them by position: ``{"pos": T(0), "mask": T(1)}`` for
 ``step(mask=, pos=)`` splits the mask along dim 0, and a misspelt name passes unseen); a
-bad dim or size is a ``ValueError`` naming the spec, the value and the rank (torch: an
-``IndexError``, an ``AssertionError``, or uneven microbatches).
+bad dim, or fewer rows than microbatches, is a ``ValueError`` naming the spec, the value
+and the rank (torch: an ``IndexError`` or an ``AssertionError``). A size m does not divide
+splits unevenly, as torch's (:mod:`~xgrad.torch_backend.pipeline_rows`).
 
 torch's module imports ``DTensor`` and flex attention (a second and a half), so it is
 imported only when a spec is given.
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+
+from xgrad.torch_backend.pipeline_rows import Rows, split_rows
 
 __all__ = [
     "ChunkSpecs",
@@ -224,7 +227,9 @@ def mismatch(spec_name: str, spec: Any, name: str, value: Any, rank: int | None)
     )
 
 
-def _split_leaf(leaf: Any, spec: Any, m: int, label: str, spec_name: str, rank: int) -> list[Any]:
+def _split_leaf(
+    leaf: Any, spec: Any, m: int, label: str, spec_name: str, rank: int, rows: Rows | None
+) -> list[Any]:
     if _is_replicate(spec) or not isinstance(leaf, torch.Tensor):
         return [leaf] * m  # a non-tensor under a TensorChunkSpec: whole, as by default
     dim, ndim = spec.split_dim, leaf.dim()
@@ -238,39 +243,39 @@ def _split_leaf(leaf: Any, spec: Any, m: int, label: str, spec_name: str, rank: 
             f"rank {rank}: {spec_name} is {spec}, and {label} has {ndim} dims (shape "
             f"{list(leaf.shape)}): split_dim must be in [{-ndim}, {ndim - 1}]"
         )
-    size = leaf.shape[dim]
-    if size % m:
-        raise ValueError(
-            f"rank {rank}: {label} size {size} along dim {dim} ({spec_name} {spec}) is not "
-            f"a multiple of the {m} microbatches"
-        )
-    return list(leaf.chunk(m, dim))
+    what = f"{label} size {leaf.shape[dim]} along dim {dim} ({spec_name} {spec})"
+    return split_rows(leaf, m, dim, what, rank, rows)
 
 
-def split_by_spec(value: Any, spec: Any, m: int, name: str, spec_name: str, rank: int) -> list[Any]:
-    """``value`` as m microbatches, as ``spec`` (a spec or a pytree of them) splits it.
+def split_by_spec(
+    value: Any, spec: Any, m: int, name: str, spec_name: str, rank: int, rows: Rows | None = None
+) -> list[Any]:
+    """``value`` as m microbatches, as ``spec`` (a spec or a pytree of them) splits it
+    (``tensor_split``, uneven ones too, as torch's), each tensor's size noted in ``rows``.
 
     Raises:
         ValueError: a spec that does not fit ``value``'s structure; a tensor whose
-            split_dim is out of range, or 0-dim, or whose size along it is not a multiple
-            of m (naming the value, the spec and the rank).
+            split_dim is out of range, or 0-dim, or whose size along it is smaller than
+            m (naming the value, the spec and the rank).
     """
     found = leaf_specs(spec, value)
     if found is None:
         raise mismatch(spec_name, spec, name, value, rank)
     paths, tree = pytree.tree_flatten_with_path(value)
     columns = [
-        _split_leaf(leaf, s, m, name + pytree.keystr(path), spec_name, rank)
+        _split_leaf(leaf, s, m, name + pytree.keystr(path), spec_name, rank, rows)
         for (path, leaf), s in zip(paths, found[0], strict=True)
     ]
     return [pytree.tree_unflatten([c[k] for c in columns], tree) for k in range(m)]
 
 
-def split_inputs(inputs: Any, spec: tuple[Any, ...], m: int, rank: int) -> list[Any]:
+def split_inputs(
+    inputs: Any, spec: tuple[Any, ...], m: int, rank: int, rows: Rows | None = None
+) -> list[Any]:
     """Stage 0's inputs as m microbatches, as ``args_chunk_spec`` splits its one
     positional argument (or, torch's way, as many leaf specs as the inputs have leaves)."""
     if len(spec) == 1:
-        return split_by_spec(inputs, spec[0], m, "inputs", "args_chunk_spec[0]", rank)
+        return split_by_spec(inputs, spec[0], m, "inputs", "args_chunk_spec[0]", rank, rows)
     if leaf_specs(spec, (inputs,)) is None:
         raise ValueError(
             f"rank {rank}: args_chunk_spec {spec_text(spec)} holds {len(spec)} specs, and "
@@ -278,11 +283,12 @@ def split_inputs(inputs: Any, spec: tuple[Any, ...], m: int, rank: int) -> list[
             f"{outline(inputs)}): give (spec,), spec a TensorChunkSpec or a pytree of them "
             "of the inputs' structure"
         )
-    return [mb[0] for mb in split_by_spec((inputs,), spec, m, "inputs", "args_chunk_spec", rank)]
+    chunks = split_by_spec((inputs,), spec, m, "inputs", "args_chunk_spec", rank, rows)
+    return [mb[0] for mb in chunks]
 
 
 def split_keywords_by_spec(
-    keywords: dict[str, Any], spec: dict[str, Any], m: int, rank: int
+    keywords: dict[str, Any], spec: dict[str, Any], m: int, rank: int, rows: Rows | None = None
 ) -> list[dict[str, Any]]:
     """The model's keywords as m microbatches', each split as ``kwargs_chunk_spec`` names
     it (by name: torch pairs them by position).
@@ -308,7 +314,7 @@ def split_keywords_by_spec(
         )
     columns = {
         name: split_by_spec(
-            value, spec[name], m, f"keyword {name!r}", f"kwargs_chunk_spec[{name!r}]", rank
+            value, spec[name], m, f"keyword {name!r}", f"kwargs_chunk_spec[{name!r}]", rank, rows
         )
         for name, value in keywords.items()
     }

@@ -5,10 +5,10 @@ tuples, lists, dicts, named tuples) with tensors that need no gradient (integer 
 constants) and plain Python constants (None, numbers, strings) among its leaves, and the
 shapes may change from step to step. A forward message carries its tree's description
 (JSON: the structure and per leaf its shape, dtype and whether it carries a gradient, or
-its constant value) only when it differs from the last one on its edge, then each tensor
-leaf in flattening order; how messages are framed and posted is
-:mod:`~xgrad.torch_backend.pipeline_comm`. A backward message carries one gradient per
-leaf that carried a gradient forward, in the same order.
+its constant value) only when it differs from its edge's last for that microbatch (uneven
+microbatches have shapes of their own), then each tensor leaf in flattening order; how
+messages are framed and posted is :mod:`~xgrad.torch_backend.pipeline_comm`. A backward
+message carries one gradient per leaf that carried a gradient forward, in the same order.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from xgrad.torch_backend.dist_wire import DTYPES
 from xgrad.torch_backend.failure import abort_group
+from xgrad.torch_backend.pipeline_rows import Rows, split_rows
 
 __all__ = [
     "Description",
@@ -218,13 +219,15 @@ def differentiable(tree: Any) -> list[torch.Tensor]:
     ]
 
 
-def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
-    """A pytree batch as m microbatches: every tensor leaf chunked along dim 0, constants kept.
+def split_batch(batch: Any, m: int, name: str, rank: int, rows: Rows | None = None) -> list[Any]:
+    """A pytree batch as m microbatches: every tensor leaf split along dim 0 as torch's
+    schedules split it (``tensor_split``: 10 rows into 4 are 3, 3, 2, 2), constants kept;
+    each leaf's size noted in ``rows`` (:mod:`~xgrad.torch_backend.pipeline_rows`).
 
     Raises:
         TypeError: no tensor in ``batch``.
-        ValueError: a leaf's batch size is not a multiple of m, or a leaf is a 0-dim tensor
-            (naming ``name`` and the leaf).
+        ValueError: a leaf has fewer rows than m, or is a 0-dim tensor (naming ``name``
+            and the leaf).
     """
     leaves, spec = pytree.tree_flatten(batch)
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
@@ -242,20 +245,16 @@ def split_batch(batch: Any, m: int, name: str, rank: int) -> list[Any]:
                     f"split into {m} microbatches (give it one, or pass a Python number, "
                     "which every microbatch gets as it is)"
                 )
-            size = leaf.shape[0]
-            if size % m:
-                raise ValueError(
-                    f"rank {rank}: {label} batch size {size} is not a multiple of the "
-                    f"{m} microbatches"
-                )
-            columns.append(list(leaf.chunk(m)))
+            what = f"{label} batch size {leaf.shape[0]}"
+            columns.append(split_rows(leaf, m, 0, what, rank, rows))
         else:
             columns.append([leaf] * m)
     return [pytree.tree_unflatten([c[k] for c in columns], spec) for k in range(m)]
 
 
 class EdgeCache:
-    """Per edge, the description of the last message sent or received on it.
+    """Per edge (the wire's key: an edge and a microbatch), the description of the last
+    message sent or received on it.
 
     Both ends update it with every message, so they agree on it after a step; the next
     step posts its receives for those layouts. Both ends must drop it together after a
