@@ -4,9 +4,9 @@ Each reduced parameter gets a post-accumulate-grad hook that hands its gradient 
 :meth:`Reducer.mark_ready`; the first hook of a synchronised backward pass queues
 :meth:`Reducer.finalize` on the autograd engine, so the reduction ends with the pass.
 Reduced gradients come back through :meth:`GradientHooks.set_grad` (a copy, fused into
-one ``_foreach_copy_``, or the bucket view itself). Communication hooks are registered
-in :mod:`.ddp_comm_hooks`; a pass cut short part-way is dropped at the next forward pass
-by :mod:`.ddp_recover`.
+one ``_foreach_copy_``, or the bucket view itself). What runs at the end of the pass is
+:mod:`.ddp_pass_end`'s. Communication hooks are registered in :mod:`.ddp_comm_hooks`; a
+pass cut short part-way is dropped at the next forward pass by :mod:`.ddp_recover`.
 """
 
 from __future__ import annotations
@@ -23,35 +23,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from xgrad.failure import Failure, RankError, error_for
+from xgrad.failure import Failure
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
-from xgrad.reducer_errors import GradientDtypeError
 from xgrad.reducer_recovery import StepState
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
-from xgrad.torch_backend.ddp_cut_short import PUT_OFF, note_backward_errors, put_off
+from xgrad.torch_backend.ddp_cut_short import PUT_OFF, note_backward_errors
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lendable
+from xgrad.torch_backend.ddp_pass_end import PassEnd, peer_unreduced
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
-from xgrad.torch_backend.ddp_writeback import GradientWriteBack
 from xgrad.torch_backend.weak_hooks import owned_by
 
 current_graph_task = torch._C._current_graph_task_id
 
 
-#: where a pass that left buckets unreduced is posted (its peers recognise it there).
-UNREDUCED = "backward (parameters without a gradient)"
-
-
-def _peer_unreduced(exc: Exception) -> bool:
-    """Whether ``exc`` is a peer's pass that left buckets unreduced, posted as this
-    rank waited for them."""
-    return isinstance(exc, RankError) and exc.failure.where == UNREDUCED
-
-
-class GradientHooks(GradientWriteBack):
+class GradientHooks(PassEnd):
     """Per-parameter autograd hooks feeding a reducer, and the end-of-backward callback.
 
     Args:
@@ -196,7 +185,7 @@ class GradientHooks(GradientWriteBack):
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
-                if _peer_unreduced(exc):  # seen waiting for a bucket (a hook's callbacks)
+                if peer_unreduced(exc):  # seen waiting for a bucket (a hook's callbacks)
                     me._defer(exc)
                     return
                 raise_from(me._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
@@ -211,7 +200,7 @@ class GradientHooks(GradientWriteBack):
         try:
             reducer.mark_many(indices, grads)
         except Exception as exc:
-            if _peer_unreduced(exc):
+            if peer_unreduced(exc):
                 self._defer(exc)
                 return
             raise_from(self._fail(f"gradient hook of {reducer.names[reducer.marking]}", exc), exc)
@@ -225,96 +214,3 @@ class GradientHooks(GradientWriteBack):
         arrivals.hooks_last()  # a hook of the user's changes .grad before it is reduced
         if arrivals.any_logged and not arrivals.hooks_unchanged():
             arrivals.disable()  # another hook could change .grad before the log is read
-
-    def _nosync_done(self) -> None:
-        if put_off(self, self._nosync_done, complete=False):
-            return
-        self.nosync_open = False
-        UNFINISHED.discard(self)
-        self.cut_short = None  # (noted by another thread's pass that raised)
-
-    def _finalize(self) -> None:
-        reducer = self.reducer
-        assert reducer is not None
-        if self.arrivals.log:
-            self.drain()
-        if put_off(self, self._finalize, self.unfinished is not None or reducer.all_ready()):
-            return
-        self.finalize_queued = False
-        UNFINISHED.discard(self)
-        self.cut_short = None  # (noted by another thread's pass that raised)
-        done = reducer.num_iterations
-        try:
-            if self.unfinished is None:  # (a hook may have ended the pass already)
-                reducer.finalize()
-                self.wait_buffer_futures()
-                if self.arrivals.enabled and reducer.num_iterations > done:
-                    record = reducer.records[-1]
-                    self.arrivals.relayout(record.ready_order, record.unused, reducer.plan)
-                if self._copy_dst:
-                    # One fused copy for every gradient instead of one call per parameter.
-                    torch._foreach_copy_(self._copy_dst, self._copy_src)
-        except Exception as exc:
-            # A gradient refused at its copy (a static graph's first pass copies them
-            # here) fails the pass as it would in its hook, not as one left unreduced.
-            unreduced = not reducer.all_ready() and not isinstance(exc, GradientDtypeError)
-            if unreduced or _peer_unreduced(exc):
-                self._defer(exc)
-            else:
-                raise_from(self._fail("reduction", exc), exc)
-        finally:
-            self._copy_dst.clear()
-            self._copy_src.clear()
-            if self.after_backward is not None:
-                self.after_backward()
-        if self.unfinished is not None:
-            # The pass's gradients are dropped: each rank's own, partly reduced. PyTorch
-            # leaves them, and an optimizer step before the next forward pass (which
-            # raises) makes replicas that differ for good; with none, it changes nothing.
-            for p in self.params:
-                p.grad = None
-            return
-        end = time.perf_counter()
-        self.timeline.append(
-            IterationTimes.of(
-                reducer.records[-1],
-                self.forward_seconds,
-                end - self.backward_started,
-                self.forward_started,
-            )
-        )
-
-    def _defer(self, exc: Exception) -> None:
-        """A pass that left buckets unreduced (gradients never came) ends here as in
-        PyTorch, whose next forward pass raises its "prior iteration" error; this one's
-        raises it too (:attr:`unfinished`), and the pass after starts clean on every rank.
-
-        Posted first, so that the peers, which wait for buckets this rank will not launch,
-        stop now instead of at the timeout; they end their pass the same way and raise
-        this rank's error at their next forward pass, so every rank's loop stays in step.
-        """
-        assert self.reducer is not None
-        if isinstance(exc, RankError):  # a peer's: the error it will raise too, here
-            self.reducer.fail(str(exc))
-            self.unfinished = error_for(exc.failure, self.watch.channel.rank, also=exc.also)
-        else:
-            self.watch.post(UNREDUCED, exc)
-            self.unfinished = self.reducer.prior_reduction_error()
-
-    def wait_buffer_futures(self) -> None:
-        """Wait for the buffer comm hook's futures (each bounded and watched), then drop them."""
-        pending, self.buffer_futures = self.buffer_futures, []
-        for future in pending:
-            future.wait()
-
-    def _fail(self, where: str, exc: Exception) -> RankError:
-        """Post this rank's failure and fail the reducer's pass; the error to raise.
-
-        Made here, not in the ``except`` block that raises it: a local there would hold
-        the error on its own traceback (see :mod:`xgrad.raising`).
-        """
-        assert self.reducer is not None
-        error = self.watch.post(where, exc)
-        self.reducer.fail(str(error))
-        self.log_error(error)
-        return error
