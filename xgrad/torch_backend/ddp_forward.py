@@ -1,8 +1,9 @@
 """DDP's steps around the wrapped module's forward pass, outside dynamo's view.
 
 Before the module runs: drop a failed backward pass, tell ``join()`` this rank still
-trains, rebuild the buckets once (and re-alias gradient views), sync buffers (:mod:`.ddp_buffers`),
-check once per plan that the ranks agree, move and cast the inputs. After it: find the
+trains, sync buffers (:mod:`.ddp_buffers`), tell joined ranks what this pass is
+(:mod:`.join_rounds`), rebuild the buckets once (and re-alias gradient views), check once
+per plan that the ranks agree, move and cast the inputs. After it: find the
 unused parameters and prepare the reducer for the backward pass. The wrapper calls
 these through ``torch._dynamo.disable``-d methods (:class:`ForwardDDP`, mixed into it), so
 no collective here is traced.
@@ -33,7 +34,8 @@ from xgrad.torch_backend.ddp_recover import (
     start_forward,
 )
 from xgrad.torch_backend.ddp_sink import route_outputs
-from xgrad.torch_backend.join import announce_backward_sync, notify_join_context
+from xgrad.torch_backend.join import notify_join_context
+from xgrad.torch_backend.join_rounds import announce, open_round
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -75,14 +77,14 @@ def pre_forward(
     ddp._still_training = notify_join_context(ddp)
     if sync:  # PyTorch's logger samples here, before the rebuild
         ddp._runtime_log.sample(ddp, ddp._runtime_logging_sample_rate)
-    if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():
-        ddp._agreement_pending = True
-        if ddp.gradient_as_bucket_view:
-            ddp._grad_hooks.alias_grads_to_buckets()
     if ddp._check_sync_bufs_pre_fwd():  # PyTorch's: no buffer hook, or one run before
         sync_buffers(ddp)
     if ddp._join_config.enable:
-        announce_backward_sync(ddp, sync)
+        _announce(ddp, sync)
+    if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():  # after: join_rounds
+        ddp._agreement_pending = True
+        if ddp.gradient_as_bucket_view:
+            ddp._grad_hooks.alias_grads_to_buckets()
     if sync:
         check_agreement_once(ddp)
     if ddp.device_ids:
@@ -96,6 +98,18 @@ def pre_forward(
             raise_from(ddp._forward_failed(wrong) if torch.is_grad_enabled() else wrong, wrong)
         return ddp._casts.to_low(inputs, kwargs)
     return inputs, kwargs
+
+
+def _announce(ddp: DistributedDataParallel, sync: bool) -> None:
+    """Tell joined ranks what this forward pass is (:mod:`.join_rounds`): whether it
+    computes gradients, and whether a reducing backward pass may follow (a synchronised
+    one, or a ``no_sync`` one that reduces, as after a forward pass left without backward).
+    PyTorch says "reduce" for every forward pass, so a ``torch.no_grad()`` one under join
+    makes its joined ranks wait for buckets that never come."""
+    grad = torch.is_grad_enabled()
+    hooks = ddp._grad_hooks
+    reduce = sync or (grad and not hooks.accumulating and reduces_unsynced(hooks))
+    open_round(ddp, announce(ddp, grad, reduce, sync))
 
 
 def _start(ddp: DistributedDataParallel, sync: bool) -> None:

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from xgrad.torch_backend.ddp_pass_end import PassEnd, peer_unreduced
 from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
 from xgrad.torch_backend.weak_hooks import owned_by
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.join_rounds import OpenRound
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -62,6 +65,9 @@ class GradientHooks(PassEnd):
         self.reducer: Reducer | None = None
         #: set by forward: the next gradient hook starts a synchronised backward pass.
         self.sync_pending = False
+        #: under join(): the round that this backward pass's first gradient hook enters,
+        #: else the next forward pass or leaving join() (:mod:`.join_rounds`).
+        self.join_round: OpenRound | None = None
         #: the end-of-backward callback is queued and has not run yet.
         self.finalize_queued = False
         #: an end callback run at the end of a reentrant backward's graph task before the
@@ -153,6 +159,9 @@ class GradientHooks(PassEnd):
                 # First gradient of a synchronised backward pass: end it with finalize.
                 refuse_compiled_autograd()
                 me.sync_pending = False
+                if me.join_round is not None:  # before any collective of the pass
+                    go, me.join_round = me.join_round, None
+                    go()
                 me.backward_started = time.perf_counter()
                 engine.queue_callback(me._finalize)
                 me.finalize_queued = True

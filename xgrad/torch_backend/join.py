@@ -10,12 +10,19 @@ parameters of a rank that left last. The sequence, the same on both sides::
     still training (forward + backward)          joined (JoinHook.main_hook, repeated)
     allreduce(1): "I have not joined"            allreduce(0): count who has not joined
     [throw_on_early_termination: allreduce(0)]   [allreduce(1), then raise]
-    rebuild broadcast (once)                     rebuild broadcast (once)
     buffers: allreduce(MAX rank) + broadcast     buffers: allreduce(-1) + broadcast
-    allreduce(require_backward_grad_sync)        allreduce(0) -> skip the rest if 0
+    announcement: this pass's flags, gathered    announcement: an empty row
+    rebuild broadcast (once, gradients on)       rebuild broadcast (once, gradients on)
     plan agreement (when the plan changed)       plan agreement (when the plan changed)
+                                                 the rest only if a reducing backward may follow
+    round: GO at the backward's first hook       round: 0 (else the next forward pass, or end)
     bucket 0, 1, ... reduced in bucket order     bucket 0, 1, ... of zeros
     used-parameter map (find_unused_parameters) its last summed map (PyTorch's)
+
+The announcement and the round (:mod:`.join_rounds`) let a forward pass go without a
+backward pass (an evaluation under ``torch.no_grad()``, a validation loss with gradients
+on) after a rank joined, where PyTorch's DDP aborts in gloo, and make ranks still
+training that run different passes raise at once, naming them.
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -33,6 +40,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
+from xgrad.torch_backend.join_rounds import close_round, counted, hear, notified, wait_round
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
@@ -41,13 +49,21 @@ if TYPE_CHECKING:
 __all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
 
 
+def allreduce_tensor(
+    ddp: DistributedDataParallel, t: torch.Tensor, what: str, op: Any = None
+) -> torch.Tensor:
+    """An allreduce of ``t`` on the DDP's private group, watched like its reductions."""
+    group = ddp.comm.group
+    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
+    ddp._watch.wait_work(work, what, t.is_cuda)
+    return t
+
+
 def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
     """A one-element allreduce on the DDP's group, waited on with its timeout."""
-    t = torch.tensor([value], device=ddp.join_device)
-    group = ddp.comm.group  # the DDP's private group, watched like its reductions
-    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
-    ddp._watch.wait_work(work, "join allreduce", t.is_cuda)
-    return t
+    return allreduce_tensor(
+        ddp, torch.tensor([value], device=ddp.join_device), "join allreduce", op
+    )
 
 
 class Join(TorchJoin):
@@ -92,10 +108,13 @@ class Join(TorchJoin):
         return float(t.item())
 
     def _get_num_nonjoined_procs(self) -> float:
-        for hook in self._join_hooks:  # before the count, as the others' forward does it
-            if isinstance(hook, DDPJoinHook):
-                hook.drop_failed_step()
-        return self._all_reduce(0.0)
+        hooks = [h for h in self._join_hooks if isinstance(h, DDPJoinHook)]
+        for hook in hooks:  # before the count, as the others' forward does it
+            hook.drop_failed_step()
+        total = self._all_reduce(0.0)
+        for hook in hooks:  # left with a round open: the count was this rank's part
+            counted(hook.ddp, total)
+        return total
 
     def _notify_procs_to_terminate(self) -> None:
         self._all_reduce(1.0)
@@ -203,21 +222,32 @@ class DDPJoinHook(JoinHook):
             self.failed = failed
 
     def main_hook(self) -> None:
-        """Enter the collectives of one forward and backward pass of the others."""
+        """Enter the collectives of one forward pass of the others and of the backward
+        pass that follows it, or of the next forward pass when none did (join_rounds)."""
         ddp = self.ddp
-        if ddp.reducer.rebuild_buckets():  # as in forward: new buckets, compared again
-            ddp._agreement_pending = True
-            if ddp.gradient_as_bucket_view:
-                ddp._grad_hooks.alias_grads_to_buckets()
-        ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
-        should_sync = _allreduce(ddp, 0.0).item() != 0
-        ddp.require_forward_param_sync = should_sync
-        if not should_sync:
-            return
-        # The ranks still training began a step at this forward pass: begin it here too,
-        # so what fails in the shadow pass (a comm hook) is posted where they look.
-        start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
-        ddp._check_agreement()
+        ddp._grad_hooks.join_round = None  # left join() in a round: its count was its part
+        while True:
+            ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
+            heard = hear(ddp)
+            if heard.grad and ddp.reducer.rebuild_buckets():  # as in forward: compared again
+                ddp._agreement_pending = True
+                if ddp.gradient_as_bucket_view:
+                    ddp._grad_hooks.alias_grads_to_buckets()
+            ddp.require_forward_param_sync = heard.param_sync
+            if not heard.reduce:
+                return
+            # The ranks still training began a step at this forward pass: begin it here
+            # too, so what fails in the shadow pass (a comm hook) is posted where they look.
+            start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
+            if heard.param_sync:
+                ddp._check_agreement()
+            if ddp._join_config.is_first_joinable:
+                then = wait_round(ddp, heard.training)
+                if then == "forward":
+                    continue
+                if then == "left":
+                    return
+            break
         ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
         if ddp.reducer.needs_rebuild_order():
             # Never trained (or not through a whole iteration): offer the definition
@@ -226,6 +256,7 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last."""
+        close_round(self.ddp)
         sync_final_model(self.ddp, is_last_joiner)
         failed, self.failed = self.failed, None
         if failed is not None:
@@ -274,6 +305,9 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     first joinable only, as PyTorch does). Returns the number of ranks still training
     when the gradients are to be divided by it, else ``None``.
     """
+    # A round left open (join_rounds): this forward pass's all-reduce is this rank's part
+    # of it, else (the context gone) no backward pass enters it any more.
+    pending, ddp._grad_hooks.join_round = ddp._grad_hooks.join_round, None
     config = ddp._join_config
     if not (config.enable and config.is_first_joinable):
         return None
@@ -283,22 +317,18 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     if config.throw_on_early_termination:
         zeros = torch.zeros(1, device=ddp.join_device)
         check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
+    if pending is not None:  # before the throw check: one that went back raised already
+        ddp._watch.wait_work(work, "join: the backward pass's round", ones.is_cuda)
+        training = notified(ddp, pending, ones.item())
+    if config.throw_on_early_termination:
         check.wait(timedelta(seconds=ddp.timeout))
         if zeros.item():
             raise RuntimeError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
+    if pending is not None:
+        return None if ddp._divide_by_initial_world_size else training
     if ddp._divide_by_initial_world_size:
         return None
     work.wait(timedelta(seconds=ddp.timeout))
     return int(ones.item())
-
-
-def announce_backward_sync(ddp: DistributedDataParallel, sync: bool) -> None:
-    """Tell joined ranks whether this iteration's backward pass reduces.
-
-    ``sync`` is whether a synchronised backward follows this forward pass (grad enabled,
-    not under ``no_sync``); PyTorch looks at ``no_sync`` alone, so a forward pass under
-    ``torch.no_grad()`` inside join makes its joined ranks wait for buckets that never come.
-    """
-    _allreduce(ddp, 1.0 if sync else 0.0)

@@ -1,0 +1,241 @@
+"""Under ``join()``: what a forward pass tells the joined ranks, and whether a backward followed.
+
+A joined rank shadows the collectives of each forward pass of the ranks still training
+(:mod:`.join`). PyTorch's DDP tells it "a backward pass follows" for every forward pass,
+``torch.no_grad()`` ones included, and its joined ranks enter the bucket all-reduces at
+once: an evaluation pass, or a forward pass with gradients on and no backward pass (a
+validation loss), after a rank joined aborts every process in gloo ("Received data size
+doesn't match expected size"). Here:
+
+* Each forward pass, every rank gathers what every other does (the announcement; a
+  joined rank's row is empty): whether gradients are on (a rebuild of the buckets comes
+  only then), whether a backward pass that reduces may follow, whether buffers sync at
+  the next one. The ranks still training must agree, or every rank raises at once,
+  naming what each ran (:func:`disagreement`).
+* After a forward pass that a reducing backward pass may follow, nobody can know yet
+  whether one will, nor whether a rank leaves ``join()`` first. A *round* on the join
+  context's group (where the ranks still training send their "not joined" all-reduce
+  and a joined rank its count) settles it before any bucket: every joined rank enters it
+  with 0, every rank still training with the first thing it does next: ``GO`` (the world
+  size plus one) from the backward pass's first gradient hook, 1 from its next forward
+  pass (its "not joined" all-reduce), 0 from leaving ``join()`` (the join context's
+  count, PyTorch's ``Join`` included). The sum tells every rank alike: all went (the
+  joined ranks shadow that backward pass), none did (they shadow the next forward pass,
+  or every rank has left), or some did and some did not (each rank raises at once,
+  naming what it did; the joined ranks and those that went post their error to the
+  step's failure channel, so a rank waiting elsewhere stops too). Before any rank
+  joined this is what names a rank that skipped a backward pass the others ran (the
+  skip round of :mod:`.ddp_skipped` cannot: a rank may leave ``join()`` instead); it
+  costs a one-element all-reduce at the start of each backward pass under ``join()``.
+
+A rank that left ``join()`` in a round whose sum said everyone had left (its count gave
+0) owes the joined ranks, which still count once more, that count (:func:`close_round`).
+Only the join context's first joinable has rounds (the one whose forward pass sends "not
+joined"); another DDP in the same context shadows a backward pass after each forward
+pass that may reduce, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp import DistributedDataParallel
+
+__all__ = [
+    "Announced",
+    "OpenRound",
+    "announce",
+    "close_round",
+    "counted",
+    "disagreement",
+    "hear",
+    "notified",
+    "open_round",
+    "wait_round",
+]
+
+#: the advice every error of a round gives.
+_ADVICE = (
+    "inside join() the ranks still training must run the same passes, the joined ranks "
+    "shadowing them: run an evaluation under torch.no_grad(), or on some ranks only "
+    "through ddp.module"
+)
+
+
+@dataclass(frozen=True)
+class Announced:
+    """What the ranks still training said about their forward pass (all alike)."""
+
+    training: int  #: how many ranks are still training
+    grad: bool  #: gradients on: the buckets may be rebuilt
+    reduce: bool  #: a backward pass that reduces may follow
+    param_sync: bool  #: buffers sync at the next forward pass
+
+
+def _mode(row: tuple[bool, bool, bool]) -> str:
+    grad, reduce, param_sync = row
+    if not grad:
+        return "under torch.no_grad()"
+    if param_sync:
+        return "with gradients on"
+    return "with gradients on under no_sync()" + (", to be reduced" if reduce else "")
+
+
+def disagreement(ranks: list[int], rows: dict[int, tuple[bool, bool, bool]]) -> str:
+    """The error when the ranks still training ran different kinds of forward passes."""
+    by_mode = itertools.groupby(
+        sorted(rows, key=lambda i: (_mode(rows[i]), i)), key=lambda i: _mode(rows[i])
+    )
+    parts = []
+    for mode, group in by_mode:
+        names = [ranks[i] for i in group]
+        parts.append(f"rank{'s' if len(names) > 1 else ''} {', '.join(map(str, names))} {mode}")
+    return (
+        "join(): the ranks still training ran different forward passes: "
+        + "; ".join(parts)
+        + f" ({_ADVICE})"
+    )
+
+
+def _exchange(ddp: DistributedDataParallel, row: tuple[bool, bool, bool] | None) -> Announced:
+    """Every rank's row (none for a joined rank), summed where each writes only its own."""
+    from xgrad.torch_backend.join import allreduce_tensor
+
+    watch = ddp._watch
+    table = torch.zeros(watch.world, 4, device=ddp.join_device)
+    if row is not None:
+        table[ddp.comm.rank] = torch.tensor([1.0, *map(float, row)])
+    rows = {
+        i: (bool(r[1]), bool(r[2]), bool(r[3]))
+        for i, r in enumerate(allreduce_tensor(ddp, table, "join announcement").tolist())
+        if r[0]
+    }
+    if len(set(rows.values())) > 1:
+        raise RuntimeError(disagreement(watch.ranks, rows))
+    grad, reduce, param_sync = next(iter(rows.values()), (False, False, False))
+    return Announced(len(rows), grad, reduce, param_sync)
+
+
+def announce(ddp: DistributedDataParallel, grad: bool, reduce: bool, param_sync: bool) -> Announced:
+    """A rank still training, before its forward pass: its flags, and everyone's."""
+    return _exchange(ddp, (grad, reduce, param_sync))
+
+
+def hear(ddp: DistributedDataParallel) -> Announced:
+    """A joined rank: what the ranks still training announced."""
+    return _exchange(ddp, None)
+
+
+def _rounds(ddp: DistributedDataParallel, announced: Announced) -> bool:
+    """Whether a round follows this forward pass (the first joinable's "not joined"
+    all-reduce is what a rank's next forward pass enters it with)."""
+    return announced.reduce and ddp._join_config.is_first_joinable
+
+
+def _go(ddp: DistributedDataParallel) -> float:
+    return float(ddp._watch.world + 1)
+
+
+def _on_join_group(ddp: DistributedDataParallel, value: float, what: str) -> int:
+    """A one-element all-reduce on the join context's group, waited on through the watch."""
+    t = torch.tensor([value], device=ddp.join_device)
+    work = dist.all_reduce(t, group=ddp.process_group, async_op=True)
+    ddp._watch.wait_work(work, what, t.is_cuda)
+    return round(t.item())
+
+
+def _split(ddp: DistributedDataParallel, total: int) -> tuple[int, int]:
+    """(ranks that began the backward pass, ranks that began their next forward pass)."""
+    return divmod(total, int(_go(ddp)))
+
+
+class OpenRound:
+    """A rank still training whose forward pass opened a round: entered at the first
+    gradient hook of its backward pass (``GO``), else by its next forward pass or its
+    leaving ``join()``."""
+
+    def __init__(self, ddp: DistributedDataParallel, training: int) -> None:
+        self.ddp = ddp
+        self.training = training
+
+    def __call__(self) -> None:
+        """The backward pass began here: enter the round with ``GO``."""
+        ddp = self.ddp
+        went, _ = _split(ddp, _on_join_group(ddp, _go(ddp), "join: the backward pass's round"))
+        if went != self.training:
+            rank = ddp._watch.channel.rank
+            message = (
+                f"rank {rank} began the backward pass of a step that {self.training - went} "
+                f"of the {self.training} ranks still training left without one (a forward "
+                f"pass with gradients on and no backward pass after it, on some ranks only; "
+                f"{_ADVICE})"
+            )
+            raise ddp._watch.post("join", RuntimeError(message))
+
+
+def open_round(ddp: DistributedDataParallel, announced: Announced) -> None:
+    """After the announcement of a rank still training: open a round if one follows."""
+    if _rounds(ddp, announced):
+        ddp._grad_hooks.join_round = OpenRound(ddp, announced.training)
+
+
+def notified(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> int:
+    """This rank's next forward pass entered the round (its "not joined" all-reduce gave
+    ``total``): the number of ranks still training, or the error when some went back."""
+    went, forward = _split(ddp, round(total))
+    if went:
+        rank = ddp._watch.channel.rank
+        raise RuntimeError(
+            f"rank {rank} ran a forward pass with gradients on and no backward pass after "
+            f"it (its next forward pass came) while {went} of the {pending.training} ranks "
+            f"still training ran that step's backward pass ({_ADVICE})"
+        )
+    return forward
+
+
+def counted(ddp: DistributedDataParallel, total: float) -> None:
+    """This rank left ``join()`` with a round open and its count gave ``total``: the error
+    when some rank went back (``join()``'s own context, which sees the count)."""
+    pending = ddp._grad_hooks.join_round
+    if pending is None:
+        return
+    went, _ = _split(ddp, round(total))
+    if went:
+        ddp._grad_hooks.join_round = None
+        rank = ddp._watch.channel.rank
+        raise RuntimeError(
+            f"rank {rank} left join() after a forward pass with gradients on and no "
+            f"backward pass while {went} of the {pending.training} ranks still training "
+            f"ran that step's backward pass ({_ADVICE})"
+        )
+
+
+def wait_round(ddp: DistributedDataParallel, training: int) -> str:
+    """A joined rank, after a forward pass that a reducing backward pass may follow:
+    ``"backward"`` (every rank still training began it), ``"forward"`` (none did; some
+    began their next forward pass), ``"left"`` (every one left ``join()``)."""
+    went, forward = _split(ddp, _on_join_group(ddp, 0.0, "join: the backward pass's round"))
+    if went == training:
+        return "backward"
+    if not went:
+        return "forward" if forward else "left"
+    message = (
+        f"{went} of the {training} ranks still training began the backward pass of a step "
+        f"that the other {training - went} left without one (a forward pass with "
+        f"gradients on and no backward pass after it, on some ranks only; {_ADVICE})"
+    )
+    raise ddp._watch.post("join", RuntimeError(message))
+
+
+def close_round(ddp: DistributedDataParallel) -> None:
+    """A rank that left ``join()`` in a round where everyone had left: the joined ranks
+    count once more after the round; this is this rank's part of that count."""
+    if ddp._grad_hooks.join_round is not None:
+        ddp._grad_hooks.join_round = None
+        _on_join_group(ddp, 0.0, "join, counting the ranks still training")
