@@ -34,6 +34,7 @@ from xgrad.torch_backend.ddp_recover import (
     start_forward,
 )
 from xgrad.torch_backend.ddp_sink import route_outputs
+from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join import notify_join_context
 from xgrad.torch_backend.join_rounds import announce, open_round
 
@@ -56,6 +57,12 @@ def pre_forward(
     if not getattr(ddp, "_lazy_init_ran", False):  # PyTorch's _lazy_init
         setup_in_backward_optimizers(ddp)
     sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
+    if torch.is_grad_enabled() or ddp._check_sync_bufs_pre_fwd():  # a pass that communicates
+        # on a group this rank aborted (abort_group) or destroyed: said so, not c10d's
+        # KeyError for its store (an evaluation that syncs no buffer runs, as PyTorch's)
+        gone = gone_error(ddp.process_group, ddp._watch.channel.rank, "DistributedDataParallel")
+        if gone is not None:
+            raise gone
     if torch.is_grad_enabled():
         # The last backward pass left buckets unreduced: PyTorch's error, raised where
         # PyTorch raises it. Every rank raises here (the peers were told at that pass's

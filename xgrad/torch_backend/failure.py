@@ -44,6 +44,7 @@ from xgrad.failure import (
 )
 from xgrad.failure_wait import wait_until
 from xgrad.heartbeat import Heartbeat, Liveness
+from xgrad.torch_backend.group_gone import note_aborted
 from xgrad.torch_backend.lost_rank import (
     check_lost,
     poisoned,
@@ -372,5 +373,6 @@ def abort_group(group: Any = None) -> None:
         _stop_beats(time.monotonic() + EXIT_WAIT, aborted=True)
     else:
         stop_heartbeat(pg, aborted=True)
+    note_aborted(group)  # its DDPs, used again, name the abort (not c10d's KeyError)
     with contextlib.suppress(ValueError):  # already destroyed or aborted
         dist.distributed_c10d._abort_process_group(group)
