@@ -10,6 +10,10 @@ attached its hooks, autograd's engine is entered through :class:`NotingEngine`, 
 notes the exception's type and text (bounded: :data:`NOTED_CHARS`) on each DDP whose
 backward pass (synchronised or ``no_sync``, whose failure gives up the step it
 accumulated for) began within the call and did not finish, and raises it on unchanged.
+While another thread is in a backward call too (two DDPs trained in two threads), only
+the passes whose forward pass ran on the raising call's thread are noted: a pass begun
+within the call may be the other thread's, which its own exception cuts short (the
+first noted text stays: its peers read this thread's words, not its own).
 A :class:`~xgrad.failure.RankError` is not noted: the DDP's own hook that raised it
 posted it already, or it is a peer's.
 
@@ -30,6 +34,7 @@ profiler, a library) is left alone, and the peers then hear the generic words ag
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +56,9 @@ _NONE: frozenset[Any] = frozenset()
 #: remove are atomic: no lock).
 _NESTED: list[object] = []
 
+#: the thread of each outermost backward call under way (atomic append and remove).
+_CALLS: list[int] = []
+
 #: the gradient hooks whose end-of-pass callback ran too early and was put off; each
 #: has it in its ``requeue``.
 PUT_OFF: set[Any] = set()
@@ -70,7 +78,8 @@ class NotingEngine(torch._C._ImperativeEngine):
 
     Only the DDP passes that began within this call are noted: one begun before it (the
     outer pass of a reentrant backward, as checkpointing runs one) is noted by the outer
-    call, if the exception reaches it. The outermost call also runs the end-of-pass
+    call, if the exception reaches it; one another thread's call began is left to that
+    call (:func:`_note`). The outermost call also runs the end-of-pass
     callbacks put off in it (:func:`put_off`). It costs about 1 µs a backward call,
     nothing a gradient.
     """
@@ -79,19 +88,24 @@ class NotingEngine(torch._C._ImperativeEngine):
         # Between good steps no pass is under way: nothing is copied.
         before = frozenset(UNFINISHED) if UNFINISHED else _NONE
         token = None if current_graph_task() == -1 else object()  # called from a hook
-        if token is not None:
+        thread = threading.get_ident()
+        if token is None:
+            _CALLS.append(thread)
+        else:
             _NESTED.append(token)
         try:
             result = super().run_backward(*args, **kwargs)
         except BaseException as exc:
             if UNFINISHED and not isinstance(exc, RankError):
                 with contextlib.suppress(Exception):  # what is raised stays the user's
-                    _note(exc, before)
+                    _note(exc, before, thread)
             if PUT_OFF and token is None:
                 _run_put_off(before, run=False)  # cut short: recovered at the next forward
             raise
         finally:
-            if token is not None:
+            if token is None:
+                _CALLS.remove(thread)
+            else:
                 _NESTED.remove(token)
         if PUT_OFF and token is None:
             _run_put_off(before, run=True)
@@ -120,12 +134,19 @@ def _run_put_off(before: frozenset[Any], run: bool) -> None:
             callback()
 
 
-def _note(exc: BaseException, before: frozenset[Any]) -> None:
-    """``exc`` is why the passes begun since ``before`` were cut short (the first noted
-    stays: a reentrant pass's exception reaches the outer call too)."""
+def _note(exc: BaseException, before: frozenset[Any], thread: int) -> None:
+    """``exc``, raised by the backward call of ``thread``, is why the passes begun since
+    ``before`` were cut short: those of ``thread``'s forward passes, where another thread
+    is in a backward call too (the first noted stays: a reentrant pass's exception
+    reaches the outer call too)."""
     text = ""
+    alone = all(t == thread for t in list(_CALLS))
     for hooks in list(UNFINISHED):  # (one C call: another thread may change the set)
-        if hooks not in before and hooks.cut_short is None:
+        if (
+            hooks not in before
+            and hooks.cut_short is None
+            and (alone or hooks.forward_thread == thread)
+        ):
             text = text or bounded(describe(exc))
             hooks.cut_short = text
 

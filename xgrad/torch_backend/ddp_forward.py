@@ -11,6 +11,7 @@ no collective here is traced.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -162,6 +163,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
         ddp.require_forward_param_sync = False
         hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
         hooks.nosync_pending = torch.is_grad_enabled()
+        hooks.forward_thread = threading.get_ident()  # whose backward call notes its failure
     if ddp._delayed is not None:
         ddp._delayed.point_grads_at_buffer()
     return output

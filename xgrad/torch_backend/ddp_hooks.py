@@ -101,7 +101,8 @@ class GradientHooks(PassEnd):
         self.arrivals: ArrivalLog  # set by attach
         #: the autograd graph task of the synchronised pass under way.
         self._task = -1
-        #: the thread of the last synchronised forward pass (the one its backward runs from).
+        #: the thread of the last forward pass with gradients (the one its backward runs
+        #: from): the backward call that notes its failure (ddp_cut_short).
         self.forward_thread = 0
         #: PyTorch's "prior iteration" error of a pass that left buckets unreduced,
         #: raised at the next forward pass with grad enabled, as PyTorch raises it.
