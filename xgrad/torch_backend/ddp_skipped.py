@@ -101,7 +101,16 @@ def drop_old_skips(watch: StepWatch) -> None:
     """At the start of a step, on the lowest rank: delete the keys of the skip rounds every
     rank has left, those of two steps back or older (a round of step ``N`` runs at the
     forward pass that begins step ``N + 1``; that step's reduction, or its own skip round,
-    needs every rank, so all of them are past the round when step ``N + 2`` begins)."""
+    needs every rank, so all of them are past the round when step ``N + 2`` begins).
+
+    Not when the step just ended failed (the watch's channel is still that step's): it
+    may have failed here before needing anyone (a gradient hook of the pass that the
+    round left prepared raised "marked ready only once"), while a peer still waited in
+    the round for the keys deleted then. That peer waited out the timeout, and from
+    there the ranks' steps no longer paired. They go once a later step ended well.
+    """
+    if watch.channel.poll() is not None:
+        return
     rounds = watch.skipped_steps
     while rounds and rounds[0][0] < watch.step:
         _, prefix = rounds.pop(0)
