@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from xgrad.reducer_buckets import BucketState, build_buckets
+from xgrad.reducer_buckets import COPIED, BucketState, build_buckets
 
 if TYPE_CHECKING:
     from xgrad.backend import Comm
@@ -47,12 +47,16 @@ class JoinAndRecovery:
     clock: Callable[[], float]
     find_unused_parameters: bool
     static_graph: bool
+    gradient_as_bucket_view: bool
+    point_grads: Callable[[Sequence[int], Sequence[Any]], None] | None
     has_rebuilt_buckets: bool
     num_iterations: int
     _buckets: list[BucketState]
     _rebuild_order: list[int] | None
     _ready: bytearray
     _next_bucket: int
+    _scale: float | None
+    _divisor: int
     _expect_hooks: bool
     _require_finalize: bool
     _marked_unused: bool
@@ -120,6 +124,37 @@ class JoinAndRecovery:
         a bucket or ``.grad``, so there is nothing to report (unlike :meth:`recover`).
         """
         self._drop_pass()
+
+    def leave_in_views(self) -> None:
+        """A pass left unfinished whose gradients stay (a ``no_sync`` pass the reducer
+        reduced): under ``gradient_as_bucket_view``, each gradient marked ready in a bucket
+        never filled goes where PyTorch's reducer puts it as it marks it ready, its bucket
+        view, divided by the divisor unless a communication hook divides (one that is the
+        view already: divided in place), and becomes that view (``point_grads``). Filled
+        buckets did so as they filled (:func:`~xgrad.reducer_buckets.fill_bucket`)."""
+        point = self.point_grads
+        if not self.gradient_as_bucket_view or point is None:
+            return
+        ops = self.ops
+        for bucket in self._buckets[self._next_bucket :]:
+            if bucket.pending == 0 or bucket.sparse:
+                continue
+            indices: list[int] = []
+            views: list[Any] = []
+            for k, grad in enumerate(bucket.grads):
+                view = bucket.in_views[k]
+                if grad is None or grad is COPIED or ops.dtype_mismatch(view, (grad,)):
+                    continue  # (another dtype: a module converted since, left as it is)
+                if ops.is_view_of(grad, view):
+                    if self._scale is not None:
+                        ops.div_(view, self._divisor)
+                else:
+                    ops.copy_to(view, grad, self._scale)
+                    indices.append(bucket.indices[k])
+                    views.append(view)
+                bucket.grads[k] = None
+            if indices:
+                point(indices, views)
 
     def _drop_pass(self) -> None:
         self._failure = None

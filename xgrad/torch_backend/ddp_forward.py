@@ -158,7 +158,7 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
         # A no_sync pass after a synchronised forward pass that every rank left without
         # a backward: the reducer, still prepared for it, reduces this pass (PyTorch's).
         ddp.require_forward_param_sync = False
-        _expect_backward(ddp)
+        _expect_backward(ddp, unsynced=True)
     else:
         ddp.require_forward_param_sync = False
         hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
@@ -169,9 +169,9 @@ def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     return output
 
 
-def _expect_backward(ddp: DistributedDataParallel) -> None:
+def _expect_backward(ddp: DistributedDataParallel, unsynced: bool = False) -> None:
     hooks = ddp._grad_hooks
-    hooks.expect_backward()
+    hooks.expect_backward(unsynced)
     hooks.forward_started = ddp._forward_started
     hooks.forward_seconds = time.perf_counter() - ddp._forward_started
 

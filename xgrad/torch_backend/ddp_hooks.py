@@ -104,6 +104,9 @@ class GradientHooks(PassEnd):
         #: the thread of the last forward pass with gradients (the one its backward runs
         #: from): the backward call that notes its failure (ddp_cut_short).
         self.forward_thread = 0
+        #: the pass expected is a no_sync one that the reducer, still prepared for a
+        #: forward pass every rank left without backward, reduces (ddp_forward).
+        self.unsynced = False
         #: PyTorch's "prior iteration" error of a pass that left buckets unreduced,
         #: raised at the next forward pass with grad enabled, as PyTorch raises it.
         self.unfinished: RuntimeError | None = None
@@ -215,9 +218,11 @@ class GradientHooks(PassEnd):
                 return
             raise_from(self._fail(f"gradient hook of {reducer.names[reducer.marking]}", exc), exc)
 
-    def expect_backward(self) -> None:
-        """A synchronised forward pass ended: its backward pass starts at the next hook."""
+    def expect_backward(self, unsynced: bool = False) -> None:
+        """A synchronised forward pass ended: its backward pass starts at the next hook.
+        ``unsynced``: a ``no_sync`` one, which the reducer reduces all the same."""
         self.sync_pending = True
+        self.unsynced = unsynced
         self.nosync_pending = False  # a no_sync forward whose backward never came
         self.forward_thread = threading.get_ident()
         arrivals = self.arrivals

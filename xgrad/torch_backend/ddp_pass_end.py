@@ -47,6 +47,7 @@ class PassEnd(GradientWriteBack):
     watch: StepWatch
     arrivals: ArrivalLog
     finalize_queued: bool
+    unsynced: bool
     nosync_open: bool
     cut_short: str | None
     unfinished: RuntimeError | None
@@ -104,6 +105,14 @@ class PassEnd(GradientWriteBack):
             if self.after_backward is not None:
                 self.after_backward()
         if self.unfinished is not None:
+            if self.unsynced:
+                # A no_sync pass (the reducer still prepared by a forward pass every rank
+                # left without backward) whose parameters differ from that pass's: its
+                # gradients are this rank's own, as no_sync gives them, and are left as
+                # PyTorch leaves them (pre-divided in their bucket views under
+                # gradient_as_bucket_view): the next forward pass raises before any step.
+                reducer.leave_in_views()
+                return
             # The pass's gradients are dropped: each rank's own, partly reduced. PyTorch
             # leaves them, and an optimizer step before the next forward pass (which
             # raises) makes replicas that differ for good; with none, it changes nothing.
