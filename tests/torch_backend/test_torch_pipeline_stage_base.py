@@ -39,14 +39,16 @@ def test_module_and_device_per_stage() -> None:
     assert state._device(3) == torch.device("meta")
 
 
-def test_the_last_stage_returns_its_share_of_the_loss() -> None:
+def test_the_last_stage_returns_its_loss_as_it_is() -> None:
+    """Its backward runs from the loss itself: the gradients are divided by m after the
+    stage's last backward, as torch's schedules divide them (pipeline_scale)."""
     state = _state()
     x, y = torch.randn(5, 3), torch.randn(5, 2)
     loss = nn.functional.mse_loss(state.partitions[1](x), y)
-    assert torch.equal(state._run_forward(3, 0, x, y), loss / 4)
-    assert torch.equal(state._losses[0], loss.detach())  # for step(losses=): unscaled
+    assert torch.equal(state._run_forward(3, 0, x, y), loss)
+    assert torch.equal(state._losses[0], loss.detach())  # for step(losses=)
     assert torch.equal(state._run_forward(0, 0, x, None), state.partitions[0](x))
-    state.scale_grads = False  # a summed loss: each microbatch's counts whole
+    state.scale_grads = False  # a summed loss: the same
     assert torch.equal(state._run_forward(3, 1, x, y), loss)
 
 

@@ -11,8 +11,8 @@ microbatches: ``Expecting 4 arg_mbs but got 3`` on stage 0's rank, ``Tensor size
 smaller than num_chunks`` on the last stage's.
 
 xgrad refused every batch m did not divide. It now runs them with torch's semantics: its
-split, and each microbatch's loss divided by m whatever its size (torch divides the
-gradients by m after the backward, ``perform_reduce_grad``). The reference is the
+split, and each microbatch's gradient over m whatever its size (the gradients divided by m
+after the backward, as torch's ``perform_reduce_grad``: ``pipeline_scale``). The reference is the
 unpipelined model run microbatch by microbatch on torch's split, its gradients accumulated
 then divided by m: what torch's schedule computes, checked against torch's own on a batch
 it can run (an even one).

@@ -69,11 +69,10 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
     through host memory also for GPU stages (see
     :mod:`~xgrad.torch_backend.pipeline_lanes`) and are dropped once sent. Gradients
     accumulate into the partitions' ``.grad`` and equal those of the whole model run on
-    the whole batch (each microbatch's loss is scaled by 1/m, so the loss must be a mean
-    over the batch, as ``MSELoss`` and ``CrossEntropyLoss`` are by default;
-    ``scale_grads=False`` for a sum). A batch m does not divide splits as torch's
-    (10 rows: 3, 3, 2, 2), each loss still over m, as torch's: then not the whole
-    batch's mean (:mod:`~xgrad.torch_backend.pipeline_rows`).
+    the whole batch (divided by m after the backward, as torch's: ``pipeline_scale``; so
+    the loss must be a mean over the batch, as ``MSELoss``'s default; ``scale_grads=False``
+    for a sum). A batch m does not divide splits as torch's (10 rows: 3, 3, 2, 2), still
+    over m: then not the whole batch's mean (:mod:`~xgrad.torch_backend.pipeline_rows`).
 
     Stage inputs and outputs are pytrees (tuples, lists, dicts of tensors, integer masks,
     tensors that need no gradient, constants), whose shapes may change from step to step;
@@ -117,17 +116,17 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
             last microbatch's forward with gradients runs outside it.
         reduce_grad: called as ``reduce_grad(partition_index)`` at a partition's last
             REDUCE_GRAD action (torch's lowering and :func:`~xgrad.pipeline.add_stage_ops`
-            place one after a stage's last backward) to reduce its gradients across
-            data-parallel replicas. ``dp_group`` gives the default: the gradients averaged
-            over that group in one flat all-reduce (bounded, on the failure channel), which
-            works with split (I/W) backward too (see ``runtime_schedule`` for a schedule
-            without REDUCE_GRAD). Without either REDUCE_GRAD, like UNSHARD and RESHARD
+            place one after a stage's last backward) to reduce its gradients (divided by
+            m after, as torch's) across data-parallel replicas. ``dp_group`` gives the
+            default: the gradients averaged over that group in one flat all-reduce
+            (bounded, on the failure channel), which works with split (I/W) backward too
+            (see ``runtime_schedule`` for a schedule without REDUCE_GRAD). Without either REDUCE_GRAD, like UNSHARD and RESHARD
             (FSDP's), does nothing.
         dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
         device: where received tensors go (default: the device of the stage's parameters).
-        scale_grads: each microbatch's loss is divided by m (default), as torch's schedules
-            scale the gradients: for a loss that is a mean over its batch. False: for a sum
-            (the gradients, and the loss :meth:`step` returns, are then sums over microbatches).
+        scale_grads: the gradients divided by m (default), as torch's schedules divide
+            them: for a loss that is a mean over its batch. False: for a sum (the
+            gradients, and the loss :meth:`step` returns, are then sums over microbatches).
         args_chunk_spec: torch's: how stage 0's positional arguments split into
             microbatches, ``(spec,)`` for xgrad's one (``inputs``), ``spec`` a
             ``TensorChunkSpec(split_dim)`` (``TensorChunkSpec(1)``: sequence-first),
@@ -229,8 +228,7 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         if UNFINISHED or DROPPED:  # a DDP's pass raised or was dropped: its peers told now
             post_failed_passes(None)
         self._ddp_steps = ddp_steps(self._ddps)
-        if self._dp is not None and not self._evaluating:
-            self._dp.start()
+        self._start_grads()  # REDUCE_GRAD's step, the division by m (pipeline_scale)
         self._devices, self._joins, self._losses, self._outputs = {}, StageJoins(), {}, {}
         self._keyword_mbs = None
         mine = set(sched.stages_of(self.rank))

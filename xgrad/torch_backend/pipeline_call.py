@@ -110,8 +110,9 @@ class StepCall:
                 in torch, each rank's go to every stage it runs (one stage a rank:
                 ``step(x, mask=m)`` on stage 0's reaches stage 0 alone), each microbatch's
                 forward called ``forward(x, **its_kwargs)``. A tensor keyword that requires
-                grad gets the unpipelined model's gradient in ``.grad`` (torch's is m times
-                that: it divides the parameters' gradients alone by m, after the backward).
+                grad gets the unpipelined model's gradient in ``.grad``, each microbatch's
+                divided by m as it reaches it, as stage 0's batch (torch's is m times that:
+                it divides the parameters' gradients alone by m, after the backward).
 
         Returns:
             On the last stage's rank: the whole batch's loss (detached) by default; with

@@ -258,7 +258,11 @@ class StepGroups(StageState):
         """A failed step tells the data-parallel replicas (:func:`tell_replicas`); a failed
         evaluation does not: it reduces nothing and began no step of theirs, and telling
         them began one on this replica only (its DDPs' and ``dp_group``'s steps then
-        paired with the replicas' next ones: wrong gradients without a word)."""
+        paired with the replicas' next ones: wrong gradients without a word). And the
+        gradients the step set aside go back into ``.grad`` (pipeline_scale)."""
+        if self._scaling is not None:
+            self._scaling.abandon()
+            self._scaling = None
         if not self._evaluating:
             tell_replicas(error, self._ddps, self._ddp_steps, self._dp)
 

@@ -10,7 +10,7 @@ a forward message says its layout where its microbatch's differs from the last s
 (:mod:`~xgrad.torch_backend.pipeline_comm`), and a gradient's receive is sized from the
 output its forward made.
 
-Each microbatch's loss is divided by m whatever its size, as torch's schedules divide the
+Each microbatch's gradient counts 1/m whatever its size, as torch's schedules divide the
 gradients (checked on torch 2.13, on one stage, where its uneven microbatches run): with a
 loss that is a mean over its microbatch, a row of a 2-row microbatch then weighs 1/8 and
 one of a 3-row microbatch 1/12 (10 rows, m = 4), and the loss the runtime's ``step``

@@ -36,6 +36,8 @@ from xgrad.torch_backend.pipeline_wire import (
 
 __all__ = ["StagePasses"]
 
+_BACKWARDS = (Kind.BACKWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT)
+
 
 class StagePasses(StageState):
     """One action at a time on this rank's stages (the runtime sets the attributes)."""
@@ -284,6 +286,8 @@ class StagePasses(StageState):
                     self._reduce_grad(slot_index)
                 elif self._dp_group is not None:
                     self._average_grads(action)
+                if self._scaling is not None:
+                    self._scaling.after(action)  # after the reduction, as torch's
             return loss  # UNSHARD / RESHARD: nothing is sharded here
         key = (action.stage, action.microbatch)
         slot = slots.setdefault(key, Slot())
@@ -294,11 +298,18 @@ class StagePasses(StageState):
                 if action.stage == self.schedule.num_stages - 1:
                     slot.output = None  # kept in _outputs
             elif action.stage == self.schedule.num_stages - 1:
-                loss = out.detach() if loss is None else loss + out.detach()
-        elif kind in (Kind.BACKWARD, Kind.BACKWARD_INPUT):
-            self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
-        elif kind is Kind.BACKWARD_WEIGHT:
-            self._backward_weight(action, slot)
+                part = out.detach()  # the step's loss: the sum of each one's over m
+                part = part / self.schedule.num_microbatches if self.scale_grads else part
+                loss = part if loss is None else loss + part
+        elif kind in _BACKWARDS:  # B, I or W (the step's first one sets gradients aside)
+            if self._scaling is not None:
+                self._scaling.begin((xs, self._keyword_mbs))
+            if kind is Kind.BACKWARD_WEIGHT:
+                self._backward_weight(action, slot)
+            else:
+                self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
+            if self._scaling is not None:
+                self._scaling.after(action)
         elif kind in (Kind.SEND_F, Kind.SEND_B):
             self._send(action, slot)
         else:

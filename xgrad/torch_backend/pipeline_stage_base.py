@@ -1,7 +1,7 @@
 """What a pipeline stage's passes share: the runtime's settings, the step's state, and the
 small helpers every pass uses (which module and device a stage has, bounded waits, the
 checkpoint and no_sync decisions, the forward call with its loss, REDUCE_GRAD over a
-data-parallel group). The passes themselves are :class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
+data-parallel group, the step's division of the gradients by m). The passes themselves are :class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
 from xgrad.torch_backend.pipeline_recompute import checkpointed
+from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
 from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_specs import ChunkSpecs
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
@@ -38,7 +39,7 @@ class StageState:
     group: Any
     rank: int
     checkpoint: str
-    scale_grads: bool  # each microbatch's loss divided by m (torch's default)
+    scale_grads: bool  # the gradients divided by m after the backward (torch's default)
     timeout: float
     device: torch.device | None
     _slot_of: dict[int, int]
@@ -49,6 +50,9 @@ class StageState:
     _dp: Any  # the data-parallel steps (pipeline_ddps.DataParallelSteps), with _dp_group
     _reduce_grad: Callable[[int], None] | None
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
+    _actions: tuple[Action, ...]  # this rank's, in order (the mode in use: pipeline_eval)
+    _scaling: StepScaling | None = None  # this step's division by m (pipeline_scale)
+    _points: tuple[tuple[Action, ...], dict[int, int]] | None = None  # scale_points, kept
     _wire: StepWire  # the step's sends and receives
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
     _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
@@ -62,6 +66,25 @@ class StageState:
     _chunk_specs: ChunkSpecs = ChunkSpecs()  # the runtime's torch chunk specs (pipeline_specs)
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _start_grads(self) -> None:
+        """A step begins: its REDUCE_GRAD all-reduces' data-parallel step, and, for a
+        training step with ``scale_grads`` and m > 1, the division of the gradients by m
+        after each partition's last backward or reduction, as torch's (pipeline_scale)."""
+        if self._scaling is not None:
+            self._scaling.abandon()  # (done already, unless a step ended unseen)
+            self._scaling = None
+        m = self.schedule.num_microbatches
+        if self._evaluating:
+            return
+        if self._dp is not None:
+            self._dp.start()
+        if self.scale_grads and m > 1:
+            if self._points is None or self._points[0] is not self._actions:
+                reduces = self._reduce_grad is not None or self._dp_group is not None
+                at = scale_points(self._actions, self._slot_of, self._reduce_at, reduces)
+                self._points = (self._actions, at)
+            self._scaling = StepScaling(m, self._actions, self._points[1], self.partitions)
 
     def _module(self, stage: int) -> nn.Module:
         return self.partitions[self._slot_of[stage]]
@@ -133,7 +156,7 @@ class StageState:
         if last:
             loss = self._loss(y, target)
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
-            return loss / self.schedule.num_microbatches if self.scale_grads else loss
+            return loss  # its backward as it is: the gradients are divided after (_scaling)
         return y
 
     def _loss(self, y: Any, target: Any) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Where a pipeline step divides its gradients by m, as torch's schedules divide them.
+
+torch 2.13's schedules (``scale_grads=True``) run each microbatch's backward from its
+loss as it is and divide a stage's parameter gradients by m once per step, after the
+stage's last backward (its last B, or its last W under zero bubble):
+``_PipelineStageBase.scale_grads``, called by ``perform_reduce_grad`` at the stage's
+REDUCE_GRAD, after FSDP's reduction there, or right after that last backward (a DDP stage
+reduces within it). So the reduction comes first, then the division, and the gradients
+sent upstream are the undivided loss's: each stage divides its own. Dividing each loss by
+m before its backward (what this runtime did) is the same in exact arithmetic, not in
+floating point where m is not a power of two (the last bits differ, about 6e-17 in
+float64); divided as torch divides, the gradients equal torch's bit for bit.
+
+Where torch does worse, this runtime does not:
+
+- torch divides the whole ``.grad``, what earlier steps accumulated there too: several
+  steps without ``zero_grad`` give an average that shrinks by m at each step (the
+  gradient accumulation of torchtitan's issue 1733). Here what ``.grad`` held before the
+  step is set aside (copied, and zeroed in place: a DDP's bucket views stay what they
+  are) and added back after the division: ``.grad`` is what it held plus the step's
+  gradient, as for the unpipelined model.
+- A parameter that two partitions of a rank share is divided once, after the later (torch
+  divides it at each of its stages).
+- The step's own tensors that require grad (stage 0's batch, a keyword of the model) get
+  the unpipelined model's gradient: each microbatch's is divided by m as it reaches them
+  (torch leaves them m times that).
+
+A step that fails puts back what it set aside: ``.grad`` then holds that plus the failed
+step's partial, undivided gradients (zero them before retrying).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from xgrad.pipeline import Action, Kind
+from xgrad.torch_backend.pipeline_wire import tensor_leaves
+
+__all__ = ["StepScaling", "scale_points"]
+
+#: the passes that add to the parameters' ``.grad`` (I computes the inputs' alone).
+_ADDING = (Kind.BACKWARD, Kind.BACKWARD_WEIGHT)
+
+
+def scale_points(
+    actions: Sequence[Action], slot_of: dict[int, int], reduce_at: dict[int, int], reduces: bool
+) -> dict[int, int]:
+    """Partition index -> the position in ``actions`` after which its gradients are
+    divided: its REDUCE_GRAD that reduces (``reduce_at``, when ``reduces``), after the
+    reduction as torch's ``perform_reduce_grad``; else its last B or W."""
+    points: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        slot = slot_of.get(a.stage)
+        if slot is None:
+            continue
+        if a.kind in _ADDING or (
+            reduces and a.kind is Kind.REDUCE_GRAD and reduce_at.get(slot) == a.stage
+        ):
+            points[slot] = i
+    return points
+
+
+class StepScaling:
+    """One training step's division by ``m`` of the gradients of this rank's
+    ``partitions``, after the actions :func:`scale_points` gives (``points``).
+
+    :meth:`begin` runs before the step's first backward, :meth:`after` after each action
+    that may be a point, :meth:`abandon` when the step fails.
+    """
+
+    def __init__(
+        self,
+        m: int,
+        actions: Sequence[Action],
+        points: dict[int, int],
+        partitions: Sequence[nn.Module],
+    ) -> None:
+        self.m = m
+        self._actions = actions
+        self._points = points
+        self._partitions = partitions
+        self._due: dict[Action, list[torch.Tensor]] | None = None  # set by begin
+        self._end = actions[max(points.values())] if points else None
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, its .grad
+        self._hooks: list[RemovableHandle] = []
+
+    def begin(self, step_tensors: Any) -> None:
+        """Before the step's first backward (once; later calls return at once): the
+        parameters' gradients set aside, and the tensors of ``step_tensors`` (a pytree:
+        the step's own inputs and keywords, as its microbatches see them) that require
+        grad divide what reaches them by m."""
+        if self._due is not None:
+            return
+        # Each parameter once, at the later of its partitions' points (read each step:
+        # a module's parameters may change between steps).
+        owner: dict[int, tuple[int, torch.Tensor]] = {}
+        for slot, at in self._points.items():
+            for p in self._partitions[slot].parameters():
+                seen = owner.get(id(p))
+                if seen is None or seen[0] < at:
+                    owner[id(p)] = (at, p)
+        self._due = {}
+        with torch.no_grad():
+            for at, param in owner.values():
+                self._due.setdefault(self._actions[at], []).append(param)
+                if param.grad is not None:
+                    self._saved[id(param)] = (param, param.grad.clone())
+                    param.grad.zero_()
+        hooked: set[int] = set()
+        for t in tensor_leaves(step_tensors):
+            if t.requires_grad and id(t) not in hooked:
+                hooked.add(id(t))
+                self._hooks.append(t.register_hook(self._divided))
+
+    def _divided(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad / self.m
+
+    def after(self, action: Action) -> None:
+        """After ``action``: the gradients due there divided by m, as torch's
+        ``scale_grads`` divides them (``p.grad.div_(m)``: the same operation, on every
+        device), then what ``.grad`` held before the step added back."""
+        params = None if self._due is None else self._due.get(action)
+        if params is not None:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(self.m)
+                    kept = self._saved.pop(id(p), None)
+                    if kept is not None:
+                        _add_back(p, kept[1])
+        if action == self._end:
+            self._unhook()
+
+    def abandon(self) -> None:
+        """The step failed (or another begins): what was set aside is added back, undivided
+        gradients and all, and the step's tensors lose their hooks."""
+        with torch.no_grad():
+            for p, kept in self._saved.values():
+                _add_back(p, kept)
+        self._saved.clear()
+        self._unhook()
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _add_back(p: Any, kept: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = kept
+    elif p.grad.is_sparse and not kept.is_sparse:
+        p.grad = kept.add_(p.grad)
+    else:
+        p.grad.add_(kept)
