@@ -24,6 +24,10 @@ Where torch does worse, this runtime does not:
 - The step's own tensors that require grad (stage 0's batch, a keyword of the model) get
   the unpipelined model's gradient: each microbatch's is divided by m as it reaches them
   (torch leaves them m times that).
+- A ``loss_fn`` that is a module with parameters (a learnt temperature, an adaptive
+  softmax) has them divided with the last stage's (torch divides its stages' alone and
+  leaves them m times the unpipelined model's, as this runtime did before it divided
+  after the backward). A plain function that reads parameters of its own is not seen.
 
 A step that fails puts back what it set aside: ``.grad`` then holds that plus the failed
 step's partial, undivided gradients (zero them before retrying).
@@ -79,8 +83,10 @@ class StepScaling:
         actions: Sequence[Action],
         points: dict[int, int],
         partitions: Sequence[nn.Module],
+        extra: tuple[int, Sequence[nn.Parameter]] | None = None,
     ) -> None:
         self.m = m
+        self._extra = extra  # (point, parameters): the loss_fn's, at the last stage's point
         self._actions = actions
         self._points = points
         self._partitions = partitions
@@ -99,8 +105,11 @@ class StepScaling:
         # Each parameter once, at the later of its partitions' points (read each step:
         # a module's parameters may change between steps).
         owner: dict[int, tuple[int, torch.Tensor]] = {}
-        for slot, at in self._points.items():
-            for p in self._partitions[slot].parameters():
+        groups = [(at, self._partitions[slot].parameters()) for slot, at in self._points.items()]
+        if self._extra is not None:
+            groups.append((self._extra[0], iter(self._extra[1])))
+        for at, params in groups:
+            for p in params:
                 seen = owner.get(id(p))
                 if seen is None or seen[0] < at:
                     owner[id(p)] = (at, p)

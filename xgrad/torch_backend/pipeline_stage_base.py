@@ -84,7 +84,20 @@ class StageState:
                 reduces = self._reduce_grad is not None or self._dp_group is not None
                 at = scale_points(self._actions, self._slot_of, self._reduce_at, reduces)
                 self._points = (self._actions, at)
-            self._scaling = StepScaling(m, self._actions, self._points[1], self.partitions)
+            self._scaling = StepScaling(
+                m, self._actions, self._points[1], self.partitions, self._loss_params()
+            )
+
+    def _loss_params(self) -> tuple[int, list[nn.Parameter]] | None:
+        """A module ``loss_fn``'s parameters, on the last stage's rank, with the point of
+        that stage's partition: divided there as the unpipelined model's (pipeline_scale)."""
+        last = self.schedule.num_stages - 1
+        slot = self._slot_of.get(last)
+        if slot is None or not isinstance(self.loss_fn, nn.Module) or self._points is None:
+            return None
+        params = [p for p in self.loss_fn.parameters() if p.requires_grad]
+        at = self._points[1].get(slot)
+        return None if not params or at is None else (at, params)
 
     def _module(self, stage: int) -> nn.Module:
         return self.partitions[self._slot_of[stage]]
