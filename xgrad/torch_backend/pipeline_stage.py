@@ -8,7 +8,6 @@ the settings and helpers the passes share in :mod:`~xgrad.torch_backend.pipeline
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -223,9 +222,6 @@ class StagePasses(StageState):
                 if any(g is None for g in mine):
                     slot.grad_layout = slot.grad_layout or {}
                     slot.grad_layout[src] = [(x.shape, x.dtype) for x in group]
-
-    def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
-        return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
     def _backward_weight(self, action: Action, slot: Slot) -> None:
         if slot.output is None and slot.out_edges is None and slot.captured is None:

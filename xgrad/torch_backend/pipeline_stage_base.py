@@ -93,11 +93,31 @@ class StageState:
         that stage's partition: divided there as the unpipelined model's (pipeline_scale)."""
         last = self.schedule.num_stages - 1
         slot = self._slot_of.get(last)
-        if slot is None or not isinstance(self.loss_fn, nn.Module) or self._points is None:
+        if slot is None or self._points is None:
             return None
-        params = [p for p in self.loss_fn.parameters() if p.requires_grad]
+        params = self._loss_weights()
         at = self._points[1].get(slot)
         return None if not params or at is None else (at, params)
+
+    def _loss_weights(self) -> list[nn.Parameter]:
+        """A module ``loss_fn``'s parameters that require grad: the last stage's W (and the
+        joins its I pass finds) differentiates them with the stage's own, as B does, else a
+        zero-bubble step left their ``.grad`` None. A plain function's are not seen."""
+        if not isinstance(self.loss_fn, nn.Module):
+            return []
+        return [p for p in self.loss_fn.parameters() if p.requires_grad]
+
+    def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
+        """What W differentiates: the stage's parameters, and the last's loss module's."""
+        if stage == self.schedule.num_stages - 1:
+            return lambda: list(
+                {
+                    id(p): p
+                    for p in (*self._module(stage).parameters(), *self._loss_weights())
+                    if p.requires_grad
+                }.values()
+            )
+        return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
 
     def _module(self, stage: int) -> nn.Module:
         return self.partitions[self._slot_of[stage]]
