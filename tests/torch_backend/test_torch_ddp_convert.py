@@ -155,7 +155,11 @@ def test_a_module_converted_behind_the_ddp_s_back_is_refused_on_every_rank(
     for rank, errors in enumerate(results):
         assert errors[:when] == [""] * when, (rank, errors)
         for error in errors[when:]:
-            assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
+            # A rank's own refusal, or (under load) its peer's read first, relayed.
+            assert error.startswith(("RankError[GradientDtypeError]: rank ", "RankError: rank ")), (
+                rank,
+                error,
+            )
             assert named.search(error), (rank, error)
 
 
@@ -207,5 +211,9 @@ def test_a_module_converted_behind_a_mixed_precision_ddp_s_back_is_refused(how: 
     for rank, errors in enumerate(results):
         assert errors[0] == "", (rank, errors)
         for error in errors[1:]:
-            assert error.startswith("RankError[GradientDtypeError]: rank "), (rank, error)
+            # A rank's own refusal, or (under load) its peer's read first, relayed.
+            assert error.startswith(("RankError[GradientDtypeError]: rank ", "RankError: rank ")), (
+                rank,
+                error,
+            )
             assert named.search(error), (rank, error)

@@ -121,7 +121,13 @@ def test_one_rank_evaluating_while_the_other_trains_fails_both_and_both_exit() -
     results = spawn(_mixed, 2, timeout=120)
     took = time.perf_counter() - start
     for seconds, message in results:
-        assert "rank 0 in pipeline schedule (eval's forwards) agreement" in message, message
+        # Both wait out the same 4 s: rank 0 in the agreement, rank 1 for rank 0's first
+        # activation. Which is posted first is a race (under load rank 1's, which names
+        # rank 0 as the one that did not answer); either names rank 0.
+        assert (
+            "rank 0 in pipeline schedule (eval's forwards) agreement" in message
+            or "rank 0: did not answer within the timeout: rank 1's 1RECV_F0" in message
+        ), message
         assert seconds < 30, (seconds, message)  # a 4 s timeout, on a loaded machine
     assert took < 60, took  # not held until the launcher's 120 s
 
