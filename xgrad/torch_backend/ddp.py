@@ -21,10 +21,11 @@ One training step, as PyTorch's DDP does it::
 
 Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer flags),
 ``ddp_checks`` (bad input), ``ddp_caps`` (bucket caps), ``ddp_hooks`` (autograd hooks),
-``ddp_recover`` (a failed pass), ``ddp_failure`` (the step watch), ``ddp_comm_hooks`` (hooks),
-``ddp_stats`` (plan, timeline, statistics), ``ddp_forward`` (the forward pass),
-``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile``
-(dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper and its construction.
+``ddp_recover`` (a failed pass), ``ddp_unfinished`` (told to the peers), ``ddp_failure``
+(the step watch), ``ddp_comm_hooks`` (hooks), ``ddp_stats`` (plan, timeline, statistics),
+``ddp_forward`` (the forward pass), ``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed
+all-reduce), ``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this is the
+wrapper and its construction.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ from xgrad.torch_backend.ddp_logging import RuntimeLog, environment
 from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
-from xgrad.torch_backend.ddp_recover import before_wrapping
 from xgrad.torch_backend.ddp_stats import InspectableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
+from xgrad.torch_backend.ddp_unfinished import before_wrapping
 from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.ops import TorchArrayOps

@@ -4,7 +4,7 @@ A gradient hook of the user's (``p.register_hook(fn)``, a hook on an activation,
 module's backward hook) or an autograd function that raises ends the pass on this rank
 without DDP's hooks seeing the exception: autograd runs no code of the DDP on its way
 out and keeps nothing of it. The pass is posted to the step's failure channel at the
-next forward pass (:func:`.ddp_recover.post_failed_pass`), and the peers' error named
+next forward pass (:func:`.ddp_unfinished.post_failed_pass`), and the peers' error named
 the rank but said only "the backward pass raised an exception". So, once a DDP has
 attached its hooks, autograd's engine is entered through :class:`NotingEngine`, which
 notes the exception's type and text (bounded: :data:`NOTED_CHARS`) on each DDP whose
@@ -42,7 +42,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from xgrad.failure import RankError, describe
-from xgrad.torch_backend.ddp_recover import UNFINISHED
+from xgrad.torch_backend.ddp_unfinished import UNFINISHED
 
 __all__ = ["NOTED_CHARS", "NotingEngine", "bounded", "note_backward_errors", "put_off"]
 

@@ -33,8 +33,8 @@ from xgrad.torch_backend.ddp_cut_short import PUT_OFF, note_backward_errors
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_lend import lendable
 from xgrad.torch_backend.ddp_pass_end import PassEnd, peer_unreduced
-from xgrad.torch_backend.ddp_recover import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_stats import TIMINGS_KEPT, IterationTimes
+from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED
 from xgrad.torch_backend.weak_hooks import owned_by
 
 if TYPE_CHECKING:

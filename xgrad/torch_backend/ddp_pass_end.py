@@ -23,8 +23,8 @@ from xgrad.reducer_errors import GradientDtypeError
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_cut_short import put_off
 from xgrad.torch_backend.ddp_failure import StepWatch
-from xgrad.torch_backend.ddp_recover import UNFINISHED
 from xgrad.torch_backend.ddp_stats import IterationTimes
+from xgrad.torch_backend.ddp_unfinished import UNFINISHED
 from xgrad.torch_backend.ddp_writeback import GradientWriteBack
 
 __all__ = ["UNREDUCED", "PassEnd", "peer_unreduced"]

@@ -5,12 +5,12 @@ that runs to its end: this is what happens after one did not (a hook, a comm hoo
 autograd raised part-way). The failure is posted to the step's channel so that peers
 waiting for this rank's buckets stop at once, the reducer drops the pass, and a step that
 failed anywhere moves the reductions to a fresh private group (:mod:`.ddp_failure`).
+The passes left unfinished are kept and posted by :mod:`.ddp_unfinished` (the names that
+the pipeline takes from here are re-exported).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +20,10 @@ import torch
 from xgrad.callers import user_stacklevel
 from xgrad.failure import error_for
 from xgrad.torch_backend.ddp_skipped import settle_skipped
-from xgrad.torch_backend.weak_hooks import collect_dropped
+from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
+from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
+from xgrad.torch_backend.ddp_unfinished import post_failed_pass
+from xgrad.torch_backend.ddp_unfinished import post_failed_passes as post_failed_passes
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -30,34 +33,17 @@ __all__ = [
     "DROPPED",
     "UNFINISHED",
     "abandon_step",
-    "before_wrapping",
     "drop_unreduced",
-    "post_failed_pass",
     "post_failed_passes",
     "recover",
     "reduces_unsynced",
     "start_forward",
 ]
 
-current_graph_task = torch._C._current_graph_task_id
-
-#: what a synchronised pass cut short is posted as when its exception was not seen.
-_CUT_SHORT = "RuntimeError: the backward pass raised an exception"
-#: the same for a ``no_sync`` pass.
+#: what a ``no_sync`` pass cut short is posted as when its exception was not seen.
 _NOSYNC_CUT_SHORT = "RuntimeError: a no_sync backward pass raised an exception"
 
-#: the DDPs of this process whose backward pass (synchronised or ``no_sync``) has begun
-#: and not finished (empty between good steps): one left here failed part-way. Held
-#: strongly: a failed DDP that the user dropped (a retry loop that wraps the module
-#: again) still tells its peers at the next forward pass or DDP made here, and is freed
-#: then.
-UNFINISHED: set[GradientHooks] = set()
-
-#: the step watches of DDPs collected with a step under way on this rank (a forward pass
-#: whose backward never came, ``no_sync`` passes begun): the peers may wait in that
-#: step's collectives. Posted at the next forward pass, pipeline step or DDP made here
-#: (:func:`post_failed_passes`), not by the collector, which runs wherever it is.
-DROPPED: list[StepWatch] = []
+current_graph_task = torch._C._current_graph_task_id
 
 
 def start_forward(
@@ -218,22 +204,6 @@ def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
         )
 
 
-def post_failed_pass(hooks: GradientHooks, watch: StepWatch) -> None:
-    """If the last synchronised backward pass began and never finished (autograd raised
-    part-way), post that to its step's failure channel: the peers waiting for this
-    rank's buckets stop at once, naming it. The reducer drops the pass at
-    :func:`recover`."""
-    if hooks.finalize_queued:
-        hooks.finalize_queued = False
-        UNFINISHED.discard(hooks)
-        # What raised, as the peers hear a forward pass's or a comm hook's failure; the
-        # generic words where it was not seen leaving autograd (:mod:`.ddp_cut_short`).
-        cause, hooks.cut_short = hooks.cut_short, None
-        failure = watch.channel.post("backward", cause or _CUT_SHORT)
-        assert hooks.reducer is not None
-        hooks.reducer.fail(failure.text())
-
-
 def abandon_step(
     watch: StepWatch,
     hooks: GradientHooks,
@@ -249,7 +219,7 @@ def abandon_step(
     error is returned (``None`` where there was nothing to give up).
 
     A synchronised pass begun and not finished is posted as at a forward pass
-    (:func:`post_failed_pass`). A rank that only accumulated (``no_sync`` passes since
+    (:func:`.ddp_unfinished.post_failed_pass`). A rank that only accumulated (``no_sync`` passes since
     its last synchronised step, which began that step) posts the failure to it: the
     peers raise it in that step's collectives, instead of pairing them with this rank's
     next step (silently wrong gradients), and every rank replaces the private group at
@@ -284,47 +254,3 @@ def abandon_step(
     if until_sync:
         hooks.given_up = error.failure
     return error
-
-
-def post_failed_passes(current: GradientHooks | None) -> None:
-    """At a forward pass of ``current``: post the failed backward passes of the other DDPs.
-
-    A rank whose backward pass of one DDP raised (a user's hook, autograd) and that goes
-    on with another DDP would otherwise post the failure only at the failed DDP's next
-    forward pass, while its peers wait for its buckets and it waits for them in the
-    other DDP's collectives: both until a timeout. Only the passes begun from this thread
-    are looked at, and only outside any backward pass (a forward pass run by a hook or by
-    checkpointing's recomputation is part of a pass still under way).
-    """
-    if current_graph_task() != -1:
-        return
-    while DROPPED:
-        # A dropped DDP's step: its peers stop now, naming this rank, as for a pass that
-        # raised (a rank that dropped it too waits for nothing there any more). Best
-        # effort: a store gone since (its group destroyed) fails nothing of this pass.
-        watch = DROPPED.pop()
-        with contextlib.suppress(Exception):
-            watch.post(
-                "backward",
-                RuntimeError("the DDP was dropped before its step's backward pass ran here"),
-            )
-    me = threading.get_ident()
-    for hooks in list(UNFINISHED):
-        if hooks is not current and hooks.forward_thread == me:  # current None: every one
-            post_failed_pass(hooks, hooks.watch)
-
-
-def before_wrapping() -> None:
-    """At a DDP's construction, before its collectives: a retry loop that wraps the module
-    again after a failed step tells the peers of the failed DDP now (they wait in its
-    collectives while this rank would wait in the new one's, both to a timeout), and the
-    hooks of a DDP it dropped leave the parameters before the new DDP's are added (they
-    would run in its backward pass, with the dropped one's reductions and failures)."""
-    if UNFINISHED:
-        post_failed_passes(None)  # a failed DDP's: told, then no longer kept for it
-        # A failed no_sync pass is posted at its DDP's next forward (its text kept on it):
-        # not held here, so a dropped one is collected below and its step posted.
-        UNFINISHED.difference_update([h for h in UNFINISHED if not h.finalize_queued])
-    collect_dropped()
-    if DROPPED:
-        post_failed_passes(None)  # a step under way on a DDP collected just now
