@@ -35,8 +35,9 @@ def _messages(rank: int, world: int) -> dict[str, Any]:
 
     from xgrad.failure import RankError
     from xgrad.torch_backend import dist_inbox
+    from xgrad.torch_backend.dist_bytes import DONE, GRAD, NO_GRAD, POISON, header
     from xgrad.torch_backend.dist_inbox import Inbox
-    from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
+    from xgrad.torch_backend.dist_wire import payload
 
     tensors = [torch.zeros(s, dtype=getattr(torch, d)) for s, d in SENT]
     sizes = [t.numel() * t.element_size() for t in tensors]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from xgrad.torch_backend.dist_bytes import GRAD, NO_GRAD, header
 from xgrad.torch_backend.dist_slots import HEADER_BYTES, ReceiveViews, ReplyBuffers
-from xgrad.torch_backend.dist_wire import GRAD, NO_GRAD, header, payload
+from xgrad.torch_backend.dist_wire import payload
 
 
 def _message(kind: int, k: int, grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from xgrad.failure import RankError
 from xgrad.failure_wait import wait_until
 from xgrad.heartbeat import waiting_for
 from xgrad.torch_backend import dist_leftovers
+from xgrad.torch_backend.dist_bytes import POISON
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_hooks import Seen
 from xgrad.torch_backend.dist_inbox import Inbox
@@ -22,7 +23,7 @@ from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
 from xgrad.torch_backend.dist_self import ToSelf
 from xgrad.torch_backend.dist_watch import wait_here
-from xgrad.torch_backend.dist_wire import POISON, Link, header_device
+from xgrad.torch_backend.dist_wire import Link, header_device
 from xgrad.torch_backend.failure import failure_channel, group_ranks, wait_posted
 from xgrad.torch_backend.private_groups import gloo_twin
 from xgrad.torch_backend.weak_hooks import weak_method

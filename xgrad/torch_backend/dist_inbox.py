@@ -39,11 +39,12 @@ from xgrad.failure import (
     error_for,
 )
 from xgrad.heartbeat import waiting_for
+from xgrad.torch_backend.dist_bytes import DONE, POISON
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_slots import ReceiveViews, make_ahead
 from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
 from xgrad.torch_backend.dist_watch import What, text, wait_here
-from xgrad.torch_backend.dist_wire import DONE, POISON, Link
+from xgrad.torch_backend.dist_wire import Link
 
 __all__ = ["WAIT", "Inbox", "Message", "_made"]
 

@@ -24,10 +24,11 @@ from xgrad.failure import (
     default_seconds,
     error_for,
 )
+from xgrad.torch_backend.dist_bytes import DONE, GRAD, NO_GRAD, POISON, header
 from xgrad.torch_backend.dist_edges import recv_hooks
 from xgrad.torch_backend.dist_inbox import Inbox, Message
 from xgrad.torch_backend.dist_watch import What, text
-from xgrad.torch_backend.dist_wire import DONE, GRAD, NO_GRAD, POISON, header, payload
+from xgrad.torch_backend.dist_wire import payload
 from xgrad.torch_backend.failure import poisoned, transfer_failed, wait_posted
 from xgrad.torch_backend.lost_rank import CLOSED_BEFORE, silent_peer
 

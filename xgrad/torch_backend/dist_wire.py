@@ -11,12 +11,8 @@ receive waits for a send that a failed rank never made.
 Backward, everything goes by point-to-point. At the start of a pass both sides know
 every message between them: for each tensor A sent B that requires grad, one message
 B -> A on the context's gradient tag (in the order B's engine answers), then B's "done"
-on its backward tag::
-
-    message = int64 header (kind, k) + payload
-    kind GRAD: the gradient of A's k-th grad-requiring send to B (the payload, the sent
-               tensor's shape and dtype); NO_GRAD: none flows back (not needed, or zero);
-    DONE: B finished the pass; POISON: B failed, read the failure channel.
+on its backward tag; a message is a header (kind, k) and a payload, in the bytes and
+kinds of :mod:`.dist_bytes`.
 
 So A posts its receives first (:class:`xgrad.torch_backend.dist_inbox.Inbox`) and
 gloo writes B's message the moment B sends it. The gradients and the "done"s have tags of
@@ -34,59 +30,31 @@ from typing import Any
 import torch
 
 from xgrad.failure import KeyValueStore
-from xgrad.torch_backend.dist_slots import HEADER, HEADER_BYTES, ReplyBuffers, payload
+from xgrad.torch_backend.dist_bytes import (
+    AS_BYTES,
+    DONE,
+    GRAD,
+    POISON,
+    as_bytes,
+    flat_bytes,
+    forward_header,
+    message_head,
+    read_forward_header,
+)
+from xgrad.torch_backend.dist_bytes import DTYPES as DTYPES
+from xgrad.torch_backend.dist_slots import HEADER_BYTES, ReplyBuffers, payload
 
 __all__ = [
     "BACKWARD",
-    "DONE",
     "DTYPES",
-    "GRAD",
     "GRADIENTS",
     "HEADER_BYTES",
-    "NO_GRAD",
-    "POISON",
     "SEVER",
     "Link",
-    "header",
     "header_device",
     "payload",
     "tag",
 ]
-
-#: dtypes gloo moves: they travel as they are.
-_GLOO_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.complex64,
-    torch.complex128,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
-#: dtypes gloo does not move: they travel as their bytes (:func:`_as_bytes`), as PyTorch's
-#: RPC sends them (those this torch has).
-_BYTE_NAMES = "uint16 uint32 uint64 complex32 float8_e4m3fn float8_e5m2 float8_e4m3fnuz"
-_BYTE_NAMES += " float8_e5m2fnuz float8_e8m0fnu"
-_BYTE_DTYPES = tuple(
-    dt
-    for dt in (getattr(torch, name, None) for name in _BYTE_NAMES.split())
-    if isinstance(dt, torch.dtype)
-)
-#: dtypes that may travel, by code (the byte ones after the others, whose codes stay).
-DTYPES: tuple[torch.dtype, ...] = (*_GLOO_DTYPES, *_BYTE_DTYPES)
-_CODE = {dt: i for i, dt in enumerate(DTYPES)}
-_AS_BYTES = frozenset(_BYTE_DTYPES)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous ``t``, one dimension, sharing its storage."""
-    return t.reshape(-1).view(torch.uint8)
-
 
 #: what ``compare_set`` of an absent forward header returns (no header is this value).
 _ABSENT = b"\x00absent"
@@ -96,8 +64,6 @@ _SEQ_MOD = 1 << 25
 #: streams of a context's tags: forward tensors, "done", gradients; SEVER only ever times
 #: out (closes a lost group's connections).
 FORWARD, BACKWARD, GRADIENTS, SEVER = 0, 1, 2, 3
-#: kinds of backward messages (their header's layout: :mod:`.dist_slots`).
-GRAD, NO_GRAD, DONE, POISON = 0, 1, 2, 3
 
 
 def tag(seq: int, stream: int) -> int:
@@ -166,18 +132,14 @@ class Link:
 
     def send_tensor(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Post the send of ``t``; returns ``(work, the buffer it reads)``."""
-        if t.dtype not in _CODE:
-            raise TypeError(f"send: dtype {t.dtype} cannot be sent; supported: {list(DTYPES)}")
-        if t.layout != torch.strided:
-            raise TypeError(f"send: a {t.layout} tensor cannot be sent; send t.to_dense()")
+        head = forward_header(t)  # refuses what cannot be sent, before anything is
         # A copy, as PyTorch's RPC serialises at the call: what the receiver gets is the
         # tensor as it was, whatever the sender writes into it before gloo reads it.
         data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
         data.copy_(t.detach())
-        wire = _as_bytes(data) if t.dtype in _AS_BYTES else data
+        wire = as_bytes(data) if t.dtype in AS_BYTES else data
         work = self.pg.send([wire], self.group_peer, self._tags[FORWARD])
-        head = [_CODE[t.dtype], int(t.requires_grad), *t.shape]
-        self.store.set(f"{self._out}/f/{self._next('f')}", ",".join(map(str, head)).encode())
+        self.store.set(f"{self._out}/f/{self._next('f')}", head)
         return work, data
 
     def headers(self) -> list[str]:
@@ -216,10 +178,9 @@ class Link:
     def recv_tensor(self, header: bytes) -> tuple[Any, torch.Tensor, bool]:
         """Post the receive of the next tensor, whose ``header`` was taken
         (:meth:`take_header`): ``(work, buffer, requires_grad)``."""
-        head = [int(v) for v in header.decode().split(",")]
-        code, requires_grad, shape = head[0], bool(head[1]), head[2:]
-        buf = torch.empty(shape, dtype=DTYPES[code], device=self.device)
-        wire = _as_bytes(buf) if buf.dtype in _AS_BYTES else buf  # lands in buf's storage
+        dtype, requires_grad, shape = read_forward_header(header)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        wire = as_bytes(buf) if buf.dtype in AS_BYTES else buf  # lands in buf's storage
         return self.pg.recv([wire], self.group_peer, self._tags[FORWARD]), buf, requires_grad
 
     def unreceived(self) -> int:
@@ -230,7 +191,7 @@ class Link:
         """
         n, i = 0, self._count.get(self._in + "f", 0)
         while self.store.check([f"{self._in}/f/{i}"]):
-            n += int(self.store.get(f"{self._in}/f/{i}").decode().split(",")[1])
+            n += read_forward_header(self.store.get(f"{self._in}/f/{i}"))[1]
             i += 1
         return n
 
@@ -279,7 +240,7 @@ class Link:
         reply = self._replies_left > 0 and not final
         if reply:
             self._replies_left -= 1
-        parts = [_head(kind, k, self.device)]
+        parts = [message_head(kind, k, self.device)]
         used = HEADER_BYTES
         if kind == GRAD:
             assert grad is not None and like is not None
@@ -297,7 +258,7 @@ class Link:
                 if made is None:
                     if grad.dtype != like.dtype or grad.device != self.device:
                         grad = grad.to(self.device, like.dtype)
-                    parts.append(_bytes(grad))
+                    parts.append(flat_bytes(grad))
             except RuntimeError as exc:
                 raise ValueError(
                     f"the gradient for rank {self.peer} cannot be sent: {exc}"
@@ -318,7 +279,7 @@ class Link:
         """A poison outside any pass's accounting, for a gradient (or with ``final`` the
         "done") the peer may wait for: it touches no counter, so another thread may send
         it while the pass's own thread waits (see :mod:`.dist_ledger`)."""
-        buf = _head(POISON, 0, self.device)
+        buf = message_head(POISON, 0, self.device)
         if self._exact and not final and self._reply_slot > HEADER_BYTES:
             pad = torch.zeros(
                 self._reply_slot - HEADER_BYTES, dtype=torch.uint8, device=self.device
@@ -326,44 +287,3 @@ class Link:
             buf = torch.cat([buf, pad])
         stream = BACKWARD if final else GRADIENTS
         return self.pg.send([buf], self.group_peer, self._tags[stream]), buf
-
-
-#: the header bytes of each (kind, k, device), made once: sends only read their buffer.
-_HEADS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _head(kind: int, k: int, device: torch.device) -> torch.Tensor:
-    head = _HEADS.get((kind, k, device))
-    if head is None:
-        if len(_HEADS) >= 4096:
-            _HEADS.clear()
-        head = torch.tensor([kind, k], dtype=torch.int64).view(torch.uint8).to(device)
-        _HEADS[(kind, k, device)] = head
-    return head
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, flat. A one-element or empty tensor can be "contiguous" with stride
-    0 (the gradient of ``sum()`` expanded to shape ``(1,)`` or ``(0,)``), which a byte view
-    refuses: copied (an empty one is made anew: it has no bytes to copy). A conjugate or
-    negative view (the gradient of ``r.conj()``) has its bit resolved first: a byte view
-    would read the stored values without it."""
-    flat = t.resolve_conj().resolve_neg().contiguous().view(-1)
-    if flat.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    if flat.stride(0) != 1:
-        flat = flat.clone(memory_format=torch.contiguous_format)  # clone() keeps stride 0
-    return flat.view(torch.uint8)
-
-
-def header(buf: torch.Tensor) -> tuple[int, int]:
-    """``(kind, k)`` of a received backward message.
-
-    A CPU buffer is read through its NumPy view (a third of the tensor ops' time, on the
-    receiving rank's hop); the header was written as two native int64.
-    """
-    if buf.device.type == "cpu":
-        kind, k = HEADER.unpack_from(buf.numpy().data)
-        return kind, k
-    kind, k = buf[:HEADER_BYTES].view(torch.int64).tolist()
-    return int(kind), int(k)
