@@ -23,27 +23,23 @@ Pieces: ``ddp_params`` (which parameters, devices), ``ddp_args`` (group, buffer 
 ``ddp_checks`` (bad input), ``ddp_caps`` (bucket caps), ``ddp_hooks`` (autograd hooks),
 ``ddp_recover`` (a failed pass), ``ddp_unfinished`` (told to the peers), ``ddp_failure``
 (the step watch), ``ddp_comm_hooks`` (hooks), ``ddp_stats`` (plan, timeline, statistics),
-``ddp_forward`` (the forward pass), ``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed
-all-reduce), ``ddp_compile`` (dynamo), ``ddp_pickle`` (copies), ``join``; this is the
-wrapper and its construction.
+``ddp_forward`` (the forward pass), ``ddp_reduction`` (hooks and reducer, built),
+``ddp_mixed`` (mixed precision), ``ddp_delay`` (delayed all-reduce), ``ddp_compile``
+(dynamo), ``ddp_pickle`` (copies), ``join``; this is the wrapper and its construction.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from xgrad.backend import Comm
 from xgrad.buckets import BucketPlan
-from xgrad.ddp_setup import ddp_reducer
 from xgrad.reducer import Hook, Reducer
 from xgrad.torch_backend.ddp_args import buffer_sync_flags, resolve_group
 from xgrad.torch_backend.ddp_buffers import BufferSyncDDP
@@ -60,19 +56,16 @@ from xgrad.torch_backend.ddp_convert import ConvertibleDDP
 from xgrad.torch_backend.ddp_delay import DelayedAllReduce
 from xgrad.torch_backend.ddp_failure import StepWatch
 from xgrad.torch_backend.ddp_forward import ForwardDDP
-from xgrad.torch_backend.ddp_hooks import GradientHooks
 from xgrad.torch_backend.ddp_logging import RuntimeLog, environment
-from xgrad.torch_backend.ddp_mixed import MixedPrecisionCasts
 from xgrad.torch_backend.ddp_params import reduced_parameters, resolve_devices
 from xgrad.torch_backend.ddp_pickle import PicklableDDP
+from xgrad.torch_backend.ddp_reduction import ReductionDDP
 from xgrad.torch_backend.ddp_stats import InspectableDDP
 from xgrad.torch_backend.ddp_stats import IterationTimes as IterationTimes
 from xgrad.torch_backend.ddp_unfinished import before_wrapping
 from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
-from xgrad.torch_backend.ops import TorchArrayOps
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
-from xgrad.torch_backend.weak_hooks import weak_method
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
@@ -85,6 +78,7 @@ class DistributedDataParallel(
     BufferSyncDDP,
     CompatDDP,
     InspectableDDP,
+    ReductionDDP,
     PicklableDDP,
     JoinableDDP,
     CommHookDDP,
@@ -242,50 +236,6 @@ class DistributedDataParallel(
                 self.device,
             )
         )
-        self._casts = (
-            None
-            if mixed_precision is None
-            else MixedPrecisionCasts(mixed_precision, module, ignore)
-        )
-        flat_dtype = None if self._casts is None else self._casts.param_dtype
-        self._grad_hooks = GradientHooks(
-            self._params, gradient_as_bucket_view, lend=flat_dtype is None
-        )
-        limits = caps.limits(
-            find_unused_parameters=find_unused_parameters, static_graph=static_graph
-        )
-        #: PyTorch's attribute (dynamo's DDPOptimizer splits graphs at this size).
-        self.bucket_bytes_cap = caps.attribute(limits.bucket_bytes_cap)
-        self.bucket_bytes_cap_list = list(caps.cap_list or ())
-        #: whether the first bucket is PyTorch's small default one (no cap given).
-        self.bucket_bytes_cap_default = bucket_cap_mb is None and caps.cap_list is None
-        hooks = self._grad_hooks
-        # The reducer holds the DDP and its hooks weakly (they hold it): a dropped DDP is
-        # freed at once, not left in a cycle for the collector (weak_hooks).
-        self.reducer = ddp_reducer(
-            self._params,
-            self.comm,
-            TorchArrayOps(flat_dtype=flat_dtype),
-            set_grad=weak_method(hooks.set_grad),
-            set_grads=weak_method(hooks.set_grads),
-            limits=limits,
-            plan=plan,
-            names=self.parameter_names,
-            sparse=sparse,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy,
-            hook=None if self._casts is None else self._casts.hook(self.comm),
-            lender=weakref.proxy(hooks),
-            # An unused parameter's bucket slot gets its .grad, as PyTorch's (not with
-            # mixed precision, whose buckets hold the low-precision gradients).
-            get_grad=None if self._casts is not None else weak_method(self._grad_of),
-        )
-        self.initial_plan = self.reducer.initial_plan
-        self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self._hook_name = "allreduce (default)" if self._casts is None else "mixed precision"
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
         self._still_training: int | None = None
@@ -293,36 +243,4 @@ class DistributedDataParallel(
         #: PyTorch's logger's keys (``_get_ddp_logging_data``): read now, and sampled.
         self._logging_environment = environment(self.process_group)
         self._runtime_log = RuntimeLog()
-        self._grad_hooks.watch = self._watch
-        self._grad_hooks.log_error = self._runtime_log.error
-        # PyTorch names the parameters in its "prior iteration" error only when debugging.
-        self.reducer.name_unreduced = dist.get_debug_level() != dist.DebugLevel.OFF
-        if comm_hook is not None:
-            self.register_hook(comm_hook(self.comm))
-        self._grad_hooks.attach(self.reducer)
-        if gradient_as_bucket_view:
-            self._grad_hooks.alias_grads_to_buckets()
-            if self._casts is None:  # before each bucket's hook, as PyTorch's
-                self.reducer.point_grads = weak_method(hooks.point_grads)
-        if self._casts is not None:
-            self._grad_hooks.after_backward = self._casts.frozen_to_full
-
-    def _grad_of(self, index: int) -> torch.Tensor | None:
-        return self._params[index].grad
-
-    # --- graph
-
-    def _set_static_graph(self) -> None:
-        """PyTorch's late ``static_graph=True``: call before the first iteration."""
-        if self.static_graph:
-            warnings.warn(
-                "You've set static_graph to be True, no need to set it again.", stacklevel=2
-            )
-            return
-        try:
-            self.reducer.set_static_graph()
-        except RuntimeError as exc:
-            self._runtime_log.error(exc)
-            raise
-        self.static_graph = True
-        warn_as_pytorch(False, True, self.find_unused_parameters)
+        self._build_reduction(caps, plan, sparse, comm_hook, default_cap=bucket_cap_mb is None)
