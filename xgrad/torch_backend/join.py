@@ -27,6 +27,9 @@ training that run different passes raise at once, naming them.
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
 bounded by the DDP's ``timeout``.
+
+This module is the context, the DDP's ``Joinable`` members and the side of the ranks
+still training; the joined rank's side is :mod:`.join_hook`'s.
 """
 
 from __future__ import annotations
@@ -39,31 +42,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
-from xgrad.torch_backend.join_rounds import close_round, counted, hear, notified, wait_round
+from xgrad.torch_backend.join_hook import DDPJoinHook
+from xgrad.torch_backend.join_rounds import counted, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
 __all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
-
-
-def allreduce_tensor(
-    ddp: DistributedDataParallel, t: torch.Tensor, what: str, op: Any = None
-) -> torch.Tensor:
-    """An allreduce of ``t`` on the DDP's private group, watched like its reductions."""
-    group = ddp.comm.group
-    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
-    ddp._watch.wait_work(work, what, t.is_cuda)
-    return t
-
-
-def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
-    """A one-element allreduce on the DDP's group, waited on with its timeout."""
-    return allreduce_tensor(
-        ddp, torch.tensor([value], device=ddp.join_device), "join allreduce", op
-    )
 
 
 class Join(TorchJoin):
@@ -187,115 +173,6 @@ class JoinableDDP(Joinable):
     def join_process_group(self) -> Any:
         """The group the join context counts ranks over (the DDP's own)."""
         return self.process_group
-
-
-class DDPJoinHook(JoinHook):
-    """What a rank that has run out of inputs does for each iteration of the others.
-
-    Args:
-        ddp: xgrad's :class:`~xgrad.torch_backend.DistributedDataParallel`.
-        divide_by_initial_world_size: divide gradients by the world size (``True``) or
-            by the number of ranks still training.
-    """
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
-        if not isinstance(divide_by_initial_world_size, bool):
-            raise TypeError(
-                f"divide_by_initial_world_size must be a bool, got {divide_by_initial_world_size!r}"
-            )
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-        #: this rank's last pass left buckets unreduced: raised when the join ends.
-        self.failed: BaseException | None = None
-        super().__init__()
-
-    def drop_failed_step(self) -> None:
-        """If this rank's last pass left buckets unreduced, drop that step now, as the
-        ranks still training do at the forward pass where they raise it (they drop it
-        first, in step: a fresh group made by all); raised here when the join ends, since
-        raising now would leave them waiting for this rank in their next steps."""
-        ddp = self.ddp
-        failed = drop_unreduced(
-            ddp._grad_hooks, lambda: start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
-        )
-        if failed is not None:
-            self.failed = failed
-
-    def main_hook(self) -> None:
-        """Enter the collectives of one forward pass of the others and of the backward
-        pass that follows it, or of the next forward pass when none did (join_rounds)."""
-        ddp = self.ddp
-        ddp._grad_hooks.join_round = None  # left join() in a round: its count was its part
-        while True:
-            ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
-            heard = hear(ddp)
-            if heard.grad and ddp.reducer.rebuild_buckets():  # as in forward: compared again
-                ddp._agreement_pending = True
-                if ddp.gradient_as_bucket_view:
-                    ddp._grad_hooks.alias_grads_to_buckets()
-            ddp.require_forward_param_sync = heard.param_sync
-            if not heard.reduce:
-                return
-            # The ranks still training began a step at this forward pass: begin it here
-            # too, so what fails in the shadow pass (a comm hook) is posted where they look.
-            start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
-            if heard.param_sync:
-                ddp._check_agreement()
-            if ddp._join_config.is_first_joinable:
-                then = wait_round(ddp, heard.training)
-                if then == "forward":
-                    continue
-                if then == "left":
-                    return
-            break
-        ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
-        if ddp.reducer.needs_rebuild_order():
-            # Never trained (or not through a whole iteration): offer the definition
-            # order, so this rank can take part in the rebuild the others do next.
-            ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters (and buffers) of a rank that joined last."""
-        close_round(self.ddp)
-        sync_final_model(self.ddp, is_last_joiner)
-        failed, self.failed = self.failed, None
-        if failed is not None:
-            raise failed
-
-
-def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient with no entries, laid out as an embedding's (one sparse dimension).
-
-    Only ``nn.Embedding`` and ``nn.EmbeddingBag`` make sparse gradients; gloo sums sparse
-    tensors by gathering every rank's entries, so this one adds nothing.
-    """
-    indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
-    values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, param.shape)
-
-
-def find_common_rank(ddp: DistributedDataParallel, rank: int, candidate: bool) -> int:
-    """The largest rank among the candidates (PyTorch's ``_find_common_rank``)."""
-    found = int(_allreduce(ddp, rank if candidate else -1, dist.ReduceOp.MAX).item())
-    if found < 0:
-        raise RuntimeError(
-            f"join: no rank offered itself as the authoritative copy (seen on rank {rank})"
-        )
-    return found
-
-
-def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None:
-    """Broadcast the parameters and buffers of the largest rank that joined last."""
-    from xgrad.torch_backend.sync import broadcast_state
-
-    src = find_common_rank(ddp, ddp.comm.rank, is_last_joiner)
-    broadcast_state(
-        ddp.comm,
-        ddp.module,
-        buffers=ddp.forward_sync_buffers,
-        ignore=ddp.parameters_to_ignore,
-        src=src,
-    )
 
 
 def notify_join_context(ddp: DistributedDataParallel) -> int | None:

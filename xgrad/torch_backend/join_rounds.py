@@ -105,7 +105,7 @@ def disagreement(ranks: list[int], rows: dict[int, tuple[bool, bool, bool]]) -> 
 
 def _exchange(ddp: DistributedDataParallel, row: tuple[bool, bool, bool] | None) -> Announced:
     """Every rank's row (none for a joined rank), summed where each writes only its own."""
-    from xgrad.torch_backend.join import allreduce_tensor
+    from xgrad.torch_backend.join_hook import allreduce_tensor
 
     watch = ddp._watch
     table = torch.zeros(watch.world, 4, device=ddp.join_device)
