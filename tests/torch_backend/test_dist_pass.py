@@ -62,6 +62,7 @@ def _freed(rank: int, world: int) -> list[bool]:
     import torch
 
     from xgrad.torch_backend import dist_autograd as da
+    from xgrad.torch_backend.dist_contexts import OPEN
 
     w = torch.ones(3, dtype=torch.float64, requires_grad=True)
     gc.collect()
@@ -70,7 +71,7 @@ def _freed(rank: int, world: int) -> list[bool]:
         alive = []
         for _ in range(2):
             with da.context(timeout=20) as cid:
-                ref = weakref.ref(da._open[cid])
+                ref = weakref.ref(OPEN[cid])
                 if rank == 0:
                     da.send(w * 2, 1)
                     roots = []

@@ -73,6 +73,7 @@ def _dist_round_trip(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from xgrad.torch_backend import dist_autograd as da
+    from xgrad.torch_backend.dist_contexts import OPEN
 
     w = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
     backends = set()
@@ -86,7 +87,7 @@ def _dist_round_trip(rank: int, world: int) -> dict[str, Any]:
                 da.send(torch.sin(da.recv(0)) * w, 0)
             da.backward(cid, roots)
             got = da.get_gradients(cid)[w].tolist()
-            backends |= {dist.get_backend(link.pg) for link in da._open[cid].links.values()}
+            backends |= {dist.get_backend(link.pg) for link in OPEN[cid].links.values()}
     return {"backends": sorted(backends), "grad": got}
 
 

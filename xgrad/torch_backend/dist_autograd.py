@@ -15,33 +15,34 @@ every send of the context, each ``recv`` returning its gradient to the matching 
 A failure on any rank (an exception in a node, a hook, a send or recv, the forward code;
 a rank that dies or freezes) raises :class:`DistBackwardError` on every rank, naming the
 rank and where it started; the context's state is dropped so the next context works.
+The contexts' opening and closing are :mod:`.dist_contexts`'s; what runs inside is here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xgrad.failure import RankError, check_seconds, describe
-from xgrad.torch_backend import dist_hooks
+from xgrad.failure import RankError, describe
 from xgrad.torch_backend.dist_accumulate import Accumulate, keep
 from xgrad.torch_backend.dist_context_state import Context
+from xgrad.torch_backend.dist_contexts import (
+    UnknownContextError,
+    current_context,
+    find_context,
+    open_context,
+)
 from xgrad.torch_backend.dist_edges import may_have_hooks, received_here, send_edge
 from xgrad.torch_backend.dist_graph import build_rank_graph
-from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
-from xgrad.torch_backend.dist_release import release_saved
 from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.failure import transfer_error
-from xgrad.torch_backend.private_groups import require_member
 
 __all__ = [
     "DistBackwardError",
@@ -64,52 +65,7 @@ EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
 DONE_VIA = os.environ.get("XGRAD_DIST_DONE", "leader")
 
 
-_ids = itertools.count(1)
-_seqs: dict[str, int] = {}
-_open: dict[int, Context] = {}
-#: group name -> the thread that has a context open on it
-_holders: dict[str, int] = {}
-_local = threading.local()
-_lock = threading.Lock()
-
-
-def _current(what: str) -> Context:
-    ctx: Context | None = getattr(_local, "context", None)
-    if ctx is None:
-        raise RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
-    if ctx.in_backward:
-        # A checkpointed function's forward runs again in backward: its send would go to a
-        # peer that takes no more (or its recv wait for one that sends none).
-        raise RuntimeError(
-            f"{what} during the backward pass of context {ctx.id}: a checkpointed "
-            "function that sends or receives runs again in backward; keep send and recv "
-            "outside checkpointed regions"
-        )
-    return ctx
-
-
-class UnknownContextError(ValueError, RuntimeError):
-    """A context id that names no open context of this process.
-
-    Both a ``ValueError`` (a bad argument, as xgrad's callers catch it) and a
-    ``RuntimeError`` (what PyTorch's ``torch.distributed.autograd`` raises, so code
-    written for it catches this too).
-    """
-
-
-def _get(context_id: int) -> Context:
-    ctx = _open.get(context_id)
-    if ctx is None:
-        # PyTorch's wording first, for code and people that look for it.
-        raise UnknownContextError(
-            f"Could not find autograd context with id: {context_id!r} (context_id="
-            f"{context_id!r} is not an open distributed autograd context; open: {sorted(_open)})"
-        )
-    return ctx
-
-
-@contextlib.contextmanager
-def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
+def context(group: Any = None, timeout: float = 60.0) -> contextlib.AbstractContextManager[int]:
     """Open a distributed autograd context on ``group``; every rank of the group enters.
 
     Args:
@@ -118,8 +74,9 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
             a rank that stopped answering is named sooner, when its heartbeat stops
             (``XGRAD_HEARTBEAT_TIMEOUT``, 10 s by default).
 
-    Yields:
-        The context id, for :func:`backward` and :func:`get_gradients`.
+    Returns:
+        A context manager whose ``as`` target is the context id, for :func:`backward`
+        and :func:`get_gradients` (opened and closed by :mod:`.dist_contexts`).
 
     An exception raised inside the block is reported to every rank of the context (as
     ``"rank R in forward: ..."``); on leaving, everything of the context is dropped.
@@ -129,64 +86,7 @@ def context(group: Any = None, timeout: float = 60.0) -> Iterator[int]:
     thread has open raises (threads need a process group each), and, as in PyTorch, a
     thread opens one context at a time.
     """
-    timeout = check_seconds("timeout", timeout)
-    pg = dist.group.WORLD if group is None else group
-    if pg is None:
-        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
-    require_member(pg, "enter its contexts")
-    name = str(dist.distributed_c10d._get_process_group_name(pg))
-    if getattr(_local, "context", None) is not None:
-        raise RuntimeError(
-            "Already have an autograd context id for this thread (context "
-            f"{_local.context.id}); leave it before opening another"
-        )
-    me = threading.get_ident()
-    with _lock:
-        holder = _holders.get(name)
-        if holder is not None:
-            raise RuntimeError(
-                f"process group {name!r} already has a distributed autograd context open in "
-                f"another thread of this process (thread {holder}); contexts pair up across "
-                "ranks in the order each rank opens them, so threads that open contexts at "
-                "the same time need one process group per thread (torch.distributed.new_group)"
-            )
-        seq = _seqs[name] = _seqs.get(name, 0) + 1
-        _holders[name] = me
-    try:
-        ctx = Context(next(_ids), pg, name, seq, timeout, leader=DONE_VIA == "leader")
-    except BaseException:
-        with _lock:
-            _holders.pop(name, None)
-        raise
-    with _lock:
-        _open[ctx.id] = ctx
-    _local.context = ctx
-    dist_hooks.begin(ctx.seen)
-    ok = False
-    try:
-        yield ctx.id
-        ctx.close()
-        ok = True
-    except BaseException as exc:
-        if not isinstance(exc, RankError):
-            ctx.channel.post("forward", describe(exc))
-        if not ctx.answered:
-            # Peers in a backward pass wait on this rank's own thread-free receives,
-            # which only a message ends: a failure outside a pass (this rank's, or
-            # another's seen in a forward recv) answers the next pass's messages.
-            ctx.poison()
-        raise
-    finally:
-        _local.context = None
-        dist_hooks.end()
-        with _lock:
-            _open.pop(ctx.id, None)
-            _holders.pop(name, None)
-        if not ok:
-            bury_sent(ctx.works)
-            ctx.leave_failed()
-        else:  # after the exit's exchange: nothing here is posted to the peers
-            release_saved(ctx.ran)
+    return open_context(group, timeout, leader=DONE_VIA == "leader")
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
@@ -194,7 +94,7 @@ def send(tensor: torch.Tensor, dst: int) -> None:
 
     ``dst`` may be this rank, as PyTorch's RPC may call itself (:mod:`.dist_self`).
     """
-    ctx = _current("send")
+    ctx = current_context("send")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor is a {type(tensor).__name__}, not a torch.Tensor")
     if ctx.rank_of(dst, "dst") == ctx.me:
@@ -219,7 +119,7 @@ def recv(src: int) -> torch.Tensor:
     it needs none, and its sender gets no gradient for it. From this rank itself: at once,
     a copy whose ``grad_fn`` leads to the sent tensor.
     """
-    ctx = _current("recv")
+    ctx = current_context("recv")
     if ctx.rank_of(src, "src") == ctx.me:
         return ctx.to_self.recv()
     link = ctx.link(src, "src")
@@ -268,7 +168,7 @@ def backward(
         DistBackwardError: on every rank, when any rank failed (named), or a rank stopped
             answering within the context's timeout.
     """
-    ctx = _get(context_id)
+    ctx = find_context(context_id)
     if ctx.graph_freed:
         raise RuntimeError(
             f"backward was already run in context {context_id} without retain_graph=True"
@@ -354,7 +254,7 @@ def _run(
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """``{leaf tensor: gradient}`` accumulated in the context by its backward passes."""
-    return {leaf: grad for leaf, grad in _get(context_id).grads.values()}
+    return {leaf: grad for leaf, grad in find_context(context_id).grads.values()}
 
 
 def is_available() -> bool:
@@ -366,4 +266,4 @@ def is_available() -> bool:
 def _is_valid_context(context_id: int) -> None:
     """Raise :class:`UnknownContextError` unless ``context_id`` names an open context of
     this process (PyTorch's ``_is_valid_context``, which code written for it calls)."""
-    _get(context_id)
+    find_context(context_id)

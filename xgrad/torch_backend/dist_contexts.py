@@ -1,0 +1,141 @@
+"""The distributed autograd contexts of this process: opened, paired up, closed.
+
+A context pairs up across ranks by the order each rank opens contexts on a group, so a
+group has at most one open context per process, and a thread one at a time; leaving it
+closes it with the peers, or, after a failure, tells them and drops what it holds.
+Kept apart from what runs inside a context (:mod:`.dist_autograd`: ``send``, ``recv``,
+``backward``), which finds its context here (:func:`current_context`, :func:`find_context`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from xgrad.failure import RankError, check_seconds, describe
+from xgrad.torch_backend import dist_hooks
+from xgrad.torch_backend.dist_context_state import Context
+from xgrad.torch_backend.dist_graveyard import bury_sent
+from xgrad.torch_backend.dist_release import release_saved
+from xgrad.torch_backend.private_groups import require_member
+
+__all__ = ["OPEN", "UnknownContextError", "current_context", "find_context", "open_context"]
+
+_ids = itertools.count(1)
+_seqs: dict[str, int] = {}
+#: id -> the open contexts of this process (every thread's).
+OPEN: dict[int, Context] = {}
+#: group name -> the thread that has a context open on it
+_holders: dict[str, int] = {}
+_local = threading.local()
+_lock = threading.Lock()
+
+
+def current_context(what: str) -> Context:
+    """This thread's open context, for ``what`` (an operation) to run in."""
+    ctx: Context | None = getattr(_local, "context", None)
+    if ctx is None:
+        raise RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
+    if ctx.in_backward:
+        # A checkpointed function's forward runs again in backward: its send would go to a
+        # peer that takes no more (or its recv wait for one that sends none).
+        raise RuntimeError(
+            f"{what} during the backward pass of context {ctx.id}: a checkpointed "
+            "function that sends or receives runs again in backward; keep send and recv "
+            "outside checkpointed regions"
+        )
+    return ctx
+
+
+class UnknownContextError(ValueError, RuntimeError):
+    """A context id that names no open context of this process.
+
+    Both a ``ValueError`` (a bad argument, as xgrad's callers catch it) and a
+    ``RuntimeError`` (what PyTorch's ``torch.distributed.autograd`` raises, so code
+    written for it catches this too).
+    """
+
+
+def find_context(context_id: int) -> Context:
+    """The open context ``context_id`` names; :class:`UnknownContextError` if none."""
+    ctx = OPEN.get(context_id)
+    if ctx is None:
+        # PyTorch's wording first, for code and people that look for it.
+        raise UnknownContextError(
+            f"Could not find autograd context with id: {context_id!r} (context_id="
+            f"{context_id!r} is not an open distributed autograd context; open: {sorted(OPEN)})"
+        )
+    return ctx
+
+
+# Shown in tracebacks and pickled under its public path, where it was defined before.
+UnknownContextError.__module__ = "xgrad.torch_backend.dist_autograd"
+
+
+@contextlib.contextmanager
+def open_context(group: Any, timeout: float, *, leader: bool) -> Iterator[int]:
+    """:func:`.dist_autograd.context` (see there); ``leader``: a pass ends through the
+    group's lowest rank (else every rank tells every other)."""
+    timeout = check_seconds("timeout", timeout)
+    pg = dist.group.WORLD if group is None else group
+    if pg is None:
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    require_member(pg, "enter its contexts")
+    name = str(dist.distributed_c10d._get_process_group_name(pg))
+    if getattr(_local, "context", None) is not None:
+        raise RuntimeError(
+            "Already have an autograd context id for this thread (context "
+            f"{_local.context.id}); leave it before opening another"
+        )
+    me = threading.get_ident()
+    with _lock:
+        holder = _holders.get(name)
+        if holder is not None:
+            raise RuntimeError(
+                f"process group {name!r} already has a distributed autograd context open in "
+                f"another thread of this process (thread {holder}); contexts pair up across "
+                "ranks in the order each rank opens them, so threads that open contexts at "
+                "the same time need one process group per thread (torch.distributed.new_group)"
+            )
+        seq = _seqs[name] = _seqs.get(name, 0) + 1
+        _holders[name] = me
+    try:
+        ctx = Context(next(_ids), pg, name, seq, timeout, leader=leader)
+    except BaseException:
+        with _lock:
+            _holders.pop(name, None)
+        raise
+    with _lock:
+        OPEN[ctx.id] = ctx
+    _local.context = ctx
+    dist_hooks.begin(ctx.seen)
+    ok = False
+    try:
+        yield ctx.id
+        ctx.close()
+        ok = True
+    except BaseException as exc:
+        if not isinstance(exc, RankError):
+            ctx.channel.post("forward", describe(exc))
+        if not ctx.answered:
+            # Peers in a backward pass wait on this rank's own thread-free receives,
+            # which only a message ends: a failure outside a pass (this rank's, or
+            # another's seen in a forward recv) answers the next pass's messages.
+            ctx.poison()
+        raise
+    finally:
+        _local.context = None
+        dist_hooks.end()
+        with _lock:
+            OPEN.pop(ctx.id, None)
+            _holders.pop(name, None)
+        if not ok:
+            bury_sent(ctx.works)
+            ctx.leave_failed()
+        else:  # after the exit's exchange: nothing here is posted to the peers
+            release_saved(ctx.ran)
