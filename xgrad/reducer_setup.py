@@ -135,6 +135,13 @@ class LateSetup:
         """Bytes per bucket, in launch order."""
         return [sum(self.nbytes[i] for i in b) for b in self.plan.buckets]
 
+    def rebuild_due(self) -> bool:
+        """Whether :meth:`rebuild_buckets` would rebuild now (a collective: the plan
+        broadcast), so that a caller can finish what it has under way on the group first."""
+        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
+            return False
+        return not self.find_unused_parameters or self.static_graph
+
     def rebuild_buckets(self) -> bool:
         """Rebuild the buckets once from the first observed ready order (call in forward).
 
@@ -146,9 +153,7 @@ class LateSetup:
             True when rebuilt (gradient views must then be re-taken).
         """
         self._ensure_prior_reduction_finished()
-        if not self.rebuild or self.has_rebuilt_buckets or self._rebuild_order is None:
-            return False
-        if self.find_unused_parameters and not self.static_graph:
+        if not self.rebuild_due():
             return False
         local = assign_buckets(
             self.nbytes,

@@ -198,6 +198,9 @@ def _failing(rank: int, world: int, variant: str, torch_join: bool) -> tuple[str
                         ddp(val)
                 if variant == "grad_one_rank" and rank == 1 and i == 0:
                     ddp(val)  # a forward pass with gradients on that the others did not run
+                if variant == "leaves_first" and rank == world - 1:
+                    ddp(val)  # then leaves, no rank joined yet, while the others go back
+                    break
                 ddp(x).sum().backward()
                 if variant == "leaves_after_grad" and rank == 1 and i == len(batches) - 1:
                     ddp(val)  # then leaves while rank 2 goes on to its backward pass
@@ -215,6 +218,10 @@ def _failing(rank: int, world: int, variant: str, torch_join: bool) -> tuple[str
         ("grad_one_rank", 3, True),
         ("leaves_after_grad", 3, False),
         ("leaves_after_grad", 3, True),
+        # No rank has joined: under xgrad's join() the ranks that go back launch their
+        # buckets before they read the round; the rank that leaves reads it in its count.
+        ("leaves_first", 2, False),
+        ("leaves_first", 3, True),
     ],
 )
 def test_ranks_still_training_that_run_different_passes_raise_at_once_naming_them(
@@ -244,6 +251,14 @@ def test_ranks_still_training_that_run_different_passes_raise_at_once_naming_the
         for rank in set(messages) - {1}:
             assert "began the backward pass of a step that 1 of the" in messages[rank]
             assert "ranks still training left without one" in messages[rank]
+    elif variant == "leaves_first":
+        # The last rank leaves after its validation pass; the others go back.
+        last = world - 1
+        for message in messages.values():
+            assert "left without one" in message or "left join() after" in message, messages
+        assert messages[0].startswith("rank 0 began") or "rank 0 in join" in messages[0]
+        left = f"rank {last} left join() after a forward pass with gradients on"
+        assert messages[last].startswith(left) != torch_join, messages
     else:
         # Rank 0 has joined; rank 1 leaves after its validation pass, rank 2 goes back.
         for message in messages.values():

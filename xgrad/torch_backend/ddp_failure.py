@@ -25,6 +25,7 @@ behind is dropped at the next forward pass by :mod:`.ddp_recover`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -83,6 +84,8 @@ class StepWatch(StepWaits):
         #: on the lowest rank: namespaces of failed steps whose keys are still to be
         #: deleted (:mod:`.ddp_leftovers`).
         self.failed_steps: list[tuple[str, StoreKeys]] = []
+        #: what this DDP's next wait for a bucket reads first (:mod:`.join_rounds`).
+        self.deferred: Callable[[], None] | None = None
         #: the step whose skipped backward pass was last settled (once per step).
         self.settled = -1
         #: why the private group was dropped (a peer died or froze), until a new one is made.

@@ -37,7 +37,7 @@ from xgrad.torch_backend.ddp_recover import (
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join import notify_join_context
-from xgrad.torch_backend.join_rounds import announce, open_round
+from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement, settle
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -64,6 +64,8 @@ def pre_forward(
         gone = gone_error(ddp.process_group, ddp._watch.channel.rank, "DistributedDataParallel")
         if gone is not None:
             raise gone
+    if ddp._announcing is not None or ddp._watch.deferred is not None:
+        settle(ddp)  # the last pass raised before reading them (join_rounds)
     if torch.is_grad_enabled():
         # The last backward pass left buckets unreduced: PyTorch's error, raised where
         # PyTorch raises it. Every rank raises here (the peers were told at that pass's
@@ -89,6 +91,10 @@ def pre_forward(
         sync_buffers(ddp)
     if ddp._join_config.enable:
         _announce(ddp, sync)
+        if (torch.is_grad_enabled() and ddp.reducer.rebuild_due()) or (
+            sync and ddp._agreement_pending
+        ):
+            read_announcement(ddp)  # before this rank's next collective on the group
     if torch.is_grad_enabled() and ddp.reducer.rebuild_buckets():  # after: join_rounds
         ddp._agreement_pending = True
         if ddp.gradient_as_bucket_view:
@@ -113,11 +119,12 @@ def _announce(ddp: DistributedDataParallel, sync: bool) -> None:
     computes gradients, and whether a reducing backward pass may follow (a synchronised
     one, or a ``no_sync`` one that reduces, as after a forward pass left without backward).
     PyTorch says "reduce" for every forward pass, so a ``torch.no_grad()`` one under join
-    makes its joined ranks wait for buckets that never come."""
+    makes its joined ranks wait for buckets that never come. Sent here, read after the
+    module ran (:func:`post_forward`), so that no one waits for it."""
     grad = torch.is_grad_enabled()
     hooks = ddp._grad_hooks
     reduce = sync or (grad and not hooks.accumulating and reduces_unsynced(hooks))
-    open_round(ddp, announce(ddp, grad, reduce, sync))
+    announce(ddp, grad, reduce, sync)
 
 
 def _start(ddp: DistributedDataParallel, sync: bool) -> None:
@@ -132,6 +139,7 @@ def _start(ddp: DistributedDataParallel, sync: bool) -> None:
 
 def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
     """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
+    read_announcement(ddp)  # under join(), sent before the module ran (join_rounds)
     if ddp._check_sync_bufs_post_fwd():  # a buffer hook registered to run after
         sync_buffers(ddp)
     if ddp._delayed is not None and torch.is_grad_enabled():
@@ -190,6 +198,10 @@ class ForwardDDP:
     _watch: StepWatch
     _grad_hooks: GradientHooks
     _runtime_log: RuntimeLog
+    #: under join(): this forward pass's announcement, sent, not read yet (join_rounds)
+    _announcing: Announcing | None = None
+    #: the join config set by xgrad's own Join, whose count a leaving rank reads (join_rounds)
+    _counted_config: Any = None
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -197,6 +209,7 @@ class ForwardDDP:
         try:
             output = traced_module_call(self, *inputs, **kwargs)
         except Exception as exc:  # every rank raises it, named (ddp_failure)
+            read_announcement(self)  # type: ignore[arg-type]  # as if before the module ran
             if not torch.is_grad_enabled():
                 # No backward follows (an evaluation): no peer waits for this pass, and a
                 # failure posted to the step reached the peers at their next training
@@ -234,6 +247,7 @@ class ForwardDDP:
             return pre_forward(self, inputs, kwargs)  # type: ignore[arg-type]
         except Exception as exc:
             self._runtime_log.error(exc)
+            read_announcement(self)  # type: ignore[arg-type]  # sent before it raised
             raise
 
     @outside_dynamo

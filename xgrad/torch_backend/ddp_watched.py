@@ -19,7 +19,7 @@ from xgrad.raising import raise_from
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
 
-__all__ = ["WatchedFuture", "WatchedWork"]
+__all__ = ["WatchedFuture", "WatchedWork", "run_deferred"]
 
 
 def _hook_raised(exc: BaseException) -> bool:
@@ -31,6 +31,16 @@ def _hook_raised(exc: BaseException) -> bool:
         return True
     name = str(exc)[len(prefix) :].split(":", 1)[0] if str(exc).startswith(prefix) else ""
     return name.isidentifier() and name.endswith("Error") and not name.startswith(("Run", "Dist"))
+
+
+def run_deferred(watch: StepWatch) -> None:
+    """What a wait of this DDP's owes first, if anything: a round that ``join()`` entered
+    at the pass's first gradient hook and reads late (:mod:`.join_rounds`), so that a step
+    some ranks left without a backward pass raises at once instead of waiting out the
+    timeout for buckets that never come."""
+    read, watch.deferred = watch.deferred, None
+    if read is not None:
+        read()
 
 
 class WatchedWork:
@@ -45,6 +55,8 @@ class WatchedWork:
         self._what = what
 
     def wait(self) -> torch.Tensor:
+        if self._watch.deferred is not None:
+            run_deferred(self._watch)
         self._watch.wait_work(self._work, self._what, self._result.is_cuda)
         return self._result
 
@@ -70,6 +82,8 @@ class WatchedFuture:
         future.add_done_callback(lambda _: self._done.set())
 
     def wait(self) -> Any:
+        if self._watch.deferred is not None:
+            run_deferred(self._watch)
         # Published until the failure, if any, is worded (as ``StepWatch.wait_work`` does):
         # a peer timing out meanwhile, whose own hook never launched the collective, must
         # not take this rank, whose collective just failed on gloo's timeout, for a late one.

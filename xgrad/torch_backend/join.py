@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_rounds import counted, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
@@ -73,6 +74,7 @@ class Join(TorchJoin):
             if not isinstance(j, Joinable):
                 raise TypeError(f"{type(j).__name__} is not a Joinable (no join_hook)")
         super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
+        join_rounds.counting(self._joinables)  # its count is read by a rank that leaves in a round
         self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
         # The first joinable's step watch (a DDP's): its failure channel names a peer
         # that failed, died or froze while this rank counts the ranks still training.
@@ -190,7 +192,7 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
         return None
     # These two pair with the join context's own, on the join group (not the private one).
     ones = torch.ones(1, device=ddp.join_device)
-    work = dist.all_reduce(ones, group=ddp.process_group, async_op=True)
+    work = join_rounds.sum_async(ddp.process_group, ones)
     if config.throw_on_early_termination:
         zeros = torch.zeros(1, device=ddp.join_device)
         check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
 from xgrad.torch_backend.join_rounds import close_round, hear, wait_round
 
@@ -79,7 +80,7 @@ class DDPJoinHook(JoinHook):
         """Enter the collectives of one forward pass of the others and of the backward
         pass that follows it, or of the next forward pass when none did (join_rounds)."""
         ddp = self.ddp
-        ddp._grad_hooks.join_round = None  # left join() in a round: its count was its part
+        join_rounds.left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)

@@ -15,18 +15,32 @@ doesn't match expected size"). Here:
 * After a forward pass that a reducing backward pass may follow, nobody can know yet
   whether one will, nor whether a rank leaves ``join()`` first. A *round* on the join
   context's group (where the ranks still training send their "not joined" all-reduce
-  and a joined rank its count) settles it before any bucket: every joined rank enters it
-  with 0, every rank still training with the first thing it does next: ``GO`` (the world
-  size plus one) from the backward pass's first gradient hook, 1 from its next forward
-  pass (its "not joined" all-reduce), 0 from leaving ``join()`` (the join context's
-  count, PyTorch's ``Join`` included). The sum tells every rank alike: all went (the
+  and a joined rank its count) settles it before a joined rank shadows any bucket: each
+  joined rank enters it with 0, every rank still training with the first thing it does
+  next: ``GO`` (the world size plus one) from the backward pass's first gradient hook, 1
+  from its next forward pass (its "not joined" all-reduce), 0 from leaving ``join()``
+  (the join context's count, PyTorch's ``Join`` included). The sum tells every rank alike: all went (the
   joined ranks shadow that backward pass), none did (they shadow the next forward pass,
   or every rank has left), or some did and some did not (each rank raises at once,
   naming what it did; the joined ranks and those that went post their error to the
   step's failure channel, so a rank waiting elsewhere stops too). Before any rank
   joined this is what names a rank that skipped a backward pass the others ran (the
-  skip round of :mod:`.ddp_skipped` cannot: a rank may leave ``join()`` instead); it
-  costs a one-element all-reduce at the start of each backward pass under ``join()``.
+  skip round of :mod:`.ddp_skipped` cannot: a rank may leave ``join()`` instead).
+
+Neither is waited for where it is sent, so that a step under ``join()`` waits no more
+often than one outside it (PyTorch's DDP waits for neither of its own two per forward
+pass): the announcement is sent before the module runs and read after it (or before
+this rank's next collective on the DDP's group, a rebuild, if one comes first; or as
+the module's exception is raised); the round, entered at the first gradient hook, is
+read by the pass's first wait for a bucket (:func:`~.ddp_watched.run_deferred`).
+Launching buckets before the round is read is safe under xgrad's own
+:class:`~.join.Join` only: a joined rank reads the round before it shadows any bucket,
+and a rank that leaves ``join()`` in the round reads it in its count and raises before
+any collective on the DDP's group (:func:`counted`). Under PyTorch's ``Join``, blind to
+the count, such a rank would shadow a forward pass against the buckets (gloo aborts),
+and a communication hook may reduce on the join group itself: there the round is read
+at the first hook, before any bucket. What a pass left unread (it raised first) is read
+at the next forward pass or as the rank leaves ``join()`` (:func:`settle`).
 
 A rank that left ``join()`` in a round whose sum said everyone had left (its count gave
 0) owes the joined ranks, which still count once more, that count (:func:`close_round`).
@@ -37,28 +51,41 @@ pass that may reduce, as before.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from xgrad.torch_backend.ddp_watched import run_deferred
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
 __all__ = [
     "Announced",
+    "Announcing",
     "OpenRound",
     "announce",
     "close_round",
     "counted",
+    "counting",
     "disagreement",
     "hear",
+    "left",
     "notified",
     "open_round",
+    "read_announcement",
+    "settle",
+    "sum_async",
     "wait_round",
 ]
+
+#: a sum, for the group's own ``allreduce``.
+_SUM = dist.AllreduceOptions()
 
 #: the advice every error of a round gives.
 _ADVICE = (
@@ -103,33 +130,55 @@ def disagreement(ranks: list[int], rows: dict[int, tuple[bool, bool, bool]]) -> 
     )
 
 
-def _exchange(ddp: DistributedDataParallel, row: tuple[bool, bool, bool] | None) -> Announced:
-    """Every rank's row (none for a joined rank), summed where each writes only its own."""
-    from xgrad.torch_backend.join_hook import allreduce_tensor
-
-    watch = ddp._watch
-    table = torch.zeros(watch.world, 4, device=ddp.join_device)
-    if row is not None:
-        table[ddp.comm.rank] = torch.tensor([1.0, *map(float, row)])
-    rows = {
-        i: (bool(r[1]), bool(r[2]), bool(r[3]))
-        for i, r in enumerate(allreduce_tensor(ddp, table, "join announcement").tolist())
-        if r[0]
-    }
-    if len(set(rows.values())) > 1:
-        raise RuntimeError(disagreement(watch.ranks, rows))
-    grad, reduce, param_sync = next(iter(rows.values()), (False, False, False))
-    return Announced(len(rows), grad, reduce, param_sync)
+def sum_async(group: Any, t: torch.Tensor) -> Any:
+    """An all-reduce (sum) of ``t`` on ``group``, not waited for: the group's own call, as
+    the reducer launches its buckets (``dist.all_reduce``'s checks cost as much again,
+    and there are three of these per step under ``join()``)."""
+    return group.allreduce([t], _SUM)
 
 
-def announce(ddp: DistributedDataParallel, grad: bool, reduce: bool, param_sync: bool) -> Announced:
-    """A rank still training, before its forward pass: its flags, and everyone's."""
-    return _exchange(ddp, (grad, reduce, param_sync))
+class Announcing:
+    """An announcement under way on the DDP's group: every rank's row (none for a joined
+    rank), summed where each writes only its own; :meth:`read` waits for it."""
+
+    def __init__(self, ddp: DistributedDataParallel, row: tuple[bool, bool, bool] | None) -> None:
+        self.ddp = ddp
+        self.table = torch.zeros(ddp._watch.world, 4, device=ddp.join_device)
+        if row is not None:
+            self.table[ddp.comm.rank] = torch.tensor([1.0, *map(float, row)])
+        self.work = sum_async(ddp.comm.group, self.table)
+
+    def read(self) -> Announced:
+        """What the ranks still training said: alike, or every rank raises, naming them."""
+        watch = self.ddp._watch
+        watch.wait_work(self.work, "join announcement", self.table.is_cuda)
+        rows = {
+            i: (bool(r[1]), bool(r[2]), bool(r[3]))
+            for i, r in enumerate(self.table.tolist())
+            if r[0]
+        }
+        if len(set(rows.values())) > 1:
+            raise RuntimeError(disagreement(watch.ranks, rows))
+        grad, reduce, param_sync = next(iter(rows.values()), (False, False, False))
+        return Announced(len(rows), grad, reduce, param_sync)
+
+
+def announce(ddp: DistributedDataParallel, grad: bool, reduce: bool, param_sync: bool) -> None:
+    """A rank still training, before its forward pass: its flags, sent, to be read by
+    :func:`read_announcement` after the module ran (or before a rebuild)."""
+    ddp._announcing = Announcing(ddp, (grad, reduce, param_sync))
+
+
+def read_announcement(ddp: DistributedDataParallel) -> None:
+    """This rank's announcement under way, if any: read, and the round it calls for opened."""
+    pending, ddp._announcing = ddp._announcing, None
+    if pending is not None:
+        open_round(ddp, pending.read())
 
 
 def hear(ddp: DistributedDataParallel) -> Announced:
     """A joined rank: what the ranks still training announced."""
-    return _exchange(ddp, None)
+    return Announcing(ddp, None).read()
 
 
 def _rounds(ddp: DistributedDataParallel, announced: Announced) -> bool:
@@ -165,9 +214,21 @@ class OpenRound:
         self.training = training
 
     def __call__(self) -> None:
-        """The backward pass began here: enter the round with ``GO``."""
+        """The backward pass began here: enter the round with ``GO``; its sum is read
+        now, or by the pass's first wait when that is safe (:func:`_late`)."""
         ddp = self.ddp
-        went, _ = _split(ddp, _on_join_group(ddp, _go(ddp), "join: the backward pass's round"))
+        t = torch.tensor([_go(ddp)], device=ddp.join_device)
+        work = sum_async(ddp.process_group, t)
+        read = functools.partial(self._read, work, t)
+        if _late(ddp):
+            ddp._watch.deferred = read
+        else:
+            read()
+
+    def _read(self, work: Any, t: torch.Tensor) -> None:
+        ddp = self.ddp
+        ddp._watch.wait_work(work, "join: the backward pass's round", t.is_cuda)
+        went, _ = _split(ddp, round(t.item()))
         if went != self.training:
             rank = ddp._watch.channel.rank
             message = (
@@ -177,6 +238,36 @@ class OpenRound:
                 f"{_ADVICE})"
             )
             raise ddp._watch.post("join", RuntimeError(message))
+
+
+def _late(ddp: DistributedDataParallel) -> bool:
+    """Whether the round may be read after buckets went out: under xgrad's own ``Join``
+    (:func:`counting`; a rank that leaves in the round raises in its count) and with the
+    reducer's own all-reduces, on the DDP's private group (a communication hook may
+    reduce on the join group, or wait inside the hook)."""
+    return ddp._counted_config is ddp._join_config and ddp.reducer.hook is None
+
+
+def counting(joinables: Sequence[Any]) -> None:
+    """xgrad's ``Join`` over these: its count is read by a rank that leaves in a round
+    (:func:`counted`), so its DDPs may read their rounds late (:func:`_late`). Marked by
+    the config the context set; another context (PyTorch's ``Join``) sets a new one."""
+    for joinable in joinables:
+        if hasattr(joinable, "_counted_config"):
+            joinable._counted_config = joinable._join_config
+
+
+def settle(ddp: DistributedDataParallel) -> None:
+    """What a pass left unread (it raised before its end): the round, the announcement."""
+    run_deferred(ddp._watch)
+    read_announcement(ddp)
+
+
+def left(ddp: DistributedDataParallel) -> None:
+    """A joined rank, before shadowing a pass: its own last pass settled, its round (if
+    it left ``join()`` in one) given up: its count was its part of it."""
+    settle(ddp)
+    ddp._grad_hooks.join_round = None
 
 
 def open_round(ddp: DistributedDataParallel, announced: Announced) -> None:
@@ -236,6 +327,7 @@ def wait_round(ddp: DistributedDataParallel, training: int) -> str:
 def close_round(ddp: DistributedDataParallel) -> None:
     """A rank that left ``join()`` in a round where everyone had left: the joined ranks
     count once more after the round; this is this rank's part of that count."""
+    settle(ddp)
     if ddp._grad_hooks.join_round is not None:
         ddp._grad_hooks.join_round = None
         _on_join_group(ddp, 0.0, "join, counting the ranks still training")
