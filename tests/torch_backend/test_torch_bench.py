@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import pathlib
 import re
@@ -51,6 +52,20 @@ def test_bench_prints_one_row_per_case(
     # Memory is what DDP holds: never negative, whatever the heap did meanwhile.
     assert all(r["xgrad_memory"] >= 0 and r["torch_memory"] >= 0 for r in rows)
     assert rows[2]["tensors"] > 200  # the many-small-tensors model
+
+
+def test_bench_join_runs_each_row_inside_both_sides_join_too(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rows.json"
+    args = ["bench", "ddp", "--scale", "tiny", "--models", "mlp", "--find-unused", "no"]
+    args += ["--join", "both", "--wide-world-size", "0", "--json", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("| mlp | 2 | no |") == 1 and printed.count("| mlp, join | 2 | no |") == 1
+    rows = json.loads(out.read_text())["bench ddp"]
+    assert [(r["model"], r["join"]) for r in rows] == [("mlp", False), ("mlp", True)]
+    assert all(r["steps"] == 6 and r["paired_ratio"] > 0 for r in rows)
 
 
 def test_table_shows_ratios() -> None:
@@ -162,6 +177,9 @@ def test_pooled_refuses_launches_of_different_cases() -> None:
         pooled([_sample([1.0]), other])
     with pytest.raises(ValueError, match="no launch samples"):
         pooled([])
+    joined = dataclasses.replace(_sample([1.0]), join=True)
+    with pytest.raises(ValueError, match=r"\('mlp', False, 2\) with and without join\(\)"):
+        pooled([_sample([1.0]), joined])
 
 
 def test_unknown_model_is_refused() -> None:

@@ -3,9 +3,10 @@
 Both run in the same processes of one gloo group, alternating step by step so that
 load on the machine hits both alike, and each case runs in several launches of fresh
 processes (``--launches``), since what one launch draws moves the ratio more than its
-interval says. Reported per model and per
-``find_unused_parameters`` setting: median step time of each side (zero_grad, forward,
-backward, optimizer step); the time ratio, the median of the per-turn ratios xgrad step
+interval says. Reported per model and per ``find_unused_parameters`` setting (and with
+``--join`` inside each side's own ``join()``, inputs even: what ``join()`` costs a step
+while no rank has joined): median step time of each side (zero_grad, forward, backward,
+optimizer step); the time ratio, the median of the per-turn ratios xgrad step
 / PyTorch step with its 95% interval and each launch's own, judged launch by launch
 (``xgrad.bench_stats``); the CPU of the whole process
 per step (every thread), since a faster step may be bought with CPU; memory (bytes allocated by
@@ -16,9 +17,11 @@ polled by a thread during the step), and xgrad's Python cost per gradient hook.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import gc
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -88,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="the find_unused_parameters settings to run (the wide row: no)",
     )
+    parser.add_argument(
+        "--join",
+        choices=("no", "yes", "both"),
+        default="no",
+        help="run both sides' steps inside their DDP's join() (even inputs: what join() "
+        "costs a step while no rank has joined); rows 'model, join' (the wide row: no)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     parser.add_argument(
         "--device",
@@ -131,12 +141,13 @@ def run(args: argparse.Namespace) -> int:
         "scale": args.scale,
         "device": args.device,
         "find_unused": {"both": (False, True), "no": (False,), "yes": (True,)}[args.find_unused],
+        "join": {"both": (False, True), "no": (False,), "yes": (True,)}[args.join],
     }
-    wide = settings | {"models": models[:1], "find_unused": (False,)}
+    wide = settings | {"models": models[:1], "find_unused": (False,), "join": (False,)}
     runs = [(world, settings)]
     if wide_world:
         runs.append((wide_world, wide))
-    samples: dict[tuple[int, tuple[str, bool, int]], list[CaseSample]] = {}
+    samples: dict[tuple[int, tuple[str, bool, int], bool], list[CaseSample]] = {}
     # Launch after launch, every world size in each, so a slow spell of the machine
     # falls on one launch of many cases rather than on every launch of one case.
     for k in range(launches):
@@ -151,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                 num_threads=args.threads,
             )[0]:
                 sample = CaseSample(**row)
-                samples.setdefault((j, sample.case), []).append(sample)
+                samples.setdefault((j, sample.case, sample.join), []).append(sample)
     results = [pooled(group) for group in samples.values()]
     steps = sorted({r.steps for r in results})
     turns = min((r.turns for r in results if r.turns), default=None)
@@ -226,15 +237,17 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
             continue
         _Side(make, base, meter).step(x, y)
     rows = []
-    case = 0
-    for name in settings["models"]:
-        for find_unused in settings["find_unused"]:
-            base, x, y = device.build(name, settings["scale"])
-            factories = _factories(find_unused, device)
-            # Constructed in alternating order, so neither is always first on a fresh heap.
-            order = ["xgrad", "torch", "local"] if case % 2 == 0 else ["torch", "xgrad", "local"]
-            case += 1
-            sides = {key: _Side(factories[key], base, meter) for key in order}
+    cases = itertools.product(settings["models"], settings["find_unused"], settings["join"])
+    for case, (name, find_unused, join) in enumerate(cases):
+        base, x, y = device.build(name, settings["scale"])
+        factories = _factories(find_unused, device)
+        # Constructed in alternating order, so neither is always first on a fresh heap.
+        order = ["xgrad", "torch", "local"] if case % 2 == 0 else ["torch", "xgrad", "local"]
+        sides = {key: _Side(factories[key], base, meter) for key in order}
+        with contextlib.ExitStack() as joined:
+            if join:  # each DDP's own join(): xgrad's and PyTorch's, entered for the case
+                for key in ("xgrad", "torch"):
+                    joined.enter_context(sides[key].ddp.join())
             for side in sides.values():
                 for _ in range(settings["warmup"]):
                     side.step(x, y)
@@ -272,11 +285,12 @@ def _bench(rank: int, world: int, settings: dict[str, Any]) -> list[dict[str, An
                         xgrad_memory=sides["xgrad"].construction + sides["xgrad"].peak,
                         torch_memory=sides["torch"].construction + sides["torch"].peak,
                         hook_seconds=hook,
+                        join=join,
                     )
                 )
             )
-            del sides
-            torch.manual_seed(0)
+        del sides
+        torch.manual_seed(0)
     return rows
 
 

@@ -41,6 +41,8 @@ class CaseSample:
     xgrad_memory: int
     torch_memory: int
     hook_seconds: float
+    #: both sides' steps ran inside their DDP's ``join()``, every rank with even inputs
+    join: bool = False
 
     @property
     def case(self) -> tuple[str, bool, int]:
@@ -78,6 +80,8 @@ class CaseResult:
     #: the fewest turns of a launch, and the turns pooled for the interval (0: not known)
     turns: int = 0
     pooled_turns: int = 0
+    #: both sides' steps ran inside their DDP's ``join()`` (``--join``), inputs even
+    join: bool = False
 
     @property
     def xgrad_per_grad(self) -> float:
@@ -123,6 +127,8 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
     cases = {s.case for s in samples}
     if len(cases) != 1:
         raise ValueError(f"pooled: samples of different cases {sorted(cases)}")
+    if len({s.join for s in samples}) != 1:
+        raise ValueError(f"pooled: samples of {cases.pop()} with and without join()")
     first = samples[0]
     ratios = [paired_ratios(s.xgrad_times, s.torch_times) for s in samples]
     (low, mid, high), each = launch_intervals(ratios)
@@ -152,6 +158,7 @@ def pooled(samples: Sequence[CaseSample]) -> CaseResult:
         launches=each,
         turns=turns,
         pooled_turns=pooled_turns,
+        join=first.join,
     )
 
 
@@ -194,7 +201,7 @@ def table(results: list[CaseResult]) -> str:
         spread = f" [{low}, {high}]" if r.paired_ratio else ""
         launches = "/".join(near_limit(mid) for _, mid, _ in r.launches) or "-"
         lines.append(
-            f"| {r.model} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
+            f"| {r.model}{', join' if r.join else ''} | {r.world} | {'yes' if r.find_unused else 'no'} | {r.tensors} "
             f"| {r.xgrad_step * 1e3:.2f} | {r.torch_step * 1e3:.2f} | {near_limit(r.time_ratio)}{spread} "
             f"| {launches} | {r.verdict} | {cpu} "
             f"| {r.xgrad_memory / 2**20:.2f} | {r.torch_memory / 2**20:.2f} "
