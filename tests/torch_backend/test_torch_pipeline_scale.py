@@ -18,18 +18,11 @@ import torch
 from torch import nn
 
 import xgrad.pipeline as xp
+from xgrad.torch_backend.pipeline_bench import TORCH_SCHEDULES
 from xgrad.torch_backend.spawn import spawn
 
-#: xgrad's schedule -> torch's; the multi-stage ones with 2 stages per rank.
-TORCH = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+#: xgrad's schedule -> torch's (the bench's map); the multi-stage ones with 2 stages per rank.
+TORCH = TORCH_SCHEDULES
 
 #: (schedule, m, dtype): m not a power of two, as each schedule takes it on 2 ranks (the
 #: interleaved ones need m a multiple of max(1, m // 2): not 5; dualpipev m >= 4 stages).

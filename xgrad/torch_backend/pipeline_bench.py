@@ -20,8 +20,8 @@ HELP = (
     "(targets: 10%, 3 points), and memory per stage"
 )
 
-#: xgrad schedule name -> torch.distributed.pipelining class name.
-_TORCH = {
+#: xgrad schedule name -> torch.distributed.pipelining class name (tests compare by it too).
+TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each launch")
     parser.add_argument(
         "--schedules",
-        default=",".join(_TORCH),
+        default=",".join(TORCH_SCHEDULES),
         help="comma-separated schedules to run (default: every one both implement)",
     )
     add_table_outputs(parser, "the three sections (seconds, fractions, bytes)")
@@ -158,7 +158,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         module = torch.nn.ModuleList(modules)
         first, last = 0 in mine, n - 1 in mine
         stages = [tp.PipelineStage(mod, s, n, device) for s, mod in zip(mine, modules, strict=True)]
-        cls = getattr(tp, _TORCH[name])
+        cls = getattr(tp, TORCH_SCHEDULES[name])
         theirs = cls(stages[0] if name in _SINGLE else stages, m, loss_fn=loss_fn)
         ours = PipelineRuntime(schedule, modules, loss_fn, checkpoint="never")
 
@@ -285,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
         for k in ("microbatches", "batch", "width", "layers", "steps", "warmup", "backend")
     }
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = [n for n in names if n not in _TORCH]
+    unknown = [n for n in names if n not in TORCH_SCHEDULES]
     if unknown or not names:
         raise ValueError(
-            f"--schedules {args.schedules!r}: {unknown or 'none given'}; choose from {', '.join(_TORCH)}"
+            f"--schedules {args.schedules!r}: {unknown or 'none given'}; choose from {', '.join(TORCH_SCHEDULES)}"
         )
     for name in names:
         xp.make(name, p, m)  # a bad (p, m) for a schedule is refused here, before spawning
