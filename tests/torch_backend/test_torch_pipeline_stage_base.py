@@ -40,13 +40,16 @@ def test_module_and_device_per_stage() -> None:
 
 
 def test_the_last_stage_returns_its_loss_as_it_is() -> None:
-    """Its backward runs from the loss itself: the gradients are divided by m after the
-    stage's last backward, as torch's schedules divide them (pipeline_scale)."""
+    """Its backward runs from the loss itself where m is not a power of two: the
+    gradients are divided by m after the stage's last backward, as torch's schedules
+    divide them (pipeline_scale). Where it is, the loss is divided, exactly and for free."""
     state = _state()
+    m = state.schedule.num_microbatches
     x, y = torch.randn(5, 3), torch.randn(5, 2)
     loss = nn.functional.mse_loss(state.partitions[1](x), y)
-    assert torch.equal(state._run_forward(3, 0, x, y), loss)
-    assert torch.equal(state._losses[0], loss.detach())  # for step(losses=)
+    want = loss / m if m & (m - 1) == 0 else loss
+    assert torch.equal(state._run_forward(3, 0, x, y), want)
+    assert torch.equal(state._losses[0], loss.detach())  # for step(losses=), undivided
     assert torch.equal(state._run_forward(0, 0, x, None), state.partitions[0](x))
     state.scale_grads = False  # a summed loss: the same
     assert torch.equal(state._run_forward(3, 1, x, y), loss)

@@ -295,7 +295,8 @@ class StagePasses(StageState):
                     slot.output = None  # kept in _outputs
             elif action.stage == self.schedule.num_stages - 1:
                 part = out.detach()  # the step's loss: the sum of each one's over m
-                part = part / self.schedule.num_microbatches if self.scale_grads else part
+                if self.scale_grads and not self._loss_scaled():  # (else divided already)
+                    part = part / self.schedule.num_microbatches
                 loss = part if loss is None else loss + part
         elif kind in _BACKWARDS:  # B, I or W (the step's first one sets gradients aside)
             if self._scaling is not None:
