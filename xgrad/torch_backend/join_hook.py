@@ -24,24 +24,16 @@ from xgrad.torch_backend.join_rounds import close_round, hear, wait_round
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["DDPJoinHook", "allreduce_tensor", "find_common_rank", "sync_final_model"]
-
-
-def allreduce_tensor(
-    ddp: DistributedDataParallel, t: torch.Tensor, what: str, op: Any = None
-) -> torch.Tensor:
-    """An allreduce of ``t`` on the DDP's private group, watched like its reductions."""
-    group = ddp.comm.group
-    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group, async_op=True)
-    ddp._watch.wait_work(work, what, t.is_cuda)
-    return t
+__all__ = ["DDPJoinHook", "find_common_rank", "sync_final_model"]
 
 
 def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
-    """A one-element allreduce on the DDP's group, waited on with its timeout."""
-    return allreduce_tensor(
-        ddp, torch.tensor([value], device=ddp.join_device), "join allreduce", op
-    )
+    """A one-element allreduce on the DDP's private group, watched like its reductions
+    and waited on with its timeout."""
+    t = torch.tensor([value], device=ddp.join_device)
+    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ddp.comm.group, async_op=True)
+    ddp._watch.wait_work(work, "join allreduce", t.is_cuda)
+    return t
 
 
 class DDPJoinHook(JoinHook):
