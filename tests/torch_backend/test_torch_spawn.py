@@ -46,7 +46,7 @@ def test_first_failure_names_rank_and_traceback_and_stops_the_others() -> None:
 
 def test_timeout_names_ranks_still_running() -> None:
     with pytest.raises(SpawnError, match=r"ranks still running: \[0\]"):
-        spawn(_sleep_on_zero, 2, timeout=15)
+        spawn(_sleep_on_zero, 2, timeout=6)
 
 
 def test_bad_world_size() -> None:
