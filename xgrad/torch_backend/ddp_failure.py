@@ -93,6 +93,10 @@ class StepWatch(StepWaits):
         #: set by a begin_step that found the previous step failed, for the DDP's next
         #: forward pass, which checks the ranks' agreement again (on every rank alike).
         self.regrouped = False
+        #: the last step this rank found failed at the start of the next (0: none), for
+        #: the join rounds, which a failed step can leave entered by only some ranks
+        #: (:func:`~.join_rounds.failed_round`).
+        self.failed_at = 0
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
         self.channel: FailureChannel = failure_channel(group, self._last_namespace)
@@ -143,6 +147,8 @@ class StepWatch(StepWaits):
         failure and replaces its private group at the same point.
         """
         failed = self.channel.poll()
+        if failed is not None:
+            self.failed_at = self.step
         check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang
         if self.skipped_steps:
             drop_old_skips(self)

@@ -44,7 +44,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.join_hook import DDPJoinHook
-from xgrad.torch_backend.join_rounds import counted, notified
+from xgrad.torch_backend.join_rounds import counted, failed_round, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ class Join(TorchJoin):
             hook.drop_failed_step()
         total = self._all_reduce(0.0)
         for hook in hooks:  # left with a round open: the count was this rank's part
-            counted(hook.ddp, total)
+            if counted(hook.ddp, total):  # of a failed step's round: the count is still due
+                total = self._all_reduce(0.0)
         return total
 
     def _notify_procs_to_terminate(self) -> None:
@@ -193,13 +194,16 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     # These two pair with the join context's own, on the join group (not the private one).
     ones = torch.ones(1, device=ddp.join_device)
     work = join_rounds.sum_async(ddp.process_group, ones)
-    if config.throw_on_early_termination:
-        zeros = torch.zeros(1, device=ddp.join_device)
-        check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
     if pending is not None:  # before the throw check: one that went back raised already
         ddp._watch.wait_work(work, "join: the backward pass's round", ones.is_cuda)
+        if failed_round(ddp, pending, ones.item()):  # met a failed step's GO: sent again
+            ones = torch.ones(1, device=ddp.join_device)
+            work = join_rounds.sum_async(ddp.process_group, ones)
+            ddp._watch.wait_work(work, "join: counting the ranks still training", ones.is_cuda)
         training = notified(ddp, pending, ones.item())
-    if config.throw_on_early_termination:
+    if config.throw_on_early_termination:  # after the round: the peers' next all-reduce
+        zeros = torch.zeros(1, device=ddp.join_device)
+        check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
         check.wait(timedelta(seconds=ddp.timeout))
         if zeros.item():
             raise RuntimeError(

@@ -74,6 +74,7 @@ __all__ = [
     "counted",
     "counting",
     "disagreement",
+    "failed_round",
     "hear",
     "left",
     "notified",
@@ -212,6 +213,7 @@ class OpenRound:
     def __init__(self, ddp: DistributedDataParallel, training: int) -> None:
         self.ddp = ddp
         self.training = training
+        self.step = ddp._watch.step  #: the DDP's step whose forward pass opened it
 
     def __call__(self) -> None:
         """The backward pass began here: enter the round with ``GO``; its sum is read
@@ -276,6 +278,16 @@ def open_round(ddp: DistributedDataParallel, announced: Announced) -> None:
         ddp._grad_hooks.join_round = OpenRound(ddp, announced.training)
 
 
+def failed_round(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> bool:
+    """Whether this rank's part of the round (giving ``total``) met the ``GO`` of peers that
+    began the backward pass of a step that failed (or a later step failed before this
+    rank entered the round): no disagreement, the step is dropped everywhere, but those
+    peers' next all-reduce on the join group is still to come, so this rank's part is sent
+    again to meet it (else every later count pairs one rank's pass with another's next)."""
+    went, _ = _split(ddp, round(total))
+    return bool(went) and ddp._watch.failed_at >= pending.step
+
+
 def notified(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> int:
     """This rank's next forward pass entered the round (its "not joined" all-reduce gave
     ``total``): the number of ranks still training, or the error when some went back."""
@@ -290,12 +302,16 @@ def notified(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> 
     return forward
 
 
-def counted(ddp: DistributedDataParallel, total: float) -> None:
+def counted(ddp: DistributedDataParallel, total: float) -> bool:
     """This rank left ``join()`` with a round open and its count gave ``total``: the error
-    when some rank went back (``join()``'s own context, which sees the count)."""
+    when some rank went back (``join()``'s own context, which sees the count); ``True``
+    when the round was a failed step's (:func:`failed_round`): count again."""
     pending = ddp._grad_hooks.join_round
     if pending is None:
-        return
+        return False
+    if failed_round(ddp, pending, total):
+        ddp._grad_hooks.join_round = None
+        return True
     went, _ = _split(ddp, round(total))
     if went:
         ddp._grad_hooks.join_round = None
@@ -305,6 +321,7 @@ def counted(ddp: DistributedDataParallel, total: float) -> None:
             f"backward pass while {went} of the {pending.training} ranks still training "
             f"ran that step's backward pass ({_ADVICE})"
         )
+    return False
 
 
 def wait_round(ddp: DistributedDataParallel, training: int) -> str:
