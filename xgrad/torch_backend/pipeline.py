@@ -103,7 +103,9 @@ class PipelineRuntime(StepGroups, StagePasses, Evaluation, StepCall):
         partitions: this rank's modules, slot ``index`` of its :class:`Location` s. Without
             ``invocations``, slot k is the k-th virtual stage placed on this rank.
         loss_fn: ``loss_fn(output, target)`` on the last stage (pytrees as the stage returns
-            and the targets hold), with :meth:`step`'s ``loss_kwargs`` as keywords.
+            and the targets hold), with :meth:`step`'s ``loss_kwargs`` as keywords; its
+            parameters, a module's or a closure's, are treated as the last stage's
+            (``pipeline_loss_params``).
         invocations: fairscale-style invocations mapping virtual stages to partitions (a
             partition may be invoked more than once; its gradient is then the sum).
         group: the pipeline process group (default: the default group); schedule rank r is

@@ -33,9 +33,13 @@ Where torch does worse, this runtime does not:
   its ScheduleZBVZeroBubble and ScheduleInterleavedZeroBubble leave their ``.grad`` None,
   as this runtime did (its ScheduleDualPipeV a part of the sum: 1.92 in a run where m = 4
   times the whole batch's is 2.12).
-- A plain function that reads parameters of its own (a closure) is not seen: under B
-  they get m times the unpipelined model's gradient, under I and W none (unless they
-  are the last stage's own); make the loss a module, or its parameters the last stage's.
+- A plain function that reads parameters of its own (a lambda closing over a learnt
+  temperature, a ``functools.partial`` or bound method of a module that holds some, a
+  stage's weight tied into the loss) has them treated as a loss module's: they are found
+  in the loss's graph at each forward of the last stage (``pipeline_loss_params``) and
+  join the division at the last stage's point (:meth:`StepScaling.more` for those a
+  later microbatch reaches first). Before, they were not seen: under B m times the
+  unpipelined model's gradient, under I and W none.
 
 A step that fails puts back what it set aside: ``.grad`` then holds that plus the failed
 step's partial, undivided gradients (zero them before retrying).
@@ -43,7 +47,7 @@ step's partial, undivided gradients (zero them before retrying).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -91,7 +95,7 @@ class StepScaling:
         actions: Sequence[Action],
         points: dict[int, int],
         partitions: Sequence[nn.Module],
-        extra: tuple[int, Sequence[nn.Parameter]] | None = None,
+        extra: tuple[int, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         self.m = m
         self._extra = extra  # (point, parameters): the loss_fn's, at the last stage's point
@@ -99,6 +103,7 @@ class StepScaling:
         self._points = points
         self._partitions = partitions
         self._due: dict[Action, list[torch.Tensor]] | None = None  # set by begin
+        self._owner: dict[int, tuple[int, torch.Tensor]] = {}  # id(p): its point, p
         self._end = actions[max(points.values())] if points else None
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, its .grad
         self._hooks: list[RemovableHandle] = []
@@ -112,27 +117,55 @@ class StepScaling:
             return
         # Each parameter once, at the later of its partitions' points (read each step:
         # a module's parameters may change between steps).
-        owner: dict[int, tuple[int, torch.Tensor]] = {}
-        groups = [(at, self._partitions[slot].parameters()) for slot, at in self._points.items()]
+        owner = self._owner
+        groups: list[tuple[int, Iterable[torch.Tensor]]] = [
+            (at, self._partitions[slot].parameters()) for slot, at in self._points.items()
+        ]
         if self._extra is not None:
-            groups.append((self._extra[0], iter(self._extra[1])))
+            groups.append(self._extra)
         for at, params in groups:
             for p in params:
                 seen = owner.get(id(p))
                 if seen is None or seen[0] < at:
                     owner[id(p)] = (at, p)
         self._due = {}
-        with torch.no_grad():
-            for at, param in owner.values():
-                self._due.setdefault(self._actions[at], []).append(param)
-                if param.grad is not None:
-                    self._saved[id(param)] = (param, param.grad.clone())
-                    param.grad.zero_()
+        for at, param in owner.values():
+            self._due.setdefault(self._actions[at], []).append(param)
+            self._set_aside(param)
         hooked: set[int] = set()
         for t in tensor_leaves(step_tensors):
             if t.requires_grad and id(t) not in hooked:
                 hooked.add(id(t))
                 self._hooks.append(t.register_hook(self._divided))
+
+    def _set_aside(self, param: torch.Tensor) -> None:
+        if param.grad is not None and id(param) not in self._saved:
+            with torch.no_grad():
+                self._saved[id(param)] = (param, param.grad.clone())
+                param.grad.zero_()
+
+    def more(self, found: Sequence[torch.Tensor]) -> None:
+        """Tensors the loss reads of its own, found at a forward of the last stage
+        (``pipeline_loss_params``): divided with the loss's parameters. Found after
+        :meth:`begin`, each is set aside now (it has none of the step's gradient yet: the
+        loss reaches it first at that forward, before its backward), or moved to the
+        loss's point where a partition's came earlier."""
+        if self._extra is None:
+            return
+        at = self._extra[0]
+        if self._due is None:  # begin takes them with the rest
+            self._extra = (at, [*self._extra[1], *found])
+            return
+        for p in found:
+            seen = self._owner.get(id(p))
+            if seen is not None and seen[0] >= at:
+                continue
+            if seen is not None:
+                before = self._due[self._actions[seen[0]]]
+                before[:] = [q for q in before if q is not p]
+            self._owner[id(p)] = (at, p)
+            self._due.setdefault(self._actions[at], []).append(p)
+            self._set_aside(p)
 
     def _divided(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.m

@@ -19,8 +19,10 @@ from xgrad.failure import FailureChannel
 from xgrad.pipeline import Action, Schedule
 from xgrad.torch_backend.failure import Waiters, wait_work
 from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
+from xgrad.torch_backend.pipeline_average import average_grads
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
+from xgrad.torch_backend.pipeline_loss_params import LossLeaves, Stops, module_params
 from xgrad.torch_backend.pipeline_recompute import checkpointed
 from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
 from xgrad.torch_backend.pipeline_slot import Slot
@@ -57,6 +59,7 @@ class StageState:
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
     _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
     _joins: StageJoins  # per stage graph, where W starts (this step)
+    _leaves: LossLeaves  # the tensors the loss reads of its own (this step)
     _evaluating: bool = False  # this step runs the forwards alone (eval)
     _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
     _keep_outputs: bool = False  # kept: eval(), or step(), with return_outputs=True
@@ -74,6 +77,7 @@ class StageState:
         if self._scaling is not None:
             self._scaling.abandon()  # (done already, unless a step ended unseen)
             self._scaling = None
+        self._leaves = LossLeaves()
         m = self.schedule.num_microbatches
         if self._evaluating:
             return
@@ -98,27 +102,33 @@ class StageState:
         m = self.schedule.num_microbatches
         return self.scale_grads and m > 1 and m & (m - 1) == 0
 
-    def _loss_params(self) -> tuple[int, list[nn.Parameter]] | None:
-        """A module ``loss_fn``'s parameters, on the last stage's rank, with the point of
-        that stage's partition: divided there as the unpipelined model's (pipeline_scale)."""
-        last = self.schedule.num_stages - 1
-        slot = self._slot_of.get(last)
+    def _loss_params(self) -> tuple[int, list[torch.Tensor]] | None:
+        """On the last stage's rank, the loss's parameters known so far, with the point of
+        that stage's partition: divided there as the unpipelined model's (pipeline_scale;
+        those the step's forwards find join them there, ``_see_loss``)."""
+        slot = self._slot_of.get(self.schedule.num_stages - 1)
         if slot is None or self._points is None:
             return None
-        params = self._loss_weights()
         at = self._points[1].get(slot)
-        return None if not params or at is None else (at, params)
+        return None if at is None else (at, self._loss_weights())
 
-    def _loss_weights(self) -> list[nn.Parameter]:
-        """A module ``loss_fn``'s parameters that require grad: the last stage's W (and the
-        joins its I pass finds) differentiates them with the stage's own, as B does, else a
-        zero-bubble step left their ``.grad`` None. A plain function's are not seen."""
-        if not isinstance(self.loss_fn, nn.Module):
-            return []
-        return [p for p in self.loss_fn.parameters() if p.requires_grad]
+    def _loss_weights(self) -> list[torch.Tensor]:
+        """The loss's parameters that require grad: a module ``loss_fn``'s, and the tensors
+        a loss function reads of its own, found in its graph (pipeline_loss_params). The
+        last stage's W (and the joins its I pass finds) differentiates them with the
+        stage's own, as B does, else a zero-bubble step left their ``.grad`` None."""
+        return self._leaves.weights(self.loss_fn)
+
+    def _see_loss(self, loss: torch.Tensor, stops: Stops) -> None:
+        """What ``loss`` reads of its own that the step had not found: divided with the
+        loss's parameters from now (pipeline_scale)."""
+        last = self._module(self.schedule.num_stages - 1)
+        found = self._leaves.see(loss, stops, last.parameters)
+        if found and self._scaling is not None:
+            self._scaling.more(found)
 
     def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
-        """What W differentiates: the stage's parameters, and the last's loss module's."""
+        """What W differentiates: the stage's parameters, and the last's loss's."""
         if stage == self.schedule.num_stages - 1:
             return lambda: list(
                 {
@@ -197,7 +207,12 @@ class StageState:
                 self._losses[mb] = self._loss(y, target).detach()
             return y
         if last:
+            # Where a walk of the loss's own graph ends: taken before it is computed.
+            given = (x, y, target, self._loss_kwargs, self._keywords_of(mb))
+            stops = LossLeaves.stops(*given) if torch.is_grad_enabled() else None
             loss = self._loss(y, target)
+            if stops is not None:
+                self._see_loss(loss, stops)
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
             if self._loss_scaled():  # m a power of two: exact, and free (_loss_scaled)
                 return loss / self.schedule.num_microbatches
@@ -248,55 +263,20 @@ class StageState:
 
     def _average_grads(self, action: Action) -> None:
         """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
-        it, one flat all-reduce per dtype (so no gradient is rounded through another dtype).
-
-        Every parameter takes part, with zeros where this replica has no gradient, and a
-        count of the replicas that have one travels at the end of the flat tensor: replicas
-        whose graphs differ by their data (a branch taken on one only) then still reduce
-        tensors of the same size, and a parameter gets a gradient where any replica has
-        one (``None`` stays only where no replica has one), as DDP with
-        ``find_unused_parameters`` gives it.
-        """
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self._module(action.stage).parameters():
-            by_dtype.setdefault(p.dtype, []).append(p)
-        launched = []
-        for dtype, params in by_dtype.items():
-            parts = [
-                _dense(p.grad).reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                for p in params
-            ]
-            parts.append(
-                torch.tensor(
-                    [p.grad is not None for p in params], dtype=dtype, device=parts[0].device
-                )
-            )
-            flat = torch.cat(parts)
-            work = dist.all_reduce(flat, group=self._dp.group(), async_op=True)
-            launched.append((params, flat, work))
+        it (pipeline_average); the last stage's, the loss's parameters too."""
+        params: list[torch.Tensor] = list(self._module(action.stage).parameters())
+        found = None
+        if action.stage == self.schedule.num_stages - 1:
+            listed = {id(p) for p in params}
+            for p in module_params(self.loss_fn):  # every replica's lists the same
+                if id(p) not in listed:
+                    listed.add(id(p))
+                    params.append(p)
+            found = [t for t in self._leaves.found.values() if id(t) not in listed]
         size = dist.get_world_size(self._dp_group)
-        for params, flat, work in launched:
-            self._dp.wait(work, f"{action} (all-reduce)", flat.is_cuda)
-            counts = flat[-len(params) :].tolist()
-            values = flat[: -len(params)]
-            values /= size
-            start = 0
-            for p, count in zip(params, counts, strict=True):
-                mean = values[start : start + p.numel()].view_as(p)
-                start += p.numel()
-                if count == 0:
-                    continue
-                if p.grad is None:
-                    p.grad = torch.empty_like(p).copy_(mean)  # the parameter's layout
-                elif p.grad.is_sparse:
-                    p.grad = mean.to_sparse(p.grad.sparse_dim())
-                else:
-                    p.grad.copy_(mean)
+        device = self._device(action.stage)
+        average_grads(self._dp, size, str(action), params, found, device)
         self._dp.finished()
-
-
-def _dense(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _shapes(y: Any, target: Any) -> str:

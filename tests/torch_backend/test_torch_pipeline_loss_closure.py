@@ -1,0 +1,286 @@
+"""A ``loss_fn`` that reads parameters of its own without being a module that holds them.
+
+A lambda closing over a learnt temperature, a ``functools.partial`` or a bound method of a
+module with parameters, a loss that reads a stage's weight (tied into the loss): the
+runtime saw a loss module's parameters alone, so under B these got m times the
+unpipelined model's gradient where m is not a power of two (not divided), and under the
+zero-bubble schedules (I and W split) none at all (the last stage's W differentiated its
+own parameters and the loss module's). Now the tensors the loss's graph reaches of its
+own are found at each forward of the last stage and treated as a loss module's
+parameters: divided once with the last stage's, differentiated by its W, and averaged
+over ``dp_group`` with its parameters.
+
+One spawn of two gloo ranks. Every parameter's gradient, summed over the two ranks'
+copies (the rank that runs a stage holds its gradient, the last stage's rank the loss's,
+a weight read by both the sum), equals the unpipelined model's: the mean over the
+microbatches of the loss of each, to 1e-12 in float64, after one step and after a second
+without ``zero_grad``. Then the two ranks as data-parallel replicas of a one-rank
+pipeline: a closure's and a loss module's parameters are averaged over ``dp_group`` as
+the stages' are, and replicas whose losses reach different tensors of their own are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import xgrad.pipeline as xp
+from xgrad.torch_backend.spawn import spawn
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: the schedules on two ranks: one stage a rank (rank 1 last), and two (interleaved: the
+#: last on rank 1 with stage 1; zbv, dualpipev: on rank 0 with stage 0), I and W split in
+#: all but gpipe and 1f1b; m a power of two (the loss divided before the backward) or not
+#: (the gradients after it).
+SCHEDULES = [
+    *((name, m) for name in ("gpipe", "1f1b", "interleaved_zb", "zbv") for m in (3, 4)),
+    ("dualpipev", 4),
+]
+KINDS = ("lambda", "partial", "method", "tied", "late")
+
+
+class Scaled(nn.Module):
+    """A module whose bound method is the loss (its parameter read, its forward unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([0.5, 1.5, -1.0, 2.0], dtype=torch.float64))
+
+    def loss(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y * self.s, t)
+
+
+class TemperedLoss(nn.Module):
+    """A loss module with a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def forward(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y * self.t, t)
+
+
+def _head_loss(head: nn.Module, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(head(y), t)
+
+
+def _model(n: int) -> tuple[list[nn.Module], dict[str, Any]]:
+    """``n`` stages and every parameter a loss below reads of its own."""
+    torch.manual_seed(0)
+    parts = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(n)]
+    extra = {
+        "temp": nn.Parameter(torch.tensor(1.5, dtype=torch.float64)),
+        "late": nn.Parameter(torch.tensor(0.25, dtype=torch.float64)),
+        "head": nn.Linear(4, 4).double(),
+        "scaled": Scaled(),
+        "module": TemperedLoss(),
+    }
+    return parts, extra
+
+
+def _loss(kind: str, parts: list[nn.Module], extra: dict[str, Any]) -> Loss:
+    temp, late = extra["temp"], extra["late"]
+    if kind == "lambda":
+        return lambda y, t: nn.functional.mse_loss(y * temp, t)
+    if kind == "partial":
+        return functools.partial(_head_loss, extra["head"])
+    if kind == "method":
+        return extra["scaled"].loss  # type: ignore[no-any-return]
+    if kind == "module":
+        return extra["module"]  # type: ignore[no-any-return]
+    first, last = parts[0][0].weight, parts[-1][0].weight
+    if kind == "tied":  # stage 0's weight (zbv: on the last stage's rank) and the last's
+        return lambda y, t: (
+            nn.functional.mse_loss(y, t)
+            + 0.1 * (y @ first).pow(2).mean()
+            + 0.01 * last.pow(2).sum()
+        )
+
+    def data_dependent(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # ``late`` only where the target's first entry is positive: not microbatch 0
+        loss = nn.functional.mse_loss(y * temp, t)
+        return loss + late * y.mean() if t[0, 0] > 0 else loss
+
+    return data_dependent
+
+
+def _batch(m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * m, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(2 * m, 4, generator=g, dtype=torch.float64)
+    y[::2, 0] = torch.tensor([-1.0 if k % 2 == 0 else 1.0 for k in range(m)], dtype=y.dtype)
+    return x, y
+
+
+def _named(parts: list[nn.Module], extra: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    named = [
+        (f"stage {s}.{k}", p) for s, part in enumerate(parts) for k, p in part.named_parameters()
+    ]
+    for key, value in extra.items():
+        params = [("", value)] if isinstance(value, torch.Tensor) else value.named_parameters()
+        named += [(f"{key}.{k}".rstrip("."), p) for k, p in params]
+    return named
+
+
+def _grads(parts: list[nn.Module], extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in _named(parts, extra)
+    }
+
+
+def _reference(n: int, m: int, kind: str, seed: int) -> dict[str, torch.Tensor]:
+    """The unpipelined model's gradients: the mean over microbatches of each one's loss."""
+    parts, extra = _model(n)
+    loss_fn = _loss(kind, parts, extra)
+    x, y = _batch(m, seed)
+    total = None
+    for xk, yk in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+        out = xk
+        for part in parts:
+            out = part(out)
+        loss = loss_fn(out, yk) / m
+        total = loss if total is None else total + loss
+    assert total is not None
+    total.backward()
+    return _grads(parts, extra)
+
+
+def _pipelined(rank: int, name: str, m: int) -> dict[str, Any]:
+    """Each loss in turn on one runtime (a step finds the loss's tensors anew: ``loss_fn``
+    may change between steps), two steps each, the gradients zeroed in between."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    schedule = xp.make(name, 2, m)
+    parts, extra = _model(schedule.num_stages)
+    mine = schedule.stages_of(rank)
+    loss_fn = _loss("lambda", parts, extra)
+    rt = PipelineRuntime(schedule, [parts[s] for s in mine], loss_fn, timeout=20)
+    x, y = _batch(m, seed=1)
+    first, last = schedule.placement[0] == rank, schedule.placement[-1] == rank
+    found = {}
+    for kind in KINDS:
+        rt.loss_fn = _loss(kind, parts, extra)
+        rt.step(x if first else None, y if last else None)
+        once = _grads(parts, extra)
+        rt.step(x if first else None, y if last else None)  # no zero_grad: twice the gradient
+        found[kind] = {"once": once, "twice": _grads(parts, extra)}
+        for _, p in _named(parts, extra):
+            p.grad = None
+    return found
+
+
+def _replica(rank: int, name: str, kind: str, pipes: list[Any], dp: Any) -> dict[str, Any]:
+    """This rank as one replica of a one-rank pipeline, averaged over ``dp``."""
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    schedule = xp.make(name, 1, 3)
+    parts, extra = _model(schedule.num_stages)
+    loss_fn = _loss(kind, parts, extra)
+    rt = PipelineRuntime(schedule, parts, loss_fn, group=pipes[rank], dp_group=dp, timeout=10)
+    x, y = _batch(3, seed=1 + rank)
+    if kind == "late" and rank == 1:
+        y[:, 0] = -1.0  # replica 1's loss never reads ``late``: refused on both
+    try:
+        rt.step(x, y)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"grads": _grads(parts, extra)}
+
+
+def _run(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    found: dict[str, Any] = {}
+    for name, m in SCHEDULES:
+        for kind, grads in _pipelined(rank, name, m).items():
+            found[f"{name}/{m}/{kind}"] = grads
+    pipes = [dist.new_group([0]), dist.new_group([1])]
+    dp = dist.new_group([0, 1])
+    for name in ("1f1b", "zbv"):
+        for kind in ("lambda", "module", "tied"):
+            found[f"dp {name}/{kind}"] = _replica(rank, name, kind, pipes, dp)
+    found["dp mismatch"] = _replica(rank, "1f1b", "late", pipes, dp)
+    return found
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return spawn(_run, 2, timeout=120)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    bad = {
+        k: (got[k] - want[k]).abs().max().item()
+        for k in want
+        if not torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
+    }
+    assert not bad, f"{what}: {bad} (got {[got[k] for k in bad]}, want {[want[k] for k in bad]})"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("name", "m"), SCHEDULES)
+def test_a_loss_closures_parameters_get_the_unpipelined_gradient(
+    results: list[dict[str, Any]], name: str, m: int, kind: str
+) -> None:
+    want = _reference(xp.make(name, 2, m).num_stages, m, kind, seed=1)
+    ranks = [results[rank][f"{name}/{m}/{kind}"] for rank in (0, 1)]
+    for when, times in (("once", 1), ("twice", 2)):
+        got = {k: ranks[0][when][k] + ranks[1][when][k] for k in want}
+        _close(got, {k: v * times for k, v in want.items()}, f"{name}, m={m}, {kind}, {when}")
+
+
+@pytest.mark.parametrize("kind", ["lambda", "module", "tied"])
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_dp_group_averages_the_loss_parameters(
+    results: list[dict[str, Any]], name: str, kind: str
+) -> None:
+    n = xp.make(name, 1, 3).num_stages
+    sums = [_reference(n, 3, kind, seed=1 + rank) for rank in (0, 1)]
+    want = {k: (sums[0][k] + sums[1][k]) / 2 for k in sums[0]}
+    for rank in (0, 1):
+        _close(results[rank][f"dp {name}/{kind}"]["grads"], want, f"dp {name} {kind} {rank}")
+
+
+def test_replicas_whose_losses_reach_different_tensors_are_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in (0, 1):
+        error = results[rank]["dp mismatch"].get("error", "")
+        assert "data-parallel replicas" in error and "loss" in error, (rank, error)
+
+
+def test_what_a_later_microbatch_finds_is_set_aside_and_divided_at_the_losss_point() -> None:
+    """``StepScaling.more`` after the step's first backward (no process group; GPipe, one
+    stage, m = 3, the loss's point after B2): a new tensor's ``.grad`` is set aside and
+    added back after its division there, and a partition's parameter the loss reads
+    (divided after B0 here) moves to the loss's point, so the loss's part is divided too."""
+    from xgrad.torch_backend.pipeline_scale import StepScaling
+
+    actions = xp.make("gpipe", 1, 3).actions[0]  # F0 F1 F2 B0 B1 B2
+    lin = nn.Linear(2, 2).double()
+    temp = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    temp.grad = torch.tensor(1.0, dtype=torch.float64)  # an earlier step's
+    scaling = StepScaling(3, actions, {0: 3}, [lin], extra=(5, []))
+    scaling.begin(None)
+    scaling.more([temp, lin.weight])
+    assert temp.grad is not None and temp.grad.item() == 0.0  # set aside
+    lin.weight.grad = torch.full_like(lin.weight, 3.0)
+    assert lin.bias.grad is None
+    lin.bias.grad = torch.full_like(lin.bias, 3.0)
+    for action in actions[3:5]:
+        scaling.after(action)
+    assert torch.equal(lin.bias.grad, torch.full_like(lin.bias, 1.0))  # its own point
+    assert torch.equal(lin.weight.grad, torch.full_like(lin.weight, 3.0))  # moved
+    temp.grad += 6.0
+    scaling.after(actions[5])
+    assert torch.equal(lin.weight.grad, torch.full_like(lin.weight, 1.0))
+    assert temp.grad.item() == 3.0  # 6 / 3, and the 1 set aside added back

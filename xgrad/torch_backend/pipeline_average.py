@@ -1,0 +1,120 @@
+"""REDUCE_GRAD with ``dp_group``: a partition's gradients averaged over the replicas.
+
+One flat all-reduce per dtype (so no gradient is rounded through another dtype). Every
+parameter takes part, with zeros where this replica has no gradient, and a count of the
+replicas that have one travels at the end of the flat tensor: replicas whose graphs
+differ by their data (a branch taken on one only) then still reduce tensors of the same
+size, and a parameter gets a gradient where any replica has one (``None`` stays only where
+no replica has one), as DDP with ``find_unused_parameters`` gives it.
+
+The last stage's reduction averages the loss's parameters too, as the unpipelined
+data-parallel model's: a loss module's with the stage's (every replica lists the same),
+then the tensors a loss function reads of its own (``pipeline_loss_params``), which each
+replica finds in its loss's graph. Those could differ between replicas whose losses take
+another branch on their data, and all-reduces of different sizes do not fail, they abort
+the process (gloo) or pair the wrong tensors; so a small integer all-reduce of a digest of
+their dtypes and shapes goes first, and replicas that found different ones are refused by
+name, on every replica, before any of their gradients is sent.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["average_grads"]
+
+
+def average_grads(
+    dp: Any,
+    size: int,
+    what: str,
+    params: Sequence[torch.Tensor],
+    found: Sequence[torch.Tensor] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Average ``params``' gradients over the data-parallel steps ``dp``'s group (``size``
+    replicas) at ``what`` (the REDUCE_GRAD action); then, where ``found`` is given (the
+    last stage's: the loss's own tensors, maybe none), theirs, once every replica is known
+    to have found the same (a digest all-reduced on ``device``).
+
+    Raises:
+        ValueError: the replicas found different tensors in their losses.
+    """
+    launched = _launch(params, dp)
+    digest = None
+    if found is not None:
+        mine = _digest(found)
+        digest = torch.tensor([mine, mine * mine], dtype=torch.int64, device=device)
+        digest_work = dist.all_reduce(digest, group=dp.group(), async_op=True)
+    _finish(launched, dp, size, what)
+    if digest is not None and found is not None:
+        dp.wait(digest_work, f"{what} (the loss's tensors)", digest.is_cuda)
+        total, squares = digest.tolist()
+        if size * squares != total * total:  # equal digests only: their variance is 0
+            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found) or "none"
+            raise ValueError(
+                f"{what}: the data-parallel replicas' losses reached different tensors of "
+                f"their own (this replica's: {shapes}): a loss function's parameters "
+                "(a closure's, a bound module's) are averaged over dp_group with the last "
+                "stage's, so every replica's loss must read the same ones at each step "
+                "(read them on every microbatch, or make them a loss module's)"
+            )
+        if mine:
+            _finish(_launch(found, dp), dp, size, what)
+
+
+def _digest(found: Sequence[torch.Tensor]) -> int:
+    """0 for none, else 1 + a 20-bit CRC of their dtypes and shapes in order (its square
+    summed over replicas stays far inside int64)."""
+    if not found:
+        return 0
+    text = repr([(str(t.dtype), tuple(t.shape)) for t in found]).encode()
+    return 1 + zlib.crc32(text) % (1 << 20)
+
+
+def _launch(params: Sequence[torch.Tensor], dp: Any) -> list[Any]:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    launched = []
+    for dtype, group in by_dtype.items():
+        parts = [
+            _dense(p.grad).reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+            for p in group
+        ]
+        parts.append(
+            torch.tensor([p.grad is not None for p in group], dtype=dtype, device=parts[0].device)
+        )
+        flat = torch.cat(parts)
+        work = dist.all_reduce(flat, group=dp.group(), async_op=True)
+        launched.append((group, flat, work))
+    return launched
+
+
+def _finish(launched: list[Any], dp: Any, size: int, what: str) -> None:
+    for params, flat, work in launched:
+        dp.wait(work, f"{what} (all-reduce)", flat.is_cuda)
+        counts = flat[-len(params) :].tolist()
+        values = flat[: -len(params)]
+        values /= size
+        start = 0
+        for p, count in zip(params, counts, strict=True):
+            mean = values[start : start + p.numel()].view_as(p)
+            start += p.numel()
+            if count == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(mean)  # the parameter's layout
+            elif p.grad.is_sparse:
+                p.grad = mean.to_sparse(p.grad.sparse_dim())
+            else:
+                p.grad.copy_(mean)
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
