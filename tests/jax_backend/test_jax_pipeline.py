@@ -123,13 +123,53 @@ def test_reused_partition(policy: str) -> None:
     assert max_err(grads, want) <= 1e-6
 
 
+def per_microbatch(params: list[Any], x: Any, y: Any, m: int) -> tuple[Any, list[Any]]:
+    """The reference for an uneven batch, written out: torch's ``tensor_split`` sizes (the
+    first ``batch % m`` microbatches one row more), each microbatch's mean loss over its
+    own rows counting 1/m."""
+    q, extra = divmod(len(x), m)
+    ends = np.cumsum([q + (k < extra) for k in range(m)])
+
+    def f(ps: list[Any]) -> Any:
+        total = 0.0
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            out = x[start:end]
+            for prm in ps:
+                out = block(prm, out)
+            total = total + mse(out, y[start:end]) / m
+        return total
+
+    return jax.jit(jax.value_and_grad(f))(params)  # jitted: a third of the time eagerly
+
+
+@pytest.mark.parametrize(
+    ("name", "m", "batch"),
+    # Microbatches of 3 and 2 rows throughout: the ops compiled for one case serve the rest.
+    [("gpipe", 4, 10), ("1f1b", 3, 7), ("zbv", 4, 10), ("dualpipev", 4, 10)],
+)
+def test_uneven_batch_counts_each_microbatch_one_mth(name: str, m: int, batch: int) -> None:
+    """10 rows into 4 microbatches are 3, 3, 2, 2 (as the torch runtime splits them), and
+    each microbatch's loss counts 1/m whatever its rows: not the whole batch's mean."""
+    s = xp.make(name, 2, m)
+    params = weights(s.num_stages)
+    x, y = (a[:batch] for a in data())
+    loss, grads = xp_run(s, params, x, y)
+    want_loss, want = per_microbatch(params, x, y, m)
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert max_err(grads, want) <= 1e-6
+    if name == "gpipe":  # the weighting matters: the whole batch's mean is another gradient
+        _, other = jax.jit(lambda ps: whole(ps, [0, 1], x, y))(params)
+        assert max_err(grads, other) > 1e-3
+
+
 def test_bad_inputs() -> None:
     from xgrad.jax_backend.pipeline import pipeline_value_and_grad
 
     s = xp.one_f_one_b(2, 4)
     x, y = data()
-    with pytest.raises(ValueError, match="inputs batch size 6 is not a multiple of the 4"):
-        xp_run(s, weights(2), x[:6], y[:6])
+    # Fewer rows than microbatches: an empty microbatch (torch's schedules refuse it too).
+    with pytest.raises(ValueError, match="inputs batch size 3 is smaller than the 4 microbatches"):
+        xp_run(s, weights(2), x[:3], y[:3])
     with pytest.raises(ValueError, match="partitions"):
         xp_run(s, weights(1), x, y)
     # One too many: it would have been left out of the model (a bare KeyError before).
@@ -187,7 +227,10 @@ def test_dag_invocations_with_a_chain_schedule_are_refused() -> None:
         xp_run(plain, weights(3), *data(), invocations=inv)
 
 
-def _torch_pipeline(rank: int, world: int, params: list[Any], x: Any, y: Any) -> list[Any]:
+def _torch_pipeline(
+    rank: int, world: int, params: list[Any], x: Any, y: Any, sizes: list[int]
+) -> list[list[Any]]:
+    """This rank's gradients after one step on the first ``size`` rows, for each size."""
     import torch
     from torch import nn
 
@@ -200,12 +243,16 @@ def _torch_pipeline(rank: int, world: int, params: list[Any], x: Any, y: Any) ->
     rt = PipelineRuntime(
         xp.one_f_one_b(world, 4), [nn.Sequential(lin, nn.Tanh())], nn.functional.mse_loss
     )
-    rt.step(
-        torch.from_numpy(x) if rank == 0 else None,
-        torch.from_numpy(y) if rank == world - 1 else None,
-    )
-    assert lin.weight.grad is not None and lin.bias.grad is not None
-    return [lin.weight.grad.numpy(), lin.bias.grad.numpy()]
+    found = []
+    for size in sizes:
+        lin.zero_grad(set_to_none=True)
+        rt.step(
+            torch.from_numpy(x[:size]) if rank == 0 else None,
+            torch.from_numpy(y[:size]) if rank == world - 1 else None,
+        )
+        assert lin.weight.grad is not None and lin.bias.grad is not None
+        found.append([lin.weight.grad.numpy().copy(), lin.bias.grad.numpy().copy()])
+    return found
 
 
 def test_matches_torch_pipeline_on_same_weights() -> None:
@@ -213,8 +260,10 @@ def test_matches_torch_pipeline_on_same_weights() -> None:
 
     params = weights(2)
     x, y = data()
-    torch_grads = spawn(_torch_pipeline, 2, args=(params, x, y), timeout=120)
-    _, grads = xp_run(xp.one_f_one_b(2, 4), params, x, y)
-    for k in range(2):
-        assert rel(grads[k]["weight"], torch_grads[k][0]) <= 1e-5
-        assert rel(grads[k]["bias"], torch_grads[k][1]) <= 1e-5
+    sizes = [BATCH, 10]  # even, then uneven: 3, 3, 2, 2 rows in both runtimes
+    torch_grads = spawn(_torch_pipeline, 2, args=(params, x, y, sizes), timeout=120)
+    for i, size in enumerate(sizes):
+        _, grads = xp_run(xp.one_f_one_b(2, 4), params, x[:size], y[:size])
+        for k in range(2):
+            assert rel(grads[k]["weight"], torch_grads[k][i][0]) <= 1e-5
+            assert rel(grads[k]["bias"], torch_grads[k][i][1]) <= 1e-5

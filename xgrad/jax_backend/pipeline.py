@@ -49,21 +49,28 @@ def _partition_ids(schedule: Schedule, invocations: Sequence[Invocation] | None)
 
 
 def _batch_size(tree: Any, what: str, m: int) -> int:
-    """The leading axis shared by every array leaf of ``tree`` (a multiple of ``m``)."""
+    """The leading axis shared by every array leaf of ``tree`` (at least ``m`` rows)."""
     shapes = [jnp.shape(leaf) for leaf in jax.tree_util.tree_leaves(tree)]
     if not shapes or any(not shape for shape in shapes):
         raise ValueError(f"{what} need a batch axis on every array, got shapes {shapes}")
     sizes = sorted({int(shape[0]) for shape in shapes})
     if len(sizes) > 1:
         raise ValueError(f"{what} have arrays of different batch sizes {sizes}")
-    if sizes[0] % m:
-        raise ValueError(f"{what} batch size {sizes[0]} is not a multiple of the {m} microbatches")
+    if sizes[0] < m:
+        # An empty microbatch would run every stage on nothing (and torch refuses it).
+        raise ValueError(
+            f"{what} batch size {sizes[0]} is smaller than the {m} microbatches: every "
+            f"microbatch needs at least one row (give at least {m}, or fewer microbatches)"
+        )
     return sizes[0]
 
 
-def _microbatches(tree: Any, m: int) -> list[Any]:
-    """``tree`` split along the leading axis of every leaf into ``m`` equal pytrees."""
-    parts = [jnp.split(leaf, m) for leaf in jax.tree_util.tree_leaves(tree)]
+def _microbatches(tree: Any, m: int, size: int) -> list[Any]:
+    """``tree`` (``size`` rows) split along the leading axis of every leaf into ``m``
+    pytrees, as ``torch.tensor_split`` splits: 10 rows into 4 are 3, 3, 2, 2."""
+    # jnp.split for a multiple of m, as before; array_split puts the extra rows first.
+    split = jnp.split if size % m == 0 else jnp.array_split
+    parts = [split(leaf, m) for leaf in jax.tree_util.tree_leaves(tree)]
     treedef = jax.tree_util.tree_structure(tree)
     return [jax.tree_util.tree_unflatten(treedef, [p[i] for p in parts]) for i in range(m)]
 
@@ -101,8 +108,17 @@ def pipeline_value_and_grad(
     Activations and gradients move between ranks with ``jax.device_put``. The backward of a
     stage is a VJP; split backward (I, W) takes the VJP with respect to the input at I and
     with respect to the parameters at W (which linearises the stage again from its saved
-    input). The loss of each microbatch is scaled by 1/m, so for a mean loss the result
-    equals ``jax.value_and_grad`` of the whole model on the whole batch.
+    input). The loss of each microbatch is scaled by 1/m, so for a mean loss over a batch
+    that m divides the result equals ``jax.value_and_grad`` of the whole model on it.
+
+    A batch size that m does not divide splits as torch's ``tensor_split`` and the torch
+    runtime split it (10 rows into 4 microbatches: 3, 3, 2, 2, the larger first), and each
+    microbatch's loss still counts 1/m whatever its rows, as in torch's schedules: the
+    loss and gradients are the mean over the m microbatch losses, not the whole batch's
+    mean loss (a row of a 2-row microbatch weighs 1/8, one of a 3-row one 1/12); a summed
+    loss with ``scale_grads=False`` still gives the whole batch's sum.
+    The stages run op by op, each op compiled once per shape, so an uneven batch costs at
+    most one more shape (q + 1 and q rows, q = batch // m) than an even one.
 
     Args:
         schedule: a valid schedule (comms, if any, are implicit here and dropped).
@@ -111,8 +127,8 @@ def pipeline_value_and_grad(
         params: a pytree per partition.
         loss_fn: ``loss_fn(output, target)``, a mean over the microbatch.
         inputs: the whole batch, an array or a pytree of arrays (each leading axis split
-            into m microbatches).
-        targets: its targets (the same batch size).
+            into m microbatches; at least m rows).
+        targets: its targets (the same batch size, split alike).
         invocations: fairscale-style invocations (a partition may run at several stages;
             its gradient is the sum).
         devices: one device per rank (default: the first p of ``jax.devices()``).
@@ -122,6 +138,12 @@ def pipeline_value_and_grad(
 
     Returns:
         ``(loss, grads)``, grads a pytree per partition (on its rank's device).
+
+    Raises:
+        ValueError: a batch smaller than m (naming its size and m: an empty microbatch),
+            targets of another batch size, a loss that is not a scalar, partitions or
+            devices that do not match the schedule.
+        TypeError: a schedule that is not a ``Schedule``, a ``scale_grads`` not a bool.
     """
     if not isinstance(scale_grads, bool):
         raise TypeError(f"scale_grads={scale_grads!r} must be a bool")
@@ -153,7 +175,7 @@ def pipeline_value_and_grad(
     rank_of_part = {ids[s]: schedule.placement[s] for s in range(n)}
     placed = [jax.device_put(params[k], devs[rank_of_part[k]]) for k in range(len(params))]
     grads: list[Any] = [jax.tree_util.tree_map(jnp.zeros_like, t) for t in placed]
-    xs, ys = _microbatches(inputs, m), _microbatches(targets, m)
+    xs, ys = _microbatches(inputs, m, batch), _microbatches(targets, m, batch)
 
     ys_on = [jax.device_put(y, devs[schedule.placement[-1]]) for y in ys]
 
