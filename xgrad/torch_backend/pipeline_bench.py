@@ -9,8 +9,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xgrad.tables import add_table_outputs, print_tables
+from xgrad.tables import print_tables
 from xgrad.torch_backend.memory import HeapMeter, PeakWatch
+from xgrad.torch_backend.pipeline_bench_args import TORCH_SCHEDULES as TORCH_SCHEDULES
+from xgrad.torch_backend.pipeline_bench_args import add_arguments as add_arguments
+from xgrad.torch_backend.pipeline_bench_args import check_args
 
 HELP = (
     "time per step of xgrad's pipeline runtime against torch.distributed.pipelining on the "
@@ -20,53 +23,8 @@ HELP = (
     "(targets: 10%, 3 points), and memory per stage"
 )
 
-#: xgrad schedule name -> torch.distributed.pipelining class name (tests compare by it too).
-TORCH_SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "looped_bfs": "ScheduleLoopedBFS",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
 #: the schedules with one stage per rank (torch's single-stage classes).
 _SINGLE = ("gpipe", "1f1b")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=int, default=2, help="p: pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, default=8, help="m: microbatches")
-    parser.add_argument("--batch", type=int, default=256, help="whole batch size")
-    parser.add_argument("--width", type=int, default=512, help="hidden width")
-    parser.add_argument("--layers", type=int, default=4, help="Linear layers per stage")
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=60,
-        help="timed steps per schedule, over all launches (by default 10 per launch: a launch's "
-        "95%% interval is then its 2nd to 9th ratio; under 6 steps it is their whole range)",
-    )
-    parser.add_argument(
-        "--launches",
-        type=int,
-        default=6,
-        help="runs of fresh processes, the steps split between them, since a launch's steps "
-        "share what it drew: from 6 on the verdict judges the interval of the launches' "
-        "medians, with fewer it needs every launch's own interval to agree",
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per launch")
-    parser.add_argument(
-        "--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (GPU)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CPU)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for each launch")
-    parser.add_argument(
-        "--schedules",
-        default=",".join(TORCH_SCHEDULES),
-        help="comma-separated schedules to run (default: every one both implement)",
-    )
-    add_table_outputs(parser, "the three sections (seconds, fractions, bytes)")
 
 
 def _stage(width: int, layers: int, device: Any) -> Any:
@@ -253,45 +211,14 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import xgrad.pipeline as xp
     from xgrad.torch_backend.pipeline_report import report
     from xgrad.torch_backend.spawn import spawn
 
-    p, m = args.stages, args.microbatches
-    for label, value in (
-        ("stages", p),
-        ("microbatches", m),
-        ("steps", args.steps),
-        ("launches", args.launches),
-    ):
-        if value < 1:
-            raise ValueError(f"--{label} must be >= 1, got {value}")
-    if args.launches > args.steps:
-        raise ValueError(
-            f"--launches {args.launches} needs at least as many steps to split, got "
-            f"--steps {args.steps}"
-        )
-    if p < 2:
-        raise ValueError(f"--stages must be >= 2 for a pipeline, got {p}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    for label in ("batch", "width", "layers", "threads", "timeout"):
-        if not getattr(args, label) > 0:
-            raise ValueError(f"--{label} must be > 0, got {getattr(args, label)}")
-    if args.batch % m:
-        raise ValueError(f"--batch {args.batch} is not a multiple of --microbatches {m}")
+    names = check_args(args)
     cfg = {
         k: getattr(args, k)
         for k in ("microbatches", "batch", "width", "layers", "steps", "warmup", "backend")
     }
-    names = [n.strip() for n in args.schedules.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TORCH_SCHEDULES]
-    if unknown or not names:
-        raise ValueError(
-            f"--schedules {args.schedules!r}: {unknown or 'none given'}; choose from {', '.join(TORCH_SCHEDULES)}"
-        )
-    for name in names:
-        xp.make(name, p, m)  # a bad (p, m) for a schedule is refused here, before spawning
     cfg["schedules"] = names
     launches = []
     for k in range(args.launches):
@@ -300,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         launches.append(
             spawn(
                 _worker,
-                p,
+                args.stages,
                 args=(cfg | {"steps": share},),
                 backend=args.backend,
                 timeout=args.timeout,
