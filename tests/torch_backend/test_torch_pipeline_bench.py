@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import math
 import pathlib
@@ -77,6 +78,32 @@ def test_bench_prints_ratios_bubbles_and_memory(
     assert all(r["bytes"] >= 0 for r in data["peak memory"])
     tables = [row["table"] for row in csv.DictReader((tmp_path / "p.csv").open())]
     assert tables.count("bench pipeline") == len(names) and tables.count("simulator") == len(names)
+
+
+def test_an_uneven_batch_is_refused_saying_torch_cannot_run_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's stages size each receive from microbatch 0: every schedule of theirs failed
+    on --batch 10, m = 4 (3, 3, 2, 2 rows), at p = 2. Refused, saying so, before any
+    process starts (a launch here fails the test)."""
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a process was started")
+
+    # The package's own ``spawn`` (the function) hides the module of that name.
+    monkeypatch.setattr(importlib.import_module("xgrad.torch_backend.spawn"), "spawn", no_launch)
+    monkeypatch.setattr("sys.argv", ["xgrad", "bench", "pipeline", "-m", "4", "--batch", "10"])
+    monkeypatch.delenv("XGRAD_TRACEBACK", raising=False)
+    assert main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "xgrad bench pipeline: error: --batch 10 is not a multiple of --microbatches 4 "
+        "(2 microbatches of 3 rows, 2 of 2): torch.distributed.pipelining cannot run uneven "
+        "microbatches across ranks"
+    )
+    assert "give a multiple of 4, such as 8 or 12" in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match="--batch 3 is smaller than --microbatches 4"):
+        main(["bench", "pipeline", "-m", "4", "--batch", "3"])
 
 
 def test_bench_rejects_bad_sizes() -> None:

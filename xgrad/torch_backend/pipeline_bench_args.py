@@ -60,6 +60,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_table_outputs(parser, "the three sections (seconds, fractions, bytes)")
 
 
+def _check_batch(batch: int, m: int) -> None:
+    """Refuse a ``--batch`` that m does not divide, saying why, before any process starts.
+
+    xgrad's runtime splits it as ``tensor_split`` does, but torch's stages cannot run it
+    across ranks, so there would be nothing to compare: torch 2.13's ``PipelineStage``
+    sizes every receive from microbatch 0, and each of the seven schedules failed at p = 2,
+    m = 4, --batch 10 with "The size of tensor a (3) must match the size of tensor b (2)"
+    on one rank and a closed connection on the other.
+
+    Raises:
+        ValueError: naming --batch, --microbatches and the sizes it would split into.
+    """
+    if batch < m:
+        raise ValueError(
+            f"--batch {batch} is smaller than --microbatches {m}: every microbatch needs at "
+            "least one row"
+        )
+    q, extra = divmod(batch, m)
+    if extra:
+        raise ValueError(
+            f"--batch {batch} is not a multiple of --microbatches {m} ({extra} microbatches "
+            f"of {q + 1} rows, {m - extra} of {q}): torch.distributed.pipelining cannot run "
+            "uneven microbatches across ranks (its stages size every receive from "
+            "microbatch 0, and a smaller one fails), so the bench would have nothing to "
+            f"compare xgrad's runtime with; give a multiple of {m}, such as {q * m} or "
+            f"{(q + 1) * m}"
+        )
+
+
 def check_args(args: argparse.Namespace) -> list[str]:
     """The schedules to run, once every option is checked.
 
@@ -87,8 +116,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     for label in ("batch", "width", "layers", "threads", "timeout"):
         if not getattr(args, label) > 0:
             raise ValueError(f"--{label} must be > 0, got {getattr(args, label)}")
-    if args.batch % m:
-        raise ValueError(f"--batch {args.batch} is not a multiple of --microbatches {m}")
+    _check_batch(args.batch, m)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()]
     unknown = [n for n in names if n not in TORCH_SCHEDULES]
     if unknown or not names:
