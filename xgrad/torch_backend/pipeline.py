@@ -36,10 +36,6 @@ from xgrad.torch_backend.pipeline_ddps import (
     ddp_steps,
     stage_ddps,
 )
-from xgrad.torch_backend.pipeline_edges import (
-    next_step,
-    step_tag,
-)
 from xgrad.torch_backend.pipeline_eval import Evaluation
 from xgrad.torch_backend.pipeline_group import StepGroups
 from xgrad.torch_backend.pipeline_joins import StageJoins
@@ -49,6 +45,7 @@ from xgrad.torch_backend.pipeline_recompute import CHECKPOINT_MODES
 from xgrad.torch_backend.pipeline_slot import ActionRecord, Slot, held_bytes
 from xgrad.torch_backend.pipeline_specs import chunk_specs
 from xgrad.torch_backend.pipeline_stage import StagePasses
+from xgrad.torch_backend.pipeline_start import next_step, step_tag
 from xgrad.torch_backend.pipeline_wire import EdgeCache
 from xgrad.torch_backend.private_groups import require_member
 

@@ -26,11 +26,11 @@ from xgrad.torch_backend.group_keys import StoreKeys, group_keys
 from xgrad.torch_backend.pipeline_aside import abort_set_aside, set_aside
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_ddps import tell_replicas
-from xgrad.torch_backend.pipeline_edges import start_keys, wait_all_started
 from xgrad.torch_backend.pipeline_lanes import agree_lanes, open_lanes
 from xgrad.torch_backend.pipeline_posted import PostedPlan
 from xgrad.torch_backend.pipeline_route import WirePlan
 from xgrad.torch_backend.pipeline_stage_base import StageState
+from xgrad.torch_backend.pipeline_start import start_keys, wait_all_started
 from xgrad.torch_backend.pipeline_wire import EdgeCache
 from xgrad.torch_backend.stores import group_key
 
