@@ -9,8 +9,8 @@ runtime's ``step`` returns the loss: ``return_outputs=None``, its default, keeps
 ``True`` returns what torch's returns and ``False`` nothing. The model's own keywords
 (torch's ``**kwargs``) are split into microbatches as torch splits them (by default, or as
 the runtime's chunk specs say: :mod:`~xgrad.torch_backend.pipeline_specs`) and given to
-each stage this rank runs. Kept apart from :mod:`~xgrad.torch_backend.pipeline`, which holds
-the event loop (``_run_step``).
+each stage this rank runs. Kept apart from :mod:`~xgrad.torch_backend.pipeline_loop`, which
+holds the event loop (``_run_step``).
 """
 
 from __future__ import annotations

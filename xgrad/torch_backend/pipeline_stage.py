@@ -2,9 +2,11 @@
 
 :class:`StagePasses` is the part of :class:`~xgrad.torch_backend.pipeline.PipelineRuntime`
 that runs one action (a forward, a backward, a weight pass, a send, a receive); the backward
-passes are :mod:`~xgrad.torch_backend.pipeline_backward`; the runtime's event loop, its
-failure handling and its checks are in :mod:`~xgrad.torch_backend.pipeline`; the settings
-and helpers the passes share in :mod:`~xgrad.torch_backend.pipeline_stage_base`.
+passes are :mod:`~xgrad.torch_backend.pipeline_backward`; the runtime's event loop is in
+:mod:`~xgrad.torch_backend.pipeline_loop`, its failure handling in
+:mod:`~xgrad.torch_backend.pipeline_failed`, its checks in
+:mod:`~xgrad.torch_backend.pipeline_args`; the settings and helpers the passes share in
+:mod:`~xgrad.torch_backend.pipeline_stage_base`.
 """
 
 from __future__ import annotations
