@@ -209,7 +209,55 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         for kind in ("lambda", "module", "tied"):
             found[f"dp {name}/{kind}"] = _replica(rank, name, kind, pipes, dp)
     found["dp mismatch"] = _replica(rank, "1f1b", "late", pipes, dp)
+    for hidden in (False, True):
+        found[f"dp heads {hidden}"] = _heads_replica(rank, hidden, pipes, dp)
     return found
+
+
+class _Slots:
+    """Holds tensors where the loss function's walk does not look (no ``__dict__``)."""
+
+    __slots__ = ("heads",)
+
+    def __init__(self, heads: list[torch.Tensor]) -> None:
+        self.heads = heads
+
+
+def _heads(hidden: bool) -> tuple[nn.Module, list[nn.Parameter], Loss]:
+    """A multitask loss: a head of the same shape picked by the target's first entry."""
+    torch.manual_seed(0)
+    part = nn.Linear(4, 4).double()
+    heads = [nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(2)]
+    box = _Slots(heads)
+
+    def loss(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y * heads[0 if t[0, 0] > 0 else 1], t)
+
+    def unseen(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(y * box.heads[0 if t[0, 0] > 0 else 1], t)
+
+    return part, heads, unseen if hidden else loss
+
+
+def _heads_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica 0's microbatch 0 takes head 0 and its microbatch 1 head 1; replica 1's the
+    reverse: both losses reach both heads, in another order."""
+    x, y = _batch(2, seed=5 + rank)
+    y[0, 0], y[2, 0] = (1.0, -1.0) if rank == 0 else (-1.0, 1.0)
+    return x, y
+
+
+def _heads_replica(rank: int, hidden: bool, pipes: list[Any], dp: Any) -> dict[str, Any]:
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    part, heads, loss = _heads(hidden)
+    rt = PipelineRuntime(xp.make("gpipe", 1, 2), [part], loss, group=pipes[rank], dp_group=dp)
+    x, y = _heads_batch(rank)
+    try:
+        rt.step(x, y)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"grads": [p.grad for p in (*part.parameters(), *heads)]}
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +332,55 @@ def test_what_a_later_microbatch_finds_is_set_aside_and_divided_at_the_losss_poi
     scaling.after(actions[5])
     assert torch.equal(lin.weight.grad, torch.full_like(lin.weight, 1.0))
     assert temp.grad.item() == 3.0  # 6 / 3, and the 1 set aside added back
+
+
+def test_replicas_that_reach_the_losss_tensors_in_another_order_average_each_with_itself(
+    results: list[dict[str, Any]],
+) -> None:
+    """Replica 0's loss reaches head 0 then head 1, replica 1's head 1 then head 0: each
+    head is averaged with itself (they were paired in the order found: head 0's gradient
+    averaged with head 1's, the replicas then apart)."""
+    sums = []
+    for rank in (0, 1):
+        part, heads, loss = _heads(hidden=False)
+        x, y = _heads_batch(rank)
+        pairs = zip(x.tensor_split(2), y.tensor_split(2), strict=True)
+        sum(loss(part(xk), yk) / 2 for xk, yk in pairs).backward()  # type: ignore[union-attr]
+        sums.append([p.grad for p in (*part.parameters(), *heads)])
+    want = [(a + b) / 2 for a, b in zip(*sums, strict=True)]
+    for rank in (0, 1):
+        got = results[rank]["dp heads False"]
+        assert "grads" in got, (rank, got)
+        for k, (g, w) in enumerate(zip(got["grads"], want, strict=True)):
+            assert torch.allclose(g, w, rtol=1e-12, atol=1e-12), (rank, k, g, w)
+
+
+def test_tensors_the_loss_reaches_but_does_not_hold_alike_are_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    """Heads the walk of the loss function cannot see (held where it does not look), of
+    one shape: no replica can tell which is which, so every replica refuses them."""
+    for rank in (0, 1):
+        error = results[rank]["dp heads True"].get("error", "")
+        assert "cannot tell which is which" in error, (rank, error)
+
+
+def test_the_order_is_where_the_loss_function_holds_its_tensors() -> None:
+    """``in_order``: a closure's cells, a partial's arguments, a bound module, a global,
+    whatever order they were found in; one the walk cannot see comes last."""
+    from xgrad.torch_backend.pipeline_loss_order import in_order
+
+    a, b, c = (torch.zeros(2, requires_grad=True) for _ in range(3))
+    hidden = torch.zeros(3, requires_grad=True)
+    scaled = Scaled()
+
+    def fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return (y * a * b).sum() + (c * t).sum()
+
+    ordered, keys, alike = in_order([hidden, c, b, a], fn)
+    assert ordered == [a, b, c, hidden] and not alike
+    assert [k[0] for k in keys] == [0, 1, 2, -1]
+    part = functools.partial(_head_loss, scaled)
+    assert in_order([b, scaled.s], part)[0] == [scaled.s, b]
+    assert in_order([scaled.s, b], scaled.loss)[0] == [scaled.s, b]
+    assert in_order([hidden, torch.ones(3, requires_grad=True)], fn)[2]  # alike, unseen

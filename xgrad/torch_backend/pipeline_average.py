@@ -14,17 +14,22 @@ replica finds in its loss's graph. Those could differ between replicas whose los
 another branch on their data, and all-reduces of different sizes do not fail, they abort
 the process (gloo) or pair the wrong tensors; so a small integer all-reduce of a digest of
 their dtypes and shapes goes first, and replicas that found different ones are refused by
-name, on every replica, before any of their gradients is sent.
+name, on every replica, before any of their gradients is sent. The order they are found
+in depends on the data too (a head picked by the target: a then b on one replica, b then
+a on another), so they are sent in the order of where the loss function holds them
+(``pipeline_loss_order``), which the digest covers.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from xgrad.torch_backend.pipeline_loss_order import Key, in_order
 
 __all__ = ["average_grads"]
 
@@ -36,27 +41,33 @@ def average_grads(
     params: Sequence[torch.Tensor],
     found: Sequence[torch.Tensor] | None = None,
     device: torch.device | None = None,
+    loss_fn: Any = None,
 ) -> None:
     """Average ``params``' gradients over the data-parallel steps ``dp``'s group (``size``
     replicas) at ``what`` (the REDUCE_GRAD action); then, where ``found`` is given (the
-    last stage's: the loss's own tensors, maybe none), theirs, once every replica is known
-    to have found the same (a digest all-reduced on ``device``).
+    last stage's: the tensors ``loss_fn`` reads of its own, maybe none), theirs, once every
+    replica is known to have found the same, in the same order (a digest all-reduced on
+    ``device``).
 
     Raises:
-        ValueError: the replicas found different tensors in their losses.
+        ValueError: the replicas found different tensors in their losses, or tensors that
+            no replica can tell apart from each other.
     """
     launched = _launch(params, dp)
     digest = None
     if found is not None:
-        mine = _digest(found)
-        digest = torch.tensor([mine, mine * mine], dtype=torch.int64, device=device)
-        digest_work = dist.all_reduce(digest, group=dp.group(), async_op=True)
+        found, keys, alike = in_order(found, loss_fn)
+        mine = _digest(keys)
+        # The maximum of each and of its negation: every replica's is the same iff the two
+        # give the same number (a 62-bit digest, where a sum of squares would overflow).
+        digest = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+        digest_work = dist.all_reduce(digest, op=dist.ReduceOp.MAX, group=dp.group(), async_op=True)
     _finish(launched, dp, size, what)
     if digest is not None and found is not None:
         dp.wait(digest_work, f"{what} (the loss's tensors)", digest.is_cuda)
-        total, squares = digest.tolist()
-        if size * squares != total * total:  # equal digests only: their variance is 0
-            shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found) or "none"
+        high, low = digest.tolist()
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found) or "none"
+        if high != -low:
             raise ValueError(
                 f"{what}: the data-parallel replicas' losses reached different tensors of "
                 f"their own (this replica's: {shapes}): a loss function's parameters "
@@ -64,17 +75,25 @@ def average_grads(
                 "stage's, so every replica's loss must read the same ones at each step "
                 "(read them on every microbatch, or make them a loss module's)"
             )
-        if mine:
+        if alike:  # the same on every replica (the digest covers it): all refuse
+            raise ValueError(
+                f"{what}: the loss reached tensors of its own of the same dtype and shape "
+                f"that it does not hold as Python objects ({shapes}): the data-parallel "
+                "replicas, which may reach them in another order, cannot tell which is "
+                "which to average them; make them a loss module's parameters, or name them "
+                "in the loss function (its closure, a default, a global, a partial's "
+                "argument, its module)"
+            )
+        if found:
             _finish(_launch(found, dp), dp, size, what)
 
 
-def _digest(found: Sequence[torch.Tensor]) -> int:
-    """0 for none, else 1 + a 20-bit CRC of their dtypes and shapes in order (its square
-    summed over replicas stays far inside int64)."""
-    if not found:
+def _digest(keys: Sequence[Key]) -> int:
+    """0 for none, else 1 + 62 bits of a hash of what each is known by, in order."""
+    if not keys:
         return 0
-    text = repr([(str(t.dtype), tuple(t.shape)) for t in found]).encode()
-    return 1 + zlib.crc32(text) % (1 << 20)
+    code = hashlib.blake2b(repr(list(keys)).encode(), digest_size=8).digest()
+    return 1 + (int.from_bytes(code, "big") >> 2)
 
 
 def _launch(params: Sequence[torch.Tensor], dp: Any) -> list[Any]:

@@ -185,7 +185,7 @@ class StageState(StageSettings):
             found = [t for t in self._leaves.found.values() if id(t) not in listed]
         size = dist.get_world_size(self._dp_group)
         device = self._device(action.stage)
-        average_grads(self._dp, size, str(action), params, found, device)
+        average_grads(self._dp, size, str(action), params, found, device, self.loss_fn)
         self._dp.finished()
 
 
