@@ -23,7 +23,10 @@ Where torch does worse, this runtime does not:
   divides it at each of its stages).
 - The step's own tensors that require grad (stage 0's batch, a keyword of the model) get
   the unpipelined model's gradient: each microbatch's is divided by m as it reaches them
-  (torch leaves them m times that).
+  (torch leaves them m times that). A tensor divided at a point that they are or were
+  computed from (the loss's projection tied to an embedding taken before the step) would
+  be divided twice on that path, so it is refused (:meth:`StepScaling.begin`, ``more``);
+  where m is a power of two each loss is divided before its backward, and it is right.
 - A ``loss_fn`` that is a module with parameters (a learnt temperature, an adaptive
   softmax) has them divided with the last stage's (torch divides its stages' alone and
   leaves them m times the unpipelined model's, as this runtime did before it divided
@@ -107,6 +110,7 @@ class StepScaling:
         self._end = actions[max(points.values())] if points else None
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, its .grad
         self._hooks: list[RemovableHandle] = []
+        self._upstream: set[int] = set()  # ids of the leaves the step's own tensors reach
 
     def begin(self, step_tensors: Any) -> None:
         """Before the step's first backward (once; later calls return at once): the
@@ -128,15 +132,35 @@ class StepScaling:
                 seen = owner.get(id(p))
                 if seen is None or seen[0] < at:
                     owner[id(p)] = (at, p)
+        hooked: dict[int, torch.Tensor] = {}
+        for t in tensor_leaves(step_tensors):
+            if t.requires_grad:
+                hooked.setdefault(id(t), t)
+        self._upstream = _leaves_below(hooked.values())
+        self._refuse_twice(p for _, p in owner.values())
         self._due = {}
         for at, param in owner.values():
             self._due.setdefault(self._actions[at], []).append(param)
             self._set_aside(param)
-        hooked: set[int] = set()
-        for t in tensor_leaves(step_tensors):
-            if t.requires_grad and id(t) not in hooked:
-                hooked.add(id(t))
-                self._hooks.append(t.register_hook(self._divided))
+        for t in hooked.values():
+            self._hooks.append(t.register_hook(self._divided))
+
+    def _refuse_twice(self, params: Iterable[torch.Tensor]) -> None:
+        """A tensor divided at a point that the step's own tensors were computed from (a
+        weight of the loss's tied to an embedding computed before the step): what reaches
+        it through them is divided by their hooks already, and again at its point."""
+        for p in params:
+            if id(p) in self._upstream:
+                raise ValueError(
+                    f"the step's inputs or keywords are, or were computed from, a tensor of "
+                    f"shape {tuple(p.shape)} ({p.dtype}) that a stage or the loss reads as "
+                    f"its own: with m = {self.m} microbatches, not a power of two, its "
+                    "gradient is divided by m after the step's last backward, and what "
+                    "reaches it through the inputs, divided as it reaches them, would be "
+                    "divided twice; compute the inputs inside the first stage, give them "
+                    "detached, or take m a power of two (each microbatch's loss is then "
+                    "divided before its backward)"
+                )
 
     def _set_aside(self, param: torch.Tensor) -> None:
         if param.grad is not None and id(param) not in self._saved:
@@ -156,6 +180,7 @@ class StepScaling:
         if self._due is None:  # begin takes them with the rest
             self._extra = (at, [*self._extra[1], *found])
             return
+        self._refuse_twice(found)
         for p in found:
             seen = self._owner.get(id(p))
             if seen is not None and seen[0] >= at:
@@ -208,3 +233,28 @@ def _add_back(p: Any, kept: torch.Tensor) -> None:
         p.grad = kept.add_(p.grad)
     else:
         p.grad.add_(kept)
+
+
+def _leaves_below(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The ids of the leaves ``tensors`` (the step's own, that require grad) are or were
+    computed from: where their gradients go (nothing to walk for a leaf batch)."""
+    ids: set[int] = set()
+    seen: set[Any] = set()
+    todo: list[Any] = []
+    for t in tensors:
+        if t.grad_fn is None:
+            ids.add(id(t))
+        elif t.grad_fn not in seen:
+            seen.add(t.grad_fn)
+            todo.append(t.grad_fn)
+    while todo:
+        node = todo.pop()
+        var = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
+        if var is not None:
+            ids.add(id(var))
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return ids
