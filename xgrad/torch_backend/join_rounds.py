@@ -7,11 +7,8 @@ once: an evaluation pass, or a forward pass with gradients on and no backward pa
 validation loss), after a rank joined aborts every process in gloo ("Received data size
 doesn't match expected size"). Here:
 
-* Each forward pass, every rank gathers what every other does (the announcement; a
-  joined rank's row is empty): whether gradients are on (a rebuild of the buckets comes
-  only then), whether a backward pass that reduces may follow, whether buffers sync at
-  the next one. The ranks still training must agree, or every rank raises at once,
-  naming what each ran (:func:`disagreement`).
+* Each forward pass, every rank gathers what every other does (the announcement,
+  :mod:`.join_announce`); the ranks still training must agree, or every rank raises.
 * After a forward pass that a reducing backward pass may follow, nobody can know yet
   whether one will, nor whether a rank leaves ``join()`` first. A *round* on the join
   context's group (where the ranks still training send their "not joined" all-reduce
@@ -52,15 +49,22 @@ pass that may reduce, as before.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from xgrad.torch_backend.ddp_watched import run_deferred
+from xgrad.torch_backend.join_announce import (
+    ADVICE,
+    Announced,
+    Announcing,
+    announce,
+    disagreement,
+    hear,
+    sum_async,
+)
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -85,101 +89,12 @@ __all__ = [
     "wait_round",
 ]
 
-#: a sum, for the group's own ``allreduce``.
-_SUM = dist.AllreduceOptions()
-
-#: the advice every error of a round gives.
-_ADVICE = (
-    "inside join() the ranks still training must run the same passes, the joined ranks "
-    "shadowing them: run an evaluation under torch.no_grad(), or on some ranks only "
-    "through ddp.module"
-)
-
-
-@dataclass(frozen=True)
-class Announced:
-    """What the ranks still training said about their forward pass (all alike)."""
-
-    training: int  #: how many ranks are still training
-    grad: bool  #: gradients on: the buckets may be rebuilt
-    reduce: bool  #: a backward pass that reduces may follow
-    param_sync: bool  #: buffers sync at the next forward pass
-
-
-def _mode(row: tuple[bool, bool, bool]) -> str:
-    grad, reduce, param_sync = row
-    if not grad:
-        return "under torch.no_grad()"
-    if param_sync:
-        return "with gradients on"
-    return "with gradients on under no_sync()" + (", to be reduced" if reduce else "")
-
-
-def disagreement(ranks: list[int], rows: dict[int, tuple[bool, bool, bool]]) -> str:
-    """The error when the ranks still training ran different kinds of forward passes."""
-    by_mode = itertools.groupby(
-        sorted(rows, key=lambda i: (_mode(rows[i]), i)), key=lambda i: _mode(rows[i])
-    )
-    parts = []
-    for mode, group in by_mode:
-        names = [ranks[i] for i in group]
-        parts.append(f"rank{'s' if len(names) > 1 else ''} {', '.join(map(str, names))} {mode}")
-    return (
-        "join(): the ranks still training ran different forward passes: "
-        + "; ".join(parts)
-        + f" ({_ADVICE})"
-    )
-
-
-def sum_async(group: Any, t: torch.Tensor) -> Any:
-    """An all-reduce (sum) of ``t`` on ``group``, not waited for: the group's own call, as
-    the reducer launches its buckets (``dist.all_reduce``'s checks cost as much again,
-    and there are three of these per step under ``join()``)."""
-    return group.allreduce([t], _SUM)
-
-
-class Announcing:
-    """An announcement under way on the DDP's group: every rank's row (none for a joined
-    rank), summed where each writes only its own; :meth:`read` waits for it."""
-
-    def __init__(self, ddp: DistributedDataParallel, row: tuple[bool, bool, bool] | None) -> None:
-        self.ddp = ddp
-        self.table = torch.zeros(ddp._watch.world, 4, device=ddp.join_device)
-        if row is not None:
-            self.table[ddp.comm.rank] = torch.tensor([1.0, *map(float, row)])
-        self.work = sum_async(ddp.comm.group, self.table)
-
-    def read(self) -> Announced:
-        """What the ranks still training said: alike, or every rank raises, naming them."""
-        watch = self.ddp._watch
-        watch.wait_work(self.work, "join announcement", self.table.is_cuda)
-        rows = {
-            i: (bool(r[1]), bool(r[2]), bool(r[3]))
-            for i, r in enumerate(self.table.tolist())
-            if r[0]
-        }
-        if len(set(rows.values())) > 1:
-            raise RuntimeError(disagreement(watch.ranks, rows))
-        grad, reduce, param_sync = next(iter(rows.values()), (False, False, False))
-        return Announced(len(rows), grad, reduce, param_sync)
-
-
-def announce(ddp: DistributedDataParallel, grad: bool, reduce: bool, param_sync: bool) -> None:
-    """A rank still training, before its forward pass: its flags, sent, to be read by
-    :func:`read_announcement` after the module ran (or before a rebuild)."""
-    ddp._announcing = Announcing(ddp, (grad, reduce, param_sync))
-
 
 def read_announcement(ddp: DistributedDataParallel) -> None:
     """This rank's announcement under way, if any: read, and the round it calls for opened."""
     pending, ddp._announcing = ddp._announcing, None
     if pending is not None:
         open_round(ddp, pending.read())
-
-
-def hear(ddp: DistributedDataParallel) -> Announced:
-    """A joined rank: what the ranks still training announced."""
-    return Announcing(ddp, None).read()
 
 
 def _rounds(ddp: DistributedDataParallel, announced: Announced) -> bool:
@@ -237,7 +152,7 @@ class OpenRound:
                 f"rank {rank} began the backward pass of a step that {self.training - went} "
                 f"of the {self.training} ranks still training left without one (a forward "
                 f"pass with gradients on and no backward pass after it, on some ranks only; "
-                f"{_ADVICE})"
+                f"{ADVICE})"
             )
             raise ddp._watch.post("join", RuntimeError(message))
 
@@ -297,7 +212,7 @@ def notified(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> 
         raise RuntimeError(
             f"rank {rank} ran a forward pass with gradients on and no backward pass after "
             f"it (its next forward pass came) while {went} of the {pending.training} ranks "
-            f"still training ran that step's backward pass ({_ADVICE})"
+            f"still training ran that step's backward pass ({ADVICE})"
         )
     return forward
 
@@ -319,7 +234,7 @@ def counted(ddp: DistributedDataParallel, total: float) -> bool:
         raise RuntimeError(
             f"rank {rank} left join() after a forward pass with gradients on and no "
             f"backward pass while {went} of the {pending.training} ranks still training "
-            f"ran that step's backward pass ({_ADVICE})"
+            f"ran that step's backward pass ({ADVICE})"
         )
     return False
 
@@ -336,7 +251,7 @@ def wait_round(ddp: DistributedDataParallel, training: int) -> str:
     message = (
         f"{went} of the {training} ranks still training began the backward pass of a step "
         f"that the other {training - went} left without one (a forward pass with "
-        f"gradients on and no backward pass after it, on some ranks only; {_ADVICE})"
+        f"gradients on and no backward pass after it, on some ranks only; {ADVICE})"
     )
     raise ddp._watch.post("join", RuntimeError(message))
 
