@@ -37,6 +37,7 @@ from xgrad.torch_backend.ddp_recover import (
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join import notify_join_context
+from xgrad.torch_backend.join_announce import Row
 from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement, settle
 
 if TYPE_CHECKING:
@@ -84,13 +85,15 @@ def pre_forward(
         # step after). Every rank agrees again, on the fresh group.
         ddp._watch.regrouped = False
         ddp._agreement_pending = True
-    ddp._still_training = notify_join_context(ddp)
+    flags = _flags(ddp, sync) if ddp._join_config.enable else None
+    ddp._still_training = notify_join_context(ddp, flags)
     if sync:  # PyTorch's logger samples here, before the rebuild
         ddp._runtime_log.sample(ddp, ddp._runtime_logging_sample_rate)
     if ddp._check_sync_bufs_pre_fwd():  # PyTorch's: no buffer hook, or one run before
         sync_buffers(ddp)
-    if ddp._join_config.enable:
-        _announce(ddp, sync)
+    if flags is not None:
+        if ddp._announcing is None:  # else it rode in the count (join_announce.carried)
+            announce(ddp, *flags)
         if (torch.is_grad_enabled() and ddp.reducer.rebuild_due()) or (
             sync and ddp._agreement_pending
         ):
@@ -114,17 +117,18 @@ def pre_forward(
     return inputs, kwargs
 
 
-def _announce(ddp: DistributedDataParallel, sync: bool) -> None:
-    """Tell joined ranks what this forward pass is (:mod:`.join_rounds`): whether it
+def _flags(ddp: DistributedDataParallel, sync: bool) -> Row:
+    """What to tell joined ranks this forward pass is (:mod:`.join_announce`): whether it
     computes gradients, and whether a reducing backward pass may follow (a synchronised
     one, or a ``no_sync`` one that reduces, as after a forward pass left without backward).
     PyTorch says "reduce" for every forward pass, so a ``torch.no_grad()`` one under join
-    makes its joined ranks wait for buckets that never come. Sent here, read after the
-    module ran (:func:`post_forward`), so that no one waits for it."""
+    makes its joined ranks wait for buckets that never come. Sent before the module runs
+    (in the join context's count, or on its own), read after it (:func:`post_forward`),
+    so that no one waits for it."""
     grad = torch.is_grad_enabled()
     hooks = ddp._grad_hooks
     reduce = sync or (grad and not hooks.accumulating and reduces_unsynced(hooks))
-    announce(ddp, grad, reduce, sync)
+    return grad, reduce, sync
 
 
 def _start(ddp: DistributedDataParallel, sync: bool) -> None:
@@ -202,6 +206,8 @@ class ForwardDDP:
     _announcing: Announcing | None = None
     #: the join config set by xgrad's own Join, whose count a leaving rank reads (join_rounds)
     _counted_config: Any = None
+    #: a joined rank: the announcement its last count carried, for its hook (join_announce)
+    _heard: Announcing | None = None
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,11 @@ parameters of a rank that left last. The sequence, the same on both sides::
     bucket 0, 1, ... reduced in bucket order     bucket 0, 1, ... of zeros
     used-parameter map (find_unused_parameters) its last summed map (PyTorch's)
 
+Under xgrad's own ``Join`` the announcement rides in the count (one all-reduce on the join
+group: the count, then every rank's flags; :func:`~.join_announce.carried`), so a step
+sends two collectives of ``join()``'s, as PyTorch's DDP does; under PyTorch's ``Join``,
+whose count is one element, it goes on its own, on the DDP's group.
+
 The announcement and the round (:mod:`.join_rounds`) let a forward pass go without a
 backward pass (an evaluation under ``torch.no_grad()``, a validation loss with gradients
 on) after a rank joined, where PyTorch's DDP aborts in gloo, and make ranks still
@@ -43,6 +48,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.torch_backend import join_rounds
+from xgrad.torch_backend.join_announce import Announcing, Row, carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_rounds import counted, failed_round, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
@@ -82,6 +88,10 @@ class Join(TorchJoin):
 
     def _all_reduce(self, value: float) -> float:
         t = torch.full((1,), value, device=self._device)
+        self._sum(t)
+        return float(t.item())
+
+    def _sum(self, t: torch.Tensor) -> None:
         try:
             work = dist.all_reduce(t, group=self._process_group, async_op=True)
             if self._timeout is None:
@@ -93,16 +103,26 @@ class Join(TorchJoin):
                 raise
             what = "join, counting the ranks still training"
             raise transfer_failed(self._watch.channel, what, exc, None) from exc
-        return float(t.item())
+
+    def _count(self) -> float:
+        """This rank's count of the ranks still training (0: it has joined); where the
+        first joinable's announcement rides in it (join_announce), kept for its hook."""
+        first: Any = self._joinables[0] if self._joinables else None
+        if first is None or not carried(first):
+            return self._all_reduce(0.0)
+        t = count(first, 0.0)
+        self._sum(t)
+        heard(first, t)
+        return float(t[0].item())
 
     def _get_num_nonjoined_procs(self) -> float:
         hooks = [h for h in self._join_hooks if isinstance(h, DDPJoinHook)]
         for hook in hooks:  # before the count, as the others' forward does it
             hook.drop_failed_step()
-        total = self._all_reduce(0.0)
+        total = self._count()
         for hook in hooks:  # left with a round open: the count was this rank's part
             if counted(hook.ddp, total):  # of a failed step's round: the count is still due
-                total = self._all_reduce(0.0)
+                total = self._count()
         return total
 
     def _notify_procs_to_terminate(self) -> None:
@@ -178,12 +198,13 @@ class JoinableDDP(Joinable):
         return self.process_group
 
 
-def notify_join_context(ddp: DistributedDataParallel) -> int | None:
+def notify_join_context(ddp: DistributedDataParallel, row: Row | None = None) -> int | None:
     """Tell a joined rank's context that this one still trains; the ranks still training.
 
     Called at the start of every forward pass inside an enabled join context (by the
     first joinable only, as PyTorch does). Returns the number of ranks still training
-    when the gradients are to be divided by it, else ``None``.
+    when the gradients are to be divided by it, else ``None``. Under xgrad's own ``Join``
+    the count carries this pass's announcement, ``row`` (:func:`~.join_announce.carried`).
     """
     # A round left open (join_rounds): this forward pass's all-reduce is this rank's part
     # of it, else (the context gone) no backward pass enters it any more.
@@ -192,15 +213,15 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
     if not (config.enable and config.is_first_joinable):
         return None
     # These two pair with the join context's own, on the join group (not the private one).
-    ones = torch.ones(1, device=ddp.join_device)
+    ones = count(ddp, 1.0, row)
     work = join_rounds.sum_async(ddp.process_group, ones)
     if pending is not None:  # before the throw check: one that went back raised already
         ddp._watch.wait_work(work, "join: the backward pass's round", ones.is_cuda)
-        if failed_round(ddp, pending, ones.item()):  # met a failed step's GO: sent again
-            ones = torch.ones(1, device=ddp.join_device)
+        if failed_round(ddp, pending, ones[0].item()):  # met a failed step's GO: sent again
+            ones = count(ddp, 1.0, row)
             work = join_rounds.sum_async(ddp.process_group, ones)
             ddp._watch.wait_work(work, "join: counting the ranks still training", ones.is_cuda)
-        training = notified(ddp, pending, ones.item())
+        training = notified(ddp, pending, ones[0].item())
     if config.throw_on_early_termination:  # after the round: the peers' next all-reduce
         zeros = torch.zeros(1, device=ddp.join_device)
         check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
@@ -209,9 +230,11 @@ def notify_join_context(ddp: DistributedDataParallel) -> int | None:
             raise RuntimeError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
+    if ones.numel() > 1:  # the announcement rode in the count: read after the module ran
+        ddp._announcing = Announcing(ddp, work, ones, 1)
     if pending is not None:
         return None if ddp._divide_by_initial_world_size else training
     if ddp._divide_by_initial_world_size:
         return None
     work.wait(timedelta(seconds=ddp.timeout))
-    return int(ones.item())
+    return int(ones[0].item())

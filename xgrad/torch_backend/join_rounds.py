@@ -61,8 +61,10 @@ from xgrad.torch_backend.join_announce import (
     Announced,
     Announcing,
     announce,
+    count,
     disagreement,
     hear,
+    heard,
     sum_async,
 )
 
@@ -107,12 +109,13 @@ def _go(ddp: DistributedDataParallel) -> float:
     return float(ddp._watch.world + 1)
 
 
-def _on_join_group(ddp: DistributedDataParallel, value: float, what: str) -> int:
-    """A one-element all-reduce on the join context's group, waited on through the watch."""
-    t = torch.tensor([value], device=ddp.join_device)
+def _on_join_group(ddp: DistributedDataParallel, value: float, what: str) -> torch.Tensor:
+    """A count (``value``: :func:`~.join_announce.count`) all-reduced on the join context's
+    group, waited on through the watch."""
+    t = count(ddp, value)
     work = dist.all_reduce(t, group=ddp.process_group, async_op=True)
     ddp._watch.wait_work(work, what, t.is_cuda)
-    return round(t.item())
+    return t
 
 
 def _split(ddp: DistributedDataParallel, total: int) -> tuple[int, int]:
@@ -134,7 +137,7 @@ class OpenRound:
         """The backward pass began here: enter the round with ``GO``; its sum is read
         now, or by the pass's first wait when that is safe (:func:`_late`)."""
         ddp = self.ddp
-        t = torch.tensor([_go(ddp)], device=ddp.join_device)
+        t = count(ddp, _go(ddp))
         work = sum_async(ddp.process_group, t)
         read = functools.partial(self._read, work, t)
         if _late(ddp):
@@ -145,7 +148,7 @@ class OpenRound:
     def _read(self, work: Any, t: torch.Tensor) -> None:
         ddp = self.ddp
         ddp._watch.wait_work(work, "join: the backward pass's round", t.is_cuda)
-        went, _ = _split(ddp, round(t.item()))
+        went, _ = _split(ddp, round(t[0].item()))
         if went != self.training:
             rank = ddp._watch.channel.rank
             message = (
@@ -243,10 +246,12 @@ def wait_round(ddp: DistributedDataParallel, training: int) -> str:
     """A joined rank, after a forward pass that a reducing backward pass may follow:
     ``"backward"`` (every rank still training began it), ``"forward"`` (none did; some
     began their next forward pass), ``"left"`` (every one left ``join()``)."""
-    went, forward = _split(ddp, _on_join_group(ddp, 0.0, "join: the backward pass's round"))
+    t = _on_join_group(ddp, 0.0, "join: the backward pass's round")
+    went, forward = _split(ddp, round(t[0].item()))
     if went == training:
         return "backward"
     if not went:
+        heard(ddp, t)  # their next forward pass's count: the announcement it carried
         return "forward" if forward else "left"
     message = (
         f"{went} of the {training} ranks still training began the backward pass of a step "
