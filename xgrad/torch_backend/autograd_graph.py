@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from xgrad.graph import BackwardGraph, NodeKind
 
-__all__ = ["backward_graph", "find_tensors", "find_unused_parameters", "grad_accumulators"]
+__all__ = [
+    "backward_graph",
+    "find_tensors",
+    "find_unused_parameters",
+    "grad_accumulators",
+    "leaf_variables",
+]
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 _FUNCTION = int(NodeKind.FUNCTION)
@@ -190,3 +196,27 @@ def find_unused_parameters(
                 used[index] = 1
                 found += 1
     return tuple(i for i in range(num_params) if not used[i])
+
+
+def leaf_variables(roots: Iterable[Any], stops: Collection[Any] = ()) -> list[torch.Tensor]:
+    """The leaves (``AccumulateGrad`` nodes' variables) that the ``grad_fn`` nodes ``roots``
+    reach, in the order a depth-first walk meets them, never walking into a node of
+    ``stops``: the pipeline's searches for what a loss reads of its own and for what the
+    step's inputs were computed from, which want every leaf, not parameters by index."""
+    seen: set[Any] = set()
+    todo: list[Any] = []
+    for root in roots:
+        if root is not None and root not in seen and root not in stops:
+            seen.add(root)
+            todo.append(root)
+    leaves = []
+    while todo:
+        node = todo.pop()
+        if type(node) is _ACCUMULATE_GRAD:  # (not getattr: see find_unused_parameters)
+            leaves.append(node.variable)
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen and child not in stops:
+                seen.add(child)
+                todo.append(child)
+    return leaves

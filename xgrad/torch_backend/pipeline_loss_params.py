@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from xgrad.torch_backend.autograd_graph import leaf_variables
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["LossLeaves", "Stops", "module_params"]
@@ -69,23 +70,12 @@ class LossLeaves:
         """The leaves ``loss`` reaches before ``stops`` that the step had not found yet and
         that are not among ``own()`` (the last stage's parameters, listed only when a new
         leaf turns up), now kept in :attr:`found`."""
-        start = loss.grad_fn
         ids, nodes = stops
-        if start is None or start in nodes:
-            return []
-        seen, todo, new = {start}, [start], []
-        while todo:
-            node = todo.pop()
-            var = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
-            if var is not None:
-                key = id(var)
-                if key not in ids and key not in self.found and key not in self._apart:
-                    new.append(var)
-                continue
-            for child, _ in node.next_functions:
-                if child is not None and child not in seen and child not in nodes:
-                    seen.add(child)
-                    todo.append(child)
+        new = [
+            var
+            for var in leaf_variables([loss.grad_fn], nodes)
+            if id(var) not in ids and id(var) not in self.found and id(var) not in self._apart
+        ]
         if not new:
             return []
         mine = {id(p) for p in own()}

@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from xgrad.pipeline import Action, Kind
+from xgrad.torch_backend.autograd_graph import leaf_variables
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StepScaling", "scale_points"]
@@ -238,23 +239,6 @@ def _add_back(p: Any, kept: torch.Tensor) -> None:
 def _leaves_below(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The ids of the leaves ``tensors`` (the step's own, that require grad) are or were
     computed from: where their gradients go (nothing to walk for a leaf batch)."""
-    ids: set[int] = set()
-    seen: set[Any] = set()
-    todo: list[Any] = []
-    for t in tensors:
-        if t.grad_fn is None:
-            ids.add(id(t))
-        elif t.grad_fn not in seen:
-            seen.add(t.grad_fn)
-            todo.append(t.grad_fn)
-    while todo:
-        node = todo.pop()
-        var = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
-        if var is not None:
-            ids.add(id(var))
-            continue
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                todo.append(child)
-    return ids
+    tensors = list(tensors)
+    ids = {id(t) for t in tensors if t.grad_fn is None}
+    return ids | {id(v) for v in leaf_variables(t.grad_fn for t in tensors)}
