@@ -41,3 +41,21 @@ def key_count(store: Any) -> int:
     n = int(store.num_keys())
     dist.barrier()
     return n
+
+
+def armed_linear() -> tuple[Any, list[bool]]:
+    """``Linear(4, 2)`` (seed 0) whose forward pass raises ``ValueError("boom")`` once each
+    time ``armed[0]`` is set to ``True`` (the failure tests' failing forward pass)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    armed = [False]
+
+    def pre_hook(module: torch.nn.Module, inputs: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("boom")
+
+    model.register_forward_pre_hook(pre_hook)
+    return model, armed

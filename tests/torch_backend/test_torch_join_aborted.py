@@ -17,7 +17,7 @@ import os
 import time
 
 import pytest
-from ranks import run_ranks
+from ranks import armed_linear, run_ranks
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 TIMEOUT = 3.0
@@ -30,16 +30,7 @@ def _aborted_under_join(rank: int, world: int) -> list[str]:
     from xgrad.torch_backend.failure import abort_group
 
     os.environ.update(FAST)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    armed = [False]
-
-    def pre_hook(module: torch.nn.Module, inputs: object) -> None:
-        if armed[0]:
-            armed[0] = False
-            raise ValueError("boom")
-
-    model.register_forward_pre_hook(pre_hook)
+    model, armed = armed_linear()
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
     log: list[str] = []
     start = time.monotonic()

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ranks import run_ranks
+from ranks import armed_linear, run_ranks
 
 TIMEOUT = 4.0
 
@@ -30,16 +30,7 @@ def _failed_step_under_join(rank: int, world: int, throw: bool) -> dict[str, Any
     from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    armed = [False]
-
-    def pre_hook(module: torch.nn.Module, inputs: object) -> None:
-        if armed[0]:
-            armed[0] = False
-            raise ValueError("boom")
-
-    model.register_forward_pre_hook(pre_hook)
+    model, armed = armed_linear()
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     model(x).pow(2).mean().backward()  # this rank's own gradient: the parameters never move
