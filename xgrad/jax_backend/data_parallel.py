@@ -2,14 +2,16 @@
 
 Three drivers run the same data-parallel step:
 
-- ``"shard_map"`` (the default): ``jax.shard_map`` over a one-axis mesh, each device
-  differentiating its shard and xgrad reducing the gradients bucket by bucket
-  (:func:`~xgrad.jax_backend.reduce.reduce_gradients`, hooks included);
+- ``"shard_map"`` (the default, :mod:`~xgrad.jax_backend.shard_map`): ``jax.shard_map``
+  over a one-axis mesh, each device differentiating its shard and xgrad reducing the
+  gradients bucket by bucket (:func:`~xgrad.jax_backend.reduce.reduce_gradients`, hooks
+  included);
 - ``"jit"``: ``jax.jit`` of ``jax.value_and_grad`` on the global batch sharded with a
   ``NamedSharding``: GSPMD places and combines the reductions itself (no plan, no hook),
   which shows what XLA's own combiner does to the numbers;
-- ``"pmap"``: the ``shard_map`` step under ``jax.pmap`` (in maintenance mode since JAX
-  0.8; kept as a cross-check: it gives the ``shard_map`` path's very bits).
+- ``"pmap"`` (:mod:`~xgrad.jax_backend.pmap`): the ``shard_map`` step under ``jax.pmap``
+  (in maintenance mode since JAX 0.8; kept as a cross-check: it gives the ``shard_map``
+  path's very bits).
 
 Across processes (``jax.distributed.initialize``) the mesh spans every process's devices;
 use ``shard_map`` or ``jit`` there (``pmap`` maps over one process's devices).
@@ -56,6 +58,7 @@ from xgrad.jax_backend.reduce import (
     reduce_gradients,
     resolve_hook,
 )
+from xgrad.jax_backend.shard_map import shard_map_call
 from xgrad.powersgd import PowerSGD, Sampler
 
 #: the ways of running the per-device step; ``shard_map`` first, ``pmap`` as a cross-check.
@@ -196,58 +199,7 @@ class DataParallelStep:
         placed = place(batch, axes, split, replicated, self.local_batch)
         if self.mode == "jit":
             return self._jit(params, placed)
-        return self._shard_map(params, placed, axes, hook_state)
-
-    def _shard_map(
-        self, params: Any, batch: tuple[Any, ...], axes: tuple[Any, ...], state: Any
-    ) -> tuple[Any, ...]:
-        name = self.axis_name
-        key = ("shard_map", axes, jax.tree_util.tree_structure(state))
-        fn = self._compiled.get(key)
-        if fn is None:
-
-            def body(params: Any, batch: tuple[Any, ...], *rest: Any) -> tuple[Any, ...]:
-                state = rest[0] if rest else None
-                # Differentiating a replicated input inside shard_map makes JAX insert its
-                # own psum (the transpose of the implicit pvary); casting the parameters to
-                # device-varying first keeps the reduction ours, bucket by bucket.
-                params = jax.tree_util.tree_map(lambda p: lax.pcast(p, name, to="varying"), params)
-                if state is not None:
-                    state = state._replace(errors=tuple(e[0] for e in state.errors))
-                out = self._local(params, batch, state, stack_aux=True)
-                if state is not None:
-                    new = out[-1]
-                    new = new._replace(errors=tuple(e[None] for e in new.errors))
-                    out = (*out[:-1], new)
-                return out
-
-            batch_specs = tuple(P() if a is None else P(name) for a in axes)
-            state_specs = None if state is None else self._state_specs(state, P(name), P())
-            out_specs: tuple[Any, ...] = (self._value_spec(P(name), P()), P())
-            if state is not None:
-                out_specs = (*out_specs, state_specs)
-            fn = jax.jit(
-                jax.shard_map(
-                    body,
-                    mesh=self.mesh,
-                    in_specs=(P(), batch_specs)
-                    if state is None
-                    else (P(), batch_specs, state_specs),
-                    out_specs=out_specs,
-                )
-            )
-            self._compiled[key] = fn
-        if state is not None:
-            state = jax.device_put(
-                state,
-                self._state_specs(
-                    state,
-                    NamedSharding(self.mesh, P(name)),
-                    NamedSharding(self.mesh, P()),
-                ),
-            )
-        args = (params, batch) if state is None else (params, batch, state)
-        return fn(*args)  # type: ignore[no-any-return]
+        return shard_map_call(self, params, placed, axes, hook_state)
 
     def compiled_text(self, params: Any, *batch: Any) -> str:
         """The compiled program of ``mode="jit"`` for these arguments (XLA's HLO text)."""
