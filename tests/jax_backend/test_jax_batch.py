@@ -30,6 +30,12 @@ def test_split_arguments_are_checked_leaf_by_leaf() -> None:
     check_batch(({"a": np.zeros((4, 2))}, np.float32(1)), (0, None), 2, "world_size=2")
     with pytest.raises(ValueError, match=r"batch argument 0 is a scalar"):
         check_batch((np.float32(1),), (0,), 2, "world_size=2")
+    # Uneven (shard_map and pmap split it as tensor_split), but never an empty shard.
+    check_batch(batch, (0,), 2, "world_size=2", uneven=True)
+    with pytest.raises(
+        ValueError, match=r"0\['b'\]\[1\] has 3 rows, fewer than 4 \(world_size=4\)"
+    ):
+        check_batch(batch, (0,), 4, "world_size=4", uneven=True)
 
 
 def test_devices_for() -> None:

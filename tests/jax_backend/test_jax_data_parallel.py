@@ -100,8 +100,8 @@ def test_bad_input_is_named() -> None:
         data_parallel_value_and_grad(loss, world_size=2, mode="jit", hook="fp16")
     with pytest.raises(TypeError, match="loss_fn=3 is not callable"):
         data_parallel_value_and_grad(3, world_size=2)  # type: ignore[arg-type]
-    step = data_parallel_value_and_grad(loss, world_size=3)
-    with pytest.raises(ValueError, match=r"batch argument 0 has leading dimension 8.*world_size=3"):
+    step = data_parallel_value_and_grad(loss, world_size=3, mode="jit")
+    with pytest.raises(ValueError, match=r"mode='jit'.*8 rows over 3 devices \(3, 3, 2\)"):
         step(params, x, y)
     step = data_parallel_value_and_grad(_dict_loss, world_size=2, has_aux=True)
     key = jax.random.PRNGKey(0)

@@ -61,11 +61,16 @@ def _path(path: Any) -> str:
     return jax.tree_util.keystr(path) if path else ""
 
 
-def check_batch(batch: Sequence[Any], axes: Sequence[Axis], parts: int, what: str) -> None:
-    """Every split leaf has a leading dimension that divides into ``parts`` equal shards.
+def check_batch(
+    batch: Sequence[Any], axes: Sequence[Axis], parts: int, what: str, *, uneven: bool = False
+) -> None:
+    """Every split leaf has a leading dimension of at least ``parts`` rows that divides
+    into ``parts`` equal shards (or, with ``uneven``, into unequal ones:
+    :mod:`~xgrad.jax_backend.uneven`).
 
     Raises:
-        ValueError: an empty pytree, a scalar, a typed PRNG key or an uneven leading
+        ValueError: an empty pytree, a scalar, a typed PRNG key, fewer rows than
+            ``parts`` (an empty shard) or, without ``uneven``, an uneven leading
             dimension, naming the argument and the leaf.
     """
     for i, (arg, axis) in enumerate(zip(batch, axes, strict=True)):
@@ -88,11 +93,26 @@ def check_batch(batch: Sequence[Any], axes: Sequence[Axis], parts: int, what: st
                     f"{where} is a scalar, which cannot be split over {what}: pass "
                     f"in_axes None for argument {i} to give it to every device"
                 )
-            if shape[0] == 0 or shape[0] % parts:
+            if shape[0] < parts:
+                raise ValueError(
+                    f"{where} has {shape[0]} rows, fewer than {parts} ({what}): every device "
+                    "needs at least one row"
+                )
+            if shape[0] % parts and not uneven:
                 raise ValueError(
                     f"{where} has leading dimension {shape[0]}, which does not split "
                     f"evenly over {what}"
                 )
+
+
+def leaf_rows(batch: Sequence[Any], axes: Sequence[Axis]) -> list[tuple[str, int]]:
+    """Each split leaf (as the messages name it) and its leading dimension, in order."""
+    return [
+        (f"batch argument {i}{_path(path)}", int(np.shape(leaf)[0]))
+        for i, (arg, axis) in enumerate(zip(batch, axes, strict=True))
+        if axis is not None
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]
+    ]
 
 
 def check_local_rows(batch: Sequence[Any], axes: Sequence[Axis]) -> None:

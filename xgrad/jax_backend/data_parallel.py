@@ -59,6 +59,8 @@ from xgrad.jax_backend.reduce import (
     resolve_hook,
 )
 from xgrad.jax_backend.shard_map import shard_map_call
+from xgrad.jax_backend.uneven import Rows, pad, split_rows
+from xgrad.jax_backend.uneven import value_and_grad as uneven_value_and_grad
 from xgrad.powersgd import PowerSGD, Sampler
 
 #: the ways of running the per-device step; ``shard_map`` first, ``pmap`` as a cross-check.
@@ -139,9 +141,20 @@ class DataParallelStep:
     # -- the per-device program -------------------------------------------------------
 
     def _local(
-        self, params: Any, batch: tuple[Any, ...], state: Any, stack_aux: bool = False
+        self,
+        params: Any,
+        batch: tuple[Any, ...],
+        state: Any,
+        stack_aux: bool = False,
+        rows: Rows | None = None,
+        axes: tuple[Any, ...] = (),
     ) -> tuple[Any, ...]:
-        value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, *batch)
+        if rows is None:
+            value, grads = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, *batch)
+        else:  # padded blocks: each device differentiates its own rows only
+            value, grads = uneven_value_and_grad(
+                self.loss_fn, self.has_aux, params, batch, axes, rows, self.axis_name
+            )
         reduced = reduce_gradients(
             grads,
             self.axis_name,
@@ -186,20 +199,23 @@ class DataParallelStep:
         axes = normalize_in_axes(self.in_axes, len(batch))
         if self.mode == "pmap":
             return pmap_call(self, params, batch, axes, hook_state)
-        if self.local_batch:
+        rows = None
+        if self.local_batch and jax.process_count() > 1:
             check_local_devices(self.devices)
             local = len([d for d in self.devices if d.process_index == jax.process_index()])
             check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
             check_local_rows(batch, axes)
         else:
-            check_batch(batch, axes, self.world_size, f"world_size={self.world_size}")
+            rows = split_rows(batch, axes, self.world_size, self.mode)
+        if rows is not None:
+            batch = pad(batch, axes, rows)
         replicated = NamedSharding(self.mesh, P())
         split = NamedSharding(self.mesh, P(self.axis_name))
         params = put_across(params, replicated)
         placed = place(batch, axes, split, replicated, self.local_batch)
         if self.mode == "jit":
             return self._jit(params, placed)
-        return shard_map_call(self, params, placed, axes, hook_state)
+        return shard_map_call(self, params, placed, axes, hook_state, rows)
 
     def compiled_text(self, params: Any, *batch: Any) -> str:
         """The compiled program of ``mode="jit"`` for these arguments (XLA's HLO text)."""
@@ -245,6 +261,12 @@ def data_parallel_value_and_grad(
     ``value_and_grad(loss_fn)`` on its shard, and the gradients are averaged with
     :func:`~xgrad.jax_backend.reduce.reduce_gradients` (bucketed when ``plan`` is given).
     The loss returned is the mean of the shard losses; the gradients are replicated.
+
+    A batch ``world_size`` does not divide (``shard_map``, ``pmap``) splits as torch's
+    ``tensor_split`` (10 rows over 4 devices: 3, 3, 2, 2), each device's gradient still
+    counting 1/``world_size`` as PyTorch's DDP averages its ranks': the gradient of the
+    mean of the shard losses, not of the whole batch's mean loss (see
+    :mod:`~xgrad.jax_backend.uneven`). Every device needs at least one row.
 
     Wrap the whole training step (this and the optimizer's update) in ``jax.jit``.
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xgrad.jax_backend import powersgd
-from xgrad.jax_backend.batch import check_batch
+from xgrad.jax_backend.uneven import pad, split_rows
 
 if TYPE_CHECKING:
     from xgrad.jax_backend.data_parallel import DataParallelStep
@@ -29,16 +29,18 @@ def pmap_call(
             "mode='pmap' maps over this process's devices only; across processes use "
             "mode='shard_map' or mode='jit'"
         )
-    check_batch(batch, axes, step.world_size, f"world_size={step.world_size}")
+    rows = split_rows(batch, axes, step.world_size, step.mode)
+    if rows is not None:
+        batch = pad(batch, axes, rows)
     devices = step.devices or jax.local_devices()[: step.world_size]
     state = _placed(state, devices, step.axis_name)
-    key = ("pmap", axes, jax.tree_util.tree_structure(state))
+    key = ("pmap", axes, jax.tree_util.tree_structure(state), rows)
     fn = step._compiled.get(key)
     if fn is None:
         state_axes = None if state is None else step._state_specs(state, 0, None)
 
         def body(params: Any, batch: tuple[Any, ...], *rest: Any) -> tuple[Any, ...]:
-            return step._local(params, batch, rest[0] if rest else None)
+            return step._local(params, batch, rest[0] if rest else None, rows=rows, axes=axes)
 
         fn = jax.pmap(
             body,

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 if TYPE_CHECKING:
     from xgrad.jax_backend.data_parallel import DataParallelStep
+    from xgrad.jax_backend.uneven import Rows
 
 
 def shard_map_call(
@@ -23,10 +24,12 @@ def shard_map_call(
     batch: tuple[Any, ...],
     axes: tuple[Any, ...],
     state: Any,
+    rows: Rows | None = None,
 ) -> tuple[Any, ...]:
-    """``step``'s call under ``jax.shard_map``: ``(value, grads[, hook_state])``."""
+    """``step``'s call under ``jax.shard_map``: ``(value, grads[, hook_state])``; with
+    ``rows``, ``batch`` is an uneven one padded (:mod:`~xgrad.jax_backend.uneven`)."""
     name = step.axis_name
-    key = ("shard_map", axes, jax.tree_util.tree_structure(state))
+    key = ("shard_map", axes, jax.tree_util.tree_structure(state), rows)
     fn = step._compiled.get(key)
     if fn is None:
 
@@ -38,7 +41,7 @@ def shard_map_call(
             params = jax.tree_util.tree_map(lambda p: lax.pcast(p, name, to="varying"), params)
             if state is not None:
                 state = state._replace(errors=tuple(e[0] for e in state.errors))
-            out = step._local(params, batch, state, stack_aux=True)
+            out = step._local(params, batch, state, stack_aux=True, rows=rows, axes=axes)
             if state is not None:
                 new = out[-1]
                 new = new._replace(errors=tuple(e[None] for e in new.errors))
