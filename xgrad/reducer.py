@@ -22,7 +22,7 @@ from xgrad.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
 )
-from xgrad.reducer_buckets import arrive, build_buckets, reclaim
+from xgrad.reducer_buckets import arrive, build_buckets
 from xgrad.reducer_errors import marked_ready_twice, static_graph_now_used
 from xgrad.reducer_finalize import EndOfPass
 from xgrad.reducer_inspect import Inspection
@@ -36,6 +36,7 @@ from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
 from xgrad.reducer_unused import UnusedParams
+from xgrad.reducer_views import reclaim
 
 #: per-iteration records kept (the newest).
 RECORDS_KEPT = 64

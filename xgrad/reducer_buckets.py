@@ -4,7 +4,9 @@ A plan says which parameters share a bucket; this module lays the bucket out (on
 flat buffer, a view per member, in plan order) and keeps the per-bucket state of one
 backward pass. A parameter whose gradient is sparse has a bucket of its own and no flat
 buffer: its gradient tensor is reduced as it is, as PyTorch's reducer does. The state
-machine in :mod:`xgrad.reducer` drives it.
+machine in :mod:`xgrad.reducer` drives it. What a finished bucket's averages become (the
+parameters' gradients, written back or lent) is :mod:`xgrad.reducer_views`, re-exported
+here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from typing import Any
 
 from xgrad.backend import Work
 from xgrad.buckets import BucketPlan
-from xgrad.reducer_types import ArrayOps, Lender
+from xgrad.reducer_types import ArrayOps
+from xgrad.reducer_views import reclaim as reclaim
+from xgrad.reducer_views import reduced_views as reduced_views
+from xgrad.reducer_views import views_of as views_of
+from xgrad.reducer_views import write_back as write_back
 
 #: a bucket whose gradients average fewer elements than this is copied in one batched
 #: call and scaled in one pass; larger ones are scaled while copied (one pass each).
@@ -75,7 +81,8 @@ class BucketState:
         self.finished_at = 0.0
         #: members whose view was lent out as their gradient (kept across iterations).
         self.lent: list[int] = []
-        #: members that may be lent, and the others (:func:`write_back`'s, found at its first call).
+        #: members that may be lent, and the others (found at the first call of
+        #: :func:`~xgrad.reducer_views.write_back`).
         self.lendable: list[int] | None = None
         self.plain: list[int] = []
         #: per member, whether it is copied in as soon as it arrives (see :func:`arrive`).
@@ -164,62 +171,6 @@ def arrive(bucket: BucketState, k: int, grad: Any, ops: ArrayOps, scale: float |
         ops.copy_to(bucket.in_views[k], grad, scale)
         grad = COPIED
     bucket.grads[k] = grad
-
-
-def reclaim(bucket: BucketState, lender: Lender, params: Sequence[Any], ops: ArrayOps) -> None:
-    """Before a bucket with lent views is filled again: keep its buffer if they came back.
-
-    A lent view that is still someone's gradient (``zero_grad(set_to_none=False)``) or
-    is held anywhere else keeps the values it was lent with: the bucket then gets a
-    fresh buffer (the old one belongs to its holders from now on).
-    """
-    if not lender.free(bucket.flat, bucket.in_views, bucket.lent):
-        members = [params[i] for i in bucket.indices]
-        bucket.flat = ops.new_flat(members, sum(ops.numel(p) for p in members))
-        bucket.in_views = views_of(bucket.flat, bucket, params, ops)
-    bucket.lent = []
-
-
-def write_back(
-    bucket: BucketState,
-    views: Sequence[Any],
-    skip: set[int] | frozenset[int],
-    set_grad: Any,
-    lender: Lender | None,
-    set_grads: Any = None,
-) -> None:
-    """Give each member not in ``skip`` its reduced gradient: lent where the lender may.
-
-    ``set_grads`` (``set_grad`` for the whole bucket in one call) is used when no member
-    is skipped or may be lent.
-    """
-    lend = lender is not None and views is bucket.in_views
-    if set_grads is not None and skip.isdisjoint(bucket.indices):
-        if not lend:
-            set_grads(bucket.indices, views)
-            return
-        if bucket.lendable is None:
-            bucket.lendable = [k for k, i in enumerate(bucket.indices) if lender.lendable[i]]  # type: ignore[union-attr]
-            bucket.plain = [k for k in range(len(bucket.indices)) if k not in bucket.lendable]
-        if bucket.plain:
-            set_grads([bucket.indices[k] for k in bucket.plain], [views[k] for k in bucket.plain])
-        lendable = bucket.lendable
-        lent = lender.lend_many(  # type: ignore[union-attr]
-            [bucket.indices[k] for k in lendable], [views[k] for k in lendable]
-        )
-        for k, ok in zip(lendable, lent, strict=True):
-            if ok:
-                bucket.lent.append(k)
-            else:
-                set_grad(bucket.indices[k], views[k])
-        return
-    for k, i in enumerate(bucket.indices):
-        if i in skip:
-            continue
-        if lend and lender.lendable[i] and lender.lend(i, views[k]):  # type: ignore[union-attr]
-            bucket.lent.append(k)
-        else:
-            set_grad(i, views[k])
 
 
 def fill_bucket(
@@ -345,38 +296,3 @@ def _wrong_dtype(
     k, dtype, expected = found
     member = next(m for m, x in enumerate(members) if x is xs[k])
     return bucket.indices[member], dtype, expected
-
-
-def reduced_views(
-    bucket: BucketState,
-    result: Any,
-    params: Sequence[Any],
-    ops: ArrayOps,
-    *,
-    gradient_as_bucket_view: bool,
-) -> list[Any]:
-    """Per member of a finished bucket, where its averaged gradient is.
-
-    Normally the bucket's own views (the reduction ran in place). A hook that returned
-    a new tensor (perhaps in another dtype, as mixed precision's does) is read from
-    directly, as PyTorch does, unless the gradients are the bucket's views: then the
-    result is copied into the bucket.
-    """
-    if bucket.sparse:
-        return [bucket.flat if result is None else result]
-    if result is None or ops.is_view_of(result, bucket.flat):
-        return bucket.in_views
-    if gradient_as_bucket_view:
-        ops.copy_to(bucket.flat, result)
-        return bucket.in_views
-    return views_of(result, bucket, params, ops)
-
-
-def views_of(flat: Any, bucket: BucketState, params: Sequence[Any], ops: ArrayOps) -> list[Any]:
-    """Views of ``flat`` laid out as ``bucket`` (for a hook's result in a new tensor)."""
-    views = []
-    offset = 0
-    for i in bucket.indices:
-        views.append(ops.view(flat, offset, params[i]))
-        offset += ops.numel(params[i])
-    return views

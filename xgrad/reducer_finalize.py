@@ -13,9 +13,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from xgrad.reducer_buckets import reduced_views, write_back
 from xgrad.reducer_errors import buckets_never_reduced, static_graph_now_unused
 from xgrad.reducer_types import IterationRecord
+from xgrad.reducer_views import reduced_views, write_back
 
 if TYPE_CHECKING:
     from xgrad.backend import Comm
