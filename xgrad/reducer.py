@@ -4,9 +4,10 @@ It owns the bucket buffers, counts the gradients each bucket awaits, launches bu
 bucket order (the same on every rank, so collectives match) and writes averages back at
 the end of the backward pass, touching arrays only through :class:`ArrayOps` and the
 group only through :class:`~xgrad.backend.Comm`. Semantics: PyTorch's ``reducer.cpp``.
-This module holds the construction and the per-gradient marks; the launches, the end of
-the pass, recovery and join, and the late setup are mixed in from ``reducer_launch``,
-``reducer_finalize``, ``reducer_recovery`` and ``reducer_setup``.
+This module holds the construction and the preparation of each pass; the per-gradient
+marks, the launches, the end of the pass, recovery and join, and the late setup are mixed
+in from ``reducer_marks``, ``reducer_launch``, ``reducer_finalize``, ``reducer_recovery``
+and ``reducer_setup``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any, Generic
+from typing import Generic
 
 from xgrad.backend import Comm
 from xgrad.buckets import (
@@ -22,11 +23,11 @@ from xgrad.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     BucketPlan,
 )
-from xgrad.reducer_buckets import arrive, build_buckets
-from xgrad.reducer_errors import marked_ready_twice, static_graph_now_used
+from xgrad.reducer_buckets import build_buckets
 from xgrad.reducer_finalize import EndOfPass
 from xgrad.reducer_inspect import Inspection
 from xgrad.reducer_launch import BucketLaunches
+from xgrad.reducer_marks import GradientMarks
 from xgrad.reducer_recovery import JoinAndRecovery
 from xgrad.reducer_setup import LateSetup
 from xgrad.reducer_static import HookCounts
@@ -36,13 +37,14 @@ from xgrad.reducer_types import GradBucket as GradBucket
 from xgrad.reducer_types import Hook as Hook
 from xgrad.reducer_types import IterationRecord as IterationRecord
 from xgrad.reducer_unused import UnusedParams
-from xgrad.reducer_views import reclaim
 
 #: per-iteration records kept (the newest).
 RECORDS_KEPT = 64
 
 
-class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Inspection, Generic[A]):
+class Reducer(
+    GradientMarks, BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Inspection, Generic[A]
+):
     """Buckets gradients as they become ready and reduces them over a :class:`Comm`.
 
     Args:
@@ -221,97 +223,3 @@ class Reducer(BucketLaunches, EndOfPass, JoinAndRecovery, LateSetup, Inspection,
     def _delay_launch(self) -> bool:
         """The first static-graph iteration reduces everything at its end (DDP's delay)."""
         return self.static_graph and self._unused.static is None
-
-    def mark_ready(self, index: int, grad: Any) -> None:
-        """A parameter's gradient is complete (call from its post-accumulate hook).
-
-        ``grad`` is the accumulated gradient, so gradients accumulated under ``no_sync``
-        are reduced with this one. Does nothing when no synced backward is expected.
-        """
-        if not self._expect_hooks:
-            self._used_unsynced(index, grad)
-            return
-        now = self.clock()
-        if not self._marked_unused:
-            self._begin_at(now)
-        if self.static_graph and self._counts.hold(index, grad, now, self._delay_launch):
-            self._require_finalize = True
-            return
-        if grad is None:
-            self._no_gradient(index)
-        self._mark(index, grad, now)
-
-    def _used_unsynced(self, index: int, grad: Any) -> None:
-        """A gradient outside a synchronised pass (``no_sync``): under
-        ``find_unused_parameters`` it counts as used in the next synchronised pass's used
-        map, as DDP's local used map keeps counting during ``no_sync`` (so a parameter
-        used only in an accumulation pass is still averaged, not left local)."""
-        if grad is not None and self.find_unused_parameters and not self.static_graph:
-            self._unused.used_unsynced.add(index)
-
-    def _no_gradient(self, index: int) -> None:
-        """A hook fired without a gradient (an output the loss left out, see ddp_sink).
-
-        Under ``find_unused_parameters`` the parameter counts as unused on this rank, as
-        PyTorch's local used map counts defined gradients only: a parameter no rank gave
-        a gradient keeps ``.grad`` untouched.
-        """
-        if self.find_unused_parameters and not self.static_graph:
-            self._unused.local.append(index)
-
-    def _begin_at(self, now: float) -> None:
-        """The pass's first mark: it starts the clock and marks the unused parameters."""
-        self._marked_unused = True
-        self._backward_start = now
-        if self._skip_agreed:  # the used map first, on every rank: buckets skip by it
-            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
-        get = self.get_grad
-        for i in self._unused.local:
-            self._mark(i, None if get is None else get(i), now)
-
-    @property
-    def expecting(self) -> bool:
-        """Whether a synchronised backward pass is prepared and its hooks still count."""
-        return self._expect_hooks
-
-    def mark_many(self, indices: Sequence[int], grads: Sequence[Any]) -> None:
-        """:meth:`mark_ready` for gradients that arrived in this order, in one call.
-
-        The same marks, in the same order, as one :meth:`mark_ready` per gradient; they
-        share one timestamp. When one raises, :attr:`marking` is the index it raised on.
-        """
-        if not self._expect_hooks or not indices:
-            for index, grad in zip(indices, grads, strict=True):
-                self._used_unsynced(index, grad)
-            return
-        if self.static_graph and self._counts.active(self._delay_launch):
-            for self.marking, grad in zip(indices, grads, strict=True):
-                self.mark_ready(self.marking, grad)
-            return
-        now = self.clock()
-        if not self._marked_unused:
-            self._begin_at(now)
-        for index, grad in zip(indices, grads, strict=True):
-            self.marking = index
-            if grad is None:
-                self._no_gradient(index)
-            self._mark(index, grad, now)
-
-    def _mark(self, index: int, grad: Any, now: float) -> None:
-        if self._ready[index]:
-            if self.static_graph and index in (self._unused.static or ()):
-                raise static_graph_now_used(index, self.names, self.comm.rank)
-            raise marked_ready_twice(index, self.names, self.comm.rank)
-        self._ready[index] = 1
-        self._ready_order.append(index)
-        self._ready_times.append(now)
-        self._require_finalize = True
-        bucket, k = self._locate[index]
-        if bucket.lent and bucket.pending == len(bucket.indices):  # before its first write
-            reclaim(bucket, self.lender, self.params, self.ops)  # type: ignore[arg-type]
-        arrive(bucket, k, grad, self.ops, self._early)
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._fill(bucket)
-            if not self._delay_launch:
-                self._launch_ready_buckets()
