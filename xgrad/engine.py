@@ -13,7 +13,8 @@ A distributed pass (:class:`~xgrad.dist_context.DistContext`, re-exported here w
 errors of :mod:`xgrad.engine_errors`) runs one engine per worker; ``recv`` nodes send
 their gradient back to the matching ``send`` node of another worker. The first error on
 any worker stops the pass on every worker, each raising :class:`DistBackwardError` naming
-the worker it came from, and the context is released everywhere so the next pass works.
+the worker it came from, and the context is released everywhere so the next pass works
+(:func:`~xgrad.engine_worker.run_worker_part`, re-exported here).
 """
 
 from __future__ import annotations
@@ -24,40 +25,20 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from xgrad.dist_context import DEFAULT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from xgrad.dist_context import DistContext as DistContext
 from xgrad.engine_errors import BackwardError as BackwardError
 from xgrad.engine_errors import DistBackwardError as DistBackwardError
+from xgrad.engine_nodes import Deferred as Deferred
+from xgrad.engine_nodes import NodeFunction as NodeFunction
+from xgrad.engine_nodes import PostAccumulateHook as PostAccumulateHook
 from xgrad.engine_plan import lists
 from xgrad.engine_plan import plan as make_plan
-from xgrad.failure import describe
+from xgrad.engine_worker import mark_node, node_error
+from xgrad.engine_worker import run_worker_part as run_worker_part
 from xgrad.graph import BackwardGraph, NodeKind
-
-#: A node's backward: one gradient per input (None where none arrived) -> one per next edge
-#: (None: no gradient along that edge).
-NodeFunction = Callable[[list[Any]], Sequence[Any]]
-#: Called after a parameter's gradient was accumulated: ``hook(param_index, accumulated)``;
-#: the reducer's ``mark_ready`` has exactly this signature.
-PostAccumulateHook = Callable[[int, Any], None]
-_T = TypeVar("_T")
-
-
-class Deferred:
-    """Gradients of some of a node's edges, computed later: when no node is ready.
-
-    A node function may put one Deferred at the places of several of its next edges;
-    ``compute()`` then returns their gradients in the order of those places. The engine
-    calls it once nothing else is ready (before waiting for a message, and before the pass
-    ends), so what other workers wait for goes first and the rest (a weight's gradient,
-    say) after, as zero-bubble pipeline schedules split a backward into B and W.
-    """
-
-    __slots__ = ("compute",)
-
-    def __init__(self, compute: Callable[[], Sequence[Any]]) -> None:
-        self.compute = compute
 
 
 @dataclass(frozen=True)
@@ -248,9 +229,9 @@ class Engine:
                 except DistBackwardError:
                     raise
                 except Exception as exc:
-                    raise _failed(graph, u, exc, worker) from exc
+                    raise node_error(graph, u, exc, worker) from exc
                 except BaseException as exc:
-                    _mark_node(exc, graph, u)
+                    mark_node(exc, graph, u)
                     raise
                 pass_on(u, edges, done)
                 continue
@@ -295,9 +276,9 @@ class Engine:
             except DistBackwardError:
                 raise
             except Exception as exc:
-                raise _failed(graph, u, exc, worker) from exc
+                raise node_error(graph, u, exc, worker) from exc
             except BaseException as exc:
-                _mark_node(exc, graph, u)
+                mark_node(exc, graph, u)
                 raise
             pass_on(u, range(lo, hi), outs)
         if ctx is not None and worker is not None:
@@ -311,45 +292,3 @@ class Engine:
             self.grads[param] = self._accumulate(self.grads.get(param), grad)
         for hook in list(self._hooks.get(param, {}).values()):
             hook(param, self.grads.get(param))
-
-
-def _failed(graph: BackwardGraph, u: int, exc: Exception, worker: int | None) -> BackwardError:
-    """The error of node ``u`` (its function, or a deferred part of it) raising ``exc``."""
-    return BackwardError(u, graph.name(u), describe(exc), worker)
-
-
-def _mark_node(exc: BaseException, graph: BackwardGraph, u: int) -> None:
-    """Note on ``exc`` (a ``KeyboardInterrupt``, a ``SystemExit``: not an ``Exception``,
-    so it stays what it is on this worker) the node it came from, for the others."""
-    if not hasattr(exc, "_xgrad_node"):
-        exc._xgrad_node = (u, graph.name(u))  # type: ignore[attr-defined]
-
-
-def run_worker_part(ctx: Any, worker: int, body: Callable[[], _T]) -> _T:
-    """Run one worker's part of a distributed pass with the pass's ending, whatever runs it.
-
-    ``ctx`` is a :class:`DistContext` or anything with its ``fail``/``finish``/``release``
-    (the torch backend's per-process pass). A node's error is posted named by its node, any
-    other error as the worker's (a bad graph or link: the others must not wait for this
-    worker), a ``KeyboardInterrupt`` or ``SystemExit`` too, though it is raised here as it is;
-    a success finishes the part (every worker done); the part is released either way.
-    """
-    try:
-        try:
-            out = body()
-        except DistBackwardError:
-            raise
-        except BackwardError as exc:
-            raise ctx.fail(worker, exc.node, exc.node_name, exc.message) from exc
-        except Exception as exc:
-            raise ctx.fail(worker, -1, "", describe(exc)) from exc
-        except BaseException as exc:
-            # Ctrl-C or exit inside the pass: posted (the others stop at once, told where),
-            # then raised here as it is.
-            node, name = getattr(exc, "_xgrad_node", (-1, ""))
-            ctx.fail(worker, node, name, describe(exc))
-            raise
-        ctx.finish(worker)
-        return out
-    finally:
-        ctx.release(worker)

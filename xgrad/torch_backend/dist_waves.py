@@ -35,8 +35,9 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from xgrad.dependencies import compute_dependencies, reachable_from
-from xgrad.engine import BackwardError, Engine, run_worker_part
+from xgrad.engine import BackwardError, Engine
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
+from xgrad.engine_worker import run_worker_part
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
