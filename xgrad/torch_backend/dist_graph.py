@@ -5,10 +5,10 @@ seeds a backward) and from one ``send`` node per tensor this rank sent that requ
 (its edge, taken at the ``send``, leads to the sent tensor's ``grad_fn`` then, or to its
 accumulator for a leaf). A received tensor's ``RecvBackward`` node (:mod:`.dist_edges`)
 becomes a ``recv`` node; the accumulators of every leaf, parameters and inputs alike, are
-numbered in discovery order. The node functions call the torch nodes themselves, so
-xgrad's engine runs the pass with its own dependency counts; a matrix product whose
-input's gradient goes to a peer computes that one first and defers its weights'
-(:mod:`.dist_split`).
+numbered in discovery order. The node functions call the torch nodes themselves
+(:mod:`.dist_nodes`), so xgrad's engine runs the pass with its own dependency counts; a
+matrix product whose input's gradient goes to a peer computes that one first and defers
+its weights' (:mod:`.dist_split`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from xgrad.engine_plan import lists, reaches_recv
 from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend import dist_split
 from xgrad.torch_backend.dist_edges import hooked_caller, may_have_hooks
-from xgrad.torch_backend.dist_hooks import Seen, call_node_hooks, probe
-from xgrad.torch_backend.dist_split import SPLITTABLE, fit
+from xgrad.torch_backend.dist_hooks import Seen, probe
+from xgrad.torch_backend.dist_nodes import node_caller, recorded, root_function
+from xgrad.torch_backend.dist_split import SPLITTABLE
 
 __all__ = ["RankGraph", "build_rank_graph"]
 
@@ -67,100 +68,6 @@ class RankGraph:
     leaf_node_hooks: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     walked: dict[int, Any] = field(default_factory=dict)
     ran: list[int] = field(default_factory=list)
-
-
-def _caller(
-    fn: Any,
-    keep: list[int],
-    wants: list[Any],
-    hooks: tuple[Any, Any] | None = None,
-    materialize: bool = True,
-) -> NodeFunction:
-    """Run torch node ``fn`` and return the gradients of the edges kept in the graph.
-
-    ``wants`` is the input metadata of each kept edge's destination: as PyTorch's engine
-    does between nodes, a gradient of a broadcast input is summed back to the input's
-    shape, and cast to its dtype. A Python Function's results are matched to its tensor
-    inputs as PyTorch's engine matches them (results for non-tensor inputs are dropped).
-    The node's pre- and post-hooks (``hooks``, its hook dicts as :mod:`.dist_hooks` found
-    them) run around it. Without ``materialize`` (it called ``set_materialize_grads(False)``)
-    a Python Function's backward gets None where no gradient came.
-    """
-    call = fn.apply if isinstance(fn, BackwardCFunction) else fn
-    meta = getattr(fn, "_input_metadata", None) if isinstance(fn, BackwardCFunction) else None
-    # The node takes one gradient per output of its forward; the graph numbers only the
-    # slots some edge leads to, so a node whose last outputs are unused (``a, _ =
-    # x.chunk(2)``) gets fewer. PyTorch's engine passes undefined gradients there.
-    slots = len(fn._input_metadata)
-    # A Python Function's backward returns one gradient per input of its forward, tensors
-    # or not (``checkpoint(f, x)`` passes ``f`` first), while ``next_functions`` lists its
-    # tensor inputs only. The edges that lead somewhere are those of the inputs that need
-    # a gradient, in the same order: map each to its place in the backward's result.
-    at = list(range(len(fn.next_functions)))
-    if meta is not None:
-        needs = [j for j, need in enumerate(fn.needs_input_grad) if need]
-        live = [i for i, (child, _) in enumerate(fn.next_functions) if child is not None]
-        if len(needs) != len(live):
-            raise ValueError(
-                f"{type(fn).__name__}: {len(needs)} inputs need a gradient but "
-                f"{len(live)} edges lead to a node; cannot place its backward's results"
-            )
-        for i, j in zip(live, needs, strict=True):
-            at[i] = j
-
-    def node(inputs: list[Any]) -> tuple[Any, ...]:
-        if meta is not None and materialize:
-            # A Python Function's backward expects zeros, not None, where nothing arrived.
-            inputs = [
-                torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
-                for g, m in zip(inputs, meta, strict=True)
-            ]
-        out = call(*inputs)
-        return out if isinstance(out, tuple) else (out,)
-
-    linked = [child is not None for child, _ in fn.next_functions]
-    everywhere = list(range(len(at)))
-
-    def hooked(inputs: list[Any]) -> tuple[Any, ...]:
-        """The node's results between its hooks, one per next edge (None: to no node)."""
-        out = node(inputs)
-        return tuple(out[j] if to else None for j, to in zip(at, linked, strict=True))
-
-    def run(inputs: list[Any]) -> list[Any]:
-        if len(inputs) < slots:
-            inputs = [*inputs, *[None] * (slots - len(inputs))]
-        if hooks is None:
-            out, place = node(inputs), at
-        else:
-            out, place = call_node_hooks(*hooks, hooked, inputs), everywhere
-        grads = []
-        for i, want in zip(keep, wants, strict=True):
-            g = out[place[i]]
-            grads.append(None if g is None else fit(g, want))
-        return grads
-
-    return run
-
-
-def _recorded(run: NodeFunction, u: int, ran: list[int]) -> NodeFunction:
-    """``run``, noting node ``u`` in ``ran`` when a gradient reaches it (the engine calls a
-    node whose inputs are all None too: its part of the graph did not run)."""
-
-    def call(inputs: list[Any]) -> Sequence[Any]:
-        for g in inputs:
-            if g is not None:
-                ran.append(u)
-                break
-        return run(inputs)
-
-    return call
-
-
-def _root_function(roots: Sequence[torch.Tensor]) -> NodeFunction:
-    def run(inputs: list[Any]) -> list[Any]:
-        return [torch.ones_like(r) for r in roots]
-
-    return run
 
 
 #: graphs by structure: a training loop walks a new torch graph of the same shape on
@@ -215,7 +122,7 @@ def build_rank_graph(
     (those of sent tensors that may have hooks), those of roots that may have some and
     those ``seen`` given tensor hooks in the context run the hooks on their inputs first
     (:func:`.dist_edges.hooked_caller`); the Python Functions ``seen`` given hooks or told
-    not to materialize gradients get them (:func:`_caller`).
+    not to materialize gradients get them (:func:`.dist_nodes.node_caller`).
 
     Raises:
         ValueError: a root that does not require grad or is not a scalar.
@@ -281,7 +188,7 @@ def build_rank_graph(
     grad_roots: dict[int, Any] = {}
     if roots:
         root = add(NodeKind.FUNCTION, "GraphRoot")
-        functions[root] = _root_function(roots)
+        functions[root] = root_function(roots)
         grad_roots[root] = torch.ones(())
         for r in roots:
             e = get_gradient_edge(r)
@@ -308,12 +215,12 @@ def build_rank_graph(
         if seen is not None and isinstance(fn, BackwardCFunction):
             entry = seen.node_hooks.get(id(fn))
             hooks = None if entry is None else (entry[1], entry[2])
-            functions[u] = _caller(fn, keep, wants, hooks, id(fn) not in seen.unmaterialized)
+            functions[u] = node_caller(fn, keep, wants, hooks, id(fn) not in seen.unmaterialized)
         elif probing and (found := probe(fn)) != (None, None):
-            functions[u] = _caller(fn, keep, wants, found)
+            functions[u] = node_caller(fn, keep, wants, found)
             probed = True
         else:
-            functions[u] = _caller(fn, keep, wants)
+            functions[u] = node_caller(fn, keep, wants)
         if len(keep) > 1 and names[u] in SPLITTABLE:
             products.append((u, fn, keep, wants))
     graph = _graph(kinds, src, dst, input_nr, params, names)
@@ -333,7 +240,7 @@ def build_rank_graph(
             functions[u] = hooked_caller(node, functions[u])
     ran: list[int] = []
     for u in walked:
-        functions[u] = _recorded(functions[u], u, ran)
+        functions[u] = recorded(functions[u], u, ran)
     return RankGraph(
         graph, functions, grad_roots, tuple(leaves), tuple(send_nodes), recv_nodes, inner,
         leaf_node_hooks, walked, ran,
