@@ -4,7 +4,7 @@ xgrad's dependency computation decides what a pass does: from the roots and ever
 (``compute_dependencies`` on the ``grad_fn`` graph, :mod:`.dist_graph`) it knows which
 recvs are needed, which outputs (the roots together, each send) reach which recv and
 which leaf, and so when a recv's (a leaf's) gradient is complete: when every output
-reaching it was processed. The local graph itself runs in torch's C++ engine, in waves:
+reaching it was processed (:mod:`.dist_wave_plan`). The local graph itself runs in torch's C++ engine, in waves:
 whenever outputs' gradients are available (the roots at the start, the sends' gradients
 as they land, with any others already landed), the recvs completed by them get their
 gradients from one ``torch.autograd.grad`` call over every output reaching them, sent
@@ -27,89 +27,23 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.autograd.graph import GradientEdge
 
-from xgrad.dependencies import compute_dependencies, reachable_from
+from xgrad.dependencies import reachable_from
 from xgrad.engine import BackwardError, Engine
 from xgrad.engine import DistBackwardError as _EngineDistBackwardError
 from xgrad.engine_worker import run_worker_part
-from xgrad.graph import BackwardGraph, NodeKind
 from xgrad.torch_backend.dist_accumulate import leaf_hooks
 from xgrad.torch_backend.dist_graph import RankGraph
 from xgrad.torch_backend.dist_pass import ProcessPass
 from xgrad.torch_backend.dist_release import one_recompute
+from xgrad.torch_backend.dist_wave_plan import WavePlan, plan_waves
 
 __all__ = ["WavePlan", "plan_waves", "run_pass", "run_waves"]
-
-
-@dataclass(frozen=True)
-class WavePlan:
-    """Which recvs and leaves each output reaches (frozen; cached per graph structure).
-
-    Attributes:
-        recvs: output node -> the recv nodes it reaches, through needed nodes.
-        leaves: output node -> the accumulators' leaf indices it reaches.
-        recv_waits: recv node -> how many outputs reach it (its gradient is complete when
-            they were all processed).
-        leaf_waits: leaf index -> how many outputs reach it.
-    """
-
-    recvs: dict[int, tuple[int, ...]]
-    leaves: dict[int, tuple[int, ...]]
-    recv_waits: dict[int, int]
-    leaf_waits: dict[int, int]
-
-
-_PLANS: dict[int, tuple[BackwardGraph, WavePlan]] = {}
-_PLANS_MAX = 64
-
-
-def plan_waves(graph: BackwardGraph, root: int | None, sends: Sequence[int]) -> WavePlan:
-    """The plan of ``graph`` from ``root`` (the GraphRoot node, or None) and ``sends``."""
-    cached = _PLANS.get(id(graph))
-    if cached is not None and cached[0] is graph:
-        return cached[1]
-    roots = () if root is None else (root,)
-    deps = compute_dependencies(graph, roots, sends)
-    needed = deps.needed.tolist()
-    kinds = graph.kinds.tolist()
-    params = graph.params.tolist()
-    indptr = graph.indptr.tolist()
-    dst = graph.dst.tolist()
-    recvs: dict[int, tuple[int, ...]] = {}
-    leaves: dict[int, tuple[int, ...]] = {}
-    recv_waits: dict[int, int] = {}
-    leaf_waits: dict[int, int] = {}
-    for out in (*roots, *sends):
-        seen = {out}
-        stack = [out]
-        found_recvs: list[int] = []
-        found_leaves: list[int] = []
-        while stack:
-            u = stack.pop()
-            if kinds[u] == NodeKind.RECV:
-                found_recvs.append(u)
-                recv_waits[u] = recv_waits.get(u, 0) + 1
-            elif kinds[u] == NodeKind.ACCUMULATE:
-                found_leaves.append(params[u])
-                leaf_waits[params[u]] = leaf_waits.get(params[u], 0) + 1
-            for e in range(indptr[u], indptr[u + 1]):
-                v = dst[e]
-                if needed[v] and v not in seen:
-                    seen.add(v)
-                    stack.append(v)
-        recvs[out] = tuple(sorted(found_recvs))
-        leaves[out] = tuple(sorted(found_leaves))
-    plan = WavePlan(recvs, leaves, recv_waits, leaf_waits)
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-    _PLANS[id(graph)] = (graph, plan)
-    return plan
 
 
 _NODE = re.compile(r"Error detected in ([^\s.]+)")
