@@ -341,7 +341,7 @@ def test_what_a_later_microbatch_finds_is_set_aside_and_divided_at_the_losss_poi
     temp.grad = torch.tensor(1.0, dtype=torch.float64)  # an earlier step's
     scaling = StepScaling(3, actions, {0: 3}, [lin], extra=(5, []))
     scaling.begin(None)
-    scaling.more([temp, lin.weight])
+    scaling.more([temp, lin.weight], 5)
     assert temp.grad is not None and temp.grad.item() == 0.0  # set aside
     lin.weight.grad = torch.full_like(lin.weight, 3.0)
     assert lin.bias.grad is None

@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import xgrad.pipeline as xp  # noqa: E402
-from xgrad.torch_backend.pipeline_loss_params import LossLeaves  # noqa: E402
 from xgrad.torch_backend.pipeline_stage_base import StageState  # noqa: E402
 
 
@@ -29,7 +28,7 @@ def _state(no_sync: Any = None) -> StageState:
     state.checkpoint = "except_last"
     state.scale_grads = True
     state._losses = {}
-    state._leaves = LossLeaves()  # the step's (set by _start_grads)
+    state._leaves = {}  # the step's (set by _start_grads)
     return state
 
 

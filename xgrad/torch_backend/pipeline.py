@@ -91,7 +91,8 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
             ``invocations``, slot k is the k-th virtual stage placed on this rank.
         loss_fn: ``loss_fn(output, target)`` on the last stage (pytrees as the stage returns
             and the targets hold), with :meth:`step`'s ``loss_kwargs`` as keywords; its
-            parameters, a module's or a closure's, are treated as the last stage's
+            parameters, a module's or a closure's, are treated as the last stage's, and
+            the tensors a stage's forward reads without holding them as that stage's
             (``pipeline_loss_params``).
         invocations: fairscale-style invocations mapping virtual stages to partitions (a
             partition may be invoked more than once; its gradient is then the sum).

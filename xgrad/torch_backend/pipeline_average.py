@@ -10,13 +10,16 @@ no replica has one), as DDP with ``find_unused_parameters`` gives it.
 The last stage's reduction averages the loss's parameters too, as the unpipelined
 data-parallel model's: a loss module's with the stage's (every replica lists the same),
 then the tensors a loss function reads of its own (``pipeline_loss_params``), which each
-replica finds in its loss's graph. Those could differ between replicas whose losses take
-another branch on their data, and all-reduces of different sizes do not fail, they abort
-the process (gloo) or pair the wrong tensors; so a small integer all-reduce of a digest of
-their dtypes and shapes goes first, and replicas that found different ones are refused by
-name, on every replica, before any of their gradients is sent. The order they are found
-in depends on the data too (a head picked by the target: a then b on one replica, b then
-a on another), so they are sent in the order of where the loss function holds them
+replica finds in its loss's graph; every stage's averages the tensors its forward reads
+without holding them (a module-level parameter), found in the stage's graph. Those could
+differ between replicas whose losses or stages take another branch on their data, and
+all-reduces of different sizes do not fail, they abort the process (gloo) or pair the
+wrong tensors; so a small integer all-reduce of a digest of their dtypes and shapes goes
+first (at every stage's reduction: a replica cannot know that none found any), and
+replicas that found different ones are refused by name, on every replica, before any of
+their gradients is sent. The order they are found in depends on the data too (a head
+picked by the target: a then b on one replica, b then a on another), so they are sent in
+the order of where the loss function (or the stage's module) holds them
 (``pipeline_loss_order``), which the digest covers.
 """
 
@@ -41,11 +44,13 @@ def average_grads(
     params: Sequence[torch.Tensor],
     found: Sequence[torch.Tensor] | None = None,
     device: torch.device | None = None,
-    loss_fn: Any = None,
+    holder: Any = None,
+    reader: str = "the loss",
 ) -> None:
     """Average ``params``' gradients over the data-parallel steps ``dp``'s group (``size``
     replicas) at ``what`` (the REDUCE_GRAD action); then, where ``found`` is given (the
-    last stage's: the tensors ``loss_fn`` reads of its own, maybe none), theirs, once every
+    tensors ``reader``, a stage's forward or its loss, reads of its own that ``holder``,
+    the loss function or the stage's module, may hold; maybe none), theirs, once every
     replica is known to have found the same, in the same order (a digest all-reduced on
     ``device``).
 
@@ -56,7 +61,7 @@ def average_grads(
     launched = _launch(params, dp)
     digest = None
     if found is not None:
-        found, keys, alike = in_order(found, loss_fn)
+        found, keys, alike = in_order(found, holder)
         mine = _digest(keys)
         # The maximum of each and of its negation: every replica's is the same iff the two
         # give the same number (a 62-bit digest, where a sum of squares would overflow).
@@ -64,25 +69,27 @@ def average_grads(
         digest_work = dist.all_reduce(digest, op=dist.ReduceOp.MAX, group=dp.group(), async_op=True)
     _finish(launched, dp, size, what)
     if digest is not None and found is not None:
-        dp.wait(digest_work, f"{what} (the loss's tensors)", digest.is_cuda)
+        dp.wait(digest_work, f"{what} (the tensors {reader} reads)", digest.is_cuda)
         high, low = digest.tolist()
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found) or "none"
         if high != -low:
             raise ValueError(
-                f"{what}: the data-parallel replicas' losses reached different tensors of "
-                f"their own (this replica's: {shapes}): a loss function's parameters "
-                "(a closure's, a bound module's) are averaged over dp_group with the last "
-                "stage's, so every replica's loss must read the same ones at each step "
-                "(read them on every microbatch, or make them a loss module's)"
+                f"{what}: in the data-parallel replicas, {reader} reached different "
+                f"tensors of their own (this replica's: {shapes}): what a loss function or "
+                "a stage's forward reads without holding it as a parameter (a closure's, "
+                "a bound module's) is averaged over dp_group with the stage's parameters, "
+                "so every replica must read the same ones at each step (read them on every "
+                "microbatch, or make them the loss module's or the stage's parameters)"
             )
         if alike:  # the same on every replica (the digest covers it): all refuse
             raise ValueError(
-                f"{what}: the loss reached tensors of its own of the same dtype and shape "
-                f"that it does not hold as Python objects ({shapes}): the data-parallel "
-                "replicas, which may reach them in another order, cannot tell which is "
-                "which to average them; make them a loss module's parameters, or name them "
-                "in the loss function (its closure, a default, a global, a partial's "
-                "argument, its module)"
+                f"{what}: {reader} reached tensors of its own of the same dtype and "
+                f"shape that it does not hold as Python objects ({shapes}): the "
+                "data-parallel replicas, which may reach them in another order, cannot "
+                "tell which is which to average them; make them the loss module's or the "
+                "stage's parameters, or name them where they are read (the loss "
+                "function's closure, a default, a global, a partial's argument, its "
+                "module; an attribute of the stage's module)"
             )
         if found:
             _finish(_launch(found, dp), dp, size, what)

@@ -58,6 +58,7 @@ class StepCall:
     _loss_kwargs: dict[str, Any] | None
     _keywords: dict[str, Any] | None
     _keyword_mbs: list[dict[str, Any]] | None
+    _target_mbs: list[Any] | None
     _chunk_specs: ChunkSpecs  # the runtime's args/kwargs_chunk_spec, output_merge_spec
     rank: int
     schedule: Schedule
@@ -163,7 +164,7 @@ class StepCall:
             outputs = self._outputs
         finally:  # a failed step's outputs are not kept either, nor the keywords' chunks
             self._keep_outputs, self._loss_kwargs, self._outputs = False, None, {}
-            self._keywords = self._keyword_mbs = None
+            self._keywords = self._keyword_mbs = self._target_mbs = None
         # Merged after the step, which every rank finished: an output that cannot be merged
         # fails here alone, leaving the step's group as it is (inside the step, its
         # failure reset this rank's group and not the others', and the next step timed out).

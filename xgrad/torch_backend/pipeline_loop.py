@@ -53,7 +53,7 @@ class StepLoop(StepGroups, StagePasses):
         self._ddp_steps = ddp_steps(self._ddps)
         self._start_grads()  # REDUCE_GRAD's step, the division by m (pipeline_scale)
         self._devices, self._joins, self._losses, self._outputs = {}, StageJoins(), {}, {}
-        self._keyword_mbs = None
+        self._keyword_mbs = self._target_mbs = None
         mine = set(sched.stages_of(self.rank))
         # A batch this rank cannot split fails the step on every rank: posted before the
         # private group is made (the peers wait for it in wait_all_started), else below.
@@ -83,6 +83,7 @@ class StepLoop(StepGroups, StagePasses):
                 early = self._split(inputs, targets, mine)
                 split = True
             xs, ys, self._keyword_mbs = early
+            self._target_mbs = ys
             loss = None
             self.records = []
             for i, action in enumerate(self._actions):

@@ -1,29 +1,33 @@
-"""The tensors a pipeline's loss differentiates besides its last stage's parameters.
+"""The tensors a pipeline stage differentiates besides its parameters: those its loss, or
+its forward, reads without holding them.
 
 A ``loss_fn`` that is a module lists its parameters; one that is a plain function may read
 parameters too: a lambda closing over a learnt temperature, a ``functools.partial`` or a
-bound method of a module that holds some, a weight of a stage tied into the loss. The
-runtime must treat those as a loss module's (divided by m once with the last stage's, see
-``pipeline_scale``; differentiated by the last stage's W under zero bubble; averaged over
-``dp_group``), else under B they got m times the unpipelined model's gradient where m is
-not a power of two, and under I and W none.
+bound method of a module that holds some, a weight of a stage tied into the loss. A
+stage's forward may read tensors it does not hold as well: a module-level
+``nn.Parameter``, a gain kept in a plain list, another partition's weight (an embedding
+tied into the head). The runtime must treat those as the stage's parameters (divided by m
+once with them, see ``pipeline_scale``; differentiated by the stage's W under zero
+bubble; averaged over ``dp_group``), else under B they got m times the unpipelined
+model's gradient where m is not a power of two, and under I and W none.
 
-No Python object names them, so they are found in the loss's autograd graph: each forward
-of the last stage walks the graph the loss function itself added, from the loss down to
-where it reaches its arguments (the stage's output, the target, ``loss_kwargs``: the
-walk stops at their nodes, taken before the call, so an in-place change of the output
-does not hide what lies above it), and keeps the leaves that require grad there
-(``AccumulateGrad`` nodes' ``variable``), the last stage's own parameters set apart. That
-is a few nodes per microbatch (an MSE of a scaled output: three), not the stage's graph:
-3 to 5 microseconds with the look at its arguments (MSE, a closure's MSE, a cross
-entropy), against a forward's milliseconds. The set is this step's (found anew each step:
-``loss_fn`` may change between steps), and grows as the step's microbatches reach more (a
-loss whose graph depends on its data: ``StepScaling.more``).
+No Python object names them, so they are found in the autograd graph: each forward walks
+the graph from the loss (the last stage) or the stage's outputs down to where it reaches
+the stage's arguments (its input, its keywords; the target and ``loss_kwargs``: the
+walk stops at their nodes, taken before the call), and keeps the leaves that require grad
+there (``AccumulateGrad`` nodes' ``variable``), the stage's own parameters set apart.
+What the walk stops at is the step's own data, not the model's: the runtime divides what
+reaches it as it reaches it (``StepScaling.begin``), and W differentiates it by a whole
+backward (``StageSettings._takes_batch_grad``).
 
-What the walk stops at is the step's own data, not a parameter: a target or a
-``loss_kwargs`` tensor that requires grad is left as before (whole-batch tensors of the
-step, not the model's), and so is a tensor the last stage's forward reads without
-holding it (that is the stage's graph, below its output).
+Where nothing needs them found (m a power of two, so each loss is divided before its
+backward; no W; no ``dp_group``: every backward reaches them, each loss divided), the walk
+stops at the stage's output: the loss's few nodes (an MSE of a scaled output: three), 3
+to 5 microseconds a microbatch, and none for the other stages. Else it walks the stage's
+graph: about 0.2 microseconds a node (40 for four transformer layers, 2% of their forward
+on a CPU). The set is this step's (found anew each step: ``loss_fn`` and the model may
+change between steps), and grows as the step's microbatches reach more (a graph that
+depends on its data: ``StepScaling.more``).
 """
 
 from __future__ import annotations
@@ -37,24 +41,26 @@ from torch import nn
 from xgrad.torch_backend.autograd_graph import leaf_variables
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["LossLeaves", "Stops", "module_params"]
+__all__ = ["StageLeaves", "Stops", "module_params"]
 
-#: where a walk of the loss's graph ends: the ids of its arguments' tensors that require
+#: where a walk of a stage's graph ends: the ids of its arguments' tensors that require
 #: grad, and their graph nodes
 Stops = tuple[set[int], set[Any]]
 
 
-class LossLeaves:
-    """One step's tensors of a loss's own (:meth:`see` at each forward of the last stage)."""
+class StageLeaves:
+    """One step's tensors of a stage's own, besides its parameters (:meth:`see` at each of
+    its forwards): its loss's too on the last stage."""
 
     def __init__(self) -> None:
         self.found: dict[int, torch.Tensor] = {}  # id -> tensor, in the order found
-        self._apart: set[int] = set()  # ids of the last stage's parameters the loss read
+        self._apart: set[int] = set()  # ids of the stage's parameters the walk reached
 
     @staticmethod
     def stops(*arguments: Any) -> Stops:
-        """Where a walk from the loss ends (``arguments``: pytrees of what the loss and the
-        stage were given and gave), taken before the loss is computed."""
+        """Where a walk ends (``arguments``: pytrees of what the stage and its loss were
+        given, and of what the stage gave where the walk starts at the loss), taken
+        before the call."""
         tensors = []
         for tree in arguments:  # (a tensor or nothing mostly: no pytree walk for those)
             if isinstance(tree, torch.Tensor):
@@ -65,15 +71,25 @@ class LossLeaves:
         return {id(t) for t in tensors}, {t.grad_fn for t in tensors if t.grad_fn is not None}
 
     def see(
-        self, loss: torch.Tensor, stops: Stops, own: Callable[[], Iterable[torch.Tensor]]
+        self,
+        roots: Iterable[torch.Tensor],
+        stops: Stops,
+        own: Callable[[], Iterable[torch.Tensor]],
     ) -> list[torch.Tensor]:
-        """The leaves ``loss`` reaches before ``stops`` that the step had not found yet and
-        that are not among ``own()`` (the last stage's parameters, listed only when a new
-        leaf turns up), now kept in :attr:`found`."""
+        """The leaves ``roots`` (the loss, or the stage's outputs) reach before ``stops``
+        that the step had not found yet and that are not among ``own()`` (the stage's
+        parameters, listed only when a new leaf turns up), now kept in :attr:`found`."""
         ids, nodes = stops
+        fns, reached = [], []
+        for t in roots:
+            if t.grad_fn is not None:
+                fns.append(t.grad_fn)
+            elif t.requires_grad:  # an output that is a leaf itself
+                reached.append(t)
+        reached += leaf_variables(fns, nodes)
         new = [
             var
-            for var in leaf_variables([loss.grad_fn], nodes)
+            for var in reached
             if id(var) not in ids and id(var) not in self.found and id(var) not in self._apart
         ]
         if not new:
@@ -88,9 +104,9 @@ class LossLeaves:
                 kept.append(var)
         return kept
 
-    def weights(self, loss_fn: Any) -> list[torch.Tensor]:
-        """The loss's parameters: a module's (all of them, reached by this step or not),
-        then those found, each once."""
+    def weights(self, loss_fn: Any = None) -> list[torch.Tensor]:
+        """The tensors found, after a module ``loss_fn``'s parameters (all of them, reached
+        by this step or not: the last stage's), each once."""
         params = {id(p): p for p in module_params(loss_fn)}
         for key, var in self.found.items():
             params.setdefault(key, var)

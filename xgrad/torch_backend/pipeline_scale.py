@@ -21,9 +21,10 @@ Where torch does worse, this runtime does not:
   gradient, as for the unpipelined model.
 - A parameter that two partitions of a rank share is divided once, after the later (torch
   divides it at each of its stages).
-- The step's own tensors that require grad (stage 0's batch, a keyword of the model) get
-  the unpipelined model's gradient: each microbatch's is divided by m as it reaches them
-  (torch leaves them m times that). A tensor divided at a point that they are or were
+- The step's own tensors that require grad (stage 0's batch, a keyword of the model, the
+  targets, a ``loss_kwargs`` tensor) get the unpipelined model's gradient: each
+  microbatch's is divided by m as it reaches them (torch leaves them m times that under B,
+  and its zero-bubble W none to the targets). A tensor divided at a point that they are or were
   computed from (the loss's projection tied to an embedding taken before the step) would
   be divided twice on that path, so it is refused (:meth:`StepScaling.begin`, ``more``);
   where m is a power of two each loss is divided before its backward, and it is right.
@@ -42,7 +43,10 @@ Where torch does worse, this runtime does not:
   in the loss's graph at each forward of the last stage (``pipeline_loss_params``) and
   join the division at the last stage's point (:meth:`StepScaling.more` for those a
   later microbatch reaches first). Before, they were not seen: under B m times the
-  unpipelined model's gradient, under I and W none.
+  unpipelined model's gradient, under I and W none. So are the tensors a stage's forward
+  reads without holding them (a module-level ``nn.Parameter``, another partition's
+  weight), found in the stage's graph and divided at its partition's point (torch leaves
+  them m times the unpipelined model's gradient under B, none under its zero-bubble W).
 
 A step that fails puts back what it set aside: ``.grad`` then holds that plus the failed
 step's partial, undivided gradients (zero them before retrying).
@@ -102,7 +106,9 @@ class StepScaling:
         extra: tuple[int, Sequence[torch.Tensor]] | None = None,
     ) -> None:
         self.m = m
-        self._extra = extra  # (point, parameters): the loss_fn's, at the last stage's point
+        # (point, tensors) before begin: the loss_fn's parameters at the last stage's point
+        # (``extra``), then what a stage or its loss reads of its own (more)
+        self._pending: list[tuple[int, Sequence[torch.Tensor]]] = [] if extra is None else [extra]
         self._actions = actions
         self._points = points
         self._partitions = partitions
@@ -116,8 +122,8 @@ class StepScaling:
     def begin(self, step_tensors: Any) -> None:
         """Before the step's first backward (once; later calls return at once): the
         parameters' gradients set aside, and the tensors of ``step_tensors`` (a pytree:
-        the step's own inputs and keywords, as its microbatches see them) that require
-        grad divide what reaches them by m."""
+        the step's own inputs, keywords, targets and ``loss_kwargs``, as its microbatches
+        see them) that require grad divide what reaches them by m."""
         if self._due is not None:
             return
         # Each parameter once, at the later of its partitions' points (read each step:
@@ -126,8 +132,8 @@ class StepScaling:
         groups: list[tuple[int, Iterable[torch.Tensor]]] = [
             (at, self._partitions[slot].parameters()) for slot, at in self._points.items()
         ]
-        if self._extra is not None:
-            groups.append(self._extra)
+        groups += self._pending
+        self._pending = []
         for at, params in groups:
             for p in params:
                 seen = owner.get(id(p))
@@ -153,14 +159,14 @@ class StepScaling:
         for p in params:
             if id(p) in self._upstream:
                 raise ValueError(
-                    f"the step's inputs or keywords are, or were computed from, a tensor of "
-                    f"shape {tuple(p.shape)} ({p.dtype}) that a stage or the loss reads as "
-                    f"its own: with m = {self.m} microbatches, not a power of two, its "
-                    "gradient is divided by m after the step's last backward, and what "
-                    "reaches it through the inputs, divided as it reaches them, would be "
-                    "divided twice; compute the inputs inside the first stage, give them "
-                    "detached, or take m a power of two (each microbatch's loss is then "
-                    "divided before its backward)"
+                    f"the step's inputs, keywords, targets or loss_kwargs are, or were "
+                    f"computed from, a tensor of shape {tuple(p.shape)} ({p.dtype}) that a "
+                    f"stage or the loss reads as its own: with m = {self.m} microbatches, "
+                    "not a power of two, its gradient is divided by m after the step's "
+                    "last backward, and what reaches it through them, divided as it "
+                    "reaches them, would be divided twice; compute them inside the stages "
+                    "(or the loss), give them detached, or take m a power of two (each "
+                    "microbatch's loss is then divided before its backward)"
                 )
 
     def _set_aside(self, param: torch.Tensor) -> None:
@@ -169,17 +175,16 @@ class StepScaling:
                 self._saved[id(param)] = (param, param.grad.clone())
                 param.grad.zero_()
 
-    def more(self, found: Sequence[torch.Tensor]) -> None:
-        """Tensors the loss reads of its own, found at a forward of the last stage
-        (``pipeline_loss_params``): divided with the loss's parameters. Found after
-        :meth:`begin`, each is set aside now (it has none of the step's gradient yet: the
-        loss reaches it first at that forward, before its backward), or moved to the
-        loss's point where a partition's came earlier."""
-        if self._extra is None:
-            return
-        at = self._extra[0]
+    def more(self, found: Sequence[torch.Tensor], at: int) -> None:
+        """Tensors a stage or its loss reads of its own, found at one of its forwards
+        (``pipeline_loss_params``): divided at ``at``, its partition's point (the last
+        stage's for the loss's). Found after :meth:`begin`, a new one is set aside now (it
+        has none of the step's gradient yet: a graph of this step reaches it first at that
+        forward, before its backward), or moved to ``at`` where it was due earlier: what
+        it held before the step was set aside at begin, and what it holds now is this
+        step's (a partition's parameter that an earlier stage reads late), kept."""
         if self._due is None:  # begin takes them with the rest
-            self._extra = (at, [*self._extra[1], *found])
+            self._pending.append((at, list(found)))
             return
         self._refuse_twice(found)
         for p in found:
@@ -189,9 +194,10 @@ class StepScaling:
             if seen is not None:
                 before = self._due[self._actions[seen[0]]]
                 before[:] = [q for q in before if q is not p]
+            else:
+                self._set_aside(p)
             self._owner[id(p)] = (at, p)
             self._due.setdefault(self._actions[at], []).append(p)
-            self._set_aside(p)
 
     def _divided(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.m

@@ -159,8 +159,9 @@ class StagePasses(BackwardPasses):
                     part = part / self.schedule.num_microbatches
                 loss = part if loss is None else loss + part
         elif kind in _BACKWARDS:  # B, I or W (the step's first one sets gradients aside)
-            if self._scaling is not None:
-                self._scaling.begin((xs, self._keyword_mbs))
+            if self._scaling is not None:  # the step's own tensors: what reaches them divided
+                theirs = None if ys is None else (ys, self._loss_kwargs)  # (the last stage's)
+                self._scaling.begin((xs, self._keyword_mbs, theirs))
             if kind is Kind.BACKWARD_WEIGHT:
                 self._backward_weight(action, slot)
             else:

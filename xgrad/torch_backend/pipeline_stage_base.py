@@ -1,8 +1,8 @@
 """What a pipeline stage's passes share beyond the settings and lookups of
 :class:`~xgrad.torch_backend.pipeline_stage_settings.StageSettings`: the forward call with
-its loss (checked, its own parameters found), REDUCE_GRAD over a data-parallel group, and
-the step's division of the gradients by m. The passes themselves are
-:class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
+its loss (checked; the tensors the stage and its loss read of their own found),
+REDUCE_GRAD over a data-parallel group, and the step's division of the gradients by m.
+The passes themselves are :class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from xgrad.pipeline import Action
+from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
 from xgrad.torch_backend.pipeline_average import average_grads
-from xgrad.torch_backend.pipeline_loss_params import LossLeaves, Stops, module_params
+from xgrad.torch_backend.pipeline_loss_params import StageLeaves, Stops, module_params
 from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
 from xgrad.torch_backend.pipeline_stage_settings import StageSettings
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
@@ -38,7 +38,7 @@ class StageState(StageSettings):
         if self._scaling is not None:
             self._scaling.abandon()  # (done already, unless a step ended unseen)
             self._scaling = None
-        self._leaves = LossLeaves()
+        self._leaves, self._whole_walk = {}, False
         m = self.schedule.num_microbatches
         if self._evaluating:
             return
@@ -52,6 +52,14 @@ class StageState(StageSettings):
             self._scaling = StepScaling(
                 m, self._actions, self._points[1], self.partitions, self._loss_params()
             )
+        # Whether each forward walks its stage's graph for the tensors it reads of its own
+        # (pipeline_loss_params): where they are divided after the backward, differentiated
+        # by W, or averaged; elsewhere each backward reaches them with its loss divided.
+        self._whole_walk = (
+            self._scaling is not None
+            or self._dp_group is not None
+            or any(a.kind is Kind.BACKWARD_WEIGHT for a in self._actions)
+        )
 
     def _loss_scaled(self) -> bool:
         """Whether each microbatch's loss is divided by m before its backward, instead of
@@ -66,7 +74,7 @@ class StageState(StageSettings):
     def _loss_params(self) -> tuple[int, list[torch.Tensor]] | None:
         """On the last stage's rank, the loss's parameters known so far, with the point of
         that stage's partition: divided there as the unpipelined model's (pipeline_scale;
-        those the step's forwards find join them there, ``_see_loss``)."""
+        those the step's forwards find join them there, ``_see``)."""
         slot = self._slot_of.get(self.schedule.num_stages - 1)
         if slot is None or self._points is None:
             return None
@@ -75,36 +83,56 @@ class StageState(StageSettings):
 
     def _loss_weights(self) -> list[torch.Tensor]:
         """The loss's parameters that require grad: a module ``loss_fn``'s, and the tensors
-        a loss function reads of its own, found in its graph (pipeline_loss_params). The
-        last stage's W (and the joins its I pass finds) differentiates them with the
-        stage's own, as B does, else a zero-bubble step left their ``.grad`` None."""
-        return self._leaves.weights(self.loss_fn)
+        a loss function (or the last stage's forward) reads of its own, found in its graph
+        (pipeline_loss_params). The last stage's W (and the joins its I pass finds)
+        differentiates them with the stage's own, as B does, else a zero-bubble step left
+        their ``.grad`` None."""
+        return self._leaves_of(self.schedule.num_stages - 1).weights(self.loss_fn)
 
-    def _see_loss(self, loss: torch.Tensor, stops: Stops) -> None:
-        """What ``loss`` reads of its own that the step had not found: divided with the
-        loss's parameters from now (pipeline_scale)."""
-        last = self._module(self.schedule.num_stages - 1)
-        found = self._leaves.see(loss, stops, last.parameters)
-        if found and self._scaling is not None:
-            self._scaling.more(found)
+    def _leaves_of(self, stage: int) -> StageLeaves:
+        found = self._leaves.get(stage)
+        if found is None:
+            found = self._leaves[stage] = StageLeaves()
+        return found
+
+    def _see(self, stage: int, roots: list[torch.Tensor], stops: Stops) -> None:
+        """What ``roots`` (the loss, or a stage's outputs) reach of the stage's own that the
+        step had not found: divided with the stage's parameters from now (pipeline_scale)."""
+        found = self._leaves_of(stage).see(roots, stops, self._module(stage).parameters)
+        if found and self._scaling is not None and self._points is not None:
+            at = self._points[1].get(self._slot_of[stage])
+            if at is not None:
+                self._scaling.more(found, at)
 
     def _params(self, stage: int) -> Callable[[], list[torch.Tensor]]:
-        """What W differentiates: the stage's parameters, and the last's loss's."""
-        if stage == self.schedule.num_stages - 1:
-            return lambda: list(
-                {
-                    id(p): p
-                    for p in (*self._module(stage).parameters(), *self._loss_weights())
-                    if p.requires_grad
-                }.values()
-            )
-        return lambda: [p for p in self._module(stage).parameters() if p.requires_grad]
+        """What W differentiates: the stage's parameters and what it reads of its own (the
+        last stage's loss's too)."""
+        loss_fn = self.loss_fn if stage == self.schedule.num_stages - 1 else None
+        return lambda: list(
+            {
+                id(p): p
+                for p in (
+                    *self._module(stage).parameters(),
+                    *self._leaves_of(stage).weights(loss_fn),
+                )
+                if p.requires_grad
+            }.values()
+        )
 
     def _run_forward(self, stage: int, mb: int, x: Any, target: Any) -> Any:
         args = () if x is KEYWORDS_ONLY else (x,)
+        last = stage == self.schedule.num_stages - 1
+        # Where a walk of the stage's graph for what it reads of its own ends (its
+        # arguments; the loss's too on the last stage): taken before the call.
+        walks = not self._evaluating and self._whole_walk and torch.is_grad_enabled()
+        stops = None
+        if walks:
+            given = (x, target, self._loss_kwargs) if last else (x,)
+            stops = StageLeaves.stops(*given, self._keywords_of(mb))
         with self._sync_context(stage, mb):
             y = self._module(stage)(*args, **self._keywords_of(mb))
-        last = stage == self.schedule.num_stages - 1
+        if stops is not None and not last:
+            self._see(stage, tensor_leaves(y), stops)
         if last and self._keep_outputs and mb not in self._outputs:  # (a recompute's: equal)
             # Detached, all of them. torch's backward detaches its outputs in place, to
             # free their graph, but cannot detach a view in place, and returns views
@@ -117,12 +145,11 @@ class StageState(StageSettings):
                 self._losses[mb] = self._loss(y, target).detach()
             return y
         if last:
-            # Where a walk of the loss's own graph ends: taken before it is computed.
-            given = (x, y, target, self._loss_kwargs, self._keywords_of(mb))
-            stops = LossLeaves.stops(*given) if torch.is_grad_enabled() else None
+            if stops is None and torch.is_grad_enabled():  # the loss's own graph alone
+                stops = StageLeaves.stops(x, y, target, self._loss_kwargs, self._keywords_of(mb))
             loss = self._loss(y, target)
             if stops is not None:
-                self._see_loss(loss, stops)
+                self._see(stage, [loss], stops)
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
             if self._loss_scaled():  # m a power of two: exact, and free (_loss_scaled)
                 return loss / self.schedule.num_microbatches
@@ -173,19 +200,32 @@ class StageState(StageSettings):
 
     def _average_grads(self, action: Action) -> None:
         """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
-        it (pipeline_average); the last stage's, the loss's parameters too."""
-        params: list[torch.Tensor] = list(self._module(action.stage).parameters())
-        found = None
-        if action.stage == self.schedule.num_stages - 1:
-            listed = {id(p) for p in params}
+        it (pipeline_average), with the tensors its stages read of their own (the last
+        stage's loss's too)."""
+        module = self._module(action.stage)
+        params: list[torch.Tensor] = list(module.parameters())
+        listed = {id(p) for p in params}
+        last = self.schedule.num_stages - 1
+        slot = self._slot_of[action.stage]
+        stages = [s for s, at in self._slot_of.items() if at == slot]  # (invocations)
+        if last in stages:
             for p in module_params(self.loss_fn):  # every replica's lists the same
                 if id(p) not in listed:
                     listed.add(id(p))
                     params.append(p)
-            found = [t for t in self._leaves.found.values() if id(t) not in listed]
+        found: dict[int, torch.Tensor] = {}
+        for s in stages:
+            for key, t in self._leaves_of(s).found.items():
+                if key not in listed:
+                    found.setdefault(key, t)
         size = dist.get_world_size(self._dp_group)
         device = self._device(action.stage)
-        average_grads(self._dp, size, str(action), params, found, device, self.loss_fn)
+        holder = (self.loss_fn, module) if last in stages else module  # (their order)
+        reader = "the loss or forward" if last in stages else "the forward"
+        reader = f"{reader} of stage {'/'.join(map(str, stages))}"
+        average_grads(
+            self._dp, size, str(action), params, list(found.values()), device, holder, reader
+        )
         self._dp.finished()
 
 

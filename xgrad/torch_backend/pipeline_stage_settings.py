@@ -23,7 +23,7 @@ from xgrad.pipeline import Action, Schedule
 from xgrad.torch_backend.failure import Waiters, wait_work
 from xgrad.torch_backend.pipeline_comm import StepWire
 from xgrad.torch_backend.pipeline_joins import StageJoins
-from xgrad.torch_backend.pipeline_loss_params import LossLeaves
+from xgrad.torch_backend.pipeline_loss_params import StageLeaves
 from xgrad.torch_backend.pipeline_recompute import checkpointed
 from xgrad.torch_backend.pipeline_scale import StepScaling
 from xgrad.torch_backend.pipeline_slot import Slot
@@ -60,13 +60,15 @@ class StageSettings:
     _devices: dict[int, torch.device]  # per stage, where its parameters are (this step)
     _losses: dict[int, torch.Tensor]  # per microbatch, its loss (unscaled; this step)
     _joins: StageJoins  # per stage graph, where W starts (this step)
-    _leaves: LossLeaves  # the tensors the loss reads of its own (this step)
+    _leaves: dict[int, StageLeaves]  # per stage, what it (its loss) reads of its own
+    _whole_walk: bool = False  # each forward walks its stage's graph for them (this step)
     _evaluating: bool = False  # this step runs the forwards alone (eval)
     _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
     _keep_outputs: bool = False  # kept: eval(), or step(), with return_outputs=True
     _loss_kwargs: dict[str, Any] | None = None  # step(loss_kwargs=), torch's
     _keywords: dict[str, Any] | None = None  # step(**kwargs): the model's, whole batch
     _keyword_mbs: list[dict[str, Any]] | None = None  # the same per microbatch (this step)
+    _target_mbs: list[Any] | None = None  # the targets per microbatch (the last stage's rank)
     _chunk_specs: ChunkSpecs = ChunkSpecs()  # the runtime's torch chunk specs (pipeline_specs)
 
     def _module(self, stage: int) -> nn.Module:
@@ -112,10 +114,16 @@ class StageSettings:
 
     def _takes_batch_grad(self, stage: int, slot: Slot, mb: int) -> bool:
         """Whether ``stage``'s forward read something of the step's own that requires grad:
-        the batch (stage 0) or a keyword. Its backward then goes on into them (into
-        ``.grad`` of the tensors the caller gave), as the unpipelined model's does."""
+        the batch (stage 0), a keyword, or (the last stage's loss) the target or a
+        ``loss_kwargs`` tensor. Its backward then goes on into them (into ``.grad`` of the
+        tensors the caller gave), as the unpipelined model's does: under zero bubble W
+        takes the whole backward (its joins reach parameters only)."""
         if any(t.requires_grad for t in tensor_leaves(self._keywords_of(mb))):
             return True
+        if stage == self.schedule.num_stages - 1 and self._target_mbs is not None:
+            theirs = (self._target_mbs[mb], self._loss_kwargs)
+            if any(t.requires_grad for t in tensor_leaves(theirs)):
+                return True
         if self.schedule.sources(stage) or slot.input is None:
             return False
         return any(t.requires_grad for t in tensor_leaves(slot.input))
