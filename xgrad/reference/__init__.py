@@ -19,11 +19,9 @@ from xgrad.numpy_ops import NumpyOps as NumpyOps
 from xgrad.reference.clock import LinkModel as LinkModel
 from xgrad.reference.clock import VirtualClock as VirtualClock
 from xgrad.reference.comm import CollectiveError as CollectiveError
-from xgrad.reference.comm import RankError as RankError
 from xgrad.reference.comm import ReferenceComm as ReferenceComm
 from xgrad.reference.comm import ReferenceWork as ReferenceWork
 from xgrad.reference.comm import World as World
-from xgrad.reference.comm import spawn as spawn
 from xgrad.reference.ddp import DataParallel as DataParallel
 from xgrad.reference.ddp import run_data_parallel as run_data_parallel
 from xgrad.reference.ddp import single_process_grads as single_process_grads
@@ -33,6 +31,8 @@ from xgrad.reference.models import ForwardPass as ForwardPass
 from xgrad.reference.models import build_model as build_model
 from xgrad.reference.models import mlp_batch as mlp_batch
 from xgrad.reference.models import mlp_weights as mlp_weights
+from xgrad.reference.rank_threads import RankError as RankError
+from xgrad.reference.rank_threads import spawn as spawn
 from xgrad.reference.runner import ReferenceRunner as ReferenceRunner
 from xgrad.reference.runner import array_ops as array_ops
 from xgrad.reference.runner import run_ranks as run_ranks
