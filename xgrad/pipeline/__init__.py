@@ -33,9 +33,9 @@ from xgrad.pipeline.passes import add_stage_ops as add_stage_ops
 from xgrad.pipeline.passes import insert_comms as insert_comms
 from xgrad.pipeline.passes import strip_comms as strip_comms
 from xgrad.pipeline.schedule import Schedule as Schedule
+from xgrad.pipeline.schedule_error import ScheduleError as ScheduleError
 from xgrad.pipeline.simulate import DEFAULT_COSTS as DEFAULT_COSTS
 from xgrad.pipeline.simulate import Simulation as Simulation
 from xgrad.pipeline.simulate import Span as Span
 from xgrad.pipeline.simulate import simulate as simulate
-from xgrad.pipeline.validate import ScheduleError as ScheduleError
 from xgrad.pipeline.validate import validate as validate
