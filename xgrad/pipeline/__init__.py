@@ -9,7 +9,6 @@ from xgrad.pipeline.csvio import load_csv as load_csv
 from xgrad.pipeline.csvio import schedule_from_csv as schedule_from_csv
 from xgrad.pipeline.csvio import schedule_to_csv as schedule_to_csv
 from xgrad.pipeline.generators import SCHEDULES as SCHEDULES
-from xgrad.pipeline.generators import from_invocations as from_invocations
 from xgrad.pipeline.generators import gpipe as gpipe
 from xgrad.pipeline.generators import make as make
 from xgrad.pipeline.generators import one_f_one_b as one_f_one_b
@@ -22,6 +21,7 @@ from xgrad.pipeline.invocation import dag as dag
 from xgrad.pipeline.invocation import partitions_of as partitions_of
 from xgrad.pipeline.invocation import placement_of as placement_of
 from xgrad.pipeline.invocation import sources_of as sources_of
+from xgrad.pipeline.list_scheduler import from_invocations as from_invocations
 from xgrad.pipeline.messages import simulate_messages as simulate_messages
 from xgrad.pipeline.multistage import dualpipev as dualpipev
 from xgrad.pipeline.multistage import interleaved_1f1b as interleaved_1f1b

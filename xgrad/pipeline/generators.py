@@ -3,18 +3,20 @@
 Index letters, used throughout: p ranks (pipeline stages of the model, one per rank), m
 microbatches, v chunks (virtual stages) per rank. Each generator returns a compute-only
 :class:`~xgrad.pipeline.Schedule`; :func:`~xgrad.pipeline.insert_comms` adds the sends and
-receives. The drawings show p = 4, m = 8 with the equal costs of
-:data:`~xgrad.pipeline.DEFAULT_COSTS` (F = I = W = 1, B = 2), as simulated: each unit of time
-is two characters, the pass and its microbatch (a B, two units, shows twice; ``..`` is idle).
+receives. ZB-H2's order, and :func:`~xgrad.pipeline.from_invocations` for any placement,
+come from the list scheduler (:mod:`xgrad.pipeline.list_scheduler`). The drawings show
+p = 4, m = 8 with the equal costs of :data:`~xgrad.pipeline.DEFAULT_COSTS` (F = I = W = 1,
+B = 2), as simulated: each unit of time is two characters, the pass and its microbatch (a
+B, two units, shows twice; ``..`` is idle).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from xgrad.pipeline.actions import Action, Kind
-from xgrad.pipeline.invocation import Invocation, placement_of, sources_of
+from xgrad.pipeline.list_scheduler import from_invocations as from_invocations
+from xgrad.pipeline.list_scheduler import list_schedule
 from xgrad.pipeline.multistage import MULTISTAGE, check_count, interleaved_1f1b
 from xgrad.pipeline.schedule import Schedule
 
@@ -104,104 +106,6 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule(tuple(ranks), _chain(p), m, "zb_h1")
 
 
-def _greedy(
-    placement: tuple[int, ...],
-    m: int,
-    limits: list[int],
-    *,
-    split: bool,
-    forward_first: bool = False,
-    sources: tuple[tuple[int, ...], ...] | None = None,
-) -> list[list[Action]]:
-    """List-schedule on a unit clock (F = I = W = 1, B = 2); the order per rank is the schedule.
-
-    A free rank runs, among its stages' ready actions: the backward (B, or I when ``split``)
-    of the oldest microbatch, deepest stage first; else a forward while it holds fewer than
-    ``limits[rank]`` activation sets; else the oldest pending W. ``forward_first`` swaps the
-    first two (GPipe's fill-drain). ``sources`` gives a DAG's inputs per stage (default: the
-    chain).
-    """
-    n = len(placement)
-    srcs = sources or tuple((s - 1,) if s else () for s in range(n))
-    users: list[list[int]] = [[] for _ in range(n)]
-    for t, ins in enumerate(srcs):
-        for u in ins:
-            users[u].append(t)
-    p = max(placement) + 1
-    bwd = I if split else B
-    done_at: dict[Action, int] = {}
-    order: list[list[Action]] = [[] for _ in range(p)]
-    next_f, next_b, next_w = [0] * n, [0] * n, [0] * n
-    held, free = [0] * p, [0] * p
-    stages = [[s for s in range(n) if placement[s] == r] for r in range(p)]
-    # Driven by events, not by every tick for every rank (quadratic in p: ZB-H2 took 5.6 s at
-    # p = 1000, m = 1): a rank's choice changes only when it is free again or when an action of a
-    # stage next to one of its own (its own, a source, a user) ends, so it is looked at
-    # then alone. Ranks never see each other's picks of the same tick (an action is done
-    # a tick later at the earliest), so their order within a tick does not matter.
-    near = [{placement[u] for u in (s, *srcs[s], *users[s])} for s in range(n)]
-    wake: dict[int, set[int]] = {0: set(range(p))}
-    ticks = [0]
-    unfinished = n  # stages with a W (B without ``split``) still to pick
-    while unfinished:
-        if not ticks:  # before the scheduler ticked on for ever
-            raise ValueError(
-                f"list scheduling stalls at tick {t}: no rank can run an action, "
-                f"{unfinished} of {n} stages unfinished, each rank holding at most "
-                f"{max(limits)} activation sets (placement {placement}, m = {m})"
-            )
-        t = heapq.heappop(ticks)
-        for r in wake.pop(t):
-            if free[r] > t:
-                continue
-
-            def ready(a: Action, _t: int = t) -> bool:
-                return done_at.get(a, _t + 1) <= _t
-
-            backward = [
-                Action(s, bwd, next_b[s])
-                for s in stages[r]
-                if next_b[s] < m
-                and ready(Action(s, F, next_b[s]))
-                and all(ready(Action(t, bwd, next_b[s])) for t in users[s])
-            ]
-            forward = [
-                Action(s, F, next_f[s])
-                for s in stages[r]
-                if next_f[s] < m
-                and held[r] < limits[r]
-                and all(ready(Action(u, F, next_f[s])) for u in srcs[s])
-            ]
-            weight = [Action(s, W, next_w[s]) for s in stages[r] if split and next_w[s] < next_b[s]]
-            key = lambda a: (a.microbatch, -a.stage)  # noqa: E731
-            groups = [forward, backward] if forward_first else [backward, forward]
-            candidates = [sorted(g, key=key) for g in [*groups, weight] if g]
-            if not candidates:
-                continue
-            pick = candidates[0][0]
-            s = pick.stage
-            if pick.kind is F:
-                next_f[s] += 1
-                held[r] += 1
-            elif pick.kind is W:
-                next_w[s] += 1
-                held[r] -= 1
-                if next_w[s] == m:
-                    unfinished -= 1
-            else:
-                next_b[s] += 1
-                held[r] -= 0 if split else 1
-                if next_b[s] == m and not split:
-                    unfinished -= 1
-            order[r].append(pick)
-            done = done_at[pick] = free[r] = t + (2 if pick.kind is B else 1)
-            if done not in wake:
-                wake[done] = set()
-                heapq.heappush(ticks, done)
-            wake[done] |= near[s]
-    return order
-
-
 # ZB-H2 (zero-bubble): every rank may hold 2p-1 microbatches, so rank 0 keeps running
 # forwards until the first input gradient arrives and the last rank defers its W passes to
 # its drain; I has priority, then F, then W. Every rank is busy from its first to its last
@@ -214,52 +118,8 @@ def _greedy(
 def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H2: about zero bubble for steps run back to back, at most 2p-1 microbatches held."""
     p, m = check_count("num_stages", num_stages), check_count("num_microbatches", num_microbatches)
-    order = _greedy(_chain(p), m, [2 * p - 1] * p, split=True)
+    order = list_schedule(_chain(p), m, [2 * p - 1] * p, split=True)
     return Schedule(tuple(tuple(acts) for acts in order), _chain(p), m, "zb_h2")
-
-
-def from_invocations(
-    invocations: Sequence[Invocation], num_microbatches: int, policy: str = "1f1b"
-) -> Schedule:
-    """A schedule for any placement of invocations (a rank visited twice, a reused module).
-
-    Policies: ``"gpipe"`` (forwards first, nothing limits the activations held), ``"1f1b"``
-    (backward first, each rank holds at most as many activation sets as there are virtual
-    stages) and ``"zb"`` (backward split into I and W, I first, W fills the gaps, up to twice
-    that many held). Orders come from list scheduling on a unit clock.
-
-    Raises:
-        ValueError: an unknown policy, or one that stalls on this placement (every rank at
-            its activation limit, waiting on another's: ``"1f1b"`` with rank 1 holding the
-            first and the last two of six stages, m = 7; it ticked on for ever before);
-            ``"gpipe"`` and ``"zb"`` hold more.
-
-    Example:
-        >>> from xgrad.pipeline import chain
-        >>> s = from_invocations(chain([(0, 0), (1, 0), (0, 1)]), 2, "gpipe")
-        >>> [str(a) for a in s.actions[0]]
-        ['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
-    """
-    placement = placement_of(invocations)
-    srcs = sources_of(invocations)
-    m = check_count("num_microbatches", num_microbatches)
-    n, p = len(placement), max(placement) + 1
-    if policy == "gpipe":
-        order = _greedy(placement, m, [n * m] * p, split=False, forward_first=True, sources=srcs)
-    elif policy == "1f1b":
-        order = _greedy(placement, m, [n] * p, split=False, sources=srcs)
-    elif policy == "zb":
-        order = _greedy(placement, m, [2 * n - 1] * p, split=True, sources=srcs)
-    else:
-        raise ValueError(f"policy must be 'gpipe', '1f1b' or 'zb', got {policy!r}")
-    chain = all(ins == ((t - 1,) if t else ()) for t, ins in enumerate(srcs))
-    return Schedule(
-        tuple(tuple(a) for a in order),
-        placement,
-        m,
-        f"{policy}(invocations)",
-        () if chain else srcs,
-    )
 
 
 #: name -> generator taking (num_stages, num_microbatches, chunks).
