@@ -19,6 +19,9 @@ order and hands each completion to one queue; the caller takes whichever lands f
 queue and reading the failure channel every poll interval. (Gloo's receives from any
 peer would do it on one thread, but a dead peer does not fail them: only their timeout
 would end them.)
+
+Posting the receives, in one mode or the other (:meth:`Inbox.arm`), is
+:mod:`.dist_inbox_post`.
 """
 
 from __future__ import annotations
@@ -32,17 +35,13 @@ from typing import Any
 
 import torch
 
-from xgrad.failure import (
-    FailureChannel,
-    check_seconds,
-    default_seconds,
-    error_for,
-)
+from xgrad.failure import FailureChannel, check_seconds, default_seconds
 from xgrad.heartbeat import waiting_for
 from xgrad.torch_backend.dist_bytes import DONE, POISON
 from xgrad.torch_backend.dist_graveyard import bury, bury_sent
-from xgrad.torch_backend.dist_slots import ReceiveViews, make_ahead
-from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire, _thread
+from xgrad.torch_backend.dist_inbox_post import ReceivePosting
+from xgrad.torch_backend.dist_slots import ReceiveViews
+from xgrad.torch_backend.dist_threads import Message, _drain, _made, _retire
 from xgrad.torch_backend.dist_watch import What, text, wait_here
 from xgrad.torch_backend.dist_wire import Link
 
@@ -52,7 +51,7 @@ __all__ = ["WAIT", "Inbox", "Message", "_made"]
 WAIT = os.environ.get("XGRAD_DIST_WAIT", "caller")
 
 
-class Inbox:
+class Inbox(ReceivePosting):
     """The receives of one rank's pass, posted together; :meth:`next` returns the first to land.
 
     Args:
@@ -112,80 +111,6 @@ class Inbox:
         self._dones: deque[tuple[int, Any, torch.Tensor]] = deque()
         for peer, link in links.items():
             link.start_backward(owe.get(peer, ()))
-
-    def ahead(
-        self,
-        sent: Mapping[int, Mapping[int, torch.Tensor]],
-        owed: Mapping[Any, tuple[int, torch.Tensor]],
-    ) -> None:
-        """What to make buffers for when this rank first waits (:mod:`.dist_slots`): ``sent``,
-        peer -> {k: the k-th grad-requiring tensor sent it}; ``owed``, the received tensors
-        whose gradient is still to be sent, as ``(peer, tensor)`` (the pass's own mapping,
-        read then: what was answered before is left out)."""
-        self._sent_tensors = sent
-        self._owed_tensors = owed
-
-    def arm(self) -> None:
-        """Post the pass's receives (once; before the first wait).
-
-        Not at the start of the pass: posting costs a message to each peer, and the first
-        gradients this rank sends should not wait for that. A message that comes before its
-        receive is posted waits in gloo, and is matched when the receive is posted.
-        """
-        if self._armed:
-            return
-        self._armed = True
-        if self._here_ok and not any(self._owe.values()):
-            # Nothing this rank still owes a peer can depend on which gradient lands
-            # first: every peer's remaining messages come without this rank's help, so
-            # waiting for them peer by peer on this thread cannot deadlock (a failing
-            # peer's poison or the watchdog still ends each wait), and no thread
-            # hand-off costs a second wake-up per message.
-            self.mode = "one"
-        if self.mode == "one":
-            self._check_before_waiting_here()
-        if self.mode == "threads":
-            posted: dict[int, list[torch.Tensor]] = {}
-            for peer, link in self._links.items():
-                works = link.post_gradients(self._expect.get(peer, ()))
-                posted[peer] = [b for _, b in works]
-                if peer in self._done_peers:
-                    works.append(link.post_done())
-                self.buffers += works
-                _thread(self._group, link).jobs.put((peer, works, self._queue))
-            # made before this thread reads a message (the threads only wait)
-            make_ahead(self.views, self._links, posted, self._sent_tensors, self._owed_tensors)
-            return
-        # Gradients from several peers are waited for peer by peer in the order of
-        # ``expect``: the peer sent a tensor last first, as its gradient is likely to come
-        # back first (a backward pass runs the graph in reverse); a wait on a peer whose
-        # message comes later only delays processing one that already landed.
-        here: dict[int, list[torch.Tensor]] = {}
-        for peer in (*self._expect, *(p for p in self._links if p not in self._expect)):
-            works = self._links[peer].post_gradients(self._expect.get(peer, ()))
-            self._here.extend((peer, w, b) for w, b in works)
-            here[peer] = [b for _, b in works]
-        make_ahead(self.views, self._links, here, self._sent_tensors, self._owed_tensors)
-        for peer, link in self._links.items():
-            if peer in self._done_peers:
-                self._dones.append((peer, *link.post_done()))
-        self.buffers += [(w, b) for _, w, b in (*self._here, *self._dones)]
-
-    def _check_before_waiting_here(self) -> None:
-        """Raise a failure already posted, once, before the pass's first wait on this thread.
-
-        A peer that failed outside a pass answers every tensor this rank sent it with a
-        poison gradient, finding them by their headers in the store. A tensor sent after
-        that read goes unanswered, and a wait on this thread ends only by a message or the
-        timeout (the watchdog leaves a live rank's failure to its poison). This read comes
-        after every send of the context: a failure it misses was posted after it, hence
-        after this rank's headers were written, and the failing rank read the headers
-        after posting, so it found them and answers. One store lookup per pass, made
-        while this rank would wait anyway; the threads' waits read the channel as they go.
-        """
-        failure = self._channel.poll()
-        if failure is not None:
-            raise error_for(failure, self._channel.rank)
 
     def send(
         self,
