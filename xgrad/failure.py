@@ -179,9 +179,14 @@ class FailureChannel:
         self._failure = Failure.from_bytes(self.store.get(key))
         return self._failure
 
-    def check(self, *, prefix: str = "") -> None:
-        """Raise the step's failure if there is one; post one for a peer that stopped beating."""
+    def check(self, *, prefix: str = "", posted: bool = True) -> None:
+        """Raise the step's failure if there is one; post one for a peer that stopped beating.
+
+        ``posted=False``: a rank's error posted to the step is not raised, only a peer that
+        stopped beating (a wait that must end past the step's failure: a join round)."""
         failure = self.poll()
+        if not posted and failure is not None and failure.kind == "error":
+            failure = None
         if failure is None and self.liveness is not None:
             self.liveness.read()
             stale = self.liveness.stale()

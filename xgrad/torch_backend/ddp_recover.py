@@ -108,6 +108,12 @@ def start_forward(
             # backward: the skip round found no failure), the reducer takes this pass's
             # gradients as PyTorch's does: reduced, a step of its own (post_forward).
             hooks.accumulating = not (torch.is_grad_enabled() and reduces_unsynced(hooks))
+        elif joining and not accumulate and watch.channel.poll() is not None:
+            # Under join(), the first pass after a failed step begins the next, whatever
+            # its kind (an evaluation too): a rank that has joined cannot know which pass
+            # comes, and begins it with its fresh group as soon as it sees the failure
+            # (join_hook), as a rank that leaves join() does.
+            _begin_step(watch, hooks)
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
@@ -155,7 +161,13 @@ def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeEr
 
 def _begin_step(watch: StepWatch, hooks: GradientHooks) -> None:
     """Begin the next synchronised step; after a failed one, drop this rank's part of it,
-    and what the reducer learned in it (every rank learns it again alike)."""
+    and what the reducer learned in it (every rank learns it again alike). A join round
+    still open in the failed step (no backward pass began here) is entered with ``FAIL``
+    first, before the fresh group (:meth:`~.join_rounds.OpenRound.fail`)."""
+    pending = hooks.join_round
+    if pending is not None and watch.channel.poll() is not None:
+        hooks.join_round = None
+        pending.fail()
     failed = watch.begin_step()
     reducer = hooks.reducer
     assert reducer is not None

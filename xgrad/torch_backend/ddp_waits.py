@@ -42,12 +42,14 @@ class StepWaits:
 
         def post(self, where: str, exc: BaseException | str) -> RankError: ...  # StepWatch's
 
-    def wait_work(self, work: Any, what: str, cuda: bool = False) -> None:
+    def wait_work(self, work: Any, what: str, cuda: bool = False, *, posted: bool = True) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.
 
         The work is polled for :attr:`spin` seconds first (:attr:`cuda_spin` for a
         collective of CUDA tensors, ``cuda``), so the thread stays hot for what follows
-        the wait; then the blocking wait, which counts the spin as waited.
+        the wait; then the blocking wait, which counts the spin as waited. ``posted=False``:
+        a failure posted to the step does not end the wait (a collective every rank still
+        enters, which tells what the step did: a join round).
         """
         spin = self.cuda_spin if cuda else self.spin
         if work.is_completed() or (spin > 0.0 and spin_until(work.is_completed, spin)):
@@ -61,7 +63,7 @@ class StepWaits:
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())
-            self.wait_event(done, what, spun=spin)
+            self.wait_event(done, what, spun=spin, posted=posted)
             self._finish(work, what)
         finally:
             waiting_for(before)
@@ -73,22 +75,28 @@ class StepWaits:
             raise_from(self.failed(exc, what), exc)
 
     def wait_event(
-        self, done: threading.Event | threading.Lock, what: str, spun: float = 0.0
+        self,
+        done: threading.Event | threading.Lock,
+        what: str,
+        spun: float = 0.0,
+        *,
+        posted: bool = True,
     ) -> None:
         """Wait for ``done`` (set, or released), checking the channel between naps, never
         past the timeout; ``spun``: seconds already spent polling (counted as waited, and
-        the channel checked first)."""
+        the channel checked first); ``posted``: as :meth:`wait_work`'s."""
         wait = done.wait if isinstance(done, threading.Event) else done.acquire
+        check = self._check if posted else self._check_past
         before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
         try:
             waited = spun
             if spun > 0.0:
-                self._check()
+                check()
                 if waited >= self.timeout:
                     raise self.channel.timed_out(what, self.timeout, collective=True)
             while not wait(timeout=self.poll):
                 waited += self.poll
-                self._check()
+                check()
                 if waited >= self.timeout:
                     raise self.channel.timed_out(what, self.timeout, collective=True)
         except RankError as error:
@@ -104,6 +112,14 @@ class StepWaits:
         naming the other failures of the step (:meth:`naming_others`)."""
         try:
             self.channel.check()
+            check_skipped(self.channel)
+        except RankError as error:
+            raise_from(self.naming_others(error), error)
+
+    def _check_past(self) -> None:
+        """:meth:`_check` for a wait that goes on past a failure posted to the step."""
+        try:
+            self.channel.check(posted=False)
             check_skipped(self.channel)
         except RankError as error:
             raise_from(self.naming_others(error), error)

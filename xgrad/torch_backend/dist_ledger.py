@@ -175,10 +175,10 @@ class ProbingChannel(FailureChannel):
         super().__init__(base.store, base.prefix, base.rank, base.liveness)
         self.ledger: Ledger | None = None
 
-    def check(self, *, prefix: str = "") -> None:
+    def check(self, *, prefix: str = "", posted: bool = True) -> None:
         ledger = self.ledger
         try:
-            super().check(prefix=prefix)
+            super().check(prefix=prefix, posted=posted)
         except RankError as exc:
             if ledger is not None and exc.failure.kind == "error":
                 ledger.failed()

@@ -27,7 +27,9 @@ whose count is one element, it goes on its own, on the DDP's group.
 The announcement and the round (:mod:`.join_rounds`) let a forward pass go without a
 backward pass (an evaluation under ``torch.no_grad()``, a validation loss with gradients
 on) after a rank joined, where PyTorch's DDP aborts in gloo, and make ranks still
-training that run different passes raise at once, naming them.
+training that run different passes raise at once, naming them. A step that fails on a
+rank still training is raised there at once; a rank that has joined keeps shadowing the
+steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is

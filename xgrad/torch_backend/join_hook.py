@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from xgrad.failure import RankError
 from xgrad.torch_backend import join_rounds
+from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
-from xgrad.torch_backend.join_rounds import close_round, hear, wait_round
+from xgrad.torch_backend.join_rounds import close_round, hear, posted, wait_round
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -52,21 +54,50 @@ class DDPJoinHook(JoinHook):
             )
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
-        #: this rank's last pass left buckets unreduced: raised when the join ends.
+        #: a step that failed while this rank shadowed it (or its own last pass, which
+        #: left buckets unreduced): raised when the join ends.
         self.failed: BaseException | None = None
+        #: the next step is begun already (after a failed one, with its fresh group): the
+        #: next pass of the ranks still training, whatever its kind, began it there.
+        self.begun = False
         super().__init__()
 
     def drop_failed_step(self) -> None:
-        """If this rank's last pass left buckets unreduced, drop that step now, as the
+        """Before this rank counts the ranks still training: drop a step that failed.
+
+        If this rank's last pass left buckets unreduced, that step is dropped now, as the
         ranks still training do at the forward pass where they raise it (they drop it
-        first, in step: a fresh group made by all); raised here when the join ends, since
-        raising now would leave them waiting for this rank in their next steps."""
+        first, in step: a fresh group made by all). Else, if the step this rank is in
+        failed anywhere (its own forward pass, as it leaves ``join()``), it begins the
+        next now, with its fresh group, which the ranks still training make at their next
+        forward pass before their count. Raised here when the join ends, since raising
+        now would leave them waiting for this rank in their next steps."""
         ddp = self.ddp
-        failed = drop_unreduced(
-            ddp._grad_hooks, lambda: start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
-        )
+        failed = drop_unreduced(ddp._grad_hooks, self._begin)
         if failed is not None:
-            self.failed = failed
+            self._keep(failed)
+        elif ddp._watch.channel.poll() is not None:
+            self._begin(ahead=True)
+
+    def _keep(self, error: BaseException) -> None:
+        """A failure to raise when the join ends (the first, when steps failed again)."""
+        if self.failed is None:
+            self.failed = error
+
+    def _begin(self, ahead: bool = False) -> None:
+        """Begin the next step (a fresh group after a failed one); ``ahead``: for the next
+        pass of the ranks still training (:attr:`begun`)."""
+        start_forward(self.ddp._watch, self.ddp._grad_hooks, True, joining=True)
+        self.begun = ahead
+
+    def _failed_step(self, error: BaseException, ahead: bool = True) -> None:
+        """A step this rank shadowed failed on a rank still training: kept to raise when
+        the join ends, the next step begun with its fresh group, as the ranks still
+        training do at their next forward pass; not ``ahead`` where their pass left
+        buckets unreduced (they raise at that pass, before its count, and begin the step
+        after at the next)."""
+        self._keep(error)
+        self._begin(ahead)
 
     def main_hook(self) -> None:
         """Enter the collectives of one forward pass of the others and of the backward
@@ -76,6 +107,13 @@ class DDPJoinHook(JoinHook):
         while True:
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)
+            begun, self.begun = self.begun, False
+            if heard.reduce and not begun:
+                # The ranks still training began a step at this forward pass: begin it here
+                # too, so what fails in the shadow pass (a comm hook) is posted where they
+                # look; before the rebuild, as they do (a failed step undoes what it taught
+                # the reducer since its start: the rebuild too, on every rank alike).
+                start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
             if heard.grad and ddp.reducer.rebuild_buckets():  # as in forward: compared again
                 ddp._agreement_pending = True
                 if ddp.gradient_as_bucket_view:
@@ -83,19 +121,27 @@ class DDPJoinHook(JoinHook):
             ddp.require_forward_param_sync = heard.param_sync
             if not heard.reduce:
                 return
-            # The ranks still training began a step at this forward pass: begin it here
-            # too, so what fails in the shadow pass (a comm hook) is posted where they look.
-            start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
+            if ddp._watch.regrouped:  # a fresh group: compared again, as the others do
+                ddp._watch.regrouped = False
+                ddp._agreement_pending = True
             if heard.param_sync:
                 ddp._check_agreement()
             if ddp._join_config.is_first_joinable:
                 then = wait_round(ddp, heard.training)
                 if then == "forward":
                     continue
-                if then == "left":
+                if then == "failed":
+                    self._failed_step(posted(ddp))
+                if then != "backward":
                     return
             break
-        ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
+        try:
+            ddp.reducer.shadow_backward(sparse_zero=_empty_sparse_gradient)
+        except RankError as error:
+            if error.failure.kind != "error" or error.failure.rank == ddp._watch.channel.rank:
+                raise  # this rank's own (every rank raises it at once), or a rank lost
+            self._failed_step(error, ahead=error.failure.where != UNREDUCED)
+            return
         if ddp.reducer.needs_rebuild_order():
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.
@@ -105,6 +151,7 @@ class DDPJoinHook(JoinHook):
         """Every rank takes the parameters (and buffers) of a rank that joined last."""
         close_round(self.ddp)
         sync_final_model(self.ddp, is_last_joiner)
+        self.begun = False
         failed, self.failed = self.failed, None
         if failed is not None:
             raise failed

@@ -23,6 +23,11 @@ doesn't match expected size"). Here:
   step's failure channel, so a rank waiting elsewhere stops too). Before any rank
   joined this is what names a rank that skipped a backward pass the others ran (the
   skip round of :mod:`.ddp_skipped` cannot: a rank may leave ``join()`` instead).
+* A rank whose step failed before its backward pass began (its forward pass raised)
+  enters the round with ``FAIL`` as it begins the next step (:meth:`OpenRound.fail`):
+  the joined ranks, which wait past the failure, read in the sum that the step failed,
+  keep its error for the end of ``join()`` and make the fresh group of the next step
+  with the ranks still training (:mod:`.join_hook`).
 
 Neither is waited for where it is sent, so that a step under ``join()`` waits no more
 often than one outside it (PyTorch's DDP waits for neither of its own two per forward
@@ -55,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from xgrad.failure import error_for
 from xgrad.torch_backend.ddp_watched import run_deferred
 from xgrad.torch_backend.join_announce import (
     ADVICE,
@@ -85,6 +91,7 @@ __all__ = [
     "left",
     "notified",
     "open_round",
+    "posted",
     "read_announcement",
     "settle",
     "sum_async",
@@ -109,18 +116,39 @@ def _go(ddp: DistributedDataParallel) -> float:
     return float(ddp._watch.world + 1)
 
 
-def _on_join_group(ddp: DistributedDataParallel, value: float, what: str) -> torch.Tensor:
+def _fail(ddp: DistributedDataParallel) -> float:
+    """A rank whose step failed before its backward pass began (:meth:`OpenRound.fail`)."""
+    return _go(ddp) ** 2
+
+
+def _on_join_group(
+    ddp: DistributedDataParallel, value: float, what: str, posted: bool = True
+) -> torch.Tensor:
     """A count (``value``: :func:`~.join_announce.count`) all-reduced on the join context's
-    group, waited on through the watch."""
+    group, waited on through the watch (``posted``: its ``wait_work``'s)."""
     t = count(ddp, value)
     work = dist.all_reduce(t, group=ddp.process_group, async_op=True)
-    ddp._watch.wait_work(work, what, t.is_cuda)
+    ddp._watch.wait_work(work, what, t.is_cuda, posted=posted)
     return t
 
 
-def _split(ddp: DistributedDataParallel, total: int) -> tuple[int, int]:
-    """(ranks that began the backward pass, ranks that began their next forward pass)."""
-    return divmod(total, int(_go(ddp)))
+def _parts(ddp: DistributedDataParallel, total: int) -> tuple[int, int, int]:
+    """(ranks whose step failed before their backward pass, ranks that began the backward
+    pass, ranks that began their next forward pass)."""
+    go = int(_go(ddp))
+    failed, rest = divmod(total, go * go)
+    went, forward = divmod(rest, go)
+    return failed, went, forward
+
+
+def posted(ddp: DistributedDataParallel) -> RuntimeError:
+    """The step's failure (posted before a rank entered its round with ``FAIL``), naming
+    the others."""
+    watch = ddp._watch
+    failure = watch.channel.poll()
+    if failure is None:  # never: posted first
+        return RuntimeError("join: a round said that a step failed and none was posted")
+    return watch.naming_others(error_for(failure, watch.channel.rank))
 
 
 class OpenRound:
@@ -148,7 +176,9 @@ class OpenRound:
     def _read(self, work: Any, t: torch.Tensor) -> None:
         ddp = self.ddp
         ddp._watch.wait_work(work, "join: the backward pass's round", t.is_cuda)
-        went, _ = _split(ddp, round(t[0].item()))
+        failed, went, _ = _parts(ddp, round(t[0].item()))
+        if failed:  # a rank's forward pass (or what came before its backward) failed
+            raise posted(ddp)
         if went != self.training:
             rank = ddp._watch.channel.rank
             message = (
@@ -158,6 +188,14 @@ class OpenRound:
                 f"{ADVICE})"
             )
             raise ddp._watch.post("join", RuntimeError(message))
+
+    def fail(self) -> None:
+        """The step failed before this rank's backward pass began: its part is ``FAIL``,
+        sent as it begins the next step, before that step's fresh group, which a joined
+        rank makes once the round tells it (:func:`wait_round`). Not waited for: its next
+        all-reduce on the group comes after it."""
+        ddp = self.ddp
+        sum_async(ddp.process_group, count(ddp, _fail(ddp)))
 
 
 def _late(ddp: DistributedDataParallel) -> bool:
@@ -202,14 +240,14 @@ def failed_round(ddp: DistributedDataParallel, pending: OpenRound, total: float)
     rank entered the round): no disagreement, the step is dropped everywhere, but those
     peers' next all-reduce on the join group is still to come, so this rank's part is sent
     again to meet it (else every later count pairs one rank's pass with another's next)."""
-    went, _ = _split(ddp, round(total))
-    return bool(went) and ddp._watch.failed_at >= pending.step
+    failed, went, _ = _parts(ddp, round(total))
+    return bool(failed or went) and ddp._watch.failed_at >= pending.step
 
 
 def notified(ddp: DistributedDataParallel, pending: OpenRound, total: float) -> int:
     """This rank's next forward pass entered the round (its "not joined" all-reduce gave
     ``total``): the number of ranks still training, or the error when some went back."""
-    went, forward = _split(ddp, round(total))
+    _, went, forward = _parts(ddp, round(total))
     if went:
         rank = ddp._watch.channel.rank
         raise RuntimeError(
@@ -230,7 +268,7 @@ def counted(ddp: DistributedDataParallel, total: float) -> bool:
     if failed_round(ddp, pending, total):
         ddp._grad_hooks.join_round = None
         return True
-    went, _ = _split(ddp, round(total))
+    _, went, _ = _parts(ddp, round(total))
     if went:
         ddp._grad_hooks.join_round = None
         rank = ddp._watch.channel.rank
@@ -245,9 +283,13 @@ def counted(ddp: DistributedDataParallel, total: float) -> bool:
 def wait_round(ddp: DistributedDataParallel, training: int) -> str:
     """A joined rank, after a forward pass that a reducing backward pass may follow:
     ``"backward"`` (every rank still training began it), ``"forward"`` (none did; some
-    began their next forward pass), ``"left"`` (every one left ``join()``)."""
-    t = _on_join_group(ddp, 0.0, "join: the backward pass's round")
-    went, forward = _split(ddp, round(t[0].item()))
+    began their next forward pass), ``"left"`` (every one left ``join()``), ``"failed"``
+    (the step failed before some rank's backward pass: :meth:`OpenRound.fail`). A
+    failure posted meanwhile does not end the wait: only the sum says which came."""
+    t = _on_join_group(ddp, 0.0, "join: the backward pass's round", posted=False)
+    failed, went, forward = _parts(ddp, round(t[0].item()))
+    if failed:
+        return "failed"
     if went == training:
         return "backward"
     if not went:
