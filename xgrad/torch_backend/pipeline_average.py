@@ -89,7 +89,8 @@ def average_grads(
                 "tell which is which to average them; make them the loss module's or the "
                 "stage's parameters, or name them where they are read (the loss "
                 "function's closure, a default, a global, a partial's argument, its "
-                "module; an attribute of the stage's module)"
+                "module; an attribute of the stage's module, a global its class's "
+                "methods name)"
             )
         if found:
             _finish(_launch(found, dp), dp, size, what)

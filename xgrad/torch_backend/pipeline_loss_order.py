@@ -6,10 +6,11 @@ head a then head b on one replica and b then a on another. ``dp_group`` averages
 one flat tensor, so that order pairs a's gradient with b's where their shapes match (every
 replica then gets a mix of both, and the replicas drift apart), and refuses replicas that
 read the same tensors where they do not. No name says which tensor is which, so they are
-ordered by where the loss function holds them: the objects it reaches as Python objects
-(its closure, defaults and the globals its code names, a ``functools.partial``'s
-arguments, a bound method's instance, a module's attributes, containers), walked in one
-order that the same code builds alike on every replica. A tensor the loss reaches only
+ordered by where the loss function (or the stage's module) holds them: the objects it
+reaches as Python objects (its closure, defaults and the globals its code names, a
+``functools.partial``'s arguments, a bound method's instance, a module's attributes and
+the globals its class's methods name, containers), walked in one order that the same
+code builds alike on every replica. A tensor the loss reaches only
 through its graph, not that walk, comes after, by dtype and shape; two of those alike
 cannot be told apart (:func:`in_order` says so, and the caller refuses them on every
 replica rather than guess).
@@ -76,9 +77,15 @@ def _refers_to(obj: Any) -> list[Any]:
                 cells.append(cell.cell_contents)
         names = [obj.__globals__[n] for n in _names(obj.__code__) if n in obj.__globals__]
         return [*cells, *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values(), *names]
-    if isinstance(obj, nn.Module):  # its parameters, buffers, modules, then the rest
+    if isinstance(obj, nn.Module):  # its parameters, buffers, modules, the rest, its code
         kept = [v for k, v in vars(obj).items() if k not in _MODULE_INTERNALS]
-        return [*obj._parameters.values(), *obj._buffers.values(), *obj._modules.values(), *kept]
+        return [
+            *obj._parameters.values(),
+            *obj._buffers.values(),
+            *obj._modules.values(),
+            *kept,
+            *_methods(type(obj)),
+        ]
     if isinstance(obj, (list, tuple)):
         return list(obj)
     if isinstance(obj, dict):
@@ -87,6 +94,23 @@ def _refers_to(obj: Any) -> list[Any]:
         return list(vars(obj).values())
     except TypeError:  # no ``__dict__``
         return []
+
+
+def _methods(cls: type) -> list[Any]:
+    """The functions a module's class and its bases define, torch's own left out: a
+    stage's ``forward`` (and the helpers it calls) names the globals it reads there, a
+    module-level ``nn.Parameter`` that no attribute holds. In the classes' order and
+    each one's definition order: the same on every replica."""
+    found: list[Any] = []
+    for klass in cls.__mro__:
+        if klass.__module__.split(".")[0] == "torch" or klass is object:
+            continue
+        for value in vars(klass).values():
+            if isinstance(value, staticmethod | classmethod):
+                value = value.__func__
+            if isinstance(value, types.FunctionType):
+                found.append(value)
+    return found
 
 
 def _names(code: types.CodeType) -> list[str]:
