@@ -256,3 +256,28 @@ def test_pmap_compiles_the_powersgd_step_once() -> None:
     for _ in range(3):
         _, _, state = jax.block_until_ready(step(params, x, y, hook_state=state))
     assert compiled == []
+
+
+def test_pmap_powersgd_step_inside_an_outer_jit() -> None:
+    """The whole training step under ``jax.jit``, as the step's docstring asks: pmap's
+    placement of the state read ``.sharding`` of the traced state and failed
+    (AttributeError). An uneven batch (10 rows over 4 devices) with its state carried
+    over steps gives shard_map's numbers called without a jit."""
+    import jax
+
+    w = models.init_weights("mlp", 0, "float32")
+    x, y = models.make_batch("mlp", 0, 10, "float32")
+    params = jm.to_params(w)
+    hook = PowerSGD(start_powerSGD_iter=2)
+    finals = {}
+    for mode in ("shard_map", "pmap"):
+        step = data_parallel_value_and_grad(
+            jm.make_loss(jm.mlp), world_size=4, names=list(w), mode=mode, hook=hook
+        )
+        run = step if mode == "shard_map" else jax.jit(step)
+        state = step.init(params)
+        for _ in range(3):
+            _, grads, state = run(params, x, y, hook_state=state)
+        finals[mode] = grads
+    for name in w:
+        assert np.allclose(finals["pmap"][name], finals["shard_map"][name], rtol=1e-5, atol=1e-7)

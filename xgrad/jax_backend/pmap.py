@@ -77,9 +77,13 @@ def _placed(state: Any, devices: Sequence[Any], axis: Any) -> Any:
     key) committed to the first device, each error-feedback memory one row per device.
     The initial state's arrays were placed apart from the step's outputs, and the second
     call compiled the step again (half a second a step in the crosscheck's timing of
-    PowerSGD under pmap, which warms up with one step)."""
-    if state is None:
-        return None
+    PowerSGD under pmap, which warms up with one step). Traced by an outer ``jax.jit``
+    (the training step wrapped whole, as the step's docstring asks), it is left as it
+    is: a tracer has no placement to read, and where its values lie is that jit's."""
+    if state is None or any(
+        isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(state)
+    ):
+        return state
     iter_, qs, key = jax.device_put((state.iter, state.qs, state.key), devices[0])
     rows = jax.sharding.NamedSharding(
         jax.sharding.Mesh(np.array(list(devices)), (axis,)), jax.sharding.PartitionSpec(axis)
