@@ -84,6 +84,12 @@ def runs(
     for _ in range(3):
         _, grads, state = step(params, *mine, hook_state=state)
     out["powersgd"] = {k: _host(g) for k, g in grads.items()}
+    # A global batch the devices do not divide (13 rows: 7 and 6 at two devices), every
+    # process passing it whole: split as torch's tensor_split, across the processes too.
+    step = data_parallel_value_and_grad(
+        loss, world_size=world, names=list(w), plan=plan, devices=devices
+    )
+    out["shard_map-uneven"] = {k: _host(g) for k, g in step(params, x[:13], y[:13])[1].items()}
     if num_processes > 1:
         # Processes passing different numbers of rows (6 and 10 of 16 at two processes):
         # a ValueError on every process, where it used to return wrong gradients.
