@@ -113,6 +113,11 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
             (see ``runtime_schedule`` for a schedule without REDUCE_GRAD). Without either REDUCE_GRAD, like UNSHARD and RESHARD
             (FSDP's), does nothing.
         dp_group: the data-parallel group of this rank's partitions (see ``reduce_grad``).
+            What a stage or its loss reads of its own that no partition holds (a closure's
+            temperature) is averaged with them; what the step was given on this rank, or
+            was computed from, is the replica's data, its gradient left to it (a loss on
+            another rank than stage 0's that closes over the batch: give the batch to
+            ``step`` there too; see ``pipeline_step_data``).
         device: where received tensors go (default: the device of the stage's parameters).
         scale_grads: the gradients divided by m (default), as torch's schedules divide
             them: for a loss that is a mean over its batch. False: for a sum (the

@@ -21,6 +21,14 @@ their gradients is sent. The order they are found in depends on the data too (a 
 picked by the target: a then b on one replica, b then a on another), so they are sent in
 the order of where the loss function (or the stage's module) holds them
 (``pipeline_loss_order``), which the digest covers.
+
+What the step was given on this rank, and what that was computed from, is this replica's
+data, not averaged (``pipeline_step_data``); any other tensor read is taken as a weight,
+which the replicas share: one whose values differ between them (a replica's batch that a
+closure reads on a rank not given it) cannot be told from data, and is refused by
+shape, on every replica, rather than averaged. A second digest, of its values (their
+words summed as integers: the same on every replica where the values are), goes with
+the first; where the replicas' differ, one more all-reduce says which tensors differ.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xgrad.torch_backend.pipeline_loss_order import Key, in_order
+from xgrad.torch_backend.pipeline_loss_order import in_order
 
 __all__ = ["average_grads"]
 
@@ -62,15 +70,16 @@ def average_grads(
     digest = None
     if found is not None:
         found, keys, alike = in_order(found, holder)
-        mine = _digest(keys)
+        sums = _checksums(found)
+        mine, values = _digest(keys), _digest(sums)
         # The maximum of each and of its negation: every replica's is the same iff the two
         # give the same number (a 62-bit digest, where a sum of squares would overflow).
-        digest = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+        digest = torch.tensor([mine, -mine, values, -values], dtype=torch.int64, device=device)
         digest_work = dist.all_reduce(digest, op=dist.ReduceOp.MAX, group=dp.group(), async_op=True)
     _finish(launched, dp, size, what)
     if digest is not None and found is not None:
         dp.wait(digest_work, f"{what} (the tensors {reader} reads)", digest.is_cuda)
-        high, low = digest.tolist()
+        high, low, value_high, value_low = digest.tolist()
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in found) or "none"
         if high != -low:
             raise ValueError(
@@ -79,7 +88,9 @@ def average_grads(
                 "a stage's forward reads without holding it as a parameter (a closure's, "
                 "a bound module's) is averaged over dp_group with the stage's parameters, "
                 "so every replica must read the same ones at each step (read them on every "
-                "microbatch, or make them the loss module's or the stage's parameters)"
+                "microbatch, or make them the loss module's or the stage's parameters; a "
+                "replica's data read so must be given to step() on that rank on every "
+                "replica alike)"
             )
         if alike:  # the same on every replica (the digest covers it): all refuse
             raise ValueError(
@@ -92,11 +103,56 @@ def average_grads(
                 "module; an attribute of the stage's module, a global its class's "
                 "methods name)"
             )
+        if value_high != -value_low:  # the same on every replica, and what follows too
+            _refuse_unlike(found, sums, dp, device, what, reader)
         if found:
             _finish(_launch(found, dp), dp, size, what)
 
 
-def _digest(keys: Sequence[Key]) -> int:
+def _checksums(found: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's values summed as integers (its words' bits: exact, in any order, so
+    equal tensors give equal sums on every replica, whatever their threads or device)."""
+    if not found:
+        return []
+    sums = []
+    for t in found:
+        flat = t.detach().reshape(-1).contiguous()
+        word = {1: torch.int8, 2: torch.int16}.get(flat.element_size(), torch.int32)
+        sums.append(flat.view(word).sum(dtype=torch.int64).to(found[0].device))
+    return torch.stack(sums).tolist()  # type: ignore[no-any-return]
+
+
+def _refuse_unlike(
+    found: Sequence[torch.Tensor],
+    sums: list[int],
+    dp: Any,
+    device: torch.device | None,
+    what: str,
+    reader: str,
+) -> None:
+    """Some tensor ``reader`` reads of its own differs between the replicas (``sums``,
+    this replica's checksums): which ones, told every replica by one more all-reduce
+    (every replica found the same tensors, so it has the same size), and refused."""
+    both = torch.tensor([*sums, *(-c for c in sums)], dtype=torch.int64, device=device)
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=dp.group(), async_op=True)
+    dp.wait(work, f"{what} (the values of the tensors {reader} reads)", both.is_cuda)
+    top = both.tolist()
+    k = len(sums)
+    unlike = [t for i, t in enumerate(found) if top[i] != -top[k + i]]
+    shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in unlike)
+    raise ValueError(
+        f"{what}: {reader} reads tensors of its own whose values differ between the "
+        f"data-parallel replicas ({shapes}): neither one weight that the replicas share "
+        "(its gradient would be averaged over dp_group) nor known as this replica's data "
+        "(its gradient left to the replica). If it is the replica's data (its batch, or "
+        "a tensor computed from it), give it to step() on this rank, as its inputs, "
+        "targets, a keyword or a loss_kwargs tensor (the step's tensors, and the leaves "
+        "they were computed from, are the replica's data, on a rank that does not split "
+        "them too); if it is a weight, start every replica from the same values"
+    )
+
+
+def _digest(keys: Sequence[Any]) -> int:
     """0 for none, else 1 + 62 bits of a hash of what each is known by, in order."""
     if not keys:
         return 0

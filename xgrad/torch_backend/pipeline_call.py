@@ -59,6 +59,7 @@ class StepCall:
     _keywords: dict[str, Any] | None
     _keyword_mbs: list[dict[str, Any]] | None
     _target_mbs: list[Any] | None
+    _data: Any  # the step's data on this rank (pipeline_step_data), through the step
     _chunk_specs: ChunkSpecs  # the runtime's args/kwargs_chunk_spec, output_merge_spec
     rank: int
     schedule: Schedule
@@ -85,8 +86,11 @@ class StepCall:
         Args:
             inputs: the whole batch (a tensor or a pytree of them, split along dim 0 as
                 torch's ``tensor_split``: 10 rows into 4 microbatches are 3, 3, 2, 2), on
-                the rank of stage 0 (ignored elsewhere). ``None`` there with tensor
-                ``kwargs``: stage 0 is called with the keywords alone (``step(x=x)``).
+                the rank of stage 0. ``None`` there with tensor ``kwargs``: stage 0 is
+                called with the keywords alone (``step(x=x)``). Given on another rank, it is
+                not split there, but what a stage or the loss there reads of it is the
+                replica's data (see the runtime's ``dp_group``), as targets given on a rank
+                without the last stage.
             targets: the whole batch's targets, on the rank of the last stage.
             target: torch's name for ``targets`` (its ``schedule.step(x, target=y)``); give
                 one of the two (both: a ``TypeError`` naming them).
@@ -165,6 +169,7 @@ class StepCall:
         finally:  # a failed step's outputs are not kept either, nor the keywords' chunks
             self._keep_outputs, self._loss_kwargs, self._outputs = False, None, {}
             self._keywords = self._keyword_mbs = self._target_mbs = None
+            self._data = None  # the graph the batch was computed through goes with it
         # Merged after the step, which every rank finished: an output that cannot be merged
         # fails here alone, leaving the step's group as it is (inside the step, its
         # failure reset this rank's group and not the others', and the next step timed out).

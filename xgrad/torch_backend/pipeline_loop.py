@@ -84,6 +84,8 @@ class StepLoop(StepGroups, StagePasses):
                 split = True
             xs, ys, self._keyword_mbs = early
             self._target_mbs = ys
+            hooked = (xs, self._keyword_mbs, None if ys is None else (ys, self._loss_kwargs))
+            self._know_data((inputs, targets, self._keywords, self._loss_kwargs), hooked)
             loss = None
             self.records = []
             for i, action in enumerate(self._actions):

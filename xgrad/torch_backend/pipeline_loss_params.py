@@ -18,7 +18,9 @@ walk stops at their nodes, taken before the call), and keeps the leaves that req
 there (``AccumulateGrad`` nodes' ``variable``), the stage's own parameters set apart.
 What the walk stops at is the step's own data, not the model's: the runtime divides what
 reaches it as it reaches it (``StepScaling.begin``), and W differentiates it by a whole
-backward (``StageSettings._takes_batch_grad``).
+backward (``StageSettings._takes_batch_grad``). So is what the step was given whole, or
+computed it from (the batch ``x`` a loss closes over): the walk does not go into that
+graph either, and what it reads there is data, never found (``pipeline_step_data``).
 
 Where nothing needs them found (m a power of two, so each loss is divided before its
 backward; no W; no ``dp_group``: every backward reaches them, each loss divided), the walk
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from xgrad.torch_backend.autograd_graph import leaf_variables
+from xgrad.torch_backend.pipeline_step_data import Entries, StepData, reach
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageLeaves", "Stops", "module_params"]
@@ -75,10 +78,12 @@ class StageLeaves:
         roots: Iterable[torch.Tensor],
         stops: Stops,
         own: Callable[[], Iterable[torch.Tensor]],
-    ) -> list[torch.Tensor]:
+        data: StepData | None = None,
+    ) -> tuple[list[torch.Tensor], Entries]:
         """The leaves ``roots`` (the loss, or the stage's outputs) reach before ``stops``
         that the step had not found yet and that are not among ``own()`` (the stage's
-        parameters, listed only when a new leaf turns up), now kept in :attr:`found`."""
+        parameters, listed only when a new leaf turns up), now kept in :attr:`found`; and
+        where they read the step's ``data`` (``pipeline_step_data``: never found)."""
         ids, nodes = stops
         fns, reached = [], []
         for t in roots:
@@ -86,14 +91,19 @@ class StageLeaves:
                 fns.append(t.grad_fn)
             elif t.requires_grad:  # an output that is a leaf itself
                 reached.append(t)
-        reached += leaf_variables(fns, nodes)
+        entries: Entries = {}
+        if data is None:
+            reached += leaf_variables(fns, nodes)
+        else:
+            more, entries = reach(fns, stops, data)
+            reached += more
         new = [
             var
             for var in reached
             if id(var) not in ids and id(var) not in self.found and id(var) not in self._apart
         ]
         if not new:
-            return []
+            return [], entries
         mine = {id(p) for p in own()}
         kept = []
         for var in new:
@@ -102,7 +112,7 @@ class StageLeaves:
             elif id(var) not in self.found:  # (a leaf reached twice is one)
                 self.found[id(var)] = var
                 kept.append(var)
-        return kept
+        return kept, entries
 
     def weights(self, loss_fn: Any = None) -> list[torch.Tensor]:
         """The tensors found, after a module ``loss_fn``'s parameters (all of them, reached

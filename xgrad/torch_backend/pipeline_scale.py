@@ -24,10 +24,14 @@ Where torch does worse, this runtime does not:
 - The step's own tensors that require grad (stage 0's batch, a keyword of the model, the
   targets, a ``loss_kwargs`` tensor) get the unpipelined model's gradient: each
   microbatch's is divided by m as it reaches them (torch leaves them m times that under B,
-  and its zero-bubble W none to the targets). A tensor divided at a point that they are or were
-  computed from (the loss's projection tied to an embedding taken before the step) would
-  be divided twice on that path, so it is refused (:meth:`StepScaling.begin`, ``more``);
-  where m is a power of two each loss is divided before its backward, and it is right.
+  and its zero-bubble W none to the targets). So does what a stage or the loss reads of
+  them, or of what they were computed from, besides its arguments (the batch ``x`` a
+  closure reads whole, an embedding taken before the step that the loss's projection is
+  tied to): that is the step's data too (``pipeline_step_data``), divided as it is read
+  (:meth:`StepScaling.divide_entries`). A parameter of a stage's (or the loss module's)
+  divided at a point that they were computed from would be divided twice on that path,
+  so it is refused (:meth:`StepScaling.begin`, ``more``); where m is a power of two each
+  loss is divided before its backward, and it is right.
 - A ``loss_fn`` that is a module with parameters (a learnt temperature, an adaptive
   softmax) has them divided with the last stage's (torch divides its stages' alone and
   leaves them m times the unpipelined model's, as this runtime did before it divided
@@ -63,6 +67,7 @@ from torch.utils.hooks import RemovableHandle
 
 from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.autograd_graph import leaf_variables
+from xgrad.torch_backend.pipeline_step_data import Entries, hook_entries
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StepScaling", "scale_points"]
@@ -118,6 +123,7 @@ class StepScaling:
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(p): p, its .grad
         self._hooks: list[RemovableHandle] = []
         self._upstream: set[int] = set()  # ids of the leaves the step's own tensors reach
+        self._token = object()  # marks the nodes this step hooked (divide_entries)
 
     def begin(self, step_tensors: Any) -> None:
         """Before the step's first backward (once; later calls return at once): the
@@ -201,6 +207,14 @@ class StepScaling:
 
     def _divided(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.m
+
+    def divide_entries(self, entries: Entries) -> None:
+        """What a stage or its loss reads of the step's data without a step tensor's hook
+        on the way (``pipeline_step_data``: ``x`` read whole, its microbatches hooked):
+        each node's edges there divide their gradient by m, as the hooks divide theirs,
+        until the step ends (a node that several microbatches' graphs share, hooked
+        once)."""
+        self._hooks += hook_entries(entries, self.m, self._token)
 
     def after(self, action: Action) -> None:
         """After ``action``: the gradients due there divided by m, as torch's

@@ -20,6 +20,7 @@ from xgrad.torch_backend.pipeline_average import average_grads
 from xgrad.torch_backend.pipeline_loss_params import StageLeaves, Stops, module_params
 from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
 from xgrad.torch_backend.pipeline_stage_settings import StageSettings
+from xgrad.torch_backend.pipeline_step_data import StepData
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageState"]
@@ -39,6 +40,7 @@ class StageState(StageSettings):
             self._scaling.abandon()  # (done already, unless a step ended unseen)
             self._scaling = None
         self._leaves, self._whole_walk = {}, False
+        self._data, self._reads_data = None, frozenset()
         m = self.schedule.num_microbatches
         if self._evaluating:
             return
@@ -95,10 +97,24 @@ class StageState(StageSettings):
             found = self._leaves[stage] = StageLeaves()
         return found
 
+    def _know_data(self, given: Any, hooked: Any) -> None:
+        """The step's data on this rank (pipeline_step_data), where the forwards' walks
+        tell it from the stages' own tensors: ``given``, what the step was given, and
+        ``hooked``, its microbatches' tensors that the division by m hooks."""
+        if self._whole_walk and not self._evaluating:
+            self._data = StepData.of(given, hooked)
+
     def _see(self, stage: int, roots: list[torch.Tensor], stops: Stops) -> None:
         """What ``roots`` (the loss, or a stage's outputs) reach of the stage's own that the
-        step had not found: divided with the stage's parameters from now (pipeline_scale)."""
-        found = self._leaves_of(stage).see(roots, stops, self._module(stage).parameters)
+        step had not found: divided with the stage's parameters from now (pipeline_scale);
+        and where they read the step's data (pipeline_step_data), divided as they read it
+        where the gradients are divided after the backward."""
+        leaves = self._leaves_of(stage)
+        found, entries = leaves.see(roots, stops, self._module(stage).parameters, self._data)
+        if entries:
+            self._reads_data = self._reads_data | {stage}
+            if self._scaling is not None:
+                self._scaling.divide_entries(entries)
         if found and self._scaling is not None and self._points is not None:
             at = self._points[1].get(self._slot_of[stage])
             if at is not None:

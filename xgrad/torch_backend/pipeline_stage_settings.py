@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from xgrad.torch_backend.pipeline_recompute import checkpointed
 from xgrad.torch_backend.pipeline_scale import StepScaling
 from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_specs import ChunkSpecs
+from xgrad.torch_backend.pipeline_step_data import StepData
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageSettings"]
@@ -62,6 +64,8 @@ class StageSettings:
     _joins: StageJoins  # per stage graph, where W starts (this step)
     _leaves: dict[int, StageLeaves]  # per stage, what it (its loss) reads of its own
     _whole_walk: bool = False  # each forward walks its stage's graph for them (this step)
+    _data: StepData | None = None  # the step's data on this rank (this step)
+    _reads_data: AbstractSet[int] = frozenset()  # stages whose walks read data (this step)
     _evaluating: bool = False  # this step runs the forwards alone (eval)
     _outputs: dict[int, Any]  # per microbatch, the last stage's output (detached)
     _keep_outputs: bool = False  # kept: eval(), or step(), with return_outputs=True
@@ -115,9 +119,12 @@ class StageSettings:
     def _takes_batch_grad(self, stage: int, slot: Slot, mb: int) -> bool:
         """Whether ``stage``'s forward read something of the step's own that requires grad:
         the batch (stage 0), a keyword, or (the last stage's loss) the target or a
-        ``loss_kwargs`` tensor. Its backward then goes on into them (into ``.grad`` of the
-        tensors the caller gave), as the unpipelined model's does: under zero bubble W
-        takes the whole backward (its joins reach parameters only)."""
+        ``loss_kwargs`` tensor; or the step's data read otherwise (the batch a closure
+        reads whole: pipeline_step_data). Its backward then goes on into them (into
+        ``.grad`` of the tensors the caller gave), as the unpipelined model's does: under
+        zero bubble W takes the whole backward (its joins reach parameters only)."""
+        if stage in self._reads_data:  # the batch read whole, say (pipeline_step_data)
+            return True
         if any(t.requires_grad for t in tensor_leaves(self._keywords_of(mb))):
             return True
         if stage == self.schedule.num_stages - 1 and self._target_mbs is not None:
