@@ -98,9 +98,10 @@ class BackwardPasses(StageState):
         if weights:
             # The inputs are leaves: the whole backward leaves their gradients in ``.grad``.
             if outs:
-                # A batch with a graph upstream (``base * scale``) shares it between the
+                # A batch with a graph upstream (``base * scale``), or a tensor computed
+                # before the step that the stage reads, shares that graph between the
                 # microbatches: the first backward freed it for the others.
-                keep = self._takes_batch_grad(s, slot, mb)
+                keep = self._takes_batch_grad(s, slot, mb) or self._shares(s)
                 torch.autograd.backward(outs, out_grads, retain_graph=keep)
             found: list[torch.Tensor | None] = [x.grad for x in flat]
             slot.output = slot.input = slot.out_edges = slot.grad_output = None
@@ -120,7 +121,8 @@ class BackwardPasses(StageState):
                 )
                 found = list(got[: len(flat)])
                 if joins is not None:  # W needs only the joins: the graph above them goes
-                    slot.captured = Captured(joins[0], edges, list(got[len(flat) :]))
+                    at_joins: list[torch.Tensor | None] = list(got[len(flat) :])
+                    slot.captured = Captured(joins[0], edges, at_joins, self._shares(s))
                     slot.output = slot.out_edges = None
             slot.grad_output = grads if slot.captured is None else None  # kept for W
         # An input that got no gradient sends none (not zeros): upstream, what reaches
@@ -161,6 +163,7 @@ class BackwardPasses(StageState):
                 # whole backward, into the batch too, as B would (else its .grad stayed
                 # None, or partial where some microbatches ran B and others I/W).
                 torch.autograd.backward(outs, grads, retain_graph=True)  # shared upstream
-            elif outs and params:
-                torch.autograd.backward(outs, grads, inputs=params)
+            elif outs and params:  # (a graph made before the step kept for the others)
+                keep = self._shares(action.stage)
+                torch.autograd.backward(outs, grads, inputs=params, retain_graph=keep)
         slot.output = slot.input = slot.out_edges = slot.grad_output = slot.captured = None

@@ -112,6 +112,7 @@ class Captured:
     plan: JoinPlan
     edges: list[Any]
     grads: list[torch.Tensor | None]
+    keep: bool = False  # W keeps the graph: the microbatches share a part made before
 
 
 def analyse(roots: list[Any], inputs: list[torch.Tensor], params: list[torch.Tensor]) -> Any:
@@ -299,4 +300,5 @@ def run_weight(captured: Captured) -> None:
         if not edges:
             continue
         grads = [captured.grads[i] for i in ids if captured.grads[i] is not None]
-        torch.autograd.backward(edges, grads, inputs=[captured.plan.params[i] for i in positions])
+        params = [captured.plan.params[i] for i in positions]
+        torch.autograd.backward(edges, grads, inputs=params, retain_graph=captured.keep)

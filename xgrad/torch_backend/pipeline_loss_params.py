@@ -29,7 +29,9 @@ to 5 microseconds a microbatch, and none for the other stages. Else it walks the
 graph: about 0.2 microseconds a node (40 for four transformer layers, 2% of their forward
 on a CPU). The set is this step's (found anew each step: ``loss_fn`` and the model may
 change between steps), and grows as the step's microbatches reach more (a graph that
-depends on its data: ``StepScaling.more``).
+depends on its data: ``StepScaling.more``). The same walks note the nodes made before the
+forward that they meet (``w.tanh()`` taken before the step: ``pipeline_shared_graph``),
+and where the stage's graph is not walked whole it is walked for those once a step.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from xgrad.torch_backend.autograd_graph import leaf_variables
-from xgrad.torch_backend.pipeline_step_data import Entries, StepData, reach
+from xgrad.torch_backend.pipeline_shared_graph import reaches_older, walk
+from xgrad.torch_backend.pipeline_step_data import Entries, StepData
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
 __all__ = ["StageLeaves", "Stops", "module_params"]
@@ -58,6 +60,10 @@ class StageLeaves:
     def __init__(self) -> None:
         self.found: dict[int, torch.Tensor] = {}  # id -> tensor, in the order found
         self._apart: set[int] = set()  # ids of the stage's parameters the walk reached
+        #: a walk met a node made before its forward, that the microbatches' graphs share
+        #: (its backwards keep the graph: pipeline_shared_graph)
+        self.older = False
+        self.probed = False  # the stage's graph walked for such nodes alone (:meth:`probe`)
 
     @staticmethod
     def stops(*arguments: Any) -> Stops:
@@ -79,11 +85,13 @@ class StageLeaves:
         stops: Stops,
         own: Callable[[], Iterable[torch.Tensor]],
         data: StepData | None = None,
+        mark: int = 0,
     ) -> tuple[list[torch.Tensor], Entries]:
         """The leaves ``roots`` (the loss, or the stage's outputs) reach before ``stops``
         that the step had not found yet and that are not among ``own()`` (the stage's
         parameters, listed only when a new leaf turns up), now kept in :attr:`found`; and
-        where they read the step's ``data`` (``pipeline_step_data``: never found)."""
+        where they read the step's ``data`` (``pipeline_step_data``: never found). A node
+        numbered below ``mark`` (made before the forward) sets :attr:`older`."""
         ids, nodes = stops
         fns, reached = [], []
         for t in roots:
@@ -91,12 +99,9 @@ class StageLeaves:
                 fns.append(t.grad_fn)
             elif t.requires_grad:  # an output that is a leaf itself
                 reached.append(t)
-        entries: Entries = {}
-        if data is None:
-            reached += leaf_variables(fns, nodes)
-        else:
-            more, entries = reach(fns, stops, data)
-            reached += more
+        more, entries, older = walk(fns, nodes, mark, data)
+        reached += more
+        self.older = self.older or older
         new = [
             var
             for var in reached
@@ -113,6 +118,14 @@ class StageLeaves:
                 self.found[id(var)] = var
                 kept.append(var)
         return kept, entries
+
+    def probe(self, roots: Iterable[torch.Tensor], stops: Stops, mark: int) -> None:
+        """Whether ``roots`` (a stage's outputs) reach, before ``stops``, a node numbered
+        below ``mark``: :attr:`older` where they do (the stage's graph walked once a step,
+        where its forwards are not walked whole)."""
+        self.probed = True
+        fns = [t.grad_fn for t in roots if t.grad_fn is not None]
+        self.older = self.older or reaches_older(fns, stops[1], mark)
 
     def weights(self, loss_fn: Any = None) -> list[torch.Tensor]:
         """The tensors found, after a module ``loss_fn``'s parameters (all of them, reached

@@ -25,6 +25,7 @@ from xgrad.torch_backend.pipeline_recompute import (
     no_activations,
     versions,
 )
+from xgrad.torch_backend.pipeline_shared_graph import explained
 from xgrad.torch_backend.pipeline_slot import Slot
 from xgrad.torch_backend.pipeline_wire import (
     carried,
@@ -162,10 +163,16 @@ class StagePasses(BackwardPasses):
             if self._scaling is not None:  # the step's own tensors: what reaches them divided
                 theirs = None if ys is None else (ys, self._loss_kwargs)  # (the last stage's)
                 self._scaling.begin((xs, self._keyword_mbs, theirs))
-            if kind is Kind.BACKWARD_WEIGHT:
-                self._backward_weight(action, slot)
-            else:
-                self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
+            try:
+                if kind is Kind.BACKWARD_WEIGHT:
+                    self._backward_weight(action, slot)
+                else:
+                    self._backward(action, slot, slots, ys, weights=kind is Kind.BACKWARD)
+            except RuntimeError as exc:  # a graph made before the step, seen too late
+                why = explained(exc, action.stage, action.microbatch)
+                if why is None:
+                    raise
+                raise why from exc
             if self._scaling is not None:
                 self._scaling.after(action)
         elif kind in (Kind.SEND_F, Kind.SEND_B):

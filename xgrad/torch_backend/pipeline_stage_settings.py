@@ -116,6 +116,13 @@ class StageSettings:
         ``step(**kwargs)`` to each stage it runs)."""
         return {} if self._keyword_mbs is None else self._keyword_mbs[mb]
 
+    def _shares(self, stage: int) -> bool:
+        """Whether ``stage``'s graph (its loss's) reaches nodes made before its forward,
+        that each microbatch's backward goes through: those keep the graph
+        (pipeline_shared_graph)."""
+        found = self._leaves.get(stage)
+        return found is not None and found.older
+
     def _takes_batch_grad(self, stage: int, slot: Slot, mb: int) -> bool:
         """Whether ``stage``'s forward read something of the step's own that requires grad:
         the batch (stage 0), a keyword, or (the last stage's loss) the target or a

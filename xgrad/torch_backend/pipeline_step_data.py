@@ -21,7 +21,8 @@ rank reads its replica's data without having been given it.
 
 :class:`StepData` holds the graph of this rank's data (its nodes: the grad_fns the given
 tensors were computed through and their leaves' ``AccumulateGrad``), and
-:func:`reach` walks a stage's graph from its outputs or its loss without going into it:
+``pipeline_shared_graph.walk`` walks a stage's graph from its outputs or its loss without
+going into it:
 the leaves it meets are the stage's own, and each edge by which it enters that graph is
 a read of the data. Where the gradients are divided after the step (m not a power of
 two), an edge that no hook of a step tensor divides (``x`` read whole while its
@@ -42,9 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
-__all__ = ["Entries", "StepData", "hook_entries", "reach"]
-
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
+__all__ = ["Entries", "StepData", "hook_entries"]
 
 #: a node's ``metadata`` key: the step whose hook divides some of its edges
 _HOOKED = "xgrad.pipeline_step_data"
@@ -98,40 +97,6 @@ class StepData:
         tensors = _requiring(given)
         more = _requiring(hooked)
         return cls([*tensors, *more], more) if tensors or more else None
-
-
-def reach(
-    roots: Iterable[Any], stops: tuple[set[int], set[Any]], data: StepData
-) -> tuple[list[torch.Tensor], Entries]:
-    """From the ``grad_fn`` nodes ``roots``, never into the nodes of ``stops`` (the
-    stage's arguments' ids and nodes) nor into ``data``'s graph: the leaves met (in a
-    depth-first walk's order, as ``autograd_graph.leaf_variables``) and the edges into
-    ``data``'s graph that no step tensor's hook divides."""
-    _, stop_nodes = stops
-    inside, covered = data.nodes, data.covered
-    seen: set[Any] = set()
-    todo: list[Any] = []
-    for root in roots:
-        if root is not None and root not in seen and root not in stop_nodes and root not in inside:
-            seen.add(root)
-            todo.append(root)
-    leaves: list[torch.Tensor] = []
-    entries: Entries = {}
-    while todo:
-        node = todo.pop()
-        if type(node) is _ACCUMULATE_GRAD:
-            leaves.append(node.variable)
-            continue
-        for i, (child, nr) in enumerate(node.next_functions):
-            if child is None:
-                continue
-            if child in inside:
-                if (child, nr) not in covered:
-                    entries.setdefault(node, []).append(i)
-            elif child not in seen and child not in stop_nodes:
-                seen.add(child)
-                todo.append(child)
-    return leaves, entries
 
 
 def hook_entries(entries: Entries, m: int, step: object) -> list[RemovableHandle]:
