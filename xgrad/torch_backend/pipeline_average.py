@@ -27,8 +27,8 @@ data, not averaged (``pipeline_step_data``); any other tensor read is taken as a
 which the replicas share: one whose values differ between them (a replica's batch that a
 closure reads on a rank not given it) cannot be told from data, and is refused by
 shape, on every replica, rather than averaged. A second digest, of its values (their
-words summed as integers: the same on every replica where the values are), goes with
-the first; where the replicas' differ, one more all-reduce says which tensors differ.
+checksums, ``pipeline_checksum``: the same on every replica where the values are), goes
+with the first; where the replicas' differ, one more all-reduce says which tensors differ.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from xgrad.torch_backend.pipeline_checksum import checksums
 from xgrad.torch_backend.pipeline_loss_order import in_order
 
 __all__ = ["average_grads"]
@@ -70,7 +71,7 @@ def average_grads(
     digest = None
     if found is not None:
         found, keys, alike = in_order(found, holder)
-        sums = _checksums(found)
+        sums = checksums(found)
         mine, values = _digest(keys), _digest(sums)
         # The maximum of each and of its negation: every replica's is the same iff the two
         # give the same number (a 62-bit digest, where a sum of squares would overflow).
@@ -107,19 +108,6 @@ def average_grads(
             _refuse_unlike(found, sums, dp, device, what, reader)
         if found:
             _finish(_launch(found, dp), dp, size, what)
-
-
-def _checksums(found: Sequence[torch.Tensor]) -> list[int]:
-    """Each tensor's values summed as integers (its words' bits: exact, in any order, so
-    equal tensors give equal sums on every replica, whatever their threads or device)."""
-    if not found:
-        return []
-    sums = []
-    for t in found:
-        flat = t.detach().reshape(-1).contiguous()
-        word = {1: torch.int8, 2: torch.int16}.get(flat.element_size(), torch.int32)
-        sums.append(flat.view(word).sum(dtype=torch.int64).to(found[0].device))
-    return torch.stack(sums).tolist()  # type: ignore[no-any-return]
 
 
 def _refuse_unlike(
