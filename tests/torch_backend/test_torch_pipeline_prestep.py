@@ -313,8 +313,9 @@ def test_a_graph_first_read_by_a_later_microbatch_is_named(
 
 
 def test_the_walks_tell_nodes_made_before_the_forward() -> None:
-    """``reaches_older`` and ``walk``: ``w * 2`` taken before the mark is older, the
-    forward's own nodes, leaves and the arguments' nodes (stops) are not."""
+    """``reaches_older`` and ``walk``: ``w * 2`` taken before the forward is older, and so
+    is a node numbered after it (another thread's, whose counter is ahead); the forward's
+    own nodes, leaves and the arguments' nodes (stops) are not."""
     from xgrad.torch_backend.pipeline_shared_graph import forward_mark, reaches_older, walk
 
     w = torch.ones(3, requires_grad=True)
@@ -323,10 +324,12 @@ def test_the_walks_tell_nodes_made_before_the_forward() -> None:
     mark = forward_mark()
     plain = (x * w).sum()
     shared = (x * w2).sum()
+    made = (mark, forward_mark())
     stops = {x.grad_fn}
-    assert not reaches_older([plain.grad_fn], stops, mark)
-    assert reaches_older([shared.grad_fn], stops, mark)
-    assert reaches_older([plain.grad_fn], set(), mark)  # x's own graph, made before
-    leaves, entries, older = walk([shared.grad_fn], stops, mark, None)
+    assert not reaches_older([plain.grad_fn], stops, made)
+    assert reaches_older([shared.grad_fn], stops, made)
+    assert reaches_older([plain.grad_fn], set(), made)  # x's own graph, made before
+    assert reaches_older([(w * 4).grad_fn], set(), made)  # numbered after the forward's
+    leaves, entries, older = walk([shared.grad_fn], stops, made, None)
     assert older and not entries and [id(t) for t in leaves] == [id(w)]
-    assert walk([plain.grad_fn], stops, mark, None)[2] is False
+    assert walk([plain.grad_fn], stops, made, None)[2] is False

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xgrad.torch_backend.pipeline_shared_graph import reaches_older, walk
+from xgrad.torch_backend.pipeline_shared_graph import Made, reaches_older, walk
 from xgrad.torch_backend.pipeline_step_data import Entries, StepData
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
 
@@ -85,13 +85,14 @@ class StageLeaves:
         stops: Stops,
         own: Callable[[], Iterable[torch.Tensor]],
         data: StepData | None = None,
-        mark: int = 0,
+        made: Made = (0, 1 << 64),
     ) -> tuple[list[torch.Tensor], Entries]:
         """The leaves ``roots`` (the loss, or the stage's outputs) reach before ``stops``
         that the step had not found yet and that are not among ``own()`` (the stage's
         parameters, listed only when a new leaf turns up), now kept in :attr:`found`; and
         where they read the step's ``data`` (``pipeline_step_data``: never found). A node
-        numbered below ``mark`` (made before the forward) sets :attr:`older`."""
+        numbered outside ``made``, the numbers the forward's own nodes took (made before
+        it: ``pipeline_shared_graph``), sets :attr:`older`."""
         ids, nodes = stops
         fns, reached = [], []
         for t in roots:
@@ -99,7 +100,7 @@ class StageLeaves:
                 fns.append(t.grad_fn)
             elif t.requires_grad:  # an output that is a leaf itself
                 reached.append(t)
-        more, entries, older = walk(fns, nodes, mark, data)
+        more, entries, older = walk(fns, nodes, made, data)
         reached += more
         self.older = self.older or older
         new = [
@@ -119,13 +120,13 @@ class StageLeaves:
                 kept.append(var)
         return kept, entries
 
-    def probe(self, roots: Iterable[torch.Tensor], stops: Stops, mark: int) -> None:
+    def probe(self, roots: Iterable[torch.Tensor], stops: Stops, made: Made) -> None:
         """Whether ``roots`` (a stage's outputs) reach, before ``stops``, a node numbered
-        below ``mark``: :attr:`older` where they do (the stage's graph walked once a step,
+        outside ``made`` (made before the forward): :attr:`older` where they do (the stage's graph walked once a step,
         where its forwards are not walked whole)."""
         self.probed = True
         fns = [t.grad_fn for t in roots if t.grad_fn is not None]
-        self.older = self.older or reaches_older(fns, stops[1], mark)
+        self.older = self.older or reaches_older(fns, stops[1], made)
 
     def weights(self, loss_fn: Any = None) -> list[torch.Tensor]:
         """The tensors found, after a module ``loss_fn``'s parameters (all of them, reached

@@ -19,7 +19,7 @@ from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
 from xgrad.torch_backend.pipeline_average import average_grads
 from xgrad.torch_backend.pipeline_loss_params import StageLeaves, Stops, module_params
 from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
-from xgrad.torch_backend.pipeline_shared_graph import forward_mark
+from xgrad.torch_backend.pipeline_shared_graph import Made, forward_mark
 from xgrad.torch_backend.pipeline_stage_settings import StageSettings
 from xgrad.torch_backend.pipeline_step_data import StepData
 from xgrad.torch_backend.pipeline_wire import tensor_leaves
@@ -105,15 +105,15 @@ class StageState(StageSettings):
         if self._whole_walk and not self._evaluating:
             self._data = StepData.of(given, hooked)
 
-    def _see(self, stage: int, roots: list[torch.Tensor], stops: Stops, mark: int) -> None:
+    def _see(self, stage: int, roots: list[torch.Tensor], stops: Stops, made: Made) -> None:
         """What ``roots`` (the loss, or a stage's outputs) reach of the stage's own that the
         step had not found: divided with the stage's parameters from now (pipeline_scale);
         and where they read the step's data (pipeline_step_data), divided as they read it
         where the gradients are divided after the backward; and whether they reach nodes
-        made before the forward (``mark``: pipeline_shared_graph)."""
+        made before the forward (numbered outside ``made``: pipeline_shared_graph)."""
         leaves = self._leaves_of(stage)
         params = self._module(stage).parameters
-        found, entries = leaves.see(roots, stops, params, self._data, mark)
+        found, entries = leaves.see(roots, stops, params, self._data, made)
         if entries:
             self._reads_data = self._reads_data | {stage}
             if self._scaling is not None:
@@ -155,11 +155,12 @@ class StageState(StageSettings):
         mark = forward_mark()
         with self._sync_context(stage, mb):
             y = self._module(stage)(*args, **self._keywords_of(mb))
+        made = (mark, forward_mark())  # the numbers the forward's nodes took
         if stops is not None and probes:
-            self._leaves_of(stage).probe(tensor_leaves(y), stops, mark)
+            self._leaves_of(stage).probe(tensor_leaves(y), stops, made)
             stops = None
         if stops is not None and not last:
-            self._see(stage, tensor_leaves(y), stops, mark)
+            self._see(stage, tensor_leaves(y), stops, made)
         if last and self._keep_outputs and mb not in self._outputs:  # (a recompute's: equal)
             # Detached, all of them. torch's backward detaches its outputs in place, to
             # free their graph, but cannot detach a view in place, and returns views
@@ -176,7 +177,7 @@ class StageState(StageSettings):
                 stops = StageLeaves.stops(x, y, target, self._loss_kwargs, self._keywords_of(mb))
             loss = self._loss(y, target)
             if stops is not None:
-                self._see(stage, [loss], stops, mark)
+                self._see(stage, [loss], stops, (mark, forward_mark()))
             self._losses[mb] = loss.detach()  # for step(losses=), as torch reports them
             if self._loss_scaled():  # m a power of two: exact, and free (_loss_scaled)
                 return loss / self.schedule.num_microbatches
