@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from xgrad.failure_errors import FAILURE_KINDS
 from xgrad.failure_errors import Failure as Failure
 from xgrad.failure_errors import RankError as RankError
 from xgrad.failure_errors import RankUnresponsiveError as RankUnresponsiveError
@@ -157,13 +158,15 @@ class FailureChannel:
 
     def others(self) -> list[Failure]:
         """The failures posted after the first, one per origin rank but the first's: those
-        in the store now (lookups; a ticket whose failure is not written yet ends them)."""
+        in the store now (lookups; a ticket whose failure is not written yet ends them).
+        A note (a record of no failure kind, :data:`FAILURE_KINDS`) is none of them."""
         first = self.poll()
         found: list[Failure] = []
         ticket = 2
         while first is not None and self.store.check([key := f"{self.prefix}/failure/{ticket}"]):
             failure = Failure.from_bytes(self.store.get(key))
-            if failure.rank not in {first.rank, *(f.rank for f in found)}:
+            named = {first.rank, *(f.rank for f in found)}
+            if failure.kind in FAILURE_KINDS and failure.rank not in named:
                 found.append(failure)
             ticket += 1
         return found

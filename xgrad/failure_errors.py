@@ -13,7 +13,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Failure", "RankError", "RankUnresponsiveError", "describe", "error_for"]
+__all__ = [
+    "FAILURE_KINDS",
+    "Failure",
+    "RankError",
+    "RankUnresponsiveError",
+    "describe",
+    "error_for",
+]
+
+
+#: the kinds of a failure (:attr:`Failure.kind`).
+FAILURE_KINDS = frozenset({"error", "unresponsive", "timeout"})
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,9 @@ class Failure:
             "comm hook, bucket 0"); empty when the message says it all.
         message: the original error's text (``"ValueError: boom"``).
         kind: ``"error"`` (an exception), ``"unresponsive"`` (a rank died or froze) or
-            ``"timeout"`` (a wait ran out while every rank still answered).
+            ``"timeout"`` (a wait ran out while every rank still answered); any other
+            kind is a note a backend posts after a step's first failure, not a failure
+            (:data:`FAILURE_KINDS`).
     """
 
     rank: int

@@ -13,9 +13,12 @@ marks it in the failed step's namespace (one write per rank and failed step; a g
 writes nothing), and the group's lowest rank, at each step's start while such a step is
 pending, looks the marks up (one lookup) and, once every rank's is there, deletes the
 step's keys: its tickets, their counter and the marks, and what c10d wrote to make the
-fresh group (:mod:`.group_keys`). A training loop that catches a
-failed step and goes on keeps a bounded store: usually two steps after a failure (the
-step after it needs every rank for its reduction, so each marked) the keys are gone.
+fresh group (:mod:`.group_keys`). Under ``join()`` each rank also marks, before it makes
+the fresh group, that it makes it (:func:`mark_next`: a rank that has joined makes it
+ahead of the others, and waits for theirs, :mod:`.join_leave`), deleted with the rest.
+A training loop that catches a failed step and goes on keeps a bounded store: usually
+two steps after a failure (the step after it needs every rank for its reduction, so
+each marked) the keys are gone.
 """
 
 from __future__ import annotations
@@ -27,11 +30,22 @@ from xgrad.torch_backend.group_keys import group_keys
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
 
-__all__ = ["drop_read_failures", "read_failure"]
+__all__ = ["drop_read_failures", "mark_next", "next_marks", "read_failure"]
 
 
 def _marks(prefix: str, ranks: list[int]) -> list[str]:
     return [f"{prefix}/read/{r}" for r in ranks]
+
+
+def next_marks(prefix: str, ranks: list[int]) -> list[str]:
+    """The keys of :func:`mark_next` of ``ranks`` in the failed step's namespace ``prefix``."""
+    return [f"{prefix}/next/{r}" for r in ranks]
+
+
+def mark_next(watch: StepWatch) -> None:
+    """Under ``join()``: this rank begins the step after its failed one (``watch``'s
+    step) and makes the fresh group now; written before it makes the group."""
+    watch.channel.store.set(f"{watch.channel.prefix}/next/{watch.channel.rank}", b"1")
 
 
 def read_failure(watch: StepWatch, prefix: str) -> None:
@@ -56,6 +70,8 @@ def drop_read_failures(watch: StepWatch) -> None:
         # until it begins the next), so the counter is final.
         counter = f"{prefix}/failures"
         tickets = int(store.get(counter)) if store.check([counter]) else 0
-        for key in [*(f"{prefix}/failure/{t}" for t in range(1, tickets + 1)), counter, *marks]:
+        tickets_keys = [f"{prefix}/failure/{t}" for t in range(1, tickets + 1)]
+        # (the next marks of a step failed outside join() were never written: no-ops)
+        for key in [*tickets_keys, counter, *marks, *next_marks(prefix, watch.ranks)]:
             store.delete_key(key)
         made.delete()  # every rank made the fresh group before it marked

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.callers import user_stacklevel
-from xgrad.failure import error_for
+from xgrad.failure import FailureChannel, error_for
+from xgrad.torch_backend.ddp_leftovers import mark_next
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
@@ -47,7 +48,12 @@ current_graph_task = torch._C._current_graph_task_id
 
 
 def start_forward(
-    watch: StepWatch, hooks: GradientHooks, sync: bool, joining: bool, accumulate: bool = False
+    watch: StepWatch,
+    hooks: GradientHooks,
+    sync: bool,
+    joining: bool,
+    accumulate: bool = False,
+    gate: Callable[[FailureChannel], None] | None = None,
 ) -> None:
     """At a forward pass: drop what a failed step left behind, on every rank alike.
 
@@ -58,7 +64,7 @@ def start_forward(
     whose backward never reached DDP here is settled with the peers first
     (:mod:`.ddp_skipped`; not under ``join()``, whose joined ranks run no forward).
     ``accumulate``: a pass under ``no_sync`` (its gradients, or a checkpointed pass's
-    recomputed ones, are for the next synchronised step).
+    recomputed ones, are for the next synchronised step). ``gate``: :func:`_begin_step`'s.
     """
     if (
         hooks.sync_pending
@@ -103,7 +109,7 @@ def start_forward(
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
-            _begin_step(watch, hooks)
+            _begin_step(watch, hooks, joining)
             # Still prepared (a synchronised forward pass every rank left without a
             # backward: the skip round found no failure), the reducer takes this pass's
             # gradients as PyTorch's does: reduced, a step of its own (post_forward).
@@ -113,13 +119,13 @@ def start_forward(
             # its kind (an evaluation too): a rank that has joined cannot know which pass
             # comes, and begins it with its fresh group as soon as it sees the failure
             # (join_hook), as a rank that leaves join() does.
-            _begin_step(watch, hooks)
+            _begin_step(watch, hooks, joining)
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
         hooks.accumulating = False
         return
-    _begin_step(watch, hooks)
+    _begin_step(watch, hooks, joining, gate)
 
 
 def reduces_unsynced(hooks: GradientHooks) -> bool:
@@ -159,15 +165,27 @@ def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeEr
     return error
 
 
-def _begin_step(watch: StepWatch, hooks: GradientHooks) -> None:
+def _begin_step(
+    watch: StepWatch,
+    hooks: GradientHooks,
+    joining: bool = False,
+    gate: Callable[[FailureChannel], None] | None = None,
+) -> None:
     """Begin the next synchronised step; after a failed one, drop this rank's part of it,
     and what the reducer learned in it (every rank learns it again alike). A join round
     still open in the failed step (no backward pass began here) is entered with ``FAIL``
-    first, before the fresh group (:meth:`~.join_rounds.OpenRound.fail`)."""
+    first, before the fresh group (:meth:`~.join_rounds.OpenRound.fail`). Under
+    ``join()`` this rank then marks that it makes the fresh group (:func:`mark_next`);
+    ``gate`` (a joined rank's, ahead of the others) may wait for their marks, or raise."""
+    failing = watch.channel.poll() is not None
     pending = hooks.join_round
-    if pending is not None and watch.channel.poll() is not None:
+    if pending is not None and failing:
         hooks.join_round = None
         pending.fail()
+    if failing and joining:
+        mark_next(watch)
+        if gate is not None:
+            gate(watch.channel)
     failed = watch.begin_step()
     reducer = hooks.reducer
     assert reducer is not None

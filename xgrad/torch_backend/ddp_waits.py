@@ -23,6 +23,7 @@ from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_skipped import check_skipped
 from xgrad.torch_backend.ddp_spin import spin_until
 from xgrad.torch_backend.failure import transfer_error
+from xgrad.torch_backend.join_leave import check_left
 
 __all__ = ["StepWaits"]
 
@@ -117,10 +118,13 @@ class StepWaits:
             raise_from(self.naming_others(error), error)
 
     def _check_past(self) -> None:
-        """:meth:`_check` for a wait that goes on past a failure posted to the step."""
+        """:meth:`_check` for a wait that goes on past a failure posted to the step (a
+        join round): a note that a rank still training stopped in the step ends it
+        (:mod:`.join_leave`)."""
         try:
             self.channel.check(posted=False)
             check_skipped(self.channel)
+            check_left(self.channel)
         except RankError as error:
             raise_from(self.naming_others(error), error)
 

@@ -29,7 +29,9 @@ backward pass (an evaluation under ``torch.no_grad()``, a validation loss with g
 on) after a rank joined, where PyTorch's DDP aborts in gloo, and make ranks still
 training that run different passes raise at once, naming them. A step that fails on a
 rank still training is raised there at once; a rank that has joined keeps shadowing the
-steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`).
+steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`), or at once
+where a rank still training raised it out of xgrad's ``Join`` (:mod:`.join_leave`;
+PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -41,6 +43,7 @@ still training; the joined rank's side is :mod:`.join_hook`'s.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +90,18 @@ class Join(TorchJoin):
         # The first joinable's step watch (a DDP's): its failure channel names a peer
         # that failed, died or froze while this rank counts the ranks still training.
         self._watch = getattr(joinables[0], "_watch", None) if joinables else None
+
+    def __exit__(self, type: Any, value: Any, traceback: Any) -> None:
+        """PyTorch's, after telling the joined ranks when an exception leaves the block
+        in a step that failed (:mod:`.join_leave`; PyTorch's ``Join`` cannot)."""
+        if self._enable and type is not None:
+            for hook in self._join_hooks:
+                if isinstance(hook, DDPJoinHook):
+                    # Best effort: the exception leaving the block is what this rank raises
+                    # (a group the user aborted in its handler takes no part in a round).
+                    with contextlib.suppress(Exception):
+                        hook.leave_raising()
+        super().__exit__(type, value, traceback)
 
     def _all_reduce(self, value: float) -> float:
         t = torch.full((1,), value, device=self._device)

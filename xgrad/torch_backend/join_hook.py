@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from xgrad.failure import RankError
+from xgrad.failure import FailureChannel, RankError
 from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
+from xgrad.torch_backend.group_gone import gone_error
+from xgrad.torch_backend.join_leave import post_left, wait_for_next
 from xgrad.torch_backend.join_rounds import close_round, hear, posted, wait_round
 
 if TYPE_CHECKING:
@@ -71,13 +73,29 @@ class DDPJoinHook(JoinHook):
         failed anywhere (its own forward pass, as it leaves ``join()``), it begins the
         next now, with its fresh group, which the ranks still training make at their next
         forward pass before their count. Raised here when the join ends, since raising
-        now would leave them waiting for this rank in their next steps."""
+        now would leave them waiting for this rank in their next steps; at once where a
+        rank still training left ``join()`` raising it (:mod:`.join_leave`)."""
         ddp = self.ddp
         failed = drop_unreduced(ddp._grad_hooks, self._begin)
         if failed is not None:
             self._keep(failed)
         elif ddp._watch.channel.poll() is not None:
             self._begin(ahead=True)
+
+    def leave_raising(self) -> None:
+        """This rank leaves ``join()`` by an exception: in a step that failed (a rank's
+        error), the joined ranks, which would wait for its next step, are told
+        (:mod:`.join_leave`), its part of the step's round sent if it was still due
+        (``FAIL``, else sent at its next forward pass: a joined rank's part, left
+        waiting, would meet a later all-reduce on the group, another DDP's)."""
+        ddp = self.ddp
+        channel = ddp._watch.channel
+        failure = channel.poll()
+        if failure is not None and failure.kind == "error":
+            pending, ddp._grad_hooks.join_round = ddp._grad_hooks.join_round, None
+            if pending is not None and gone_error(ddp.process_group, channel.rank, "") is None:
+                pending.fail()
+            post_left(channel)
 
     def _keep(self, error: BaseException) -> None:
         """A failure to raise when the join ends (the first, when steps failed again)."""
@@ -87,8 +105,18 @@ class DDPJoinHook(JoinHook):
     def _begin(self, ahead: bool = False) -> None:
         """Begin the next step (a fresh group after a failed one); ``ahead``: for the next
         pass of the ranks still training (:attr:`begun`)."""
-        start_forward(self.ddp._watch, self.ddp._grad_hooks, True, joining=True)
+        start_forward(self.ddp._watch, self.ddp._grad_hooks, True, joining=True, gate=self._gate)
         self.begun = ahead
+
+    def _gate(self, failed: FailureChannel) -> None:
+        """Before making the fresh group ahead of the ranks still training: wait for
+        their marks; one that left ``join()`` raising the step's failure raises it now
+        (:mod:`.join_leave`), with nothing begun."""
+        try:
+            wait_for_next(self.ddp._watch, failed, self.failed)
+        except RankError:
+            self.failed, self.begun = None, False
+            raise
 
     def _failed_step(self, error: BaseException, ahead: bool = True) -> None:
         """A step this rank shadowed failed on a rank still training: kept to raise when

@@ -1,0 +1,146 @@
+"""Under ``join()``: a rank still training that stops in a failed step tells the joined ranks.
+
+A rank that has joined shadows a failed step of the ranks still training and begins the
+next step with them, with its fresh private group, as they do at their next forward pass
+(:mod:`.join_hook`); it raises the failure when ``join()`` ends. A rank still training
+that raises the failure out of its ``with ddp.join():`` block instead, its process alive
+(the user catches it outside), runs no next forward pass: the joined ranks waited for it
+in the failed step's round, or in the fresh group's making, to the DDP's timeout. So:
+
+* xgrad's :class:`~.join.Join`, left by an exception in a step that failed (a rank's
+  error), posts a note of kind :data:`LEFT` to that step's channel, naming this rank
+  (:func:`post_left`; a few store writes, nothing waited for).
+* A joined rank waiting in the failed step's round (which waits past the step's failure)
+  ends the wait on a note (:func:`check_left`, from the round's wait).
+* Every rank under ``join()`` marks, before it makes the fresh group of the step after a
+  failed one, that it makes it (:func:`~.ddp_leftovers.mark_next`). A rank that makes it
+  ahead of the others (one that has joined, or leaves ``join()`` plainly) marks, then
+  waits for every other rank's mark (:func:`wait_for_next`): a note ends that wait.
+
+On a note, the joined rank raises the step's failure at once, naming the rank where it
+started and the one that left (:func:`raised_past`), without making the group: no rank
+began the next step, and each begins it at its next forward pass, with the fresh group
+(a rank whose round was open enters it with ``FAIL`` there first, which the joined
+rank's abandoned part of the round meets), so a later join context or step trains.
+
+PyTorch's own ``Join([ddp])`` runs no hook when its block is left by an exception: there
+the joined ranks still raise only at the DDP's timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from xgrad.failure import Failure, FailureChannel, RankError, error_for
+from xgrad.heartbeat import COLLECTIVE, waiting_for
+from xgrad.torch_backend.ddp_leftovers import next_marks
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_failure import StepWatch
+
+__all__ = [
+    "LEFT",
+    "check_left",
+    "left_raising",
+    "post_left",
+    "raised_past",
+    "wait_for_next",
+]
+
+#: the kind of the note (never a step's first failure: posted after one).
+LEFT = "left"
+
+#: what the note of a rank that left ``join()`` says it did.
+LEFT_JOIN = "left join() raising this failure: the ranks that had joined stop shadowing"
+
+
+def post_left(channel: FailureChannel, message: str = LEFT_JOIN) -> None:
+    """This rank stops in the step whose failure ``channel`` holds (it leaves ``join()``
+    raising it; ``message`` says so): a note of its own ticket (deleted with the step's
+    others, :mod:`.ddp_leftovers`). Not :meth:`~xgrad.failure.FailureChannel.post`,
+    which keeps a step's first failure only."""
+    store = channel.store
+    ticket = store.add(f"{channel.prefix}/failures", 1)
+    channel.tickets.append(ticket)
+    note = Failure(channel.rank, "join()", message, kind=LEFT)
+    store.set(f"{channel.prefix}/failure/{ticket}", note.to_bytes())
+
+
+def left_raising(channel: FailureChannel) -> Failure | None:
+    """The first note (:func:`post_left`) posted to ``channel``'s step, if any (lookups,
+    only after a failed step). A ticket whose record is not written yet (another rank's,
+    posting) is skipped: it is read at the next look."""
+    store = channel.store
+    counter = f"{channel.prefix}/failures"
+    if channel.poll() is None:
+        return None
+    for ticket in range(2, int(store.get(counter)) + 1):
+        key = f"{channel.prefix}/failure/{ticket}"
+        if store.check([key]):
+            note = Failure.from_bytes(store.get(key))
+            if note.kind == LEFT:
+                return note
+    return None
+
+
+def raised_past(kept: BaseException | None, channel: FailureChannel, note: Failure) -> RankError:
+    """What a joined rank raises once ``note`` says a rank stopped: the step's failure
+    (``kept``, the one it would raise as ``join()`` ended, else ``channel``'s), naming
+    the ranks' other failures, then the note."""
+    if isinstance(kept, RankError):
+        first, also = kept.failure, kept.also
+    else:
+        posted = channel.poll()
+        assert posted is not None  # a note is posted after the step's failure
+        first, also = posted, tuple(channel.others())
+    also = tuple(f for f in also if f != note)
+    return error_for(first, channel.rank, also=(*also, note))
+
+
+def check_left(channel: FailureChannel) -> None:
+    """In a wait that goes on past the step's failure (a join round): a note ends it."""
+    note = left_raising(channel)
+    if note is not None:
+        raise raised_past(None, channel, note)
+
+
+def wait_for_next(watch: StepWatch, channel: FailureChannel, kept: BaseException | None) -> None:
+    """A rank that begins the step past ``channel``'s failed one ahead of the others, its
+    mark written: wait until every rank has marked (each makes the fresh group now or is
+    about to); a note raises the step's failure (``kept`` first) instead. Bounded by the
+    DDP's timeout; a lost peer raises too."""
+    marks = next_marks(channel.prefix, watch.ranks)
+    store = channel.store
+    before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
+    try:
+        started = time.monotonic()
+        while True:
+            marked = store.check(marks)
+            # After the marks: a rank that stopped and went on at once (a new join
+            # context) marks too, after its note, and this rank's context is over.
+            note = left_raising(channel)
+            if note is not None:
+                raise raised_past(kept, channel, note)
+            if marked:
+                return
+            channel.check(posted=False)  # a rank that died or froze
+            waited = time.monotonic() - started
+            if waited >= watch.timeout:
+                raise _timed_out(channel, waited)
+            time.sleep(watch.poll)
+    finally:
+        waiting_for(before)
+
+
+def _timed_out(channel: FailureChannel, waited: float) -> RankError:
+    """:func:`wait_for_next` ran out: a rank neither began the next step nor left
+    ``join()`` (not posted: the step's first failure is posted already, and named)."""
+    message = (
+        f"timed out after {waited:g} s (a rank still training neither began the step after "
+        "the failed one nor left join() raising it)"
+    )
+    failed = channel.poll()
+    also = () if failed is None else (failed,)
+    what = "join: the marks of the ranks that make the step's fresh group"
+    return error_for(Failure(channel.rank, what, message, "timeout"), channel.rank, also=also)
