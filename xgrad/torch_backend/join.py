@@ -31,7 +31,9 @@ training that run different passes raise at once, naming them. A step that fails
 rank still training is raised there at once; a rank that has joined keeps shadowing the
 steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`), or at once
 where a rank still training raised it out of xgrad's ``Join`` (:mod:`.join_leave`;
-PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout).
+PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout). With
+several DDPs in one context, once a rank has joined, each DDP's backward pass must come
+before the next DDP's forward pass, or every rank raises at once (:mod:`.join_order`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -86,6 +88,9 @@ class Join(TorchJoin):
                 raise TypeError(f"{type(j).__name__} is not a Joinable (no join_hook)")
         super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
         join_rounds.counting(self._joinables)  # its count is read by a rank that leaves in a round
+        for joinable in self._joinables:  # (join_order: another DDP's forward, the first's open)
+            if hasattr(joinable, "_join_peers"):
+                joinable._join_peers = tuple(self._joinables)
         self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
         # The first joinable's step watch (a DDP's): its failure channel names a peer
         # that failed, died or froze while this rank counts the ranks still training.
