@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from grads_close import assert_close
 from torch import nn
 
 import xgrad.pipeline as xp
@@ -180,16 +181,6 @@ def results() -> list[dict[str, Any]]:
     return spawn(_run, 4, timeout=240)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
-    bad = {
-        k: (got[k] - want[k]).abs().max().item()
-        for k in want
-        if not torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
-    }
-    assert not bad, f"{what}: {bad}"
-
-
 @pytest.mark.parametrize("reads", READS)
 @pytest.mark.parametrize("case", ONE_RANK, ids=str)
 def test_one_rank_replicas_keep_their_datas_gradient(
@@ -202,7 +193,7 @@ def test_one_rank_replicas_keep_their_datas_gradient(
         assert not isinstance(got, str), (rank, got)
         for when, times in enumerate((1, 2)):  # a second step adds its gradient
             mine = {k: v * times for k, v in want[rank % 2].items()}
-            _close(got[when], mine, f"{case}, {reads}, rank {rank}, step {when}")
+            assert_close(got[when], mine, f"{case}, {reads}, rank {rank}, step {when}")
 
 
 @pytest.mark.parametrize(("name", "m"), TWO_RANKS)
@@ -216,7 +207,7 @@ def test_two_rank_replicas_keep_their_datas_gradient(
         parts = [results[2 * replica + k][f"two {name} {m}"] for k in (0, 1)]
         assert not any(isinstance(p, str) for p in parts), parts
         got = {k: parts[0][k] + parts[1][k] for k in parts[0]}
-        _close(got, want[replica], f"{name}, m={m}, replica {replica}")
+        assert_close(got, want[replica], f"{name}, m={m}, replica {replica}")
 
 
 def test_data_that_a_rank_is_not_given_is_refused_by_shape(

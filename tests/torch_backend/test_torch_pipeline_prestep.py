@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from grads_close import assert_close
 from torch import nn
 
 import xgrad.pipeline as xp
@@ -247,16 +248,6 @@ def results() -> list[dict[str, Any]]:
     return spawn(_run, 2, timeout=240)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
-    bad = {
-        k: (got[k] - want[k]).abs().max().item()
-        for k in want
-        if not torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
-    }
-    assert not bad, f"{what}: {bad}"
-
-
 @pytest.mark.parametrize("reads", READS)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_a_graph_computed_before_the_step_gets_the_unpipelined_gradient(
@@ -267,7 +258,7 @@ def test_a_graph_computed_before_the_step_gets_the_unpipelined_gradient(
     parts = [results[rank][f"{case} {reads}"] for rank in (0, 1)]
     assert not any(isinstance(p, str) for p in parts), parts
     got = {k: parts[0][k] + parts[1][k] for k in parts[0]}
-    _close(got, _reference(xp.make(name, 2, m).num_stages, m, reads), f"{case}, {reads}")
+    assert_close(got, _reference(xp.make(name, 2, m).num_stages, m, reads), f"{case}, {reads}")
 
 
 @pytest.mark.parametrize("reads", READS)
@@ -282,7 +273,7 @@ def test_under_dp_group_too(results: list[dict[str, Any]], name: str, m: int, re
         mine = {k: (want[0][k] + want[1][k]) / 2 for k in want[0]}
         if "x" in mine:
             mine["x"] = want[rank]["x"]
-        _close(got, mine, f"dp {name}, m={m}, {reads}, replica {rank}")
+        assert_close(got, mine, f"dp {name}, m={m}, {reads}, replica {rank}")
 
 
 def test_each_microbatchs_graph_is_freed_after_its_backward(

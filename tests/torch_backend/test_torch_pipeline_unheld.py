@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from grads_close import assert_close
 from torch import nn
 
 import xgrad.pipeline as xp
@@ -263,16 +264,6 @@ def results() -> list[dict[str, Any]]:
     return spawn(_run, 2, timeout=150)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
-    bad = {
-        k: (got[k] - want[k]).abs().max().item()
-        for k in want
-        if not torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-12)
-    }
-    assert not bad, f"{what}: {bad} (got {[got[k] for k in bad]}, want {[want[k] for k in bad]})"
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("name", "m", "checkpoint", "joins"), SCHEDULES)
 def test_what_no_stage_holds_gets_the_unpipelined_gradient(
@@ -287,7 +278,7 @@ def test_what_no_stage_holds_gets_the_unpipelined_gradient(
         for rank in (0, 1):
             for k, v in results[rank][key][when].items():
                 got[k] = got[k] + v if k in got else v
-        _close(got, {k: v * times for k, v in want.items()}, f"{key}, {when}")
+        assert_close(got, {k: v * times for k, v in want.items()}, f"{key}, {when}")
 
 
 @pytest.mark.parametrize(("n", "m"), [(2, 3), (2, 4), (4, 3), (4, 4)])
@@ -308,7 +299,7 @@ def test_dp_group_averages_what_the_stages_read_of_their_own(
     for rank in (0, 1):
         got = results[rank][f"dp {name}"]
         assert "grads" in got, (rank, got)
-        _close(got["grads"], want, f"dp {name}, replica {rank}")
+        assert_close(got["grads"], want, f"dp {name}, replica {rank}")
 
 
 def test_replicas_whose_stages_read_different_tensors_are_refused(
@@ -334,7 +325,7 @@ def test_targets_computed_from_a_stages_parameter(results: list[dict[str, Any]],
             assert "divided twice" in error and "(4,)" in error and "m = 3" in error, got
             continue
         assert "grads" in got, (rank, got)
-        _close(got["grads"], _grads(named), f"target of a stage, replica {rank}")
+        assert_close(got["grads"], _grads(named), f"target of a stage, replica {rank}")
 
 
 @pytest.mark.parametrize("name", ["interleaved_1f1b", "zbv"])
@@ -350,4 +341,4 @@ def test_a_partitions_parameter_an_earlier_stage_reads_late_keeps_what_it_has(
     for rank in (0, 1):
         got = results[rank][f"bias read late {name}"]
         assert not isinstance(got, str), got
-        _close(got, _grads(named), f"{name}, rank {rank}")
+        assert_close(got, _grads(named), f"{name}, rank {rank}")
