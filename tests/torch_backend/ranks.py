@@ -59,3 +59,31 @@ def armed_linear() -> tuple[Any, list[bool]]:
 
     model.register_forward_pre_hook(pre_hook)
     return model, armed
+
+
+def armed_hook() -> tuple[Any, list[bool]]:
+    """A DDP communication hook that raises ``ValueError("hook boom")`` once each time
+    ``armed[0]`` is set to ``True``, else PyTorch's all-reduce hook (the failure tests'
+    failing backward pass)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    armed = [False]
+
+    # (annotated as PyTorch's check of a comm hook asks)
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("hook boom")
+        return allreduce_hook(state, bucket)
+
+    return hook, armed
+
+
+def every_rank_ok(fn: Callable[..., Any], world: int, *, timeout: float) -> dict[int, Any]:
+    """:func:`run_ranks` where every rank must exit cleanly and return: each rank's value."""
+    results, codes = run_ranks(fn, world, timeout=timeout)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert all(status == "ok" for status, _ in results.values()), results
+    return {rank: value for rank, (_, value) in results.items()}

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ranks import armed_linear, run_ranks
+from ranks import armed_hook, armed_linear, every_rank_ok
 
 TIMEOUT = 3.0
 
@@ -93,20 +93,9 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 def _hooked_ddp(model: Any) -> tuple[Any, list[bool]]:
     """A second DDP of ``model`` whose communication hook raises once each time
     ``armed[0]`` is set to ``True`` (else PyTorch's all-reduce hook)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
     from xgrad.torch_backend import DistributedDataParallel
 
-    armed = [False]
-
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if armed[0]:
-            armed[0] = False
-            raise ValueError("hook boom")
-        return allreduce_hook(state, bucket)
-
+    hook, armed = armed_hook()
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
     ddp.register_comm_hook(None, hook)
     return ddp, armed
@@ -115,10 +104,7 @@ def _hooked_ddp(model: Any) -> tuple[Any, list[bool]]:
 @pytest.fixture(scope="module", params=[2, 3])
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     world = request.param
-    results, codes = run_ranks(_scenarios, world, timeout=90)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    assert all(status == "ok" for status, _ in results.values()), results
-    return world, {rank: value for rank, (_, value) in results.items()}
+    return world, every_rank_ok(_scenarios, world, timeout=90)
 
 
 def _check_grads(results: dict[int, Any], world: int, name: str, batches: list[int]) -> None:

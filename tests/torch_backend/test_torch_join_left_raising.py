@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ranks import armed_linear, run_ranks
+from ranks import armed_hook, armed_linear, every_rank_ok
 
 TIMEOUT = 3.0
 
@@ -54,20 +54,13 @@ _KEPT: list[Any] = []
 def _contexts(rank: int, world: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
 
     model, armed = armed_linear()
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
-    hook_armed = [False]
-
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if hook_armed[0]:
-            hook_armed[0] = False
-            raise ValueError("hook boom")
-        return allreduce_hook(state, bucket)
+    hook, hook_armed = armed_hook()
 
     hooked_model, _ = armed_linear()  # a module of its own: the same parameters
     hooked = DistributedDataParallel(hooked_model, timeout=TIMEOUT)
@@ -110,10 +103,7 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=[2, 3])
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     world = request.param
-    results, codes = run_ranks(_contexts, world, timeout=60)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    assert all(status == "ok" for status, _ in results.values()), results
-    return world, {rank: value for rank, (_, value) in results.items()}
+    return world, every_rank_ok(_contexts, world, timeout=60)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ranks import run_ranks
+from ranks import every_rank_ok
 
 TIMEOUT = 3.0
 SHAPES = ("chain", "sum")
@@ -89,10 +89,7 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
 @pytest.fixture(scope="module", params=[2, 3])
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     world = request.param
-    results, codes = run_ranks(_contexts, world, timeout=60)
-    assert all(code == 0 for code in codes.values()), (codes, results)
-    assert all(status == "ok" for status, _ in results.values()), results
-    return world, {rank: value for rank, (_, value) in results.items()}
+    return world, every_rank_ok(_contexts, world, timeout=60)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
