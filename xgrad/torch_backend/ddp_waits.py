@@ -111,20 +111,21 @@ class StepWaits:
         """Between naps of a wait: a posted failure, a silent peer, or a peer that said
         its backward pass of this step never reached DDP (:mod:`.ddp_skipped`) raise,
         naming the other failures of the step (:meth:`naming_others`)."""
-        try:
-            self.channel.check()
-            check_skipped(self.channel)
-        except RankError as error:
-            raise_from(self.naming_others(error), error)
+        self._look(posted=True)
 
     def _check_past(self) -> None:
         """:meth:`_check` for a wait that goes on past a failure posted to the step (a
         join round): a note that a rank still training stopped in the step ends it
         (:mod:`.join_leave`)."""
+        self._look(posted=False)
+
+    def _look(self, *, posted: bool) -> None:
+        # (two names over one body: a test replaces _check alone)
         try:
-            self.channel.check(posted=False)
+            self.channel.check(posted=posted)
             check_skipped(self.channel)
-            check_left(self.channel)
+            if not posted:
+                check_left(self.channel)
         except RankError as error:
             raise_from(self.naming_others(error), error)
 
