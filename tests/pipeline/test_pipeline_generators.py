@@ -99,6 +99,19 @@ def test_numpy_integers_are_sizes() -> None:
     assert s == xp.make("1f1b", 4, 8) and type(s.num_microbatches) is int
 
 
+def test_numpy_sizes_are_counted_against_the_size_limit_and_chunks_may_be_numpy() -> None:
+    """A numpy size skipped the size check (ints only) and was built until memory ran out;
+    a numpy ``chunks`` was refused though the sizes beside it are taken."""
+    np = pytest.importorskip("numpy")
+    # Just past the limit, so the code before the fix built it in seconds and did not raise.
+    with pytest.raises(ValueError, match=r"too large: num_stages=1000, num_microbatches=1001"):
+        xp.make("gpipe", np.int64(1000), np.int64(1001))
+    with pytest.raises(ValueError, match=r"too large: .*chunks=1000000 make 8,000,000"):
+        xp.make("interleaved_1f1b", 2, 4, np.int64(10**6))
+    s = xp.make("interleaved_1f1b", 2, 4, np.int32(3))
+    assert s == xp.make("interleaved_1f1b", 2, 4, 3) and s.num_stages == 6
+
+
 @pytest.mark.parametrize("chunks", ["x", 0, 1.5, True])
 def test_make_refuses_a_bad_chunks_even_where_it_is_not_used(chunks: object) -> None:
     with pytest.raises(ValueError, match=r"chunks must be a positive int \(stages per rank\)"):

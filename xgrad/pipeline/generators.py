@@ -12,6 +12,7 @@ B, two units, shows twice; ``..`` is idle).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from xgrad.pipeline.actions import Action, Kind
@@ -137,12 +138,24 @@ def make(name: str, num_stages: int, num_microbatches: int, chunks: int = 2) -> 
     is used by the multi-stage ones only (:mod:`xgrad.pipeline.multistage`)."""
     if not isinstance(name, str) or name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        # Checked for every schedule, so a bad value is not silently ignored by the
-        # single-stage ones (which place one stage per rank whatever it is).
+    # Checked for every schedule, so a bad value is not silently ignored by the single-stage
+    # ones (which place one stage per rank whatever it is); any integer type, numpy's too,
+    # as the sizes.
+    v = _as_int(chunks)
+    if v is None or v < 1:
         raise ValueError(f"chunks must be a positive int (stages per rank), got {chunks!r}")
-    check_size(num_stages, num_microbatches, chunks if name in MULTISTAGE else 1)
-    return SCHEDULES[name](num_stages, num_microbatches, chunks)
+    check_size(num_stages, num_microbatches, v if name in MULTISTAGE else 1)
+    return SCHEDULES[name](num_stages, num_microbatches, v)
+
+
+def _as_int(value: object) -> int | None:
+    """``value`` as an int where it is one of any integer type (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 #: the most (stage, microbatch) pairs :func:`make` builds: a million take a few seconds
@@ -152,13 +165,16 @@ MAX_PAIRS = 1_000_000
 
 def check_size(num_stages: object, num_microbatches: object, chunks: int = 1) -> None:
     """Refuse a schedule of more than :data:`MAX_PAIRS` (stage, microbatch) pairs, naming
-    the values (ints only: other types are named by each generator's own check)."""
-    if not (isinstance(num_stages, int) and isinstance(num_microbatches, int)):
+    the values (integers of any type, numpy's too, as the generators take them: a numpy
+    size went past this check and was built until memory ran out; other types are named by
+    each generator's own check)."""
+    p, m = _as_int(num_stages), _as_int(num_microbatches)
+    if p is None or m is None:
         return
-    pairs = num_stages * num_microbatches * chunks
+    pairs = p * m * chunks
     if pairs > MAX_PAIRS:
         raise ValueError(
-            f"schedule too large: num_stages={num_stages}, num_microbatches="
-            f"{num_microbatches}, chunks={chunks} make {pairs:,} (stage, microbatch) pairs, "
+            f"schedule too large: num_stages={p}, num_microbatches="
+            f"{m}, chunks={chunks} make {pairs:,} (stage, microbatch) pairs, "
             f"more than {MAX_PAIRS:,}"
         )
