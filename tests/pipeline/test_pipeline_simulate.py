@@ -123,9 +123,38 @@ def test_zero_costs_give_a_zero_step_and_a_clear_grid_error() -> None:
     assert (sim.step_time, sim.makespan, sim.bubble_fraction) == (0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="every one of the 8 actions takes 0 time"):
         sim.grid()
-    # Some free actions among timed ones: the grid is drawn in the timed ones' quantum.
+    # Some free actions among timed ones: the grid is drawn in the timed ones' quantum,
+    # and a free action shares its row with the next (1F0 was drawn over by 1B0).
     part = xp.simulate(xp.gpipe(2, 1), {Kind.FORWARD: 0, Kind.BACKWARD: 1})
-    assert part.grid() == "     rank 0  rank 1\nt 0: 0F0     1B0\nt 1: 0B0\n"
+    assert part.grid() == "     rank 0  rank 1 \nt 0: 0F0     1F0/1B0\nt 1: 0B0\n"
+
+
+def test_the_timeline_grid_shows_every_action_whatever_the_costs() -> None:
+    """With F = 1 and B = 1.5 the rows were a unit long, and an action that started
+    mid-row was drawn over by the next: 1F1B p = 2, m = 5 lost 0F3 and 1F1 from the
+    picture. Rows are half a unit now; a quantum that fits no row boundary puts the
+    actions that share a row in it together."""
+    sim = xp.simulate(xp.one_f_one_b(2, 5), {Kind.FORWARD: 1.0, Kind.BACKWARD: 1.5})
+    rows = sim.grid().splitlines()[1:]
+    assert len(rows) == round(sim.makespan / 0.5) == 30
+    assert rows[:7] == [
+        "t 00: 0F0",
+        "t 01: 0F0",
+        "t 02: 0F1     1F0",
+        "t 03: 0F1     1F0",
+        "t 04:         1B0",
+        "t 05:         1B0",
+        "t 06:         1B0",
+    ]
+    for quantum in (None, 1.0, 0.7):
+        cells = {
+            label
+            for row in sim.grid(quantum).splitlines()[1:]
+            for cell in row.split(":", 1)[1].split()
+            for label in cell.split("/")
+        }
+        assert cells == {str(sp.action) for spans in sim.spans for sp in spans}, quantum
+    assert "\nt 01: 0F1     1F0/1B0\n" in xp.simulate(xp.one_f_one_b(2, 5)).grid(1.5)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])

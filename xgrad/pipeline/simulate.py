@@ -80,8 +80,12 @@ class Simulation:
         )
 
     def grid(self, quantum: float | None = None) -> str:
-        """The timeline as a time × rank grid; each row is ``quantum`` long (default: the
-        shortest action that takes time), idle rows left blank.
+        """The timeline as a time × rank grid; each row is ``quantum`` long, idle rows left
+        blank. The default is the longest row that every start and end falls on (the
+        shortest action that takes time, or a half, a third... of it: with F = 1 and B =
+        1.5, half a unit), so each action has rows of its own; where none does (or
+        ``quantum`` is given), actions that share a row are shown there together, ``0B1/0F3``:
+        a row held one action only, and the one drawn over vanished from the picture.
 
         Raises:
             ValueError: ``quantum`` is not a finite number > 0, or no action takes time
@@ -99,17 +103,37 @@ class Simulation:
                 "step has no length and no timeline to draw; the schedule's grid() shows "
                 "each rank's order"
             )
-        q = quantum or min(lengths)
-        rows = round(self.makespan / q)
+        q = quantum or _row_length(all_spans, min(lengths))
+        rows = max(round(self.makespan / q), 1)
         columns: list[list[str]] = []
         for spans in self.spans:
             col = [""] * rows
             for s in spans:
-                for t in range(round(s.start / q), max(round(s.end / q), round(s.start / q) + 1)):
-                    if t < rows:
-                        col[t] = str(s.action)
+                first = round(s.start / q)
+                for t in range(first, max(round(s.end / q), first + 1)):
+                    t = min(t, rows - 1)  # an action of no time at the very end
+                    label = str(s.action)
+                    if col[t] and not col[t].endswith(label):
+                        col[t] += "/" + label
+                    elif not col[t]:
+                        col[t] = label
             columns.append(col)
         return format_grid(columns, row_label="t")
+
+
+#: the finest row :meth:`Simulation.grid` picks by itself: the shortest action over this.
+_MAX_SPLIT = 12
+
+
+def _row_length(spans: list[Span], shortest: float) -> float:
+    """The longest row, ``shortest / k`` for k up to :data:`_MAX_SPLIT`, that every start
+    and end is a whole number of (to a part in a million); ``shortest`` if none is."""
+    times = [t for s in spans for t in (s.start, s.end)]
+    for k in range(1, _MAX_SPLIT + 1):
+        q = shortest / k
+        if all(abs(t / q - round(t / q)) <= 1e-6 for t in times):
+            return q
+    return shortest
 
 
 def dependencies(schedule: Schedule, action: Action) -> list[Action]:
