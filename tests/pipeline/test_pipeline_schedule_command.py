@@ -73,3 +73,20 @@ def test_png_written(tmp_path: Path) -> None:
     path = tmp_path / "t.png"
     assert main(["schedule", "zb_h2", "-p", "3", "-m", "6", "--png", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chunks_help_names_every_schedule_that_takes_chunks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "(interleaved_1f1b)" alone; interleaved_zb, looped_bfs, zbv and dualpipev
+    take chunks too, and the single-stage schedules none."""
+    from xgrad.pipeline.multistage import MULTISTAGE
+
+    with pytest.raises(SystemExit):
+        main(["schedule", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    chunks = out[out.index("--chunks") :]
+    for name in MULTISTAGE:
+        assert name in chunks, (name, chunks)
+    assert "zbv and dualpipev take 2 only" in chunks
+    assert "the others place one stage per rank" in chunks

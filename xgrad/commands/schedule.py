@@ -38,6 +38,7 @@ def _costs(text: str) -> dict[str, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from xgrad.pipeline import SCHEDULES
+    from xgrad.pipeline.multistage import MULTISTAGE
 
     parser.add_argument("name", choices=sorted(SCHEDULES), help="which schedule")
     parser.add_argument(
@@ -47,7 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--microbatches", "-m", type=positive_int, required=True, help="m: microbatches"
     )
     parser.add_argument(
-        "--chunks", "-v", type=positive_int, default=2, help="v: chunks per rank (interleaved_1f1b)"
+        "--chunks",
+        "-v",
+        type=positive_int,
+        default=2,
+        help=(
+            f"v: chunks (stages) per rank, for the multi-stage schedules ({', '.join(MULTISTAGE)}"
+            "; zbv and dualpipev take 2 only); the others place one stage per rank"
+        ),
     )
     parser.add_argument(
         "--costs",
