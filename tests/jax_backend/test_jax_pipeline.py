@@ -267,3 +267,28 @@ def test_matches_torch_pipeline_on_same_weights() -> None:
         for k in range(2):
             assert rel(grads[k]["weight"], torch_grads[k][i][0]) <= 1e-5
             assert rel(grads[k]["bias"], torch_grads[k][i][1]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        # rank 0 sends microbatch 1 first, rank 1 takes 0 first (split backward).
+        ["0F1 0F0 0B0 0B1", "1F0 1B0 1F1 1I1 1W1", "2F0 2B0 2F1 2I1 2W1"],
+        # the middle rank in its own order, both directions.
+        [
+            "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
+            "1F2 1F0 1F3 1F1 1B3 1B0 1B2 1B1",
+            "2F0 2F1 2F2 2F3 2B1 2B0 2B3 2B2",
+        ],
+    ],
+)
+def test_ranks_that_order_an_edge_differently_match_the_whole_model(rows: list[str]) -> None:
+    """Validation refused such schedules (as out of order); the JAX runtime passes each
+    microbatch's arrays by (stage, microbatch), so any order that cannot deadlock runs."""
+    s = xp.schedule_from_csv("\n".join(row.replace(" ", ",") for row in rows))
+    params = weights(3)
+    x, y = data()
+    loss, grads = xp_run(s, params, x, y)
+    want_loss, want = whole(params, [0, 1, 2], x, y)
+    assert abs(float(loss) - float(want_loss)) <= 1e-6 * abs(float(want_loss))
+    assert max_err(grads, want) <= 1e-6

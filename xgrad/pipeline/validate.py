@@ -168,9 +168,11 @@ def validate(schedule: Schedule, *, rendezvous: bool = True) -> Schedule:
 
     Checks: every rank holds a stage; each action on the rank of its stage, once; every
     (stage, microbatch) has its forward and its backward (B, or I and W); a forward before
-    its backward and I before W; every send matched by a receive on the peer and every cross-rank input received; each
-    edge's messages taken in the order they are sent (a runtime matches them first in, first
-    out, see :mod:`~xgrad.pipeline.edge_order`); and that executing it cannot deadlock.
+    its backward and I before W; every send matched by a receive on the peer and every
+    cross-rank input received; each edge's receives listed in the order its messages are
+    sent (a runtime pairs them in that order, see :mod:`~xgrad.pipeline.edge_order`; the
+    passes may use them in another, as in torch's runtime); and that executing it cannot
+    deadlock.
     Point-to-point is taken as blocking: with ``rendezvous`` a send and its receive complete
     together (the strictest model; a schedule valid under it is valid with buffered sends
     too), otherwise a send never blocks and a receive waits for its send. A compute-only

@@ -6,6 +6,11 @@ is busy computing. The runtime knows every message of its step in advance (the s
 receives, in order), and after the first step its shapes too, so :class:`StepWire` posts
 each receive a few actions before it is needed, as torch's own runtime does.
 
+An edge's receives are posted in the order its sender sends (validation checks it), and
+each pass takes the message of its microbatch, which need not be the next in line: ranks
+may order an edge's microbatches differently, as in torch's runtime (a forward first takes
+the messages sent before its own, whose side-tag payloads come first).
+
 Every message on an edge (source stage, consumer stage) and direction starts with a header
 of two int64, ``(code, microbatch)``, on that edge's main tag, packed with the leaves in
 one buffer when they are small (:mod:`~xgrad.torch_backend.pipeline_frame`):
@@ -44,9 +49,10 @@ from xgrad.failure import FailureChannel
 from xgrad.heartbeat import waiting_for
 from xgrad.pipeline import Action, Kind, Schedule
 from xgrad.torch_backend.failure import poisoned, transfer_failed
-from xgrad.torch_backend.pipeline_edges import POISON, EdgeBook, Incoming
-from xgrad.torch_backend.pipeline_frame import frame_of, none_code, with_nones
+from xgrad.torch_backend.pipeline_edges import POISON, Incoming
+from xgrad.torch_backend.pipeline_frame import frame_of, with_nones
 from xgrad.torch_backend.pipeline_route import WirePlan
+from xgrad.torch_backend.pipeline_sends import Shapes, StepSends
 from xgrad.torch_backend.pipeline_wire import (
     Description,
     EdgeCache,
@@ -59,11 +65,10 @@ from xgrad.torch_backend.pipeline_wire import (
 __all__ = ["POISON", "StepWire"]
 
 
-Shapes = list[tuple[torch.Size, torch.dtype]]
 _Grads = list[torch.Tensor | None]
 
 
-class StepWire(EdgeBook):
+class StepWire(StepSends):
     """The sends and receives of one rank in one step (made fresh for every step).
 
     Args:
@@ -100,6 +105,9 @@ class StepWire(EdgeBook):
         self._recvs = plan.recvs
         self._next = 0  # next receive action to post
         self._posted_actions: set[Action] = set()
+        # Forward inputs taken ahead of their pass, per (edge, microbatch): see
+        # receive_forward.
+        self._early: dict[tuple[tuple[int, int, int], int], Any] = {}
         self.waited = 0.0  # seconds spent blocked in receives (for the action records)
 
     # -- posting ahead -----------------------------------------------------------------
@@ -163,11 +171,14 @@ class StepWire(EdgeBook):
             self.waited += time.perf_counter() - start
 
     def _arrive(self, edge: tuple[int, int, int], mb: int, what: str) -> tuple[Incoming, int]:
-        """Wait for the next message on ``edge`` (microbatch ``mb``): ``(message, code)``."""
-        queue = self._posted.get(edge)
-        if not queue:
+        """Wait for the message of microbatch ``mb`` on ``edge``: ``(message, code)``. The
+        receives were posted in the order the peer sends, so the one posted for ``mb``
+        holds its message, whichever the passes take first."""
+        queue = self._posted.get(edge, [])
+        at = next((i for i, msg in enumerate(queue) if msg.mb == mb), None)
+        if at is None:
             raise RuntimeError(f"{what}: no receive was posted")
-        msg = queue.pop(0)
+        msg = queue.pop(at)
         peer, named = self._peer(edge), self._named(edge)
         self.closing.post()  # idle now, unless the header is there already
         self._wait(msg.works[0], f"{what} (header)", named)
@@ -177,7 +188,7 @@ class StepWire(EdgeBook):
         if got != mb or msg.mb != mb:
             raise RuntimeError(
                 f"{what}: rank {named} sent microbatch {got} where {mb} was expected; the "
-                "ranks' schedules order this edge's messages differently"
+                "ranks' schedules list this edge's receives in another order than its sends"
             )
         for work in msg.works[1:]:
             self._wait(work, what, named)
@@ -185,11 +196,28 @@ class StepWire(EdgeBook):
         return msg, code
 
     def receive_forward(self, action: Action, source: int) -> Any:
-        """The input of ``action`` (a forward) from stage ``source`` on another rank."""
+        """The input of ``action`` (a forward) from stage ``source`` on another rank.
+
+        The edge's messages come in the sender's order (its receives were posted so), which
+        the passes need not follow: messages sent before this one are taken first and kept
+        for their passes, since a changed description's payload follows its header on the
+        edge's side tag, which pairs in the order sent too."""
         s, mb = action.stage, action.microbatch
-        what = str(Action(s, Kind.RECV_F, mb))
         self.ensure(Action(s, Kind.RECV_F, mb))
         edge = (source, s, 0)
+        if (edge, mb) in self._early:
+            return self._early.pop((edge, mb))
+        queue = self._posted.get(edge, [])
+        if any(msg.mb == mb for msg in queue):
+            while queue[0].mb != mb:
+                sooner = queue[0].mb
+                self._early[(edge, sooner)] = self._take_forward(edge, sooner)
+        return self._take_forward(edge, mb)
+
+    def _take_forward(self, edge: tuple[int, int, int], mb: int) -> Any:
+        """Receive the message of ``mb`` on forward ``edge`` and rebuild its tree."""
+        source, s, _ = edge
+        what = str(Action(s, Kind.RECV_F, mb))
         msg, code = self._arrive(edge, mb, what)
         cache_key = ("in", source, s, mb)
         if code == 0:
@@ -231,60 +259,3 @@ class StepWire(EdgeBook):
                     # Done: the consumer computed on what it carried (so it never blocks).
                     entry[0].wait(timedelta(seconds=self.timeout))
         return out
-
-    # -- sending -----------------------------------------------------------------------
-
-    def send_forward(self, action: Action, tree: Any, carry: Sequence[bool]) -> None:
-        """Post ``tree`` (stage ``action.stage``'s output) to every consumer on another rank."""
-        sched, s, mb = self.schedule, action.stage, action.microbatch
-        for t in sched.consumers(s):
-            if sched.placement[t] == self.rank:
-                continue
-            edge = (s, t, 0)
-            key = ("out", s, t, mb)
-            description, tensors = self._edges.describe(key, tree, carry, str(action))
-            start = self._edges.last(key)
-            works = []
-            dev = self._device(s)
-            frame = frame_of([] if start is None else layout(start), dev)
-            if description == start:
-                works = [self._send_one(edge, x) for x in frame.pack(0, mb, tensors)]
-                self._expecting(self._peer(edge), Action(t, Kind.RECV_F, mb), works)
-            else:
-                # The receiver posted the frame of ``start``: it gets the header (and
-                # dummies for its leaf buffers); the description and leaves go aside.
-                raw = torch.frombuffer(bytearray(description.to_bytes()), dtype=torch.uint8)
-                raw = raw.to(dev)
-                works = [self._send_one(edge, x) for x in frame.pack(raw.numel(), mb, None)]
-                works.append(self._send_one(edge, raw, side=True))
-                works += [
-                    self._send_one(edge, x.detach().to(dev).contiguous(), True) for x in tensors
-                ]
-            self._edges.remember(key, description)
-            self._remaining[edge] -= 1
-            self._forward_sends[(s, t, mb)] = works
-
-    def send_backward(
-        self,
-        action: Action,
-        grads: dict[int, list[torch.Tensor | None]],
-        layouts: dict[int, Shapes] | None = None,
-    ) -> None:
-        """Post the gradients of stage ``action.stage``'s inputs, per source stage. A
-        source whose gradients include None has its layout (shape and dtype per leaf) in
-        ``layouts``; the Nones are marked in the header's code."""
-        s, mb = action.stage, action.microbatch
-        for src, parts in grads.items():
-            edge = (src, s, 1)
-            shapes = None if layouts is None else layouts.get(src)
-            code = 0
-            if shapes is None:
-                frame = frame_of(
-                    [(g.shape, g.dtype) for g in parts if g is not None], self._device(s)
-                )
-            else:
-                frame = frame_of(shapes, self._device(s))
-                code, parts = none_code(parts, shapes, self._device(s))
-            keys = [self._send_one(edge, x) for x in frame.pack(code, mb, parts)]
-            self._expecting(self._peer(edge), Action(src, Kind.RECV_B, mb), keys)
-            self._remaining[edge] -= 1
