@@ -10,8 +10,15 @@ PyTorch reduces the buffer at that gradient whether or not the delayed gradients
 it: with a hooked parameter whose gradient comes before a delayed one's (a layer's bias
 hooked, its weight delayed), a delayed gradient is added after (or while) the buffer is
 reduced, and the ranks keep different, unaveraged gradients without a word. Here the
-buffer is reduced at the hooked gradient when every delayed parameter's gradient of the
-pass was added, and otherwise at the end of the pass, when every one that comes came.
+buffer is reduced at the hooked gradient when no delayed gradient of the pass is still to
+come, and otherwise at the end of the pass, when every one that comes came. "Still to
+come" asks autograd whether the parameter's accumulator is in this pass's graph, so a
+delayed parameter this rank left out of its forward pass (unused here, used on another
+rank) does not hold its reduction back: every rank reduces at the same point among the
+bucket reductions. (Counting the arrived gradients against all delayed parameters put
+that rank's reduction at the end of the pass, the others' at the hooked gradient: gloo
+matched the buffer against a bucket of another size and aborted the process, where
+PyTorch's DDP gives the mean.)
 
 The buffer is made in the delayed parameters' dtype when they share one (PyTorch's is
 made in the default dtype, so a float64 module's delayed gradients cannot be its views:
@@ -71,7 +78,7 @@ class DelayedAllReduce:
             self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         self._work: CollectiveWork | None = None
-        self._arrived = 0  # delayed gradients added in this pass
+        self._arrived: set[int] = set()  # ids of the delayed parameters added this pass
         self._late = False  # the hooked gradient came first: reduce at the end of the pass
         arrive, reduce = weak_method(self._arrive), weak_method(self._reduce)
         self._handles = [p.register_post_accumulate_grad_hook(arrive) for p in params]
@@ -85,10 +92,21 @@ class DelayedAllReduce:
             handle.remove()
 
     def _arrive(self, param: torch.Tensor) -> None:
-        self._arrived += 1
+        self._arrived.add(id(param))
+
+    def _still_to_come(self) -> bool:
+        """Whether a delayed gradient of this pass has not been added yet: one whose
+        parameter has not arrived and whose accumulator this backward pass will run."""
+        for p in self.params:
+            if id(p) in self._arrived or not p.requires_grad:
+                continue
+            node = torch.autograd.graph.get_gradient_edge(p).node
+            if torch._C._will_engine_execute_node(node):
+                return True
+        return False
 
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
-        if self._arrived >= len(self.params):
+        if not self._still_to_come():
             self._launch()
         else:
             self._late = True
@@ -106,7 +124,7 @@ class DelayedAllReduce:
         if self._late:
             self._late = False
             self._launch()
-        self._arrived = 0
+        self._arrived.clear()
         work, self._work = self._work, None
         if work is not None:
             work.wait()
@@ -137,7 +155,8 @@ class DelayedAllReduce:
         When every gradient was ``None`` (``zero_grad(set_to_none=True)``) the buffer is
         zeroed once; otherwise the newly attached views are zeroed one by one.
         """
-        self._arrived, self._late = 0, False  # a pass the hooked gradient did not reach
+        self._arrived.clear()  # a pass the hooked gradient did not reach
+        self._late = False
         all_none = all(p.grad is None for p in self.params)
         for p, view in zip(self.params, self.views, strict=True):
             if p.grad is None:
