@@ -100,3 +100,32 @@ def test_sampled_steps_and_their_times_as_pytorchs_test_checks(
         assert last["backward_compute_time_start"] >= last["forward_compute_time_start"]
         for key in ("avg_forward_compute_time", "avg_backward_compute_time"):
             assert last[key] >= 1
+
+
+def _joined(rank: int, world: int) -> dict[str, Any]:
+    """Both DDPs trained under ``join()`` with uneven inputs: the logging data before and
+    after (PyTorch's join hook sets ``join_uneven_inputs``)."""
+    import copy
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    out: dict[str, Any] = {}
+    for name, wrap in (("xgrad", DistributedDataParallel), ("torch", TorchDDP)):
+        ddp = wrap(copy.deepcopy(model))
+        before = dict(ddp._get_ddp_logging_data())
+        with ddp.join():
+            for _ in range(2 + rank):
+                ddp(torch.randn(2, 4)).sum().backward()
+        after = dict(ddp._get_ddp_logging_data())
+        out[name] = [before.get("join_uneven_inputs"), after.get("join_uneven_inputs")]
+    return out
+
+
+def test_join_uneven_inputs_is_logged_as_pytorch_logs_it() -> None:
+    for r in spawn(_joined, 2, timeout=60):
+        assert r["xgrad"] == r["torch"] == [None, 1]

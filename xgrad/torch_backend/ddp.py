@@ -238,6 +238,7 @@ class DistributedDataParallel(
         )
         self._agreement_pending = True  # before the first reduction and after a rebuild
         self._divide_by_initial_world_size = True
+        self._join_uneven_inputs = False  # a join hook was made (PyTorch's logged key)
         self._still_training: int | None = None
         self._forward_started = 0.0
         #: PyTorch's logger's keys (``_get_ddp_logging_data``): read now, and sampled.

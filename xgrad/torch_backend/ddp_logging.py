@@ -176,6 +176,8 @@ def logging_data(ddp: Any) -> dict[str, Any]:
     }
     if ddp.static_graph:  # PyTorch sets it when the graph is made static, else leaves it out
         data["static_graph"] = 1
+    if ddp._join_uneven_inputs:  # set by a join hook, as PyTorch's logger sets it
+        data["join_uneven_inputs"] = 1
     data.update(ddp._logging_environment)
     data.update(ddp._runtime_log.keys)
     return data

@@ -56,6 +56,8 @@ class DDPJoinHook(JoinHook):
             )
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        # PyTorch's logger records it here: ``join_uneven_inputs`` in the logging data.
+        ddp._join_uneven_inputs = True
         #: a step that failed while this rank shadowed it (or its own last pass, which
         #: left buckets unreduced): raised when the join ends.
         self.failed: BaseException | None = None
