@@ -104,6 +104,11 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["schedule", "1f1b", "-p", "2", "-m", "1000000000"], "schedule too large: num_st"),
         (["bench", "graph", "--nodes", "x"], "argument --nodes"),
         (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
+        # The whole batch is made before any backend runs: NumPy's MemoryError traceback.
+        (
+            ["crosscheck", "--backends", "reference", "--batch-per-rank", "100000000000"],
+            "--world-size 2 x --batch-per-rank 100000000000 = 200000000000 samples of 'mlp'",
+        ),
         (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
         # Results folders that cannot be made: refused before the run, not after it.

@@ -149,6 +149,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"xgrad crosscheck: error: {err}", file=sys.stderr)
         return 2
+    except MemoryError as err:
+        # The whole batch (and the float64 truth over it) is made in this process before
+        # any backend runs: a batch too large for memory was a page of NumPy traceback.
+        print(
+            f"xgrad crosscheck: error: --world-size {args.world_size} x --batch-per-rank "
+            f"{args.batch_per_rank} = {args.world_size * args.batch_per_rank} samples of "
+            f"{args.model!r} do not fit in memory ({err or 'MemoryError'}); give fewer",
+            file=sys.stderr,
+        )
+        return 2
     print(crosscheck.format_report(report, per_bucket=not args.no_buckets))
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = crosscheck.write_outputs(report, args.out)
