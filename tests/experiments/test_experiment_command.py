@@ -37,6 +37,11 @@ def test_unknown_names_and_backends_are_refused(capsys: pytest.CaptureFixture[st
         (["scaling", "--flops", "0"], "--flops must be a finite number > 0, got 0.0"),
         (["scaling", "--target-gbps", "-1"], "--target-gbps must be a finite number > 0, got -1"),
         (["scaling", "--target-alpha", "-1"], r"LinkModel\(alpha=-1.0"),
+        # A rank's traceback (no gradient to start the backward from; empty microbatches),
+        # or a run on empty tensors whose finding was "always/never = nan" (--width 0).
+        (["checkpoint", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["checkpoint", "--width", "0"], "--width must be >= 1, got 0"),
+        (["checkpoint", "--batch", "0"], "--batch 0 must be a positive multiple of --micro"),
     ],
 )
 def test_bad_experiment_options_are_named_before_anything_runs(
@@ -76,3 +81,15 @@ def test_bucket_sweep_keeps_its_own_options(tmp_path: Path) -> None:
     assert main(["experiment", "run", "bucket-sweep", *args]) == 0
     assert main(["experiment", "bucket-sweep", *args]) == 0
     assert (tmp_path / "bucket_sweep.json").exists()
+
+
+def test_a_negative_seed_is_refused_naming_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # NumPy's "expected non-negative integer" came back, naming no option.
+    with pytest.raises(SystemExit) as exc:
+        main(
+            ["experiment", "run", "compression", "--quick", "--seed", "-5", "--out", str(tmp_path)]
+        )
+    assert exc.value.code == 2
+    assert "argument --seed: -5 is not >= 0" in capsys.readouterr().err

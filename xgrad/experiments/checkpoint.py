@@ -34,8 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> Report:
     m = args.microbatches
-    if m < 1 or args.batch % m:
-        raise ValueError(f"--batch {args.batch} must be divisible by --microbatches {m} >= 1")
+    # Checked here, before the ranks start: zero layers ended in a rank's traceback (a
+    # loss with no gradient), a zero batch in one (empty microbatches), and a zero width
+    # ran on empty tensors and printed "always/never = nan" as the finding.
+    for option, value in (("--width", args.width), ("--layers", args.layers)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if m < 1 or args.batch < m or args.batch % m:
+        raise ValueError(
+            f"--batch {args.batch} must be a positive multiple of --microbatches {m} >= 1"
+        )
     p = 2
     cfg = {
         "width": args.width,

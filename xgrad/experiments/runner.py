@@ -43,6 +43,18 @@ def _positive(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    """A seed: the experiments seed NumPy's generators, which take no negative one (a
+    negative seed ended as NumPy's "expected non-negative integer", naming no option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+    return value
+
+
 def _results_folder(text: str) -> Path:
     """argparse type: a folder for the results, made (with its parents) if missing."""
     path = Path(text)
@@ -71,7 +83,7 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
         default=DEFAULT_OUT,
         help=f"results folder: NAME.json, NAME.csv, NAME.png (default {DEFAULT_OUT})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds weights and data")
+    parser.add_argument("--seed", type=_seed, default=0, help="seeds weights and data")
     parser.add_argument(
         "--link",
         choices=module.LINKS,
