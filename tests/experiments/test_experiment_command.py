@@ -42,6 +42,9 @@ def test_unknown_names_and_backends_are_refused(capsys: pytest.CaptureFixture[st
         (["checkpoint", "--layers", "0"], "--layers must be >= 1, got 0"),
         (["checkpoint", "--width", "0"], "--width must be >= 1, got 0"),
         (["checkpoint", "--batch", "0"], "--batch 0 must be a positive multiple of --micro"),
+        (["pipeline-bubble", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["pipeline-bubble", "--width", "0"], "--width must be >= 1, got 0"),
+        (["pipeline-bubble", "--batch", "0"], "--batch must be >= 1, got 0"),
     ],
 )
 def test_bad_experiment_options_are_named_before_anything_runs(
@@ -81,6 +84,12 @@ def test_bucket_sweep_keeps_its_own_options(tmp_path: Path) -> None:
     assert main(["experiment", "run", "bucket-sweep", *args]) == 0
     assert main(["experiment", "bucket-sweep", *args]) == 0
     assert (tmp_path / "bucket_sweep.json").exists()
+
+
+def test_bucket_sweep_refuses_a_negative_seed_naming_it() -> None:
+    # NumPy's "expected non-negative integer" came back, naming no option.
+    with pytest.raises(ValueError, match="--seed=-1 must be >= 0"):
+        main(["experiment", "run", "bucket-sweep", "--seed", "-1"])
 
 
 def test_a_negative_seed_is_refused_naming_the_option(

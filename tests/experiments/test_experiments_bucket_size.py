@@ -46,3 +46,22 @@ def test_why_a_curve_is_not_a_u_names_the_end_that_stays_flat() -> None:
     assert "latency" not in why
     flat_left = _why_not_u(2, 0.01, 0.4, compute=2.0, comm=0.5)
     assert "a bucket per parameter costs only +1%" in flat_left and "one bucket" not in flat_left
+
+
+def test_a_compute_time_not_measured_is_not_compared_with() -> None:
+    """The torch rows measure no compute time apart (nan): the reason read "link time
+    0.63 ms is short against compute nan ms", a comparison with a figure never taken."""
+    from xgrad.experiments.bucket_size import _why_not_u
+
+    why = _why_not_u(2, 1.79, 0.0, compute=float("nan"), comm=0.63)
+    assert "nan" not in why and "short against" not in why
+    assert "link time 0.63 ms; compute is not measured apart on this backend" in why
+
+
+def test_an_empty_batch_is_refused_before_the_ranks_start(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="--batch=0 must be >= 1"):
+        run_experiment(
+            "bucket-size", ["--quick", "--backend", "torch", "--batch", "0", "--out", str(tmp_path)]
+        )

@@ -219,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("width", "layers", "batch_per_rank", "iterations"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.seed < 0:  # NumPy's own error ("expected non-negative integer") names no option
+        raise ValueError(f"--seed={args.seed} must be >= 0")
     config = SweepConfig(
         world_sizes=tuple(args.world_sizes),
         bucket_caps=tuple(args.caps),

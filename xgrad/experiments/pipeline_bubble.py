@@ -50,6 +50,13 @@ def run(args: argparse.Namespace) -> Report:
     p = args.stages
     if p < 2:
         raise ValueError(f"--stages must be >= 2 for a pipeline, got {p}")
+    # Checked before the ranks start: zero layers or a zero batch ended in a rank's
+    # traceback, a zero width ran on empty tensors and reported a bubble from them.
+    for option, value in (("--width", args.width), ("--layers", args.layers)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
     ms = (1, 2, 4, 8) if args.quick else (1, 2, 4, 8, 16, 32)
     bad = [m for m in ms if args.batch % m]
     if bad:
