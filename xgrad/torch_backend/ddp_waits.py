@@ -170,4 +170,5 @@ class StepWaits:
         :func:`~xgrad.torch_backend.failure.transfer_failed`)."""
         if isinstance(exc, RankError):
             return exc
-        return self.naming_others(transfer_error(self.channel, what, exc, None))
+        # fresh: a wait that timed out dropped the group, and the next step makes another
+        return self.naming_others(transfer_error(self.channel, what, exc, None, fresh=True))

@@ -51,8 +51,19 @@ TIMED_OUT_LIVE = (
 _AFTER_TIMEOUT = 2.0
 
 
+#: gloo's words for an operation behind one that ran out its timeout on the same
+#: connection, which that timeout closed.
+_CLOSED_BY_TIMEOUT = "caused pair closure"
+
+
 def transfer_failed(
-    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, prefix: str = ""
+    channel: FailureChannel,
+    what: str,
+    exc: BaseException,
+    peer: int | None,
+    *,
+    prefix: str = "",
+    fresh: bool = False,
 ) -> RankError:
     """Post a failed send, receive or collective (``exc``) and return the error to raise.
 
@@ -64,11 +75,23 @@ def transfer_failed(
     peer still beats, ``peer`` is named if given (its side of the transfer failed; "did
     not answer within the timeout" when the transfer timed out: it is late, not gone),
     except for a connection closed (the group was lost before, by a timed-out wait: a live
-    peer named as stopped misled), else this rank in ``what``.
+    peer named as stopped misled), else this rank in ``what``. ``fresh``: no wait on the
+    group timed out before this one's step (the DDP makes a new group after a failed
+    step), so a connection its timeout closed ("caused pair closure") was closed by
+    another operation of this step that timed out (the used-parameter map, waited for
+    before the bucket it went out after): a timeout, whose late rank is named.
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
-    timed_out = "timed out" in text.lower()
+    timed_out = "timed out" in text.lower() or (fresh and _CLOSED_BY_TIMEOUT in text)
+    # Who waited for nobody when the wait ran out: read before the heartbeats are watched
+    # for a stop, by whose end a rank that was late (asleep, still beating) may have come
+    # and wait in the collective like the rest, and be taken for on time.
+    idle_then = (
+        channel.liveness.idle()
+        if timed_out and peer is None and channel.liveness is not None
+        else []
+    )
     silent = silent_peer(channel, prefer=peer, within=_AFTER_TIMEOUT if timed_out else None)
     late = silent is None and peer is not None and timed_out  # it still beats
     waited_on = peer
@@ -77,11 +100,11 @@ def transfer_failed(
         peer = channel.liveness.end_of_waits(peer, channel.rank)
     if silent is None and peer is None and timed_out and channel.liveness is not None:
         # A collective: a live rank that waits for nobody is late for it.
-        idle = channel.liveness.idle()
+        idle = channel.liveness.idle() or idle_then
         if idle:
             late, peer = True, idle[0]
     # gloo's words for a pair a timed-out wait (here or on the peer) closed
-    closed = ("Connection closed" in text or "caused pair closure" in text) and not late
+    closed = ("Connection closed" in text or _CLOSED_BY_TIMEOUT in text) and not late
     if silent is None and not closed:
         silent = peer
     if silent is None:
@@ -116,12 +139,12 @@ def transfer_failed(
 
 
 def transfer_error(
-    channel: FailureChannel, what: str, exc: BaseException, peer: int | None
+    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, fresh: bool = False
 ) -> RankError:
     """:func:`transfer_failed`, with a failure another rank posted first returned as the
     error, not raised: for a caller that wraps whichever it gets."""
     try:
-        return transfer_failed(channel, what, exc, peer)
+        return transfer_failed(channel, what, exc, peer, fresh=fresh)
     except RankError as posted:
         return posted
 
