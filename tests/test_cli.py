@@ -95,6 +95,11 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
         (["plan", "--out", "/no/such/folder/p.json"], "argument --out: folder '/no/such/folder'"),
         (["crosscheck", "--backends", ","], "xgrad crosscheck: error: --backends ',' names no"),
         (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
+        # Was a thread per simulated rank until "can't start new thread", exit 1, 74 s later.
+        (
+            ["crosscheck", "--backends", "reference", "--world-size", "100000"],
+            "argument --world-size: 100000 is more than reference takes (at most 1024",
+        ),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
         (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
@@ -285,3 +290,19 @@ def test_python_m_xgrad_is_the_command() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "bubble fraction" in done.stdout
+
+
+def test_crosscheck_timeout_holds_for_in_process_runners(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JAX runs in this process: it was ``ok`` after seconds under --timeout 0.001."""
+    pytest.importorskip("jax")
+    argv = ["crosscheck", "--backends", "jax-jit,reference", "--timeout", "0.001"]
+    assert main([*argv, "--steps", "1", "--no-progress", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "jax-jit: TIMEOUT jax-jit took " in out and "over the timeout of 0.001 s" in out
+    assert "reference: TIMEOUT reference took " in out
+    with pytest.raises(SystemExit):
+        main(["crosscheck", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "seconds each runner's run (its warm-up and timed steps) may take" in text

@@ -172,6 +172,65 @@ def test_a_raising_backend_is_an_error_not_a_crash(monkeypatch: pytest.MonkeyPat
     assert not report.ok
 
 
+def test_a_runner_past_the_timeout_is_reported_as_timed_out(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An in-process runner cannot be stopped part way: it ran to its end and was ``ok``
+    after taking far longer than the timeout. It is now ``timeout``, unmeasured, naming
+    itself, the limit and the time; the runner after it still runs as usual."""
+    import time
+
+    def slow(step: Step) -> RunResult:
+        time.sleep(0.3)
+        return _perturbed(step)
+
+    _register(monkeypatch, "slow", _fake("slow", [_Runner("slow", "sleeps", slow)]))
+    report = crosscheck.run_crosscheck(Case(steps=1, timeout=0.1), backends=["slow", "reference"])
+    late, after = report.backends
+    assert late.status == "timeout" and not late.params and not late.grads
+    assert late.reason.startswith("slow took 0.3") and "over the timeout of 0.1 s" in late.reason
+    assert after.status == "ok"
+    assert not report.ok and not report.nothing_ran
+    text = crosscheck.format_report(report)
+    assert "slow: TIMEOUT slow took" in text and text.endswith("FAIL")
+    data = json.loads(crosscheck.write_outputs(report, tmp_path)[0].read_text())
+    assert [b["status"] for b in data["backends"]] == ["timeout", "ok"]
+
+
+def test_a_runner_that_raises_past_the_timeout_is_timed_out_with_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    def late_boom(step: Step) -> RunResult:
+        time.sleep(0.2)
+        raise RuntimeError("spawn timed out")
+
+    _register(monkeypatch, "lb", _fake("lb", [_Runner("lb", "raises late", late_boom)]))
+    report = crosscheck.run_crosscheck(Case(steps=1, timeout=0.05), backends=["lb"])
+    (late,) = report.backends
+    assert late.status == "timeout"
+    assert late.reason.endswith("over the timeout of 0.05 s: RuntimeError: spawn timed out")
+
+
+def test_a_world_too_large_for_the_reference_is_refused_before_anything_runs() -> None:
+    from xgrad.reference.rank_threads import MAX_RANKS
+
+    # Was a thread per rank started until "can't start new thread", minutes later.
+    with pytest.raises(crosscheck.WorldSizeError, match=f"at most {MAX_RANKS}") as err:
+        crosscheck.run_crosscheck(Case(world_size=MAX_RANKS + 1), backends=["reference"])
+    assert err.value.world_size == MAX_RANKS + 1 and err.value.runner == "reference"
+
+
+def test_no_attribution_when_nothing_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PowerSGD attribution line ("backends are measured against ...") was printed
+    although every backend was skipped: nothing was measured."""
+    _register(monkeypatch, "absent", "xgrad_no_such_module")
+    report = crosscheck.run_crosscheck(Case(steps=1, hook="powersgd"), backends=["absent"])
+    assert report.nothing_ran and report.attribution == []
+    assert "attribution" not in crosscheck.format_report(report)
+
+
 def test_a_malformed_answer_is_that_backends_error_not_a_crash_nor_a_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

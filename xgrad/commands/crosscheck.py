@@ -24,7 +24,7 @@ HELP = (
     "parameter) and ULP distance, per parameter and per bucket, and time per step. Writes "
     "JSON and CSV; exits 1 when a backend is beyond the dtype's tolerance (float64 1e-12, "
     "float32 1e-6, float16 1e-2, bfloat16 5e-2; hooks fp16 2e-3, bf16 1.6e-2; powersgd is "
-    "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails, 3 "
+    "measured against a float64 PowerSGD model at 10x the dtype's tolerance) or fails or runs past --timeout, 3 "
     "when every backend was skipped (nothing compared: no backend available, or --device "
     "cuda without a GPU), 0 otherwise. Sizes take a unit: 2048B, 64KB, 1MB (binary; a "
     "bare --bucket-cap is in MB)."
@@ -83,7 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + (f" ({', '.join(named_only)} only when named)" if named_only else ""),
     )
     parser.add_argument(
-        "--timeout", type=positive_float, default=120.0, help="seconds a backend may take"
+        "--timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds each runner's run (its warm-up and timed steps) may take, not counting "
+        "the float64 truth; a runner in this process (reference, JAX) cannot be stopped part "
+        "way, so it runs to its end and is reported as timed out, unmeasured, when it took "
+        "longer; torch's processes are stopped at the limit",
     )
     parser.add_argument(
         "--out", type=output_folder, default="xgrad-out", help="folder for the JSON and CSV"
@@ -146,6 +152,14 @@ def run(args: argparse.Namespace) -> int:
         report = crosscheck.run_crosscheck(
             case, backends=backends, progress=None if args.no_progress else sys.stderr
         )
+    except crosscheck.WorldSizeError as err:
+        print(
+            f"xgrad crosscheck: error: argument --world-size: {err.world_size} is more than "
+            f"{err.runner} takes (at most {err.limit}: {err.why}); give fewer, or leave "
+            f"{err.runner} out of --backends",
+            file=sys.stderr,
+        )
+        return 2
     except ValueError as err:
         print(f"xgrad crosscheck: error: {err}", file=sys.stderr)
         return 2

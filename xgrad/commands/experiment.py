@@ -9,6 +9,7 @@ still runs ``NAME``.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from xgrad.experiments import EXPERIMENTS, SUMMARIES
 
@@ -29,6 +30,16 @@ def list_experiments() -> str:
     return "\n".join(lines)
 
 
+def _usage_error(message: str) -> int:
+    """Exit status 2 with the usage, as argparse ends a command line it cannot take.
+
+    A script tells a mistyped command line (2) from an experiment that ran and failed (1).
+    """
+    print(f"usage: {_USAGE}\n\n{list_experiments()}\n", file=sys.stderr)
+    print(f"xgrad experiment: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     words = list(args.words)
     if not words or words[0] == "list":
@@ -40,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
         return docs_main(words[1:])
     if words[0] == "run":
         if len(words) < 2 or words[1].startswith("-"):
-            raise SystemExit(f"usage: {_USAGE}\n\n{list_experiments()}")
+            return _usage_error("run needs an experiment's NAME")
         name, rest = words[1], words[2:]
     else:
         name, rest = words[0], words[1:]
     if name not in EXPERIMENTS:
-        raise SystemExit(f"xgrad experiment: unknown experiment {name!r}\n\n{list_experiments()}")
+        return _usage_error(f"unknown experiment {name!r} (choose from {', '.join(EXPERIMENTS)})")
     from xgrad.experiments.runner import run_experiment
 
     return run_experiment(name, rest)[0]

@@ -69,6 +69,8 @@ from xgrad.crosscheck.run import Report as Report
 from xgrad.crosscheck.run import run_crosscheck as run_crosscheck
 from xgrad.crosscheck.runners import Entry as Entry
 from xgrad.crosscheck.runners import Runner as Runner
+from xgrad.crosscheck.runners import WorldSizeError as WorldSizeError
+from xgrad.crosscheck.runners import check_world_size as check_world_size
 from xgrad.crosscheck.runners import runner_entries as runner_entries
 from xgrad.crosscheck.runners import runner_names as runner_names
 from xgrad.crosscheck.runners import step_of as step_of

@@ -38,6 +38,9 @@ def attribution(
     case = inputs.case
     hook = case.hook
     names = list(inputs.weights)
+    if not any(b.grads for b in backends):
+        # Nothing ran (every backend skipped or failed): no difference to explain.
+        return []
     if hook == "powersgd":
         lossy = max(compare(n, measure[n], ref[n], math.inf).rel for n in names)
         return [

@@ -59,8 +59,8 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
             lines.append(f"{b.name}: skipped ({b.reason})")
             lines.append("")
             continue
-        if b.status == "error":
-            lines.append(f"{b.name}: ERROR {b.reason}")
+        if b.status in ("error", "timeout"):
+            lines.append(f"{b.name}: {b.status.upper()} {b.reason}")
             lines.append("")
             continue
         step = f"{b.seconds_per_step * 1e3:.2f} ms/step" if b.seconds_per_step is not None else ""

@@ -19,7 +19,7 @@ from xgrad.crosscheck.metrics import (
     compare,
     compare_buckets,
 )
-from xgrad.crosscheck.runners import Entry, runner_entries, step_of
+from xgrad.crosscheck.runners import Entry, check_world_size, runner_entries, step_of
 from xgrad.crosscheck.truth import (
     per_rank_grads,
     powersgd_config,
@@ -32,7 +32,11 @@ from xgrad.progress import Progress
 
 @dataclass
 class BackendReport:
-    """One runner's outcome: ``status`` is ``ok``, ``fail``, ``error`` or ``skipped``."""
+    """One runner's outcome: ``status`` is ``ok``, ``fail``, ``error``, ``timeout`` or ``skipped``.
+
+    ``timeout``: the run took longer than the case's ``timeout`` (its answer, if any, is
+    not measured); ``reason`` names the runner, the limit and the time it took.
+    """
 
     name: str
     description: str
@@ -100,8 +104,10 @@ def _run_one(
         report.status = "error"
         report.reason = f"{type(err).__name__}: {err}"
         report.wall_seconds = time.perf_counter() - start
-        return report
+        return _over_time(report, inputs.case.timeout)
     report.wall_seconds = time.perf_counter() - start
+    if _over_time(report, inputs.case.timeout).status == "timeout":
+        return report
     problem = _malformed(result, inputs.weights)
     if problem:
         report.status = "error"
@@ -121,6 +127,25 @@ def _run_one(
         worst = report.worst
         assert worst is not None
         report.reason = f"{worst.name}: rel {worst.rel:.3g} > tolerance {tol:.3g}"
+    return report
+
+
+def _over_time(report: BackendReport, limit: float) -> BackendReport:
+    """``report`` marked ``timeout`` when its run took longer than ``limit`` seconds.
+
+    A runner in this process (JAX's, the reference's) cannot be stopped part way: it is
+    run to its end, which leaves no half-done state behind for the runners after it, and
+    then judged by the time it took. One that spawns processes (torch's) stops them at
+    the limit and raises; both end up here the same way. A run past the limit is not
+    measured, so ``--timeout`` bounds every runner alike.
+    """
+    if report.wall_seconds <= limit:
+        return report
+    why = f": {report.reason}" if report.reason else ""
+    report.status = "timeout"
+    report.reason = (
+        f"{report.name} took {report.wall_seconds:.3g} s, over the timeout of {limit:g} s{why}"
+    )
     return report
 
 
@@ -207,8 +232,10 @@ def run_crosscheck(
 
     Raises:
         ValueError: an unknown backend name (the message lists the known ones).
+        WorldSizeError: a chosen runner cannot run ``case.world_size`` ranks.
     """
     chosen = runner_entries(backends)
+    check_world_size(chosen, case.world_size)
     inputs = make_inputs(case)
     tol = tolerance(case.dtype, case.hook)
 

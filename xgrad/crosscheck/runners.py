@@ -13,7 +13,43 @@ from xgrad.backend import Entry, Runner, Step, StepResult, runner_entries
 from xgrad.crosscheck.case import Inputs
 from xgrad.crosscheck.truth import powersgd_config, torch_sampler
 
-__all__ = ["Entry", "Runner", "StepResult", "runner_entries", "runner_names", "step_of"]
+__all__ = [
+    "Entry",
+    "Runner",
+    "StepResult",
+    "WorldSizeError",
+    "check_world_size",
+    "runner_entries",
+    "runner_names",
+    "step_of",
+]
+
+
+class WorldSizeError(ValueError):
+    """A chosen runner cannot run this many ranks; its name, limit and why are attributes."""
+
+    def __init__(self, world_size: int, runner: str, limit: int, why: str) -> None:
+        self.world_size, self.runner, self.limit, self.why = world_size, runner, limit, why
+        super().__init__(
+            f"world_size={world_size} is more than runner {runner} takes: at most {limit} "
+            f"({why}); choose fewer ranks, or leave {runner} out of the backends"
+        )
+
+
+def check_world_size(entries: Sequence[Entry], world_size: int) -> None:
+    """Refuse, before any input is made, a world larger than a chosen runner can run.
+
+    A runner declares its limit as an optional ``max_world_size`` attribute (and
+    ``max_world_size_why``); a runner without one is not limited here.
+
+    Raises:
+        WorldSizeError: for the first runner whose limit ``world_size`` exceeds.
+    """
+    for entry in entries:
+        limit = getattr(entry.runner, "max_world_size", None)
+        if isinstance(limit, int) and world_size > limit:
+            why = getattr(entry.runner, "max_world_size_why", "") or "its declared limit"
+            raise WorldSizeError(world_size, entry.name, limit, why)
 
 
 def step_of(inputs: Inputs) -> Step:

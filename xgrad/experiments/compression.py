@@ -68,10 +68,13 @@ def powersgd_bytes(shapes: list[tuple[int, ...]], rank: int, itemsize: int = 4) 
 def run(args: argparse.Namespace) -> Report:
     from xgrad.models import get_spec, init_weights, make_batch
 
-    if args.steps <= START or args.batch < 2 or args.batch % 2:
+    # Each option on its own: one sentence naming both blamed the right one too.
+    if args.steps <= START:
         raise ValueError(
-            f"--steps={args.steps} must be > {START} and --batch={args.batch} even and >= 2"
+            f"--steps={args.steps} must be > {START} (the first {START} are plain allreduce)"
         )
+    if args.batch < 2 or args.batch % 2:
+        raise ValueError(f"--batch={args.batch} must be even and >= 2 (split over 2 ranks)")
     variants = {k: VARIANTS[k] for k in ("none", "fp16", "powersgd-1")} if args.quick else VARIANTS
     steps = args.steps
     weights = init_weights("mlp", seed=args.seed, dtype="float32")

@@ -102,6 +102,12 @@ def run(args: argparse.Namespace) -> Report:
             raise ValueError(
                 f"--{label.replace('_', '-')} must be a finite number > 0, got {value}"
             )
+    # Named here: inf was refused deep in the schedule as "comm_cost must be >= 0 and
+    # finite", -1 by LinkModel's own field name; neither said which option.
+    if not (math.isfinite(args.target_alpha) and args.target_alpha >= 0):
+        raise ValueError(
+            f"--target-alpha must be a finite number of seconds >= 0, got {args.target_alpha}"
+        )
     target = LinkModel(args.target_alpha, 1 / (args.target_gbps * 1e9))
     link = LinkModel(args.alpha, args.beta)
     rows, here = _validate(args, link)

@@ -19,9 +19,15 @@ from xgrad.reference.blas import single_threaded_blas
 from xgrad.reference.clock import LinkModel
 from xgrad.reference.comm import DEFAULT_TIMEOUT_S, ReferenceComm, World
 
-__all__ = ["RankError", "spawn"]
+__all__ = ["MAX_RANKS", "RankError", "spawn"]
 
 T = TypeVar("T")
+
+#: The most simulated ranks :func:`spawn` starts: one OS thread each, all in this process
+#: under one GIL, every collective a rendezvous of them all. Far past this a run took
+#: minutes only to end in "can't start new thread" (the process's thread limit); refusing
+#: up front names the cause instead.
+MAX_RANKS = 1024
 
 
 class RankError(RuntimeError):
@@ -63,6 +69,11 @@ def spawn(
         if world is not None
         else World(world_size, timeout=timeout, link=link, flops_per_second=flops_per_second)
     )
+    if world_size > MAX_RANKS:
+        raise ValueError(
+            f"world_size={world_size} is more than the reference backend's {MAX_RANKS} "
+            "simulated ranks (one thread each, in this process)"
+        )
     if w.size != world_size:
         raise ValueError(f"world has size {w.size}, not world_size={world_size}")
     results: list[Any] = [None] * world_size

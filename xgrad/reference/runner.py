@@ -14,6 +14,7 @@ from xgrad.reducer_types import ArrayOps
 from xgrad.reference.comm import DEFAULT_TIMEOUT_S, spawn
 from xgrad.reference.ddp import run_data_parallel, single_process_grads
 from xgrad.reference.models import MODELS
+from xgrad.reference.rank_threads import MAX_RANKS
 
 T = TypeVar("T")
 
@@ -25,6 +26,9 @@ class ReferenceRunner:
     description = "xgrad's in-process reference backend (simulated ranks)"
     hooks: tuple[str, ...] = ("allreduce", "fp16", "bf16")
     dtypes: tuple[str, ...] = ("float64", "float32", "float16", "bfloat16")
+    #: one thread per rank: the crosscheck refuses a larger world before anything runs.
+    max_world_size = MAX_RANKS
+    max_world_size_why = "one thread per simulated rank, in one process"
 
     def unsupported(self, step: Step) -> str | None:
         if step.model not in MODELS:
