@@ -59,7 +59,7 @@ from xgrad.jax_backend.reduce import (
     resolve_hook,
 )
 from xgrad.jax_backend.shard_map import shard_map_call
-from xgrad.jax_backend.uneven import Rows, pad, split_rows
+from xgrad.jax_backend.uneven import Rows, pad, split_rows, uneven_rows
 from xgrad.jax_backend.uneven import value_and_grad as uneven_value_and_grad
 from xgrad.powersgd import PowerSGD, Sampler
 
@@ -189,13 +189,12 @@ class DataParallelStep:
     def __call__(self, params: Any, *batch: Any, hook_state: Any = None) -> tuple[Any, ...]:
         if not batch:
             raise ValueError("the step needs at least one batch argument after params")
-        if self.stateful and hook_state is None:
-            raise ValueError(
-                "hook=PowerSGD keeps state: call step(params, *batch, hook_state=state) "
-                "with state = step.init(params) first, and pass the state it returns on"
-            )
-        if not self.stateful and hook_state is not None:
-            raise ValueError(f"hook={self.hook!r} keeps no state; drop hook_state=")
+        powersgd.check_hook_state(
+            self.hook,
+            hook_state,
+            lambda config: powersgd_layouts(params, self.plan, self.names, config),
+            self.world_size,
+        )
         axes = normalize_in_axes(self.in_axes, len(batch))
         if self.mode == "pmap":
             return pmap_call(self, params, batch, axes, hook_state)
@@ -204,6 +203,7 @@ class DataParallelStep:
             check_local_devices(self.devices)
             local = len([d for d in self.devices if d.process_index == jax.process_index()])
             check_batch(batch, axes, max(local, 1), f"this process's {local} device(s)")
+            uneven_rows(batch, axes, max(local, 1))  # every split leaf as long
             check_local_rows(batch, axes)
         else:
             rows = split_rows(batch, axes, self.world_size, self.mode)
@@ -307,6 +307,9 @@ def data_parallel_value_and_grad(
             f"mode='jit' lets XLA place and combine the reductions; plan={plan!r} and "
             f"hook={hook!r} need mode='shard_map' (or 'pmap')"
         )
+    if not isinstance(axis_name, str) or not axis_name:
+        # An int reached JAX's psum as "does not accept integer axes", with no name.
+        raise TypeError(f"axis_name={axis_name!r}: expected a non-empty str")
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux={has_aux!r}: expected a bool")
     devs = devices_for(world_size, devices)

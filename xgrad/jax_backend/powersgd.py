@@ -17,7 +17,7 @@ run can match torch's. Without warm start torch draws again every step; here the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +28,7 @@ from jax import lax
 from xgrad.powersgd import Layout, PowerSGD, Sampler, compress, layout
 from xgrad.powersgd_hook import PowerSGDState
 
-__all__ = ["PowerSGD", "PowerSGDCarry", "bucket_layouts", "init", "reduce_bucket"]
+__all__ = ["PowerSGD", "PowerSGDCarry", "bucket_layouts", "check_carry", "init", "reduce_bucket"]
 
 
 class PowerSGDCarry(NamedTuple):
@@ -112,6 +112,81 @@ def init(
         )
     key = jax.random.key_data(jax.random.key(config.random_seed))
     return PowerSGDCarry(jnp.zeros((), jnp.int32), errors, tuple(first), key)
+
+
+def check_carry(
+    carry: Any,
+    config: PowerSGD,
+    layouts: Sequence[Layout],
+    dtypes: Sequence[Any],
+    world_size: int,
+) -> None:
+    """``carry`` is the state :func:`init` makes for these buckets, world size and settings.
+
+    A state made for another step went in without a word or failed deep inside the trace:
+    a 4-device step's given to a 2-device ``shard_map`` step had its error rows split in
+    two blocks, each device taking the first row of its block (rows 0 and 2 of 4) without
+    an error; under ``pmap`` it stopped at "cannot select an axis to squeeze out"; one of
+    rank 2 at "cond branches must have equal output types"; one of another plan or other
+    parameters at "add got incompatible shapes", with no bucket named.
+
+    Raises:
+        TypeError: not a :class:`PowerSGDCarry`.
+        ValueError: naming the first part whose count, shape or dtype differs, and both.
+    """
+    if not isinstance(carry, PowerSGDCarry):
+        raise TypeError(
+            f"hook_state={type(carry).__name__}: expected the PowerSGDCarry that step.init(params) "
+            "makes and the step returns"
+        )
+    errors = (
+        [((world_size, lay.length), dtype) for lay, dtype in zip(layouts, dtypes, strict=True)]
+        if config.use_error_feedback
+        else []
+    )
+    qs = [((lay.q_size,), dtype) for lay, dtype in zip(layouts, dtypes, strict=True)]
+    for part, got, want in (("errors", carry.errors, errors), ("qs", carry.qs, qs)):
+        if len(got) != len(want):
+            raise ValueError(
+                f"hook_state.{part} has {len(got)} entries but this step has {len(want)} "
+                f"(one per bucket{', none without error feedback' if part == 'errors' else ''}): "
+                "was the state made by step.init for another plan or hook?"
+            )
+        for b, (array, (shape, dtype)) in enumerate(zip(got, want, strict=True)):
+            found = (tuple(np.shape(array)), jnp.result_type(array))
+            if found != (shape, jnp.dtype(dtype)):
+                raise ValueError(
+                    f"hook_state.{part}[{b}] has shape {found[0]} and dtype {found[1]}, but "
+                    f"bucket {b} of this step needs {shape} and {jnp.dtype(dtype)} (world_size="
+                    f"{world_size}, matrix_approximation_rank={config.matrix_approximation_rank}):"
+                    " make the state with this step's init(params)"
+                )
+
+
+def check_hook_state(
+    hook: Any,
+    state: Any,
+    layouts: Callable[[PowerSGD], tuple[list[Layout], list[Any]]],
+    world_size: int,
+) -> None:
+    """A data-parallel step's ``hook_state=``: a fitting :class:`PowerSGDCarry` with a
+    PowerSGD ``hook`` (``layouts(hook)``: its buckets' layouts and dtypes), None without.
+
+    Raises:
+        ValueError: a state missing or given where none is kept, or one that does not
+            fit (see :func:`check_carry`).
+        TypeError: not a :class:`PowerSGDCarry`.
+    """
+    if not isinstance(hook, PowerSGD):
+        if state is not None:
+            raise ValueError(f"hook={hook!r} keeps no state; drop hook_state=")
+        return
+    if state is None:
+        raise ValueError(
+            "hook=PowerSGD keeps state: call step(params, *batch, hook_state=state) "
+            "with state = step.init(params) first, and pass the state it returns on"
+        )
+    check_carry(state, hook, *layouts(hook), world_size)
 
 
 def reduce_bucket(

@@ -68,20 +68,28 @@ class Rows(NamedTuple):
 def uneven_rows(batch: Sequence[Any], axes: Sequence[Axis], parts: int) -> Rows | None:
     """None where ``parts`` divides every split leaf (the even step); else their split.
 
+    Every split leaf must have the same rows, even where ``parts`` divides each: device
+    ``r`` pairs its share of one leaf with its share of the other, which are the same
+    rows of the batch only when the leaves are as long. Leaves of 8 and 2 rows over 2
+    devices paired rows 0-3 of one with row 0 of the other, and a loss that broadcasts
+    (``out - y``) returned a number the whole batch's loss refuses to compute.
+
     Raises:
-        ValueError: split leaves of different lengths in an uneven batch (naming two of
-            them): each device's share of one would not match its share of the other.
+        ValueError: split leaves of different lengths (naming two of them).
     """
     found = leaf_rows(batch, axes)
-    if all(n % parts == 0 for _, n in found):
+    if not found:  # nothing split: every argument reaches every device whole
         return None
     (first, n), *rest = found
     for where, other in rest:
         if other != n:
             raise ValueError(
-                f"{first} has {n} rows and {where} {other}: a batch that {parts} devices do "
-                "not divide is split only where every split leaf has the same rows"
+                f"{first} has {n} rows and {where} {other}: every split leaf needs the same "
+                f"rows, since each of the {parts} devices takes the same rows of each (give "
+                "a leaf that is not one row per example whole, with in_axes None)"
             )
+    if n % parts == 0:
+        return None
     return Rows(n, parts)
 
 
