@@ -6,8 +6,8 @@ Three drivers run the same data-parallel step:
   over a one-axis mesh, each device differentiating its shard and xgrad reducing the
   gradients bucket by bucket (:func:`~xgrad.jax_backend.reduce.reduce_gradients`, hooks
   included);
-- ``"jit"``: ``jax.jit`` of ``jax.value_and_grad`` on the global batch sharded with a
-  ``NamedSharding``: GSPMD places and combines the reductions itself (no plan, no hook),
+- ``"jit"`` (:mod:`~xgrad.jax_backend.jit_mode`): ``jax.jit`` of ``jax.value_and_grad``
+  on the global batch sharded with a ``NamedSharding``: GSPMD places and combines the reductions itself (no plan, no hook),
   which shows what XLA's own combiner does to the numbers;
 - ``"pmap"`` (:mod:`~xgrad.jax_backend.pmap`): the ``shard_map`` step under ``jax.pmap``
   (in maintenance mode since JAX 0.8; kept as a cross-check: it gives the ``shard_map``
@@ -51,6 +51,7 @@ from xgrad.jax_backend.batch import (
     place,
     put_across,
 )
+from xgrad.jax_backend.jit_mode import compiled_text, jit_call
 from xgrad.jax_backend.pmap import pmap_call
 from xgrad.jax_backend.reduce import (
     HookSpec,
@@ -214,29 +215,12 @@ class DataParallelStep:
         params = put_across(params, replicated)
         placed = place(batch, axes, split, replicated, self.local_batch)
         if self.mode == "jit":
-            return self._jit(params, placed)
+            return jit_call(self, params, placed)
         return shard_map_call(self, params, placed, axes, hook_state, rows)
 
     def compiled_text(self, params: Any, *batch: Any) -> str:
         """The compiled program of ``mode="jit"`` for these arguments (XLA's HLO text)."""
-        if self.mode != "jit":
-            raise ValueError(
-                f"compiled_text is for mode='jit' (XLA's reductions), not {self.mode!r}"
-            )
-        axes = normalize_in_axes(self.in_axes, len(batch))
-        replicated = NamedSharding(self.mesh, P())
-        split = NamedSharding(self.mesh, P(self.axis_name))
-        placed = place(batch, axes, split, replicated, self.local_batch)
-        params = jax.device_put(params, replicated)
-        fn = jax.jit(jax.value_and_grad(self.loss_fn, has_aux=self.has_aux))
-        return str(fn.lower(params, *placed).compile().as_text())
-
-    def _jit(self, params: Any, batch: tuple[Any, ...]) -> tuple[Any, ...]:
-        fn = self._compiled.get("jit")
-        if fn is None:
-            fn = jax.jit(jax.value_and_grad(self.loss_fn, has_aux=self.has_aux))
-            self._compiled["jit"] = fn
-        return fn(params, *batch)  # type: ignore[no-any-return]
+        return compiled_text(self, params, batch)
 
 
 def data_parallel_value_and_grad(
