@@ -97,6 +97,11 @@ class StepWatch(StepWaits):
         #: the join rounds, which a failed step can leave entered by only some ranks
         #: (:func:`~.join_rounds.failed_round`).
         self.failed_at = 0
+        #: the failure of the step the last :meth:`begin_step` ended (``None``: it did not
+        #: fail), and the step at whose first forward pass this rank raised that step's
+        #: failure (a pass that left buckets unreduced: :mod:`.join_leave`); -1: none.
+        self.ended_failed: Failure | None = None
+        self.raised_at = -1
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
         self.channel: FailureChannel = failure_channel(group, self._last_namespace)
@@ -147,6 +152,7 @@ class StepWatch(StepWaits):
         failure and replaces its private group at the same point.
         """
         failed = self.channel.poll()
+        self.ended_failed = failed
         if failed is not None:
             self.failed_at = self.step
         check_lost(self.channel, failed)  # a rank still dead or frozen: its error, not a hang

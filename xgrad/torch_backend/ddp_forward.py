@@ -39,7 +39,8 @@ from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join import notify_join_context
 from xgrad.torch_backend.join_announce import Row
 from xgrad.torch_backend.join_order import refuse_second_forward
-from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement, settle
+from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement
+from xgrad.torch_backend.join_settle import settle_next
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -68,7 +69,7 @@ def pre_forward(
             raise gone
     refuse_second_forward(ddp)  # under xgrad's Join: another DDP's backward first
     if ddp._announcing is not None or ddp._watch.deferred is not None:
-        settle(ddp)  # the last pass raised before reading them (join_rounds)
+        settle_next(ddp)  # the last pass raised before reading them (join_settle)
     if torch.is_grad_enabled():
         # The last backward pass left buckets unreduced: PyTorch's error, raised where
         # PyTorch raises it. Every rank raises here (the peers were told at that pass's
@@ -76,6 +77,7 @@ def pre_forward(
         # whose inputs then run out (join) leaves no one waiting in that.
         unfinished = drop_unreduced(ddp._grad_hooks, lambda: _start(ddp, sync))
         if unfinished is not None:
+            ddp._watch.raised_at = ddp._watch.step  # in the step begun now (join_leave)
             raise unfinished
     _start(ddp, sync)
     if ddp._watch.regrouped:

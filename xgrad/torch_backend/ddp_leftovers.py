@@ -71,7 +71,9 @@ def drop_read_failures(watch: StepWatch) -> None:
         counter = f"{prefix}/failures"
         tickets = int(store.get(counter)) if store.check([counter]) else 0
         tickets_keys = [f"{prefix}/failure/{t}" for t in range(1, tickets + 1)]
-        # (the next marks of a step failed outside join() were never written: no-ops)
-        for key in [*tickets_keys, counter, *marks, *next_marks(prefix, watch.ranks)]:
+        # (the next marks and the carried key of a step failed outside join(), or not
+        # carried over, were never written: no-ops)
+        extra = [*next_marks(prefix, watch.ranks), f"{prefix}/carried"]  # (join_leave's)
+        for key in [*tickets_keys, counter, *marks, *extra]:
             store.delete_key(key)
         made.delete()  # every rank made the fresh group before it marked

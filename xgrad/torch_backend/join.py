@@ -54,9 +54,11 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from xgrad.failure import RankError
 from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.join_announce import Announcing, Row, carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
+from xgrad.torch_backend.join_leave import wait_count
 from xgrad.torch_backend.join_rounds import counted, failed_round, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
 
@@ -118,8 +120,12 @@ class Join(TorchJoin):
             work = dist.all_reduce(t, group=self._process_group, async_op=True)
             if self._timeout is None:
                 work.wait()
-            else:
+            elif self._watch is None:
                 work.wait(timedelta(seconds=self._timeout))
+            else:  # a rank still training that left join() raising a failure: a note
+                wait_count(self._watch, work, self._timeout)
+        except RankError:
+            raise
         except RuntimeError as exc:  # gloo: a peer died, or the wait ran out
             if self._watch is None:
                 raise

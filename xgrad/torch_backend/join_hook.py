@@ -18,12 +18,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from xgrad.failure import FailureChannel, RankError
-from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
-from xgrad.torch_backend.join_leave import post_left, wait_for_next
-from xgrad.torch_backend.join_rounds import close_round, hear, posted, wait_round
+from xgrad.torch_backend.join_announce import count, sum_async
+from xgrad.torch_backend.join_leave import carried_over, post_left, wait_for_next, was_carried
+from xgrad.torch_backend.join_rounds import hear, posted, wait_round
+from xgrad.torch_backend.join_settle import close_round, left
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -81,7 +82,11 @@ class DDPJoinHook(JoinHook):
         failed = drop_unreduced(ddp._grad_hooks, self._begin)
         if failed is not None:
             self._keep(failed)
-        elif ddp._watch.channel.poll() is not None:
+            return
+        channel = ddp._watch.channel
+        # (not the step before's failure, carried over by a rank that left join() with
+        # it, join_leave: that rank sent its part of this count, and its note raises it)
+        if channel.poll() is not None and not was_carried(channel):
             self._begin(ahead=True)
 
     def leave_raising(self) -> None:
@@ -89,15 +94,23 @@ class DDPJoinHook(JoinHook):
         error), the joined ranks, which would wait for its next step, are told
         (:mod:`.join_leave`), its part of the step's round sent if it was still due
         (``FAIL``, else sent at its next forward pass: a joined rank's part, left
-        waiting, would meet a later all-reduce on the group, another DDP's)."""
+        waiting, would meet a later all-reduce on the group, another DDP's). A failure
+        this rank raised at the forward pass that began the step it is in (buckets left
+        unreduced) is carried over to that step, and its part of the joined ranks' count
+        there sent."""
         ddp = self.ddp
         channel = ddp._watch.channel
+        carried = carried_over(ddp._watch)
         failure = channel.poll()
         if failure is not None and failure.kind == "error":
             pending, ddp._grad_hooks.join_round = ddp._grad_hooks.join_round, None
-            if pending is not None and gone_error(ddp.process_group, channel.rank, "") is None:
+            usable = gone_error(ddp.process_group, channel.rank, "") is None
+            if pending is not None and usable:
                 pending.fail()
             post_left(channel)
+            if carried is not None and usable and ddp._join_config.is_first_joinable:
+                # the joined ranks' count in this step (join_leave), after the note
+                sum_async(ddp.process_group, count(ddp, 0.0))
 
     def _keep(self, error: BaseException) -> None:
         """A failure to raise when the join ends (the first, when steps failed again)."""
@@ -133,7 +146,7 @@ class DDPJoinHook(JoinHook):
         """Enter the collectives of one forward pass of the others and of the backward
         pass that follows it, or of the next forward pass when none did (join_rounds)."""
         ddp = self.ddp
-        join_rounds.left(ddp)  # its own pass settled; left in a round: its count was its part
+        left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)

@@ -17,6 +17,15 @@ in the failed step's round, or in the fresh group's making, to the DDP's timeout
   ahead of the others (one that has joined, or leaves ``join()`` plainly) marks, then
   waits for every other rank's mark (:func:`wait_for_next`): a note ends that wait.
 
+* A failure raised at the forward pass after its step (a backward pass that left buckets
+  unreduced: :data:`~.ddp_pass_end.UNREDUCED`) is raised at the pass that begins the step
+  after it, before its count; the joined ranks began that step with the others (their
+  shadow of the backward pass saw the failure) and wait in their count. The rank that
+  leaves then relays the failure to the step it is in (:func:`carried_over`), and its
+  note goes there, where the joined rank's count looks for notes (:func:`wait_count`);
+  its part of that count is sent too (a zero, not waited for), so that no all-reduce
+  is left pending on the join group (the ranks that all left pair theirs).
+
 On a note, the joined rank raises the step's failure at once, naming the rank where it
 started and the one that left (:func:`raised_past`), without making the group: no rank
 began the next step, and each begins it at its next forward pass, with the fresh group
@@ -29,8 +38,10 @@ the joined ranks still raise only at the DDP's timeout.
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.heartbeat import COLLECTIVE, waiting_for
@@ -41,11 +52,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LEFT",
+    "carried_key",
+    "carried_over",
     "check_left",
     "left_raising",
     "post_left",
     "raised_past",
+    "wait_count",
     "wait_for_next",
+    "was_carried",
 ]
 
 #: the kind of the note (never a step's first failure: posted after one).
@@ -65,6 +80,53 @@ def post_left(channel: FailureChannel, message: str = LEFT_JOIN) -> None:
     channel.tickets.append(ticket)
     note = Failure(channel.rank, "join()", message, kind=LEFT)
     store.set(f"{channel.prefix}/failure/{ticket}", note.to_bytes())
+
+
+def carried_over(watch: StepWatch) -> Failure | None:
+    """The failure of the step before, where this rank raised it at the forward pass that
+    began the step it is in (a pass that left buckets unreduced): relayed to this step
+    (unless a rank that left did, or it has a failure of its own), where the joined
+    ranks look for the note; else ``None``."""
+    failure = watch.ended_failed
+    if watch.raised_at != watch.step or failure is None:
+        return None
+    channel = watch.channel
+    channel.store.set(carried_key(channel.prefix), b"1")  # before it: who reads one sees it
+    if channel.poll() is None:
+        channel.relay(failure)
+    return failure
+
+
+def carried_key(prefix: str) -> str:
+    """The key of a step (namespace ``prefix``) whose failure is the step before's,
+    carried over (:func:`carried_over`); deleted with the step's others."""
+    return f"{prefix}/carried"
+
+
+def was_carried(channel: FailureChannel) -> bool:
+    """Whether ``channel``'s failure (posted) was carried over from the step before: the
+    joined ranks do not begin the next step ahead on it (they count first: the ranks
+    that left sent their part), one lookup."""
+    return bool(channel.store.check([carried_key(channel.prefix)]))
+
+
+def wait_count(watch: StepWatch, work: Any, timeout: float) -> None:
+    """A rank's count of the ranks still training (the join context's all-reduce): a
+    note in the step it is in (:func:`post_left`) raises the step's failure, also once
+    the count is done in a step begun after a failed one (the ranks that left with a
+    carried-over failure sent their part of it); past ``timeout``, the all-reduce's own
+    error (the context names the rank)."""
+    done = threading.Lock()  # a held lock the completion releases (as the watch's waits)
+    done.acquire()
+    work.get_future().add_done_callback(lambda _: done.release())
+    deadline = time.monotonic() + timeout
+    while not done.acquire(timeout=watch.poll):
+        check_left(watch.channel)
+        if time.monotonic() >= deadline:
+            break
+    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+    if watch.ended_failed is not None:
+        check_left(watch.channel)
 
 
 def left_raising(channel: FailureChannel) -> Failure | None:

@@ -42,10 +42,10 @@ any collective on the DDP's group (:func:`counted`). Under PyTorch's ``Join``, b
 the count, such a rank would shadow a forward pass against the buckets (gloo aborts),
 and a communication hook may reduce on the join group itself: there the round is read
 at the first hook, before any bucket. What a pass left unread (it raised first) is read
-at the next forward pass or as the rank leaves ``join()`` (:func:`settle`).
+at the next forward pass or as the rank leaves ``join()`` (:func:`~.join_settle.settle`).
 
 A rank that left ``join()`` in a round whose sum said everyone had left (its count gave
-0) owes the joined ranks, which still count once more, that count (:func:`close_round`).
+0) owes the joined ranks, which still count once more, that count (:func:`~.join_settle.close_round`).
 Only the join context's first joinable has rounds (the one whose forward pass sends "not
 joined"); another DDP in the same context shadows a backward pass after each forward
 pass that may reduce, as before.
@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 
 from xgrad.failure import error_for
-from xgrad.torch_backend.ddp_watched import run_deferred
 from xgrad.torch_backend.join_announce import (
     ADVICE,
     Announced,
@@ -82,18 +81,16 @@ __all__ = [
     "Announcing",
     "OpenRound",
     "announce",
-    "close_round",
     "counted",
     "counting",
     "disagreement",
     "failed_round",
     "hear",
-    "left",
     "notified",
+    "on_join_group",
     "open_round",
     "posted",
     "read_announcement",
-    "settle",
     "sum_async",
     "wait_round",
 ]
@@ -121,7 +118,7 @@ def _fail(ddp: DistributedDataParallel) -> float:
     return _go(ddp) ** 2
 
 
-def _on_join_group(
+def on_join_group(
     ddp: DistributedDataParallel, value: float, what: str, posted: bool = True
 ) -> torch.Tensor:
     """A count (``value``: :func:`~.join_announce.count`) all-reduced on the join context's
@@ -215,19 +212,6 @@ def counting(joinables: Sequence[Any]) -> None:
             joinable._counted_config = joinable._join_config
 
 
-def settle(ddp: DistributedDataParallel) -> None:
-    """What a pass left unread (it raised before its end): the round, the announcement."""
-    run_deferred(ddp._watch)
-    read_announcement(ddp)
-
-
-def left(ddp: DistributedDataParallel) -> None:
-    """A joined rank, before shadowing a pass: its own last pass settled, its round (if
-    it left ``join()`` in one) given up: its count was its part of it."""
-    settle(ddp)
-    ddp._grad_hooks.join_round = None
-
-
 def open_round(ddp: DistributedDataParallel, announced: Announced) -> None:
     """After the announcement of a rank still training: open a round if one follows."""
     if _rounds(ddp, announced):
@@ -286,7 +270,7 @@ def wait_round(ddp: DistributedDataParallel, training: int) -> str:
     began their next forward pass), ``"left"`` (every one left ``join()``), ``"failed"``
     (the step failed before some rank's backward pass: :meth:`OpenRound.fail`). A
     failure posted meanwhile does not end the wait: only the sum says which came."""
-    t = _on_join_group(ddp, 0.0, "join: the backward pass's round", posted=False)
+    t = on_join_group(ddp, 0.0, "join: the backward pass's round", posted=False)
     failed, went, forward = _parts(ddp, round(t[0].item()))
     if failed:
         return "failed"
@@ -301,12 +285,3 @@ def wait_round(ddp: DistributedDataParallel, training: int) -> str:
         f"gradients on and no backward pass after it, on some ranks only; {ADVICE})"
     )
     raise ddp._watch.post("join", RuntimeError(message))
-
-
-def close_round(ddp: DistributedDataParallel) -> None:
-    """A rank that left ``join()`` in a round where everyone had left: the joined ranks
-    count once more after the round; this is this rank's part of that count."""
-    settle(ddp)
-    if ddp._grad_hooks.join_round is not None:
-        ddp._grad_hooks.join_round = None
-        _on_join_group(ddp, 0.0, "join, counting the ranks still training")
