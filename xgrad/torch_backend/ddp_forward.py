@@ -38,7 +38,7 @@ from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join import notify_join_context
 from xgrad.torch_backend.join_announce import Row
-from xgrad.torch_backend.join_order import refuse_second_forward
+from xgrad.torch_backend.join_order import before_forward
 from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement
 from xgrad.torch_backend.join_settle import settle_next
 
@@ -67,7 +67,7 @@ def pre_forward(
         gone = gone_error(ddp.process_group, ddp._watch.channel.rank, "DistributedDataParallel")
         if gone is not None:
             raise gone
-    refuse_second_forward(ddp)  # under xgrad's Join: another DDP's backward first
+    before_forward(ddp)  # under xgrad's Join: its order, another DDP's backward first
     if ddp._announcing is not None or ddp._watch.deferred is not None:
         settle_next(ddp)  # the last pass raised before reading them (join_settle)
     if torch.is_grad_enabled():
@@ -212,8 +212,9 @@ class ForwardDDP:
     _counted_config: Any = None
     #: a joined rank: the announcement its last count carried, for its hook (join_announce)
     _heard: Announcing | None = None
-    #: the joinables of xgrad's Join this DDP is in, in order (join_order)
+    #: the joinables of xgrad's Join this DDP is in, in order; their passes (join_order)
     _join_peers: tuple[Any, ...] = ()
+    _join_order: Any = None
 
     @frame_skipped
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

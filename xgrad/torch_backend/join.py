@@ -59,6 +59,7 @@ from xgrad.torch_backend import join_rounds
 from xgrad.torch_backend.join_announce import Announcing, Row, carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
+from xgrad.torch_backend.join_order import JoinOrder
 from xgrad.torch_backend.join_rounds import counted, failed_round, notified
 from xgrad.torch_backend.lost_rank import transfer_failed
 
@@ -90,9 +91,7 @@ class Join(TorchJoin):
                 raise TypeError(f"{type(j).__name__} is not a Joinable (no join_hook)")
         super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
         join_rounds.counting(self._joinables)  # its count is read by a rank that leaves in a round
-        for joinable in self._joinables:  # (join_order: another DDP's forward, the first's open)
-            if hasattr(joinable, "_join_peers"):
-                joinable._join_peers = tuple(self._joinables)
+        self._order = JoinOrder(self._joinables, self._join_hooks)  # (its DDPs' forward passes)
         self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
         # The first joinable's step watch (a DDP's): its failure channel names a peer
         # that failed, died or froze while this rank counts the ranks still training.
@@ -108,7 +107,11 @@ class Join(TorchJoin):
                     # (a group the user aborted in its handler takes no part in a round).
                     with contextlib.suppress(Exception):
                         hook.leave_raising()
-        super().__exit__(type, value, traceback)
+            self._order.left_refused()
+        try:
+            super().__exit__(type, value, traceback)
+        finally:
+            self._order.forget()  # (after the counts: a joined rank reads it there)
 
     def _all_reduce(self, value: float) -> float:
         t = torch.full((1,), value, device=self._device)
@@ -123,7 +126,9 @@ class Join(TorchJoin):
             elif self._watch is None:
                 work.wait(timedelta(seconds=self._timeout))
             else:  # a rank still training that left join() raising a failure: a note
-                wait_count(self._watch, work, self._timeout)
+                wait_count(
+                    self._watch, work, self._timeout, self._order.refuse, self._order.entered
+                )
         except RankError:
             raise
         except RuntimeError as exc:  # gloo: a peer died, or the wait ran out

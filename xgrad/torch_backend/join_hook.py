@@ -65,6 +65,9 @@ class DDPJoinHook(JoinHook):
         #: the next step is begun already (after a failed one, with its fresh group): the
         #: next pass of the ranks still training, whatever its kind, began it there.
         self.begun = False
+        #: the namespace of the step the join context began in: a failure there, and its
+        #: notes (join_leave), are an earlier context's
+        self.entered = ddp._watch.channel.prefix
         super().__init__()
 
     def drop_failed_step(self) -> None:
@@ -128,7 +131,7 @@ class DDPJoinHook(JoinHook):
         their marks; one that left ``join()`` raising the step's failure raises it now
         (:mod:`.join_leave`), with nothing begun."""
         try:
-            wait_for_next(self.ddp._watch, failed, self.failed)
+            wait_for_next(self.ddp._watch, failed, self.failed, failed.prefix != self.entered)
         except RankError:
             self.failed, self.begun = None, False
             raise

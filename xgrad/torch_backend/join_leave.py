@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -110,22 +111,33 @@ def was_carried(channel: FailureChannel) -> bool:
     return bool(channel.store.check([carried_key(channel.prefix)]))
 
 
-def wait_count(watch: StepWatch, work: Any, timeout: float) -> None:
+def wait_count(
+    watch: StepWatch,
+    work: Any,
+    timeout: float,
+    also: Callable[[], None] | None = None,
+    entered: str = "",
+) -> None:
     """A rank's count of the ranks still training (the join context's all-reduce): a
     note in the step it is in (:func:`post_left`) raises the step's failure, also once
     the count is done in a step begun after a failed one (the ranks that left with a
     carried-over failure sent their part of it); past ``timeout``, the all-reduce's own
-    error (the context names the rank)."""
+    error (the context names the rank). ``also``: another check between naps.
+    ``entered``: the namespace of the step the join context began in, whose notes (an
+    earlier context's) are not this count's."""
     done = threading.Lock()  # a held lock the completion releases (as the watch's waits)
     done.acquire()
     work.get_future().add_done_callback(lambda _: done.release())
     deadline = time.monotonic() + timeout
     while not done.acquire(timeout=watch.poll):
-        check_left(watch.channel)
+        if watch.channel.prefix != entered:
+            check_left(watch.channel)
+        if also is not None:
+            also()
         if time.monotonic() >= deadline:
             break
     work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-    if watch.ended_failed is not None:
+    if watch.ended_failed is not None and watch.channel.prefix != entered:
         check_left(watch.channel)
 
 
@@ -167,11 +179,14 @@ def check_left(channel: FailureChannel) -> None:
         raise raised_past(None, channel, note)
 
 
-def wait_for_next(watch: StepWatch, channel: FailureChannel, kept: BaseException | None) -> None:
+def wait_for_next(
+    watch: StepWatch, channel: FailureChannel, kept: BaseException | None, notes: bool = True
+) -> None:
     """A rank that begins the step past ``channel``'s failed one ahead of the others, its
     mark written: wait until every rank has marked (each makes the fresh group now or is
-    about to); a note raises the step's failure (``kept`` first) instead. Bounded by the
-    DDP's timeout; a lost peer raises too."""
+    about to); a note raises the step's failure (``kept`` first) instead, unless not
+    ``notes`` (the step failed before this join context: its notes were an earlier
+    context's). Bounded by the DDP's timeout; a lost peer raises too."""
     marks = next_marks(channel.prefix, watch.ranks)
     store = channel.store
     before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
@@ -181,7 +196,7 @@ def wait_for_next(watch: StepWatch, channel: FailureChannel, kept: BaseException
             marked = store.check(marks)
             # After the marks: a rank that stopped and went on at once (a new join
             # context) marks too, after its note, and this rank's context is over.
-            note = left_raising(channel)
+            note = left_raising(channel) if notes else None
             if note is not None:
                 raise raised_past(kept, channel, note)
             if marked:

@@ -22,20 +22,51 @@ part of the round sent (``FAIL``), and a note that it stops (:mod:`.join_leave`)
 joined ranks' wait in the round, where they raise the same error naming that rank. No
 exact design is within reach: the joined rank cannot know, at the first DDP's forward
 pass, whether another DDP's forward pass comes before its backward.
-Under PyTorch's ``Join`` over xgrad's DDPs this is not seen (its context links nothing):
-there the ranks still wait to the DDP's timeout.
+
+The same holds for DDPs whose forward passes run in another order than the context's
+(``Join([d2, d1])`` with ``d1``'s forward pass first, each DDP's backward pass in
+between): the joined rank counts, waiting for the first joinable's forward pass, while
+the ranks still training wait for it in another DDP's (PyTorch's ``Join`` over its own
+DDPs hangs to gloo's timeout; with even inputs both work, nobody shadowing anything).
+The ranks still training cannot tell at that forward pass whether a rank has joined (the
+first joinable's count says so, and comes later), so each such forward pass writes to
+the store, in one key per context (:class:`JoinOrder`, deleted as the context ends), the
+first joinable's step and what ran (:func:`note_order`): a joined rank whose count
+waits past a poll reads it (:func:`refuse_order`) and, when it names the step it counts
+for, posts the refusal to that DDP's step, where the ranks still training wait, and
+raises it; they send their part of its count as they leave ``join()``
+(:func:`left_refused`), so that no all-reduce is left pending on the join group. With
+even inputs such a context pays one store write per iteration and trains as PyTorch's.
+
+Under PyTorch's ``Join`` over xgrad's DDPs none of this is seen (its context links
+nothing): there the ranks still wait to the DDP's timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.join_announce import count, sum_async
 from xgrad.torch_backend.join_leave import post_left
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["refuse_second_forward"]
+__all__ = [
+    "ORDER",
+    "JoinOrder",
+    "before_forward",
+    "left_refused",
+    "note_order",
+    "refuse_order",
+    "refuse_second_forward",
+]
+
+#: where the refusal of DDPs forwarded out of the context's order is posted.
+ORDER = "join order"
 
 #: what the note of a rank that refused such a forward pass says.
 STOPPED = "gave up the step: the ranks that had joined stop shadowing"
@@ -72,3 +103,121 @@ def refuse_second_forward(ddp: DistributedDataParallel) -> None:
     pending.fail()  # this rank's part of DDP 0's round: the joined ranks' part meets it
     post_left(watch.channel, STOPPED)
     raise error
+
+
+class JoinOrder:
+    """The forward passes of one xgrad ``Join``'s DDPs, in the order they ran here.
+
+    ``firsts``: the first joinable's forward passes so far; ``seen``: by joinable index,
+    ``firsts`` at that DDP's last forward pass; ``wrong``: a DDP's forward pass came with
+    none of the first's since its last (or before the first's first): each later one of
+    a DDP other than the first is written too. ``key``: the store key (in the first
+    joinable's step at the context's start, the same on every rank) that a forward pass
+    out of order writes (:func:`note_order`).
+    """
+
+    def __init__(self, joinables: Sequence[Any], hooks: Sequence[Any] = ()) -> None:
+        self.joinables = tuple(joinables)
+        self.hooks = hooks  #: the context's join hooks
+        for joinable in self.joinables:  # (and refuse_second_forward's peers)
+            if hasattr(joinable, "_join_peers"):
+                joinable._join_peers = self.joinables
+                joinable._join_order = self
+        watch = getattr(joinables[0], "_watch", None) if joinables else None
+        self.store = None if watch is None else watch.channel.store
+        #: the namespace of the first joinable's step as the context began
+        self.entered = "" if watch is None else watch.channel.prefix
+        self.key = f"{self.entered}/join_order"
+        self.firsts = 0
+        self.seen: dict[int, int] = {}
+        self.wrong = False
+        self.written = False
+
+    def refuse(self) -> None:
+        """:func:`refuse_order`, for this context's joined rank (its hooks: the context's)."""
+        refuse_order(self, self.hooks)
+
+    def left_refused(self) -> None:
+        """:func:`left_refused` of this context's DDPs (best effort: a group the user
+        aborted in its handler takes no part)."""
+        with contextlib.suppress(Exception):
+            left_refused(self.joinables)
+
+    def forget(self) -> None:
+        """As the context ends: the key deleted, if this rank wrote it (best effort)."""
+        if self.written and self.store is not None:
+            self.written = False
+            with contextlib.suppress(Exception):
+                self.store.delete_key(self.key)
+
+
+def before_forward(ddp: DistributedDataParallel) -> None:
+    """What ``join_order`` checks before a DDP's forward pass under xgrad's ``Join``."""
+    config = ddp._join_config
+    if config.enable and ddp._counted_config is config:
+        note_order(ddp)
+        refuse_second_forward(ddp)
+
+
+def note_order(ddp: DistributedDataParallel) -> None:
+    """A forward pass of a DDP other than the first joinable with no forward pass of the
+    first since its last (or none yet): out of the context's order, and so is each such
+    pass after it (``d1, d2, d1, d2``: the first joinable's count comes after ``d1``'s
+    pass each iteration); written to the store (the first joinable's step, this rank,
+    this DDP's index) for a joined rank."""
+    order: JoinOrder | None = ddp._join_order
+    if order is None or order.store is None or ddp not in order.joinables:
+        return
+    index = order.joinables.index(ddp)
+    if index == 0:
+        order.firsts += 1
+        return
+    if order.seen.get(index, 0) == order.firsts:  # (none of the first's yet: from the start)
+        order.wrong = True
+    if order.wrong:
+        first = order.joinables[0]
+        order.store.set(order.key, f"{first._watch.step} {ddp._watch.channel.rank} {index}")
+        order.written = True
+    order.seen[index] = order.firsts
+
+
+def refuse_order(order: JoinOrder, hooks: Sequence[Any]) -> None:
+    """A joined rank whose count waits: if a rank still training ran another DDP's
+    forward pass before the first joinable's in the step this rank counts for, post the
+    refusal to that DDP's step (begun here, as there, unless its hook in ``hooks`` began
+    it already) and raise it."""
+    if order.store is None or not order.store.check([order.key]):
+        return
+    step, rank, index = (int(v) for v in order.store.get(order.key).split())
+    if step != order.joinables[0]._watch.step:
+        return  # an earlier iteration's, with no rank joined
+    ddp = order.joinables[index]
+    error = RuntimeError(
+        f"join(): rank {rank} ran DDP {index}'s forward pass before DDP 0's in an iteration "
+        "(the join context's joinables counted from 0) while a rank had joined: a rank "
+        "that has joined shadows the DDPs in the context's order, the first one's forward "
+        "pass first (it counts the ranks still training). List the DDPs in the order "
+        "their forward passes run (Join([d1, d2]) where d1's runs first), or wrap the "
+        "modules in one DDP (PyTorch's Join hangs there too)"
+    )
+    hook = next((h for h in hooks if getattr(h, "ddp", None) is ddp), None)
+    if hook is not None and hook.begun:
+        hook.begun = False
+    else:
+        start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
+    raise ddp._watch.post(ORDER, error)
+
+
+def left_refused(joinables: Sequence[Any]) -> None:
+    """A rank still training that leaves xgrad's ``Join`` raising the refusal of
+    :func:`refuse_order`: its part of the joined ranks' count, which waited for the
+    first joinable's forward pass (not waited for)."""
+    first = joinables[0] if joinables else None
+    if first is None or not hasattr(first, "_join_order"):
+        return
+    for ddp in joinables:
+        failure = ddp._watch.channel.poll() if hasattr(ddp, "_watch") else None
+        if failure is not None and failure.where == ORDER:
+            if failure.rank != first._watch.channel.rank:  # (the joined rank posted it)
+                sum_async(first.process_group, count(first, 0.0))
+            return
