@@ -36,8 +36,8 @@ from xgrad.torch_backend.ddp_recover import (
 )
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
-from xgrad.torch_backend.join import notify_join_context
 from xgrad.torch_backend.join_announce import Row
+from xgrad.torch_backend.join_notify import notify_join_context
 from xgrad.torch_backend.join_order import before_forward
 from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement
 from xgrad.torch_backend.join_settle import settle_next

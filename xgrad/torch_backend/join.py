@@ -39,8 +39,9 @@ before the next DDP's forward pass, or every rank raises at once (:mod:`.join_or
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
 bounded by the DDP's ``timeout``.
 
-This module is the context, the DDP's ``Joinable`` members and the side of the ranks
-still training; the joined rank's side is :mod:`.join_hook`'s.
+This module is the context and the DDP's ``Joinable`` members; the side of the ranks
+still training at each forward pass is :mod:`.join_notify`'s, the joined rank's
+:mod:`.join_hook`'s.
 """
 
 from __future__ import annotations
@@ -56,15 +57,15 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.failure import RankError
 from xgrad.torch_backend import join_rounds
-from xgrad.torch_backend.join_announce import Announcing, Row, carried, count, heard
+from xgrad.torch_backend.join_announce import carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
 from xgrad.torch_backend.join_order import JoinOrder
-from xgrad.torch_backend.join_rounds import counted, failed_round, notified
+from xgrad.torch_backend.join_rounds import counted
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
-    from xgrad.torch_backend.ddp import DistributedDataParallel
+    pass
 
 __all__ = ["DDPJoinHook", "Join", "JoinHook", "Joinable", "JoinableDDP"]
 
@@ -113,6 +114,12 @@ class Join(TorchJoin):
         finally:
             self._order.forget()  # (after the counts: a joined rank reads it there)
 
+    def _between(self) -> None:
+        """Between naps of the count: DDPs out of order; a no_sync pass's failure (join_hook)."""
+        self._order.refuse()
+        for hook in (h for h in self._join_hooks if isinstance(h, DDPJoinHook)):
+            hook.drop_failed_step()
+
     def _all_reduce(self, value: float) -> float:
         t = torch.full((1,), value, device=self._device)
         self._sum(t)
@@ -125,10 +132,8 @@ class Join(TorchJoin):
                 work.wait()
             elif self._watch is None:
                 work.wait(timedelta(seconds=self._timeout))
-            else:  # a rank still training that left join() raising a failure: a note
-                wait_count(
-                    self._watch, work, self._timeout, self._order.refuse, self._order.entered
-                )
+            else:  # (join_leave: notes of ranks that left raising, and _between)
+                wait_count(self._watch, work, self._timeout, self._between, self._order.entered)
         except RankError:
             raise
         except RuntimeError as exc:  # gloo: a peer died, or the wait ran out
@@ -229,45 +234,3 @@ class JoinableDDP(Joinable):
     def join_process_group(self) -> Any:
         """The group the join context counts ranks over (the DDP's own)."""
         return self.process_group
-
-
-def notify_join_context(ddp: DistributedDataParallel, row: Row | None = None) -> int | None:
-    """Tell a joined rank's context that this one still trains; the ranks still training.
-
-    Called at the start of every forward pass inside an enabled join context (by the
-    first joinable only, as PyTorch does). Returns the number of ranks still training
-    when the gradients are to be divided by it, else ``None``. Under xgrad's own ``Join``
-    the count carries this pass's announcement, ``row`` (:func:`~.join_announce.carried`).
-    """
-    # A round left open (join_rounds): this forward pass's all-reduce is this rank's part
-    # of it, else (the context gone) no backward pass enters it any more.
-    pending, ddp._grad_hooks.join_round = ddp._grad_hooks.join_round, None
-    config = ddp._join_config
-    if not (config.enable and config.is_first_joinable):
-        return None
-    # These two pair with the join context's own, on the join group (not the private one).
-    ones = count(ddp, 1.0, row)
-    work = join_rounds.sum_async(ddp.process_group, ones)
-    if pending is not None:  # before the throw check: one that went back raised already
-        ddp._watch.wait_work(work, "join: the backward pass's round", ones.is_cuda)
-        if failed_round(ddp, pending, ones[0].item()):  # met a failed step's GO: sent again
-            ones = count(ddp, 1.0, row)
-            work = join_rounds.sum_async(ddp.process_group, ones)
-            ddp._watch.wait_work(work, "join: counting the ranks still training", ones.is_cuda)
-        training = notified(ddp, pending, ones[0].item())
-    if config.throw_on_early_termination:  # after the round: the peers' next all-reduce
-        zeros = torch.zeros(1, device=ddp.join_device)
-        check = dist.all_reduce(zeros, group=ddp.process_group, async_op=True)
-        check.wait(timedelta(seconds=ddp.timeout))
-        if zeros.item():
-            raise RuntimeError(
-                "Detected at least one rank that exhausted inputs. Throwing across all ranks."
-            )
-    if ones.numel() > 1:  # the announcement rode in the count: read after the module ran
-        ddp._announcing = Announcing(ddp, work, ones, 1)
-    if pending is not None:
-        return None if ddp._divide_by_initial_world_size else training
-    if ddp._divide_by_initial_world_size:
-        return None
-    work.wait(timedelta(seconds=ddp.timeout))
-    return int(ones[0].item())

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from xgrad.failure import FailureChannel, RankError
+from xgrad.failure import FailureChannel, RankError, error_for
 from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
@@ -68,6 +68,8 @@ class DDPJoinHook(JoinHook):
         #: the namespace of the step the join context began in: a failure there, and its
         #: notes (join_leave), are an earlier context's
         self.entered = ddp._watch.channel.prefix
+        #: the last step this rank began shadowing the others' passes
+        self.shadowed = -1
         super().__init__()
 
     def drop_failed_step(self) -> None:
@@ -76,9 +78,10 @@ class DDPJoinHook(JoinHook):
         If this rank's last pass left buckets unreduced, that step is dropped now, as the
         ranks still training do at the forward pass where they raise it (they drop it
         first, in step: a fresh group made by all). Else, if the step this rank is in
-        failed anywhere (its own forward pass, as it leaves ``join()``), it begins the
-        next now, with its fresh group, which the ranks still training make at their next
-        forward pass before their count. Raised here when the join ends, since raising
+        failed anywhere (its own forward pass, as it leaves ``join()``; or a ``no_sync``
+        pass this rank shadowed, whose failure is posted after its count: also looked
+        for as the count waits), it begins the next now, with its fresh group, which the
+        ranks still training make at their next forward pass before their count. Raised here when the join ends, since raising
         now would leave them waiting for this rank in their next steps; at once where a
         rank still training left ``join()`` raising it (:mod:`.join_leave`)."""
         ddp = self.ddp
@@ -89,7 +92,10 @@ class DDPJoinHook(JoinHook):
         channel = ddp._watch.channel
         # (not the step before's failure, carried over by a rank that left join() with
         # it, join_leave: that rank sent its part of this count, and its note raises it)
-        if channel.poll() is not None and not was_carried(channel):
+        failure = channel.poll()
+        if failure is not None and not was_carried(channel):
+            if self.shadowed == ddp._watch.step:  # an accumulation pass's, seen after the count
+                self._keep(ddp._watch.naming_others(error_for(failure, channel.rank)))
             self._begin(ahead=True)
 
     def leave_raising(self) -> None:
@@ -122,7 +128,9 @@ class DDPJoinHook(JoinHook):
 
     def _begin(self, ahead: bool = False) -> None:
         """Begin the next step (a fresh group after a failed one); ``ahead``: for the next
-        pass of the ranks still training (:attr:`begun`)."""
+        pass of the ranks still training (:attr:`begun`). An accumulation the failed step
+        began is over."""
+        self.ddp._grad_hooks.accumulating = False
         start_forward(self.ddp._watch, self.ddp._grad_hooks, True, joining=True, gate=self._gate)
         self.begun = ahead
 
@@ -154,7 +162,17 @@ class DDPJoinHook(JoinHook):
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)
             begun, self.begun = self.begun, False
-            if heard.reduce and not begun:
+            if heard.grad and not heard.reduce and not heard.param_sync:
+                # A no_sync pass: the ranks still training begin the step it accumulates
+                # for at the accumulation's first pass (ddp_recover), and post there what
+                # fails in it: begun here too (or already, ahead), not at the step's
+                # synchronised pass.
+                if begun:
+                    ddp._grad_hooks.accumulating = True
+                else:
+                    start_forward(ddp._watch, ddp._grad_hooks, False, True, accumulate=True)
+                    self.shadowed = ddp._watch.step
+            elif heard.reduce and not begun:
                 # The ranks still training began a step at this forward pass: begin it here
                 # too, so what fails in the shadow pass (a comm hook) is posted where they
                 # look; before the rebuild, as they do (a failed step undoes what it taught
