@@ -113,6 +113,9 @@ class Join(TorchJoin):
             super().__exit__(type, value, traceback)
         finally:
             self._order.forget()  # (after the counts: a joined rank reads it there)
+        kept, self._order.kept = self._order.kept, None  # (join_hook's post hooks)
+        if kept is not None:
+            raise kept
 
     def _between(self) -> None:
         """Between naps of the count: DDPs out of order; a no_sync pass's failure (join_hook)."""

@@ -152,11 +152,23 @@ class DDPJoinHook(JoinHook):
         after at the next)."""
         self._keep(error)
         self._begin(ahead)
+        order = self.ddp._join_order
+        if order is not None and self.ddp._join_config.is_first_joinable:
+            order.failed = True  # the rest of the iteration is skipped (main_hook)
 
     def main_hook(self) -> None:
         """Enter the collectives of one forward pass of the others and of the backward
-        pass that follows it, or of the next forward pass when none did (join_rounds)."""
+        pass that follows it, or of the next forward pass when none did (join_rounds).
+
+        With several DDPs in xgrad's ``Join``, a step of the first that failed ends the
+        iteration: the ranks still training skip the other DDPs' passes (they catch the
+        failure around the iteration), and so do the joined ranks' hooks."""
         ddp = self.ddp
+        order = ddp._join_order
+        if order is not None:
+            if not ddp._join_config.is_first_joinable and order.failed:
+                return
+            order.failed = False
         left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
@@ -212,13 +224,18 @@ class DDPJoinHook(JoinHook):
             ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank takes the parameters (and buffers) of a rank that joined last."""
-        close_round(self.ddp)
-        sync_final_model(self.ddp, is_last_joiner)
+        """Every rank takes the parameters (and buffers) of a rank that joined last; then
+        a failure kept is raised: by xgrad's ``Join`` once every DDP's post hook ran (the
+        peers wait for the others' in theirs), here under PyTorch's."""
+        ddp = self.ddp
+        close_round(ddp)
+        sync_final_model(ddp, is_last_joiner)
         self.begun = False
         failed, self.failed = self.failed, None
         if failed is not None:
-            raise failed
+            if ddp._join_order is None or ddp._counted_config is not ddp._join_config:
+                raise failed
+            ddp._join_order.kept = ddp._join_order.kept or failed
 
 
 def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:

@@ -132,6 +132,11 @@ class JoinOrder:
         self.seen: dict[int, int] = {}
         self.wrong = False
         self.written = False
+        #: the first joinable's step failed in the iteration a joined rank shadows: its
+        #: other DDPs' hooks skip it (join_hook)
+        self.failed = False
+        #: the first failure a join hook kept, raised once every post hook ran
+        self.kept: BaseException | None = None
 
     def refuse(self) -> None:
         """:func:`refuse_order`, for this context's joined rank (its hooks: the context's)."""

@@ -1,0 +1,149 @@
+"""Two DDPs in one xgrad ``Join``, a step that fails in the first DDP's forward pass.
+
+``Join([d1, d2])`` over gloo ranks, each iteration ``d1``'s forward and backward passes,
+then ``d2``'s, the user catching a failure per iteration (the rest of that iteration is
+skipped). Rank 0 has one batch, the others three; at iteration 1 the last rank's ``d1``
+forward pass raises (``ValueError("boom")``), or (``hook``) its communication hook in
+``d1``'s backward pass (``ValueError("hook boom")``). Every rank that ran the iteration must
+raise it there, once, naming that rank; the iterations after it train with ``join()``'s
+gradients; rank 0, which had joined, raises it as it leaves ``join()``; nobody waits out
+a timeout; a context after it trains as PyTorch's ``Join`` over its own DDPs.
+
+Before, the joined rank learned of the failure in ``d1``'s round (which the failing rank
+enters at its next forward pass) and then shadowed ``d2``'s forward pass, which the ranks
+still training had skipped: it waited for ``d2``'s announcement while they waited for its
+count at their next ``d1`` forward pass, to the timeout (3 s); the same after the failed
+backward pass it shadowed. And a joined rank raised the failure from ``d1``'s post hook,
+before ``d2``'s, where the others waited for it to the timeout.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from ranks import armed_hook, every_rank_ok
+
+TIMEOUT = 3.0
+BATCHES = lambda world: [1] + [3] * (world - 1)  # noqa: E731
+AT = 1
+#: scenario: what the failing rank's failure is named as
+WHERE = {
+    "forward": "forward: ValueError: boom",
+    "hook": "comm hook, bucket 0: ValueError: hook boom",
+}
+
+
+def _grads(models: list[Any]) -> list[Any]:
+    return [p.grad.clone().numpy() for m in models for p in m.parameters()]
+
+
+def _contexts(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms.join import Join as TorchJoin
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from xgrad.failure_errors import RankError
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.join import Join
+
+    torch.manual_seed(0)
+    base = [nn.Linear(5, 5), nn.Linear(5, 2)]
+    x = torch.arange(20.0).reshape(4, 5) * (rank + 1) / 10
+    armed = [False]
+
+    def pre_hook(module: Any, inputs: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("boom")
+
+    ours = [copy.deepcopy(m) for m in base]
+    ours[0].register_forward_pre_hook(pre_hook)
+    d1, d2 = (DistributedDataParallel(m, timeout=TIMEOUT) for m in ours)
+    hook, hook_armed = armed_hook()
+    d1.register_comm_hook(None, hook)
+    theirs = [copy.deepcopy(m) for m in base]
+    t1, t2 = (TorchDDP(m) for m in theirs)
+    for m in base:  # this rank's own gradients: the parameters never move
+        m(x).square().sum().backward()
+    out: dict[str, Any] = {"local": _grads(base)}
+
+    def run(name: str, ddps: Any, models: list[Any], ctx: Any, n: int, fail: str) -> None:
+        steps: list[Any] = []
+        started = time.monotonic()
+        try:
+            with ctx:
+                for i in range(n):
+                    for m in models:
+                        m.zero_grad()
+                    armed[0] = fail == "forward" and i == AT
+                    hook_armed[0] = fail == "hook" and i == AT
+                    try:
+                        for ddp in ddps:
+                            ddp(x).square().sum().backward()
+                        steps.append(_grads(models))
+                    except (RankError, ValueError) as exc:
+                        steps.append(f"{type(exc).__name__}: {exc}")
+            left = "left"
+        except RuntimeError as exc:
+            left = f"{type(exc).__name__}: {exc}"
+        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+
+    n = BATCHES(world)[rank]
+    for name in WHERE:
+        run(name, (d1, d2), ours, Join([d1, d2]), n, name if rank == world - 1 else "")
+    run("after", (d1, d2), ours, Join([d1, d2]), n, "")
+    run("torch_after", (t1, t2), theirs, TorchJoin([t1, t2]), n, "")
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
+    world = request.param
+    return world, every_rank_ok(_contexts, world, timeout=60)
+
+
+@pytest.mark.parametrize("name", list(WHERE))
+def test_every_rank_raises_it_once_and_the_iterations_after_it_train(
+    outcome: tuple[int, dict[int, Any]], name: str
+) -> None:
+    world, results = outcome
+    batches, failing = BATCHES(world), world - 1
+    boom = f"rank {failing} in {WHERE[name]}"
+    for rank, result in results.items():
+        run = result[name]
+        steps = run["steps"]
+        assert run["seconds"] < TIMEOUT / 2, (rank, run)  # never a timeout
+        assert len(steps) == batches[rank], (rank, run)
+        errors = [i for i, s in enumerate(steps) if isinstance(s, str)]
+        if batches[rank] > AT:
+            assert errors == [AT] and boom in steps[AT], (rank, run)
+            assert run["left"] == "left", (rank, run)
+        else:
+            assert errors == [], (rank, run)
+            assert run["left"].startswith("RankError") and boom in run["left"], (rank, run)
+        for i, grads in enumerate(steps):
+            if isinstance(grads, str):
+                continue
+            training = [r for r in results if i < batches[r]]
+            for j, got in enumerate(grads):
+                want = sum(results[r]["local"][j] for r in training) / world
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank} step {i}"
+                )
+
+
+def test_a_join_context_after_it_trains_as_pytorchs(outcome: tuple[int, dict[int, Any]]) -> None:
+    _, results = outcome
+    for rank, result in results.items():
+        ours, theirs = result["after"], result["torch_after"]
+        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
+        assert ours["seconds"] < TIMEOUT, (rank, ours)
+        assert len(ours["steps"]) == len(theirs["steps"]), (rank, ours, theirs)
+        for i, (a, b) in enumerate(zip(ours["steps"], theirs["steps"], strict=True)):
+            for u, v in zip(a, b, strict=True):
+                np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6, err_msg=f"{rank} {i}")
