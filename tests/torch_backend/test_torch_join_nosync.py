@@ -14,6 +14,7 @@ Rank 0 has one step, the others three; the last rank fails, at step 1:
 
 * ``acc_forward``: its ``no_sync`` forward pass raises.
 * ``acc_backward``: its ``no_sync`` backward pass raises (a hook on a weight's gradient).
+* ``acc_even``: ``acc_forward`` with every rank at three steps (none joins).
 * ``sync_forward``: its synchronised forward pass raises.
 * ``sync_hook``: its communication hook raises in the synchronised backward pass.
 
@@ -22,13 +23,11 @@ began at that pass, which the joined rank had not begun (it began it at the sync
 pass's count): the failing rank made the fresh group of the step after it alone, every
 rank timed out (3 s), and the contexts after it failed too.
 
-At three ranks the accumulation scenarios are left out: the rank still training that did
-not fail runs the step's synchronised pass, whose count goes out before the failure of
-the other's ``no_sync`` pass can reach it, while the failing rank (a ``try`` per step)
-skips that pass; their counts pair one step's pass with the next's (the ranks raise
-"ran different forward passes", or wait to the timeout). Making that line up needs the
-failing rank to stand in for the pass it skipped (a count saying its step failed), which
-is not done.
+A rank whose step failed in a ``no_sync`` pass skips the step's synchronised pass (a
+``try`` per step), which the other ranks still training run: their count met that rank's
+next step's, pairing one step's pass with the next's (at three ranks, or with no rank
+joined, "ran different forward passes" or a wait to the timeout). Now it sends a count
+standing in for the pass it skips, which makes them raise the step's failure there.
 """
 
 from __future__ import annotations
@@ -41,15 +40,20 @@ import pytest
 from ranks import armed_hook, every_rank_ok
 
 TIMEOUT = 3.0
-BATCHES = lambda world: [1] + [3] * (world - 1)  # noqa: E731
+
+
+def _batches(world: int, name: str = "") -> list[int]:
+    """Batches of rank 0, 1, ...: rank 0 joins after one, but in ``acc_even``."""
+    return [3] * world if name == "acc_even" else [1] + [3] * (world - 1)
+
+
 WHERE = {
     "acc_forward": "forward: ValueError: boom",
     "acc_backward": "backward: ValueError: grad boom",
+    "acc_even": "forward: ValueError: boom",
     "sync_forward": "forward: ValueError: boom",
     "sync_hook": "comm hook, bucket 0: ValueError: hook boom",
 }
-#: the scenarios run, by world size (see the module)
-RUN = {2: list(WHERE), 3: ["sync_forward", "sync_hook"]}
 AT = 1
 
 
@@ -84,17 +88,17 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"local": [p.grad.clone().numpy() for p in model.parameters()]}
 
     def loss(pass_: str, name: str, failing: bool) -> Any:
-        trip["forward"] = failing and name == f"{pass_}_forward"
+        trip["forward"] = failing and name.replace("_even", "_forward") == f"{pass_}_forward"
         hook_armed[0] = failing and name == f"{pass_}_hook"
         trip["backward"] = failing and name == f"{pass_}_backward"
         return ddp(x).pow(2).mean()
 
-    for name in [*RUN[world], "after"]:
+    for name in [*WHERE, "after"]:
         steps: list[Any] = []
         started = time.monotonic()
         try:
             with ddp.join():
-                for i in range(BATCHES(world)[rank]):
+                for i in range(_batches(world, name)[rank]):
                     model.zero_grad()
                     failing = rank == world - 1 and i == AT
                     try:
@@ -120,7 +124,7 @@ def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
 def _check_grads(results: dict[int, Any], world: int, name: str) -> None:
     """Each step trained: two passes' gradients of each rank with a batch then, summed,
     over the world size (the synchronised pass reduces what the accumulation left)."""
-    batches = BATCHES(world)
+    batches = _batches(world, name)
     for rank, result in results.items():
         for i, grads in enumerate(result[name]["steps"]):
             if isinstance(grads, str):
@@ -138,9 +142,7 @@ def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     outcome: tuple[int, dict[int, Any]], name: str
 ) -> None:
     world, results = outcome
-    if name not in RUN[world]:
-        pytest.skip(f"not run at {world} ranks (see the module)")
-    batches, failing = BATCHES(world), world - 1
+    batches, failing = _batches(world, name), world - 1
     boom = f"rank {failing} in {WHERE[name]}"
     for rank, result in results.items():
         run = result[name]
@@ -164,6 +166,6 @@ def test_a_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -
     for rank, result in results.items():
         run = result["after"]
         assert run["left"] == "left", (rank, run)
-        assert len(run["steps"]) == BATCHES(world)[rank], (rank, run)
+        assert len(run["steps"]) == _batches(world)[rank], (rank, run)
         assert all(not isinstance(s, str) for s in run["steps"]), (rank, run)
     _check_grads(results, world, "after")

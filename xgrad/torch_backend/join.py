@@ -32,8 +32,9 @@ rank still training is raised there at once; a rank that has joined keeps shadow
 steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`), or at once
 where a rank still training raised it out of xgrad's ``Join`` (:mod:`.join_leave`;
 PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout). With
-several DDPs in one context, once a rank has joined, each DDP's backward pass must come
-before the next DDP's forward pass, or every rank raises at once (:mod:`.join_order`).
+several DDPs in one context, once a rank has joined, their forward passes must run in the
+context's order and each DDP's backward pass must come before the next DDP's forward
+pass, or every rank raises at once (:mod:`.join_order`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -61,7 +62,7 @@ from xgrad.torch_backend.join_announce import carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
 from xgrad.torch_backend.join_order import JoinOrder
-from xgrad.torch_backend.join_rounds import counted
+from xgrad.torch_backend.join_rounds import counted, failed_count
 from xgrad.torch_backend.lost_rank import transfer_failed
 
 if TYPE_CHECKING:
@@ -161,6 +162,10 @@ class Join(TorchJoin):
         for hook in hooks:  # before the count, as the others' forward does it
             hook.drop_failed_step()
         total = self._count()
+        if hooks and failed_count(hooks[0].ddp, total):  # a no_sync pass's failed step
+            for hook in hooks:
+                hook.drop_failed_step()
+            total = self._count()
         for hook in hooks:  # left with a round open: the count was this rank's part
             if counted(hook.ddp, total):  # of a failed step's round: the count is still due
                 total = self._count()

@@ -45,12 +45,14 @@ nothing): there the ranks still wait to the DDP's timeout.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.join_announce import count, sum_async
 from xgrad.torch_backend.join_leave import post_left
+from xgrad.torch_backend.join_rounds import stand_in
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -119,10 +121,12 @@ class JoinOrder:
     def __init__(self, joinables: Sequence[Any], hooks: Sequence[Any] = ()) -> None:
         self.joinables = tuple(joinables)
         self.hooks = hooks  #: the context's join hooks
-        for joinable in self.joinables:  # (and refuse_second_forward's peers)
+        for i, joinable in enumerate(self.joinables):  # (and refuse_second_forward's peers)
             if hasattr(joinable, "_join_peers"):
                 joinable._join_peers = self.joinables
                 joinable._join_order = self
+                stand = functools.partial(stand_in, joinable) if i == 0 else None
+                joinable._grad_hooks.stand_in = stand
         watch = getattr(joinables[0], "_watch", None) if joinables else None
         self.store = None if watch is None else watch.channel.store
         #: the namespace of the first joinable's step as the context began

@@ -66,6 +66,7 @@ from xgrad.torch_backend.join_announce import (
     Announced,
     Announcing,
     announce,
+    carried,
     count,
     disagreement,
     hear,
@@ -84,6 +85,7 @@ __all__ = [
     "counted",
     "counting",
     "disagreement",
+    "failed_count",
     "failed_round",
     "hear",
     "notified",
@@ -91,6 +93,7 @@ __all__ = [
     "open_round",
     "posted",
     "read_announcement",
+    "stand_in",
     "sum_async",
     "wait_round",
 ]
@@ -100,7 +103,27 @@ def read_announcement(ddp: DistributedDataParallel) -> None:
     """This rank's announcement under way, if any: read, and the round it calls for opened."""
     pending, ddp._announcing = ddp._announcing, None
     if pending is not None:
-        open_round(ddp, pending.read())
+        announced = pending.read()
+        if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
+            raise posted(ddp)
+        open_round(ddp, announced)
+
+
+def stand_in(ddp: DistributedDataParallel) -> None:
+    """A rank that gave up its step in a ``no_sync`` pass (posted) and skips the step's
+    synchronised pass, which the other ranks still training run: under xgrad's ``Join``,
+    ``FAIL`` in its place in the count (not waited for), before the fresh group of the
+    step after it. Their synchronised pass reads it in its count and raises the step's
+    failure; a joined rank's count reads it, keeps the failure, begins the next step
+    and counts again (:class:`~.join.Join`). Else their counts paired one step's pass with
+    the next's."""
+    if ddp._join_config.enable and carried(ddp):
+        sum_async(ddp.process_group, count(ddp, _fail(ddp)))
+
+
+def failed_count(ddp: DistributedDataParallel, total: float) -> bool:
+    """Whether a joined rank's count met a :func:`stand_in`."""
+    return total >= _fail(ddp)
 
 
 def _rounds(ddp: DistributedDataParallel, announced: Announced) -> bool:
