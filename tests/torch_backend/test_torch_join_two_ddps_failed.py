@@ -14,7 +14,9 @@ enters at its next forward pass) and then shadowed ``d2``'s forward pass, which 
 still training had skipped: it waited for ``d2``'s announcement while they waited for its
 count at their next ``d1`` forward pass, to the timeout (3 s); the same after the failed
 backward pass it shadowed. And a joined rank raised the failure from ``d1``'s post hook,
-before ``d2``'s, where the others waited for it to the timeout.
+before ``d2``'s, where the others waited for it to the timeout. After a failure at the
+last iteration (``last``), PyTorch's ``Join`` over the same DDPs (``torch_ours``), which
+links none of xgrad's ``Join``'s state, trains as PyTorch's over its own.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
         m(x).square().sum().backward()
     out: dict[str, Any] = {"local": _grads(base)}
 
-    def run(name: str, ddps: Any, models: list[Any], ctx: Any, n: int, fail: str) -> None:
+    def run(
+        name: str, ddps: Any, models: list[Any], ctx: Any, n: int, fail: str, at: int = AT
+    ) -> None:
         steps: list[Any] = []
         started = time.monotonic()
         try:
@@ -80,8 +84,8 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
                 for i in range(n):
                     for m in models:
                         m.zero_grad()
-                    armed[0] = fail == "forward" and i == AT
-                    hook_armed[0] = fail == "hook" and i == AT
+                    armed[0] = fail == "forward" and i == at
+                    hook_armed[0] = fail == "hook" and i == at
                     try:
                         for ddp in ddps:
                             ddp(x).square().sum().backward()
@@ -98,6 +102,10 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
         run(name, (d1, d2), ours, Join([d1, d2]), n, name if rank == world - 1 else "")
     run("after", (d1, d2), ours, Join([d1, d2]), n, "")
     run("torch_after", (t1, t2), theirs, TorchJoin([t1, t2]), n, "")
+    # A failure at the last iteration, then PyTorch's Join over these DDPs (see the module).
+    last = "forward" if rank == world - 1 else ""
+    run("last", (d1, d2), ours, Join([d1, d2]), n, last, at=n - 1)
+    run("torch_ours", (d1, d2), ours, TorchJoin([d1, d2]), n, "")
     return out
 
 
@@ -137,10 +145,13 @@ def test_every_rank_raises_it_once_and_the_iterations_after_it_train(
                 )
 
 
-def test_a_join_context_after_it_trains_as_pytorchs(outcome: tuple[int, dict[int, Any]]) -> None:
+@pytest.mark.parametrize("name", ["after", "torch_ours"])
+def test_a_join_context_after_it_trains_as_pytorchs(
+    outcome: tuple[int, dict[int, Any]], name: str
+) -> None:
     _, results = outcome
     for rank, result in results.items():
-        ours, theirs = result["after"], result["torch_after"]
+        ours, theirs = result[name], result["torch_after"]
         assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
         assert ours["seconds"] < TIMEOUT, (rank, ours)
         assert len(ours["steps"]) == len(theirs["steps"]), (rank, ours, theirs)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.torch_backend.ddp_watched import WatchedFuture
-from xgrad.torch_backend.join_hook import find_common_rank
+from xgrad.torch_backend.join_final import find_common_rank
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -100,6 +100,6 @@ class BufferSyncDDP:
             ddp.comm.broadcast_tensors(list(tensors), src=authoritative_rank)
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        from xgrad.torch_backend.join_hook import sync_final_model
+        from xgrad.torch_backend.join_final import sync_final_model
 
         sync_final_model(self, is_last_joiner)  # type: ignore[arg-type]

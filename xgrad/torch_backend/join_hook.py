@@ -4,7 +4,7 @@
 joined: per iteration of the ranks still training, it enters the same collectives with
 zeros as its gradients (the right-hand column of :mod:`.join`'s table), and when every
 rank has joined, every rank takes the parameters of one that joined last
-(:func:`sync_final_model`). Kept apart from the context, the DDP's ``Joinable`` members
+(:func:`~.join_final.sync_final_model`). Kept apart from the context, the DDP's ``Joinable`` members
 and the side of the ranks still training (:mod:`.join`), which make the hook and count
 the ranks; this is the one place that shadows a step.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from xgrad.failure import FailureChannel, RankError, error_for
@@ -22,6 +21,7 @@ from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import count, sum_async
+from xgrad.torch_backend.join_final import sync_final_model
 from xgrad.torch_backend.join_leave import carried_over, post_left, wait_for_next, was_carried
 from xgrad.torch_backend.join_rounds import hear, posted, wait_round
 from xgrad.torch_backend.join_settle import close_round, left
@@ -29,16 +29,7 @@ from xgrad.torch_backend.join_settle import close_round, left
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["DDPJoinHook", "find_common_rank", "sync_final_model"]
-
-
-def _allreduce(ddp: DistributedDataParallel, value: float, op: Any = None) -> torch.Tensor:
-    """A one-element allreduce on the DDP's private group, watched like its reductions
-    and waited on with its timeout."""
-    t = torch.tensor([value], device=ddp.join_device)
-    work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=ddp.comm.group, async_op=True)
-    ddp._watch.wait_work(work, "join allreduce", t.is_cuda)
-    return t
+__all__ = ["DDPJoinHook"]
 
 
 class DDPJoinHook(JoinHook):
@@ -152,9 +143,15 @@ class DDPJoinHook(JoinHook):
         after at the next)."""
         self._keep(error)
         self._begin(ahead)
-        order = self.ddp._join_order
+        order = self._order()
         if order is not None and self.ddp._join_config.is_first_joinable:
             order.failed = True  # the rest of the iteration is skipped (main_hook)
+
+    def _order(self) -> Any:
+        """The DDP's forward passes in xgrad's ``Join`` (:mod:`.join_order`); ``None``
+        under PyTorch's (a DDP keeps the last xgrad context's)."""
+        ddp = self.ddp
+        return ddp._join_order if ddp._counted_config is ddp._join_config else None
 
     def main_hook(self) -> None:
         """Enter the collectives of one forward pass of the others and of the backward
@@ -164,7 +161,7 @@ class DDPJoinHook(JoinHook):
         iteration: the ranks still training skip the other DDPs' passes (they catch the
         failure around the iteration), and so do the joined ranks' hooks."""
         ddp = self.ddp
-        order = ddp._join_order
+        order = self._order()
         if order is not None:
             if not ddp._join_config.is_first_joinable and order.failed:
                 return
@@ -232,10 +229,11 @@ class DDPJoinHook(JoinHook):
         sync_final_model(ddp, is_last_joiner)
         self.begun = False
         failed, self.failed = self.failed, None
+        order = self._order()
         if failed is not None:
-            if ddp._join_order is None or ddp._counted_config is not ddp._join_config:
+            if order is None:
                 raise failed
-            ddp._join_order.kept = ddp._join_order.kept or failed
+            order.kept = order.kept or failed
 
 
 def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
@@ -247,27 +245,3 @@ def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
     indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
     values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
     return torch.sparse_coo_tensor(indices, values, param.shape)
-
-
-def find_common_rank(ddp: DistributedDataParallel, rank: int, candidate: bool) -> int:
-    """The largest rank among the candidates (PyTorch's ``_find_common_rank``)."""
-    found = int(_allreduce(ddp, rank if candidate else -1, dist.ReduceOp.MAX).item())
-    if found < 0:
-        raise RuntimeError(
-            f"join: no rank offered itself as the authoritative copy (seen on rank {rank})"
-        )
-    return found
-
-
-def sync_final_model(ddp: DistributedDataParallel, is_last_joiner: bool) -> None:
-    """Broadcast the parameters and buffers of the largest rank that joined last."""
-    from xgrad.torch_backend.sync import broadcast_state
-
-    src = find_common_rank(ddp, ddp.comm.rank, is_last_joiner)
-    broadcast_state(
-        ddp.comm,
-        ddp.module,
-        buffers=ddp.forward_sync_buffers,
-        ignore=ddp.parameters_to_ignore,
-        src=src,
-    )
