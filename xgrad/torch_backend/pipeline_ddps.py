@@ -90,9 +90,19 @@ class DataParallelSteps:
     def group(self) -> Any:
         """The private group of this step's all-reduces (the step begun at the first)."""
         if not self.begun:
-            self.watch.begin_step()
-            self.begun = True
+            self._begin()
         return self.watch.current_group()
+
+    def _begin(self) -> None:
+        """Begin this pipeline step's data-parallel step. Begun once the watch counted it,
+        even where it then raised (a peer that does not come to its new private group):
+        counted again by :meth:`abandon`, this replica's steps ran one ahead of the other
+        replicas', whose all-reduces then paired with its next step's."""
+        at = self.watch.step
+        try:
+            self.watch.begin_step()
+        finally:
+            self.begun = self.watch.step != at
 
     def wait(self, work: Any, what: str, cuda: bool = False) -> None:
         """Wait for one all-reduce (of CUDA tensors: ``cuda``), watching the data-parallel
@@ -109,8 +119,7 @@ class DataParallelSteps:
         if self.begun and self.done >= self.reductions:
             return
         if not self.begun:
-            self.watch.begin_step()
-            self.begun = True
+            self._begin()
         self.watch.post_here("pipeline step", error)
 
 
