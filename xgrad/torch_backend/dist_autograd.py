@@ -94,7 +94,7 @@ def send(tensor: torch.Tensor, dst: int) -> None:
 
     ``dst`` may be this rank, as PyTorch's RPC may call itself (:mod:`.dist_self`).
     """
-    ctx = current_context("send")
+    ctx = current_context("send", leader=DONE_VIA == "leader")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor is a {type(tensor).__name__}, not a torch.Tensor")
     if ctx.rank_of(dst, "dst") == ctx.me:
@@ -119,7 +119,7 @@ def recv(src: int) -> torch.Tensor:
     it needs none, and its sender gets no gradient for it. From this rank itself: at once,
     a copy whose ``grad_fn`` leads to the sent tensor.
     """
-    ctx = current_context("recv")
+    ctx = current_context("recv", leader=DONE_VIA == "leader")
     if ctx.rank_of(src, "src") == ctx.me:
         return ctx.to_self.recv()
     link = ctx.link(src, "src")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import RankError, check_seconds, describe
+from xgrad.failure import RankError, check_seconds, default_seconds, describe
 from xgrad.torch_backend import dist_hooks
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_graveyard import bury_sent
@@ -36,11 +36,18 @@ _local = threading.local()
 _lock = threading.Lock()
 
 
-def current_context(what: str) -> Context:
-    """This thread's open context, for ``what`` (an operation) to run in."""
+def current_context(what: str, *, leader: bool | None = None) -> Context:
+    """This thread's open context, for ``what`` (an operation) to run in.
+
+    Outside any context, with ``leader`` given (how a pass of the default group ends), the
+    refused call also spends the default group's next context (:func:`_spend_next`).
+    """
     ctx: Context | None = getattr(_local, "context", None)
     if ctx is None:
-        raise RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
+        exc = RuntimeError(f"{what} must be called inside `with dist_autograd.context():`")
+        if leader is not None:
+            _spend_next(what, exc, leader)
+        raise exc
     if ctx.in_backward:
         # A checkpointed function's forward runs again in backward: its send would go to a
         # peer that takes no more (or its recv wait for one that sends none).
@@ -50,6 +57,43 @@ def current_context(what: str) -> Context:
             "outside checkpointed regions"
         )
     return ctx
+
+
+def _spend_next(what: str, exc: RuntimeError, leader: bool) -> None:
+    """A ``send`` or ``recv`` outside any context is a step this rank took outside one,
+    while its peers ran theirs in one: contexts pair up by the order each rank opens them,
+    so this rank's next context would pair with the peers' current one and the step's
+    tensors with those of the next step, every number silently off by one step. So the
+    call takes the default group's next context as a failed one, on every rank (its
+    failure names this rank and the call; what the peers wait for from it is poisoned),
+    and this rank's next context pairs with theirs again. Nothing is spent when another
+    thread has a context open on the group (the call belongs to none of this thread's).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    pg = dist.group.WORLD
+    name = str(dist.distributed_c10d._get_process_group_name(pg))
+    me = threading.get_ident()
+    with _lock:
+        if _holders.get(name) is not None:
+            return
+        seq = _seqs[name] = _seqs.get(name, 0) + 1
+        _holders[name] = me
+    rank = dist.get_rank()
+    exc.args = (
+        f"{exc.args[0]} (rank {rank} called it outside any context: the default group's "
+        f"context {seq}, which the other ranks are in or enter next, fails with this "
+        "error on every rank, so that the next contexts pair up step by step again)",
+    )
+    try:
+        ctx = Context(next(_ids), pg, name, seq, default_seconds("timeout"), leader=leader)
+        ctx.channel.post(what, describe(exc))
+        ctx.poison()
+        bury_sent(ctx.works)
+        ctx.leave_failed()
+    finally:
+        with _lock:
+            _holders.pop(name, None)
 
 
 class UnknownContextError(ValueError, RuntimeError):
