@@ -72,6 +72,8 @@ def _spend_next(what: str, exc: RuntimeError, leader: bool) -> None:
     if not dist.is_available() or not dist.is_initialized():
         return
     pg = dist.group.WORLD
+    if pg is None:
+        return
     name = str(dist.distributed_c10d._get_process_group_name(pg))
     me = threading.get_ident()
     with _lock:
