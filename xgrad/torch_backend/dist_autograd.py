@@ -177,6 +177,7 @@ def backward(
     ctx.ledger.enter("pass")
     inbox = ctx.inbox()
     ctx.in_backward = True
+    ctx.seen.pass_key = (ctx.id, ctx.ledger.passes)  # "any" multi-grad hooks: once a pass
     try:
         grads, leaves, accumulate, walked = _run(ctx, inbox, roots)
     except BaseException:
@@ -185,6 +186,7 @@ def backward(
         raise
     finally:
         ctx.in_backward = False
+        ctx.seen.pass_key = None
         ctx.ledger.enter("forward")
     if not retain_graph:
         ctx.graph_freed = True

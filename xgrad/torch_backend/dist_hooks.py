@@ -66,6 +66,8 @@ class Seen:
         self.node_hooks: dict[int, tuple[Any, Any, Any]] = {}
         self.unmaterialized: dict[int, Any] = {}
         self.cpp_node_hooks = False
+        #: which distributed pass of the context runs now (None: none), for "any" hooks
+        self.pass_key: object = None
 
     def hooked_nodes(self) -> list[Any]:
         """Every node tensor hooks may sit on: those they were put on, and the current
@@ -172,9 +174,37 @@ def _set_materialize_grads(self: Any, value: bool) -> None:
             seen.unmaterialized[id(self)] = self
 
 
+def _multi_grad_hook(
+    tensors: Sequence[torch.Tensor], fn: Callable[..., Any], *, mode: str = "all"
+) -> Any:
+    """``register_multi_grad_hook``: with ``mode="any"`` inside a context, the hook runs
+    once per distributed pass, as once per backward call in torch. Torch's keys its "ran
+    already" by the graph task, and xgrad's engine runs each node's hooks in a graph task
+    of their own, so the hook ran once for every tensor a gradient reached."""
+    seen = _seen()
+    original = _ORIGINAL[(torch.autograd.graph, "register_multi_grad_hook")]
+    if mode != "any" or seen is None:
+        return original(tensors, fn, mode=mode)
+    lock, ran = threading.Lock(), set()
+
+    def once(grad: torch.Tensor) -> None:
+        key = seen.pass_key
+        if key is None:  # a backward outside the context's passes: torch's rule
+            key = torch._C._current_graph_task_id()
+        with lock:
+            if key in ran:
+                return
+            ran.add(key)
+        fn(grad)
+
+    handles = tuple(t.register_hook(once) for t in tensors if t.requires_grad)
+    return torch.autograd.graph._MultiHandle(handles)
+
+
 #: (class, attribute) -> torch's own, as looked up on the class (maybe inherited).
-_ORIGINAL: dict[tuple[type, str], Any] = {}
-_REPLACEMENT: dict[tuple[type, str], Any] = {
+_ORIGINAL: dict[tuple[Any, str], Any] = {}
+_REPLACEMENT: dict[tuple[Any, str], Any] = {
+    (torch.autograd.graph, "register_multi_grad_hook"): _multi_grad_hook,
     (torch.Tensor, "register_hook"): _register_hook,
     (torch.Tensor, "retain_grad"): _retain_grad,
     (BackwardCFunction, "register_prehook"): _node_hook(1, "register_prehook"),
@@ -183,7 +213,7 @@ _REPLACEMENT: dict[tuple[type, str], Any] = {
     (Function, "_register_hook"): staticmethod(_function_hook),
 }
 #: whether the class itself defines the attribute (if not, restoring deletes ours).
-_OWN: dict[tuple[type, str], bool] = {}
+_OWN: dict[tuple[Any, str], bool] = {}
 for _key, _replacement in _REPLACEMENT.items():
     _ORIGINAL[_key] = getattr(_key[0], _key[1])
     _OWN[_key] = _key[1] in _key[0].__dict__
