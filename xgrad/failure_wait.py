@@ -27,7 +27,7 @@ def wait_until(
     what: str,
     poll_interval: float | None = None,
     prefix: str = "",
-    peers: Sequence[int] = (),
+    peers: Sequence[int] | Callable[[], Sequence[int]] = (),
 ) -> None:
     """Wait until ``done`` is true, checking ``channel`` meanwhile; never longer than ``timeout``.
 
@@ -37,7 +37,8 @@ def wait_until(
     quickly and a long wait does not spin a core. The channel is read after 1 ms, then
     every ``poll_interval`` seconds (default ``XGRAD_POLL_INTERVAL`` or 0.02). ``peers``:
     the ranks the wait is for (a timeout names a live one that is late, see
-    :meth:`FailureChannel.timed_out`).
+    :meth:`FailureChannel.timed_out`), or a function giving them when the wait times out
+    (a wait for many ranks: those still missing then, not every rank it began with).
 
     Raises:
         RankError: a failure posted by any rank of the channel, or a peer that stopped
@@ -66,7 +67,8 @@ def wait_until(
         if now >= deadline:
             if channel is None:
                 raise TimeoutError(f"{what}: timed out after {timeout:g} s")
-            raise channel.timed_out(what, timeout, prefix=prefix, peers=peers)
+            late = peers() if callable(peers) else peers
+            raise channel.timed_out(what, timeout, prefix=prefix, peers=late)
         if event is not None:
             event.wait(max(0.0, min(next_check, deadline) - now))
         else:

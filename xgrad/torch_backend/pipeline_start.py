@@ -15,6 +15,7 @@ from typing import Any
 
 from xgrad.failure import FailureChannel, RankError, error_for
 from xgrad.failure_wait import wait_until
+from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.torch_backend.private_groups import group_count
 
 __all__ = ["next_step", "start_keys", "step_tag", "wait_all_started"]
@@ -51,12 +52,23 @@ def wait_all_started(
     store, prefix = channel.store, channel.prefix
     store.set(f"{prefix}/started/{channel.rank}", str(lanes).encode())
     keys = [f"{prefix}/started/{r}" for r in members]
+
+    def missing() -> list[int]:
+        return [r for r, key in zip(members, keys, strict=True) if not store.check([key])]
+
+    # Published with the heartbeat: a peer whose own wait leads here does not take this
+    # rank, waiting for all, for the late one.
+    before = waiting_for(COLLECTIVE)
     try:
         wait_until(
             lambda: store.check(keys),  # a lookup: a FileStore appends every write
             channel,
             timeout=timeout,
             what="the start of the step (every rank calls step)",
+            # On a timeout, the ranks that have not started are the ones waited for: one
+            # still busy in its own code (asleep past the last step's timeout) is named,
+            # not this rank.
+            peers=missing,
         )
     except RankError:
         if not _settle(channel, go=False):
@@ -69,6 +81,8 @@ def wait_all_started(
                 "the start of the step", "another rank gave up the step's start", kind="timeout"
             )
             raise error_for(failure, channel.rank)
+    finally:
+        waiting_for(before)
     return [int(store.get(key)) for key in keys]
 
 
