@@ -1,7 +1,8 @@
 """What a pipeline stage's passes share beyond the settings and lookups of
 :class:`~xgrad.torch_backend.pipeline_stage_settings.StageSettings`: the forward call with
-its loss (checked; the tensors the stage and its loss read of their own found),
-REDUCE_GRAD over a data-parallel group, and the step's division of the gradients by m.
+its loss (checked: :mod:`~xgrad.torch_backend.pipeline_loss_check`; the tensors the stage
+and its loss read of their own found), REDUCE_GRAD over a data-parallel group, and the
+step's division of the gradients by m.
 The passes themselves are :class:`~xgrad.torch_backend.pipeline_stage.StagePasses`.
 """
 
@@ -17,6 +18,7 @@ import torch.utils._pytree as pytree
 from xgrad.pipeline import Action, Kind
 from xgrad.torch_backend.pipeline_args import KEYWORDS_ONLY
 from xgrad.torch_backend.pipeline_average import average_grads
+from xgrad.torch_backend.pipeline_loss_check import checked_loss
 from xgrad.torch_backend.pipeline_loss_params import StageLeaves, Stops, module_params
 from xgrad.torch_backend.pipeline_scale import StepScaling, scale_points
 from xgrad.torch_backend.pipeline_shared_graph import Made, forward_mark
@@ -185,46 +187,9 @@ class StageState(StageSettings):
         return y
 
     def _loss(self, y: Any, target: Any) -> torch.Tensor:
-        """``loss_fn(y, target)``, its failure naming the two shapes (a target batch that
-        does not match the inputs' ends there, in a broadcast error); it must be a
-        floating-point scalar tensor that requires a gradient. The output's batch is along
-        dim 0, or the ``output_merge_spec``'s dim (unknown with other specs alone)."""
-        dim = self._chunk_specs.batch_dim
-        if (
-            dim is not None
-            and isinstance(y, torch.Tensor)
-            and isinstance(target, torch.Tensor)
-            and -y.dim() <= dim < y.dim()
-            and target.dim() > 0
-            and y.shape[dim] != target.shape[0]
-        ):
-            # A loss that broadcasts (mse_loss over (1, 4) and (2, 4)) would not say it.
-            rows = "rows" if dim == 0 else f"along dim {dim} (output_merge_spec)"
-            raise ValueError(
-                f"loss_fn(output, target): the microbatch's output has {y.shape[dim]} {rows} "
-                f"and its target {target.shape[0]}: inputs and targets must have the same "
-                f"batch size ({_shapes(y, target)})"
-            )
-        try:
-            loss = self.loss_fn(y, target, **(self._loss_kwargs or {}))
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise type(exc)(f"loss_fn(output, target): {exc} ({_shapes(y, target)})") from exc
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"loss_fn returned a {type(loss).__name__} ({loss!r}), not a tensor: the "
-                "backward pass starts from it"
-            )
-        # Refused here, where they start, rather than as autograd's words in the backward.
-        if loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-        if not (loss.is_floating_point() or loss.is_complex()):
-            raise TypeError(f"loss_fn must return a floating-point scalar, got {loss.dtype}")
-        if torch.is_grad_enabled() and not loss.requires_grad:
-            raise ValueError(
-                "loss_fn returned a loss that does not require a gradient (a constant, or "
-                "one detached from the stage's output): the backward pass starts from it"
-            )
-        return loss
+        """``loss_fn(y, target)``, checked (pipeline_loss_check): the output's batch is
+        along the ``output_merge_spec``'s dim (dim 0 unless it says otherwise)."""
+        return checked_loss(self.loss_fn, y, target, self._loss_kwargs, self._chunk_specs.batch_dim)
 
     def _average_grads(self, action: Action) -> None:
         """REDUCE_GRAD with a data-parallel group: the partition's gradients averaged over
@@ -255,12 +220,3 @@ class StageState(StageSettings):
             self._dp, size, str(action), params, list(found.values()), device, holder, reader
         )
         self._dp.finished()
-
-
-def _shapes(y: Any, target: Any) -> str:
-    """``output shape (...); target shape (...)`` for the tensor leaves of each."""
-
-    def of(tree: Any) -> str:
-        return ", ".join(str(tuple(t.shape)) for t in tensor_leaves(tree)) or "no tensor"
-
-    return f"output shape {of(y)}; target shape {of(target)}"
