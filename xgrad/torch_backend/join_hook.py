@@ -121,8 +121,16 @@ class DDPJoinHook(JoinHook):
         """Begin the next step (a fresh group after a failed one); ``ahead``: for the next
         pass of the ranks still training (:attr:`begun`). An accumulation the failed step
         began is over."""
-        self.ddp._grad_hooks.accumulating = False
-        start_forward(self.ddp._watch, self.ddp._grad_hooks, True, joining=True, gate=self._gate)
+        hooks = self.ddp._grad_hooks
+        hooks.accumulating = False
+        if hooks.given_up is not None and hooks.stand_in is not None:
+            # This rank's own step, given up in a no_sync pass of its last input: it raised
+            # there, and skips the synchronised pass the ranks still training run; they
+            # raise it there, at the stand-in (start_forward would raise it here again,
+            # before the fresh group they make next).
+            hooks.given_up = None
+            hooks.stand_in()
+        start_forward(self.ddp._watch, hooks, True, joining=True, gate=self._gate)
         self.begun = ahead
 
     def _gate(self, failed: FailureChannel) -> None:
