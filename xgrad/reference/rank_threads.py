@@ -64,16 +64,16 @@ def spawn(
             stacklevel=2,
         )
         fn, world_size = world_size, fn
-    w = (
-        world
-        if world is not None
-        else World(world_size, timeout=timeout, link=link, flops_per_second=flops_per_second)
-    )
     if world_size > MAX_RANKS:
         raise ValueError(
             f"world_size={world_size} is more than the reference backend's {MAX_RANKS} "
             "simulated ranks (one thread each, in this process)"
         )
+    w = (
+        world
+        if world is not None
+        else World(world_size, timeout=timeout, link=link, flops_per_second=flops_per_second)
+    )
     if w.size != world_size:
         raise ValueError(f"world has size {w.size}, not world_size={world_size}")
     results: list[Any] = [None] * world_size
