@@ -11,6 +11,7 @@ the ranks; this is the one place that shadows a step.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,8 @@ class DDPJoinHook(JoinHook):
         self.entered = ddp._watch.channel.prefix
         #: the last step this rank began shadowing the others' passes
         self.shadowed = -1
+        #: a failed step's next, put off (:meth:`_begin_due`): ``ahead``, else ``None``
+        self.due: bool | None = None
         super().__init__()
 
     def drop_failed_step(self) -> None:
@@ -76,7 +79,7 @@ class DDPJoinHook(JoinHook):
         now would leave them waiting for this rank in their next steps; at once where a
         rank still training left ``join()`` raising it (:mod:`.join_leave`)."""
         ddp = self.ddp
-        failed = drop_unreduced(ddp._grad_hooks, self._begin)
+        failed = drop_unreduced(ddp._grad_hooks, self._begin_due)
         if failed is not None:
             self._keep(failed)
             return
@@ -87,7 +90,7 @@ class DDPJoinHook(JoinHook):
         if failure is not None and not was_carried(channel):
             if self.shadowed == ddp._watch.step:  # an accumulation pass's, seen after the count
                 self._keep(ddp._watch.naming_others(error_for(failure, channel.rank)))
-            self._begin(ahead=True)
+            self._begin_due(ahead=True)
 
     def leave_raising(self) -> None:
         """This rank leaves ``join()`` by an exception: in a step that failed (a rank's
@@ -133,6 +136,25 @@ class DDPJoinHook(JoinHook):
         start_forward(self.ddp._watch, hooks, True, joining=True, gate=self._gate)
         self.begun = ahead
 
+    def _begin_due(self, ahead: bool = False) -> None:
+        """:meth:`_begin` where the ranks still training begin this DDP's next step: now
+        for the context's first DDP (before their count); for another DDP of xgrad's
+        ``Join`` at its next shadow pass or post hook (they begin it at its next forward
+        pass, after the first DDP's count: begun before it, each side waited for the
+        other to the timeout)."""
+        if self._order() is None or self.ddp._join_config.is_first_joinable:
+            self._begin(ahead)
+        elif self.due is None:
+            self.due = ahead
+
+    def _begin_deferred(self) -> None:
+        """Begin the step :meth:`_begin_due` put off, if any (quietly, as drop_unreduced)."""
+        ahead, self.due = self.due, None
+        if ahead is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                self._begin(ahead)
+
     def _gate(self, failed: FailureChannel) -> None:
         """Before making the fresh group ahead of the ranks still training: wait for
         their marks; one that left ``join()`` raising the step's failure raises it now
@@ -150,7 +172,7 @@ class DDPJoinHook(JoinHook):
         buckets unreduced (they raise at that pass, before its count, and begin the step
         after at the next)."""
         self._keep(error)
-        self._begin(ahead)
+        self._begin_due(ahead)
         order = self._order()
         if order is not None and self.ddp._join_config.is_first_joinable:
             order.failed = True  # the rest of the iteration is skipped (main_hook)
@@ -174,6 +196,7 @@ class DDPJoinHook(JoinHook):
             if not ddp._join_config.is_first_joinable and order.failed:
                 return
             order.failed = False
+        self._begin_deferred()
         left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
@@ -233,6 +256,7 @@ class DDPJoinHook(JoinHook):
         a failure kept is raised: by xgrad's ``Join`` once every DDP's post hook ran (the
         peers wait for the others' in theirs), here under PyTorch's."""
         ddp = self.ddp
+        self._begin_deferred()
         close_round(ddp)
         sync_final_model(ddp, is_last_joiner)
         self.begun = False
