@@ -31,9 +31,9 @@ DDPs hangs to gloo's timeout; with even inputs both work, nobody shadowing anyth
 The ranks still training cannot tell at that forward pass whether a rank has joined (the
 first joinable's count says so, and comes later), so each such forward pass writes to
 the store, in one key per context (:class:`JoinOrder`, deleted as the context ends), the
-first joinable's step and what ran (:func:`note_order`): a joined rank whose count
-waits past a poll reads it (:func:`refuse_order`) and, when it names the step it counts
-for, posts the refusal to that DDP's step, where the ranks still training wait, and
+first joinable's step, what ran and that DDP's step before it (:func:`note_order`): a
+joined rank whose count waits past a poll reads it (:func:`refuse_order`) and, when it
+names the step it counts for and a pass of that DDP it has not shadowed, posts the refusal to that DDP's step, where the ranks still training wait, and
 raises it; they send their part of its count as they leave ``join()``
 (:func:`left_refused`), so that no all-reduce is left pending on the join group. With
 even inputs such a context pays one store write per iteration and trains as PyTorch's.
@@ -173,7 +173,10 @@ def note_order(ddp: DistributedDataParallel) -> None:
     first since its last (or none yet): out of the context's order, and so is each such
     pass after it (``d1, d2, d1, d2``: the first joinable's count comes after ``d1``'s
     pass each iteration); written to the store (the first joinable's step, this rank,
-    this DDP's index) for a joined rank."""
+    this DDP's index, this DDP's step before the pass) for a joined rank. Each later pass is
+    written even where the order was wrong once only (``d2`` under ``torch.no_grad()``
+    first): the forward passes alone cannot tell the two apart; the joined rank does, by
+    that DDP's step (a pass it shadowed already is not waited in)."""
     order: JoinOrder | None = ddp._join_order
     if order is None or order.store is None or ddp not in order.joinables:
         return
@@ -185,7 +188,8 @@ def note_order(ddp: DistributedDataParallel) -> None:
         order.wrong = True
     if order.wrong:
         first = order.joinables[0]
-        order.store.set(order.key, f"{first._watch.step} {ddp._watch.channel.rank} {index}")
+        rank = ddp._watch.channel.rank
+        order.store.set(order.key, f"{first._watch.step} {rank} {index} {ddp._watch.step}")
         order.written = True
     order.seen[index] = order.firsts
 
@@ -197,10 +201,16 @@ def refuse_order(order: JoinOrder, hooks: Sequence[Any]) -> None:
     it already) and raise it."""
     if order.store is None or not order.store.check([order.key]):
         return
-    step, rank, index = (int(v) for v in order.store.get(order.key).split())
+    step, rank, index, own = (int(v) for v in order.store.get(order.key).split())
     if step != order.joinables[0]._watch.step:
         return  # an earlier iteration's, with no rank joined
     ddp = order.joinables[index]
+    hook = next((h for h in hooks if getattr(h, "ddp", None) is ddp), None)
+    if own != ddp._watch.step - int(hook is not None and hook.begun):
+        # A pass of that DDP this rank shadowed already (in order, after the first's
+        # forward pass: a forward pass out of order once, earlier, keeps each later one
+        # written), not one the ranks still training wait in now.
+        return
     error = RuntimeError(
         f"join(): rank {rank} ran DDP {index}'s forward pass before DDP 0's in an iteration "
         "(the join context's joinables counted from 0) while a rank had joined: a rank "
@@ -209,7 +219,6 @@ def refuse_order(order: JoinOrder, hooks: Sequence[Any]) -> None:
         "their forward passes run (Join([d1, d2]) where d1's runs first), or wrap the "
         "modules in one DDP (PyTorch's Join hangs there too)"
     )
-    hook = next((h for h in hooks if getattr(h, "ddp", None) is ddp), None)
     if hook is not None and hook.begun:
         hook.begun = False
     else:
