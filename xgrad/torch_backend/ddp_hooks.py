@@ -87,8 +87,9 @@ class GradientHooks(PassEnd):
         #: pass: a synchronised one is that step's, where the peers raise it too.
         self.given_up: Failure | None = None
         #: under xgrad's Join, what a rank that skips a given-up step's synchronised pass
-        #: sends for it (join_rounds.stand_in; set by the context)
-        self.stand_in: Callable[[], None] | None = None
+        #: sends for it (join_rounds.stand_in; set by the context): given whether to read
+        #: the sum, whether a synchronised pass next is the given-up step's
+        self.stand_in: Callable[[bool], bool] | None = None
         #: what the reducer had learned when the current step began (restored if it fails)
         self.step_state: StepState | None = None
         self.backward_started = 0.0

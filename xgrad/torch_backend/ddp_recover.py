@@ -96,8 +96,8 @@ def start_forward(
             )
     recover(hooks, watch)
     failure, hooks.given_up = hooks.given_up, None
-    if failure is not None and joining and hooks.stand_in is not None:
-        hooks.stand_in()  # for the step's synchronised pass, which the peers still run
+    if failure is not None and joining and hooks.stand_in is not None and not hooks.stand_in(sync):
+        failure = None  # a later step's synchronised pass (join_rounds.stand_in)
     if failure is not None and sync:
         # The first pass after a no_sync pass that raised is the synchronised one: the
         # loop went on with the given-up step (a try per micro-batch), whose synchronised

@@ -132,7 +132,7 @@ class DDPJoinHook(JoinHook):
             # raise it there, at the stand-in (start_forward would raise it here again,
             # before the fresh group they make next).
             hooks.given_up = None
-            hooks.stand_in()
+            hooks.stand_in(False)
         start_forward(self.ddp._watch, hooks, True, joining=True, gate=self._gate)
         self.begun = ahead
 

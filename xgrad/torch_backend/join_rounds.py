@@ -117,20 +117,41 @@ def read_announcement(ddp: DistributedDataParallel) -> None:
     if pending is not None:
         announced = pending.read()
         if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
+            # The step is given up here, in whatever pass of it this is (with accumulation
+            # passes varying per step, a no_sync one): its accumulation ends, so that this
+            # rank's next pass begins the next step, with its fresh group, where the joined
+            # ranks wait for it, instead of reading the given-up step's failure again.
+            ddp._grad_hooks.accumulating = False
             raise posted(ddp)
         open_round(ddp, announced)
 
 
-def stand_in(ddp: DistributedDataParallel) -> None:
+def stand_in(ddp: DistributedDataParallel, read: bool = False) -> bool:
     """A rank that gave up its step in a ``no_sync`` pass (posted) and skips the step's
     synchronised pass, which the other ranks still training run: under xgrad's ``Join``,
-    ``FAIL`` in its place in the count (not waited for), before the fresh group of the
-    step after it. Their synchronised pass reads it in its count and raises the step's
-    failure; a joined rank's count reads it, keeps the failure, begins the next step
-    and counts again (:class:`~.join.Join`). Else their counts paired one step's pass with
-    the next's."""
-    if ddp._join_config.enable and carried(ddp):
-        sum_async(ddp.process_group, count(ddp, _fail(ddp)))
+    ``FAIL`` in its place in the count, before the fresh group of the step after it.
+    Their synchronised pass reads it in its count and raises the step's failure; a joined
+    rank's count reads it, keeps the failure, begins the next step and counts again
+    (:class:`~.join.Join`). Else their counts paired one step's pass with the next's.
+
+    Returns whether this rank's synchronised pass next is the given-up step's (a loop
+    with a ``try`` per micro-batch went on with it): not waited for unless ``read``, where
+    a rank still training that met the count with a ``no_sync`` pass (more of the step's
+    accumulation: the number of passes varies per step) says it is a later step's (the
+    loop skipped the rest of the failed step, and the next step accumulates nothing),
+    which this rank then trains instead of raising the given-up failure again. Where
+    only joined ranks met it, nothing tells the two apart: the step's, as outside
+    ``join()``."""
+    if not (ddp._join_config.enable and carried(ddp)):
+        return True
+    t = count(ddp, _fail(ddp))
+    work = sum_async(ddp.process_group, t)
+    if not read:
+        return True
+    what = "join: the count standing in for a given-up step's synchronised pass"
+    ddp._watch.wait_work(work, what, t.is_cuda, posted=False)
+    met = Announcing(ddp, None, t, 1).read()  # the rows of the ranks still training
+    return met.training == 0 or met.reduce
 
 
 def _rounds(ddp: DistributedDataParallel, announced: Announced) -> bool:
