@@ -24,12 +24,16 @@ def _recv_from(src: int, channel: Any, timeout: float, tag: int) -> tuple[str, s
     import torch
     import torch.distributed as dist
 
-    from xgrad.torch_backend.failure import wait_work
+    from xgrad.torch_backend.failure import transfer_failed, wait_work
 
-    work = dist.group.WORLD.recv([torch.zeros(2)], src, tag)
+    what = f"recv from rank {src}"
     start = time.monotonic()
     try:
-        wait_work(work, channel, timeout=timeout, what=f"recv from rank {src}", peer=src)
+        try:  # gloo refuses the post itself when the peer's death closed the connection
+            work = dist.group.WORLD.recv([torch.zeros(2)], src, tag)
+        except RuntimeError as exc:
+            raise transfer_failed(channel, what, exc, src) from exc
+        wait_work(work, channel, timeout=timeout, what=what, peer=src)
     except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "none", "", time.monotonic() - start
