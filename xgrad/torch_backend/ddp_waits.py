@@ -43,14 +43,19 @@ class StepWaits:
 
         def post(self, where: str, exc: BaseException | str) -> RankError: ...  # StepWatch's
 
-    def wait_work(self, work: Any, what: str, cuda: bool = False, *, posted: bool = True) -> None:
+    def wait_work(
+        self, work: Any, what: str, cuda: bool = False, *, posted: bool = True, skips: bool = True
+    ) -> None:
         """Wait for a c10d ``Work``; a peer's failure, a dead or frozen peer or the timeout raise.
 
         The work is polled for :attr:`spin` seconds first (:attr:`cuda_spin` for a
         collective of CUDA tensors, ``cuda``), so the thread stays hot for what follows
         the wait; then the blocking wait, which counts the spin as waited. ``posted=False``:
         a failure posted to the step does not end the wait (a collective every rank still
-        enters, which tells what the step did: a join round).
+        enters, which tells what the step did: a join round). ``skips=False``: a peer's
+        note that its backward pass of the step never reached DDP does not end the wait
+        either (a collective of the forward pass, which that peer has left behind: see
+        :meth:`wait_event`).
         """
         spin = self.cuda_spin if cuda else self.spin
         if work.is_completed() or (spin > 0.0 and spin_until(work.is_completed, spin)):
@@ -64,7 +69,7 @@ class StepWaits:
             done = threading.Lock()
             done.acquire()
             work.get_future().add_done_callback(lambda _: done.release())
-            self.wait_event(done, what, spun=spin, posted=posted)
+            self.wait_event(done, what, spun=spin, posted=posted, skips=skips)
             self._finish(work, what)
         finally:
             waiting_for(before)
@@ -82,12 +87,21 @@ class StepWaits:
         spun: float = 0.0,
         *,
         posted: bool = True,
+        skips: bool = True,
     ) -> None:
         """Wait for ``done`` (set, or released), checking the channel between naps, never
         past the timeout; ``spun``: seconds already spent polling (counted as waited, and
-        the channel checked first); ``posted``: as :meth:`wait_work`'s."""
+        the channel checked first); ``posted``: as :meth:`wait_work`'s.
+
+        ``skips=False`` for the forward pass's collectives (the ranks' agreement, the
+        buffers' and the rebuilt buckets' broadcasts): a rank that notes a skipped
+        backward pass of the step does it at its next forward pass, so it has finished
+        these collectives, and a peer still waiting in one (descheduled on a loaded
+        machine) only has to see it complete; taking the note for a failure there named
+        a rank that had skipped nothing before the peer itself reached its backward pass.
+        """
         wait = done.wait if isinstance(done, threading.Event) else done.acquire
-        check = self._check if posted else self._check_past
+        check = (self._check if posted else self._check_past) if skips else self._check_forward
         before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
         try:
             waited = spun
@@ -119,11 +133,16 @@ class StepWaits:
         (:mod:`.join_leave`)."""
         self._look(posted=False)
 
-    def _look(self, *, posted: bool) -> None:
-        # (two names over one body: a test replaces _check alone)
+    def _check_forward(self) -> None:
+        """:meth:`_check` for a collective of the forward pass: skip notes are not read."""
+        self._look(posted=True, skips=False)
+
+    def _look(self, *, posted: bool, skips: bool = True) -> None:
+        # (several names over one body: a test replaces _check alone)
         try:
             self.channel.check(posted=posted)
-            check_skipped(self.channel)
+            if skips:
+                check_skipped(self.channel)
             if not posted:
                 check_left(self.channel)
         except RankError as error:

@@ -62,7 +62,9 @@ class WatchedComm(TorchComm):
         pass
 
     def _run(self, work: Any, what: str) -> None:
-        self.watch.wait_work(work, what, self._device.type == "cuda")
+        # The forward pass's collectives (agreement, broadcasts), never a bucket's: a skip
+        # note is not a failure here (StepWaits.wait_event).
+        self.watch.wait_work(work, what, self._device.type == "cuda", skips=False)
 
     def allreduce(  # type: ignore[override]
         self, buffer: torch.Tensor
