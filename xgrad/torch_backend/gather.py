@@ -34,6 +34,10 @@ def _child(rank: int, world: int, packed: Packed, init: str, out: Any) -> None:
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
+    # Every rank's connections made before ``fn`` runs: gloo's init returns on a rank once
+    # its own are, and a rank that dies on purpose at once failed a peer still making its
+    # own inside init ("connectFullMesh failed"), before ``fn`` could report anything.
+    dist.barrier()
     try:
         out.put((rank, OK, fn(rank, world, *args)))
     except BaseException as exc:
