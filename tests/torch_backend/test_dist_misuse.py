@@ -10,9 +10,11 @@ not have, before:
   nothing; now it raises, naming the tensor's context and sender;
 * a gradient that is a conjugate view (``r.conj()`` used downstream) could not be sent
   ("view is not supported for conjugate view tensors");
-* a parameter sent under ``torch.inference_mode()`` failed in torch's internals, and a
-  tensor received there required grad (an inference tensor: ``r * r`` was not tracked,
-  ``r + w`` was, and the sender's gradient went missing without a word);
+* a parameter sent under ``torch.inference_mode()`` failed in torch's internals (it is
+  sent detached now, as under ``no_grad``: its sender gets no gradient,
+  ``test_dist_grad_mode``), and a tensor received there required grad (an inference
+  tensor: ``r * r`` was not tracked, ``r + w`` was, and the sender's gradient went
+  missing without a word);
 * a wait shorter than two heartbeat intervals named a slow live rank as having stopped
   answering.
 
@@ -149,9 +151,12 @@ def _sends(rank: int, world: int) -> dict[str, Any]:
             with torch.inference_mode():
                 da.send(p, 1)
             da.backward(cid, [])
-            out["inference"] = da.get_gradients(cid)[p]
+            out["inference"] = dict(da.get_gradients(cid))
         else:
-            da.backward(cid, [(da.recv(0) * q).sum()])
+            r = da.recv(0)
+            out["inference"] = r.requires_grad
+            da.backward(cid, [(r * q).sum()])
+            out["inference q"] = da.get_gradients(cid)[q]
     with da.context(timeout=TIMEOUT) as cid:  # a tensor received under inference mode
         if rank == 0:
             da.send(p * 2, 1)
@@ -176,7 +181,9 @@ def test_a_conjugate_gradient_and_inference_mode_sends_and_recvs_give_one_proces
     w, c = _w(1, torch.complex128), _w(2, torch.complex128)
     ((w * 2).conj() * c).real.sum().backward()
     assert torch.equal(out["conj"], w.grad), (out["conj"], w.grad)
-    assert torch.equal(out["inference"], _w(4).detach()), out["inference"]
+    # Sent detached, as with grad mode off (PyTorch's RPC attaches no autograd then): no
+    # gradient for the sender, a constant on the receiver.
+    assert out["inference"] == {}, out["inference"]
     # Received under inference mode: no gradient, as for anything made there (it came out
     # requiring one, an inference tensor whose ops were tracked or not by their kind, and
     # the sender's gradient went missing without a word).
@@ -184,6 +191,8 @@ def test_a_conjugate_gradient_and_inference_mode_sends_and_recvs_give_one_proces
     status, theirs = results[1]
     assert status == "ok", theirs
     assert theirs["received"] == (False, None), theirs
+    assert theirs["inference"] is False, theirs
+    assert torch.equal(theirs["inference q"], _w(3).detach()), theirs
     assert torch.equal(theirs["receiver"], torch.ones(3, dtype=torch.float64))
 
 

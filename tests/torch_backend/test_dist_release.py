@@ -3,13 +3,16 @@
 - A pass without ``retain_graph`` frees what its nodes saved for backward, as torch's
   engine does: the node engine calls torch's nodes itself, and their activations stayed
   as long as anything held the graph (a loop that kept its losses kept every step's).
-- A rank's send to itself under ``torch.inference_mode`` keeps its gradient, as a send to
-  a peer there does (the copy kept was an inference tensor, and the gradient was lost).
+- A rank's send to itself under ``torch.inference_mode`` is detached, as a send to a peer
+  there is (grad mode is off: ``test_dist_grad_mode``), and made outside inference mode,
+  as a peer's receive is: the copy kept was an inference tensor, which autograd refuses.
 - Dense tensors of the dtypes gloo does not move (unsigned, float8, complex32) travel as
   their bytes, as PyTorch's RPC sends them (they were refused).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -52,26 +55,28 @@ def test_a_pass_without_retain_graph_frees_what_its_nodes_saved() -> None:
         assert "backward through the graph a second time" in out[f"{execute}/False"], out
 
 
-def _self_inference(rank: int, world: int) -> list[float]:
+def _self_inference(rank: int, world: int) -> list[Any]:
     w = torch.ones(3, dtype=torch.float64, requires_grad=True)
-    v = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    v = torch.full((3,), 2.0, dtype=torch.float64, requires_grad=True)
     with da.context(timeout=20) as cid:
         if rank == 0:
             with torch.inference_mode():
                 da.send(w, 0)  # to itself
                 da.send(w, 1)
             a = da.recv(0)
-            da.backward(cid, [(a + v).sum()])
-            return da.get_gradients(cid)[w].tolist()
+            da.backward(cid, [(a * v).sum()])  # a saved for backward: not an inference tensor
+            grads = da.get_gradients(cid)
+            return [a.requires_grad, a.is_inference(), w in grads, grads[v].tolist()]
         b = da.recv(0)
-        da.backward(cid, [(b * 10).sum()])
-    return []
+        da.backward(cid, [(b * v).sum()])
+        return [b.requires_grad, b.is_inference()]
 
 
-def test_a_send_to_itself_under_inference_mode_keeps_its_gradient() -> None:
+def test_a_send_to_itself_under_inference_mode_is_detached_as_to_a_peer() -> None:
     results, codes = run_ranks(_self_inference, 2, timeout=90)
     assert all(code == 0 for code in codes.values()), (codes, results)
-    assert results[0] == ("ok", [11.0, 11.0, 11.0])  # 1 through itself, 10 through rank 1
+    assert results[0] == ("ok", [False, False, False, [1.0, 1.0, 1.0]])
+    assert results[1] == ("ok", [False, False])
 
 
 _BYTE_DTYPES = ["uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2"]

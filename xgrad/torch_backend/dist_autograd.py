@@ -37,7 +37,12 @@ from xgrad.torch_backend.dist_contexts import (
     find_context,
     open_context,
 )
-from xgrad.torch_backend.dist_edges import may_have_hooks, received_here, send_edge
+from xgrad.torch_backend.dist_edges import (
+    may_have_hooks,
+    received_here,
+    send_edge,
+    sends_gradient,
+)
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
@@ -92,21 +97,25 @@ def context(group: Any = None, timeout: float = 60.0) -> contextlib.AbstractCont
 def send(tensor: torch.Tensor, dst: int) -> None:
     """Send ``tensor`` to rank ``dst`` of the context; its gradient comes back in backward.
 
+    With grad mode off (``torch.no_grad``, ``torch.inference_mode``) it is sent detached,
+    as PyTorch's RPC gives a tensor sent then no gradient back: the receiver's tensor
+    does not require grad and nothing flows back (a leaf sent so gets no gradient).
     ``dst`` may be this rank, as PyTorch's RPC may call itself (:mod:`.dist_self`).
     """
     ctx = current_context("send", leader=DONE_VIA == "leader")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor is a {type(tensor).__name__}, not a torch.Tensor")
+    tracked = sends_gradient(tensor)
     if ctx.rank_of(dst, "dst") == ctx.me:
-        ctx.to_self.send(tensor)
+        ctx.to_self.send(tensor, tracked)
         return
     link = ctx.link(dst, "dst")
     try:
-        ctx.works.append((dst, link.send_tensor(tensor)))
+        ctx.works.append((dst, link.send_tensor(tensor if tracked else tensor.detach())))
     except RuntimeError as exc:  # gloo: the connection to a dead peer is closed
         raise ctx.error(transfer_error(ctx.channel, f"send to rank {dst}", exc, dst)) from exc
-    ctx.ledger.sent_to(dst, tensor.requires_grad)
-    if tensor.requires_grad:
+    ctx.ledger.sent_to(dst, tracked)
+    if tracked:
         ctx.sends.append((dst, ctx.number("send", dst), tensor, send_edge(tensor)))
 
 

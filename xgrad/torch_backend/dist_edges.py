@@ -28,6 +28,7 @@ __all__ = [
     "received_here",
     "recv_hooks",
     "send_edge",
+    "sends_gradient",
 ]
 
 #: what a received tensor's node hangs from: autograd gives a Function's output a
@@ -150,12 +151,19 @@ def received_here(buf: torch.Tensor, origin: str) -> tuple[torch.Tensor, torch.T
     return t, t, node
 
 
+def sends_gradient(tensor: torch.Tensor) -> bool:
+    """Whether a ``send`` of ``tensor`` now takes its gradient back: it requires grad and
+    grad mode is on, outside inference mode. As PyTorch's RPC gives a tensor sent with
+    grad mode off no gradient back, a tensor sent under ``no_grad`` or ``inference_mode``
+    travels detached: a constant on the receiver, nothing flowing back."""
+    return (
+        tensor.requires_grad and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    )
+
+
 def send_edge(tensor: torch.Tensor) -> GradientEdge:
     """Where the gradient of a sent ``tensor`` enters its graph, as it is now: an in-place
     op on the tensor later must not move it (PyTorch attaches its send node here too).
-    Taken outside inference mode: in it, a leaf's gradient accumulator cannot be made (a
-    parameter sent under ``inference_mode`` is sent as under ``no_grad``)."""
-    if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):
-            return get_gradient_edge(tensor)
+    Only for a tensor that :func:`sends_gradient` (outside inference mode, where a leaf's
+    gradient accumulator can be made)."""
     return get_gradient_edge(tensor)

@@ -2,9 +2,10 @@
 
 PyTorch lets a rank RPC itself, its gradient flowing back in the same backward pass.
 Here such a tensor never touches the wire, the ledger or the pass: ``send`` keeps a
-differentiable copy (a snapshot, as a peer's send is), ``recv`` takes the oldest, so the
-received tensor's ``grad_fn`` leads to the sent one and its gradient flows back within
-this rank's own part of the pass, as through any local operation. No message is owed, so
+differentiable copy (a snapshot, as a peer's send is; detached when sent with grad mode
+off, as to a peer), ``recv`` takes the oldest, so the received tensor's ``grad_fn`` leads
+to the sent one and its gradient flows back within this rank's own part of the pass, as
+through any local operation. No message is owed, so
 no failure path needs anything of it; what is left unreceived is misuse, named at once.
 """
 
@@ -29,19 +30,21 @@ class ToSelf:
         self.me = me
         self._queue: deque[torch.Tensor] = deque()
 
-    def send(self, t: torch.Tensor) -> None:
-        """Keep a copy of ``t``, connected to ``t``'s graph even under ``no_grad`` or
-        ``inference_mode`` (as a peer's receive requires grad when the sent tensor does;
-        made in inference mode, the copy needed none and the gradient was lost without a
-        word), contiguous as a peer's is."""
+    def send(self, t: torch.Tensor, tracked: bool) -> None:
+        """Keep a contiguous copy of ``t``, as a peer receives one: connected to ``t``'s
+        graph when ``tracked`` (``t`` requires grad and grad mode is on:
+        :func:`~.dist_edges.sends_gradient`), else detached, as a send to a peer is then.
+        A detached copy is made outside inference mode, as a peer's receive would be
+        there: an inference tensor could not be used with autograd afterwards."""
         modes = contextlib.ExitStack()
-        if torch.is_inference_mode_enabled():
+        if not tracked and torch.is_inference_mode_enabled():
             modes.enter_context(torch.inference_mode(False))
-        with modes, torch.enable_grad():
+        with modes:
+            source = t if tracked else t.detach()
             if t.layout == torch.strided:
-                self._queue.append(t.clone(memory_format=torch.contiguous_format))
+                self._queue.append(source.clone(memory_format=torch.contiguous_format))
             else:
-                self._queue.append(t.clone())
+                self._queue.append(source.clone())
 
     def recv(self) -> torch.Tensor:
         """The oldest tensor sent to itself; refused at once when there is none (no other
