@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from xgrad.failure import RankError, describe
 from xgrad.torch_backend.dist_accumulate import Accumulate, keep
+from xgrad.torch_backend.dist_bytes import forward_step
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_contexts import (
     UnknownContextError,
@@ -45,6 +46,7 @@ from xgrad.torch_backend.dist_edges import (
 )
 from xgrad.torch_backend.dist_graph import build_rank_graph
 from xgrad.torch_backend.dist_inbox import Inbox
+from xgrad.torch_backend.dist_ledger import step_mismatch
 from xgrad.torch_backend.dist_pass import DistBackwardError, ProcessPass, end
 from xgrad.torch_backend.dist_waves import run_pass
 from xgrad.torch_backend.failure import transfer_error
@@ -70,7 +72,9 @@ EXECUTE = os.environ.get("XGRAD_DIST_EXECUTE", "nodes")
 DONE_VIA = os.environ.get("XGRAD_DIST_DONE", "leader")
 
 
-def context(group: Any = None, timeout: float = 60.0) -> contextlib.AbstractContextManager[int]:
+def context(
+    group: Any = None, timeout: float = 60.0, *, step: int | str | None = None
+) -> contextlib.AbstractContextManager[int]:
     """Open a distributed autograd context on ``group``; every rank of the group enters.
 
     Args:
@@ -78,6 +82,13 @@ def context(group: Any = None, timeout: float = 60.0) -> contextlib.AbstractCont
         timeout: seconds any wait of the context (a ``recv``, the backward pass) may last;
             a rank that stopped answering is named sooner, when its heartbeat stops
             (``XGRAD_HEARTBEAT_TIMEOUT``, 10 s by default).
+        step: a label of the step (an int or a str) the context is for, the same on every
+            rank. Every tensor sent in the context carries it and every ``recv`` checks
+            it: a rank that skipped a context (or opened one more) pairs its next one with
+            the others' current one, which, unlabelled, gives numbers one step off without
+            a word; labelled, that context fails on every rank, naming both ranks and both
+            labels (``"rank 1 is in step 5, rank 0 in step 4"``). None (the default): no
+            label, nothing checked, nothing more sent.
 
     Returns:
         A context manager whose ``as`` target is the context id, for :func:`backward`
@@ -91,7 +102,7 @@ def context(group: Any = None, timeout: float = 60.0) -> contextlib.AbstractCont
     thread has open raises (threads need a process group each), and, as in PyTorch, a
     thread opens one context at a time.
     """
-    return open_context(group, timeout, leader=DONE_VIA == "leader")
+    return open_context(group, timeout, leader=DONE_VIA == "leader", step=step)
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
@@ -142,6 +153,9 @@ def recv(src: int) -> torch.Tensor:
         return found is not None
 
     ctx.wait_for(landed, f"recv from rank {src}", src)
+    theirs = forward_step(header[0])
+    if theirs != link.step:
+        raise _in_another_step(ctx, src, theirs)
     try:
         work, buf, requires_grad = link.recv_tensor(header[0])
     except RuntimeError as exc:
@@ -154,6 +168,15 @@ def recv(src: int) -> torch.Tensor:
         buf, kept, node = received_here(buf, origin)
         ctx.recvs.append((src, ctx.number("recv", src), kept, node))
     return buf
+
+
+def _in_another_step(ctx: Context, src: int, theirs: bytes | None) -> DistBackwardError:
+    """The error of a tensor from ``src`` whose context has another step label (``theirs``)
+    than this rank's, posted first (so the sender, the other ranks, raise it too)."""
+    label = None if theirs is None else theirs.decode("utf-8", "replace")
+    message = step_mismatch({ctx.me: ctx.step, src: label}, ctx.me)
+    failure = ctx.channel.post(f"recv from rank {src}", message)
+    return ctx.error(RankError(failure, ctx.me))
 
 
 def backward(

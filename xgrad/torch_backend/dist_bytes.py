@@ -1,7 +1,8 @@
 """How a tensor and a backward message look in bytes, between the ranks of a context.
 
 A forward tensor travels as it is where gloo moves its dtype, else as its bytes (as
-PyTorch's RPC sends them); its forward header names its dtype by code (:data:`DTYPES`).
+PyTorch's RPC sends them); its forward header names its dtype by code (:data:`DTYPES`),
+and the step label of its context when it has one (``dist_autograd.context(step=...)``).
 A backward message is a header of two native int64 (layout: :mod:`.dist_slots`), its
 kind and ``k``, then the payload::
 
@@ -30,6 +31,7 @@ __all__ = [
     "as_bytes",
     "flat_bytes",
     "forward_header",
+    "forward_step",
     "header",
     "message_head",
     "read_forward_header",
@@ -73,21 +75,28 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def forward_header(t: torch.Tensor) -> bytes:
+def forward_header(t: torch.Tensor, step: bytes | None = None) -> bytes:
     """The forward header of ``t`` (its dtype's code, whether it requires grad, its
-    shape), refusing a tensor that cannot be sent."""
+    shape; then ``|`` and the context's ``step`` label, when it has one), refusing a
+    tensor that cannot be sent."""
     if t.dtype not in _CODE:
         raise TypeError(f"send: dtype {t.dtype} cannot be sent; supported: {list(DTYPES)}")
     if t.layout != torch.strided:
         raise TypeError(f"send: a {t.layout} tensor cannot be sent; send t.to_dense()")
-    head = [_CODE[t.dtype], int(t.requires_grad), *t.shape]
-    return ",".join(map(str, head)).encode()
+    head = ",".join(map(str, [_CODE[t.dtype], int(t.requires_grad), *t.shape])).encode()
+    return head if step is None else head + b"|" + step
 
 
 def read_forward_header(header: bytes) -> tuple[torch.dtype, bool, list[int]]:
     """``(dtype, requires_grad, shape)`` of a tensor, from its forward header."""
-    head = [int(v) for v in header.decode().split(",")]
+    head = [int(v) for v in header.partition(b"|")[0].decode().split(",")]
     return DTYPES[head[0]], bool(head[1]), head[2:]
+
+
+def forward_step(header: bytes) -> bytes | None:
+    """The step label a forward header carries (None: its context has none)."""
+    _, bar, step = header.partition(b"|")
+    return step if bar else None
 
 
 #: the header bytes of each (kind, k, device), made once: sends only read their buffer.

@@ -40,12 +40,23 @@ class Context:
         timeout: seconds any wait of the context may last.
         leader: whether a pass ends through the group's lowest rank (else every rank
             tells every other).
+        step: the context's step label (``repr`` of ``context(step=...)``; None: none),
+            carried by every tensor it sends and checked by every receive.
     """
 
     def __init__(
-        self, context_id: int, pg: Any, name: str, seq: int, timeout: float, *, leader: bool
+        self,
+        context_id: int,
+        pg: Any,
+        name: str,
+        seq: int,
+        timeout: float,
+        *,
+        leader: bool,
+        step: str | None = None,
     ) -> None:
         self.id = context_id
+        self.step = step
         self.pg = pg
         self.name = name
         self.seq = seq
@@ -58,8 +69,9 @@ class Context:
         # collector instead of going when its block is left (full collections of about
         # 50 ms on a rank, in a pass of a few milliseconds).
         self.ledger = Ledger(
-            self.channel.store, self.channel.prefix, self.me, self.ranks, weak_method(self.release)
-        )
+            self.channel.store, self.channel.prefix, self.me, self.ranks,
+            weak_method(self.release), step,
+        )  # fmt: skip
         self.channel.ledger = self.ledger
         #: the group the messages go on (a gloo twin of a group that is not gloo)
         self.wire = gloo_twin(pg, timeout)
@@ -113,7 +125,7 @@ class Context:
             group_peer = dist.get_group_rank(self.wire, peer)
             link = self.links[peer] = Link(
                 self.wire, self.channel.store, self.channel.prefix, self.me, peer, group_peer,
-                self.seq, self.device,
+                self.seq, self.device, None if self.step is None else self.step.encode(),
             )  # fmt: skip
         return link
 

@@ -123,11 +123,27 @@ def find_context(context_id: int) -> Context:
 UnknownContextError.__module__ = "xgrad.torch_backend.dist_autograd"
 
 
+def _label(step: Any) -> str | None:
+    """``step`` as the label its context's tensors carry (its ``repr``: ``5`` and ``"5"``
+    differ), or None; refused unless an int or a str."""
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, (int, str)):
+        raise TypeError(
+            f"step={step!r} must be an int or a str labelling the step the context is for "
+            "(or None: no label)"
+        )
+    return repr(step)
+
+
 @contextlib.contextmanager
-def open_context(group: Any, timeout: float, *, leader: bool) -> Iterator[int]:
+def open_context(
+    group: Any, timeout: float, *, leader: bool, step: int | str | None = None
+) -> Iterator[int]:
     """:func:`.dist_autograd.context` (see there); ``leader``: a pass ends through the
     group's lowest rank (else every rank tells every other)."""
     timeout = check_seconds("timeout", timeout)
+    label = _label(step)
     pg = dist.group.WORLD if group is None else group
     if pg is None:
         raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
@@ -151,7 +167,7 @@ def open_context(group: Any, timeout: float, *, leader: bool) -> Iterator[int]:
         seq = _seqs[name] = _seqs.get(name, 0) + 1
         _holders[name] = me
     try:
-        ctx = Context(next(_ids), pg, name, seq, timeout, leader=leader)
+        ctx = Context(next(_ids), pg, name, seq, timeout, leader=leader, step=label)
     except BaseException:
         with _lock:
             _holders.pop(name, None)

@@ -4,8 +4,10 @@ Each rank of a distributed autograd context writes a :class:`Record` of what it 
 (tensors sent and received per peer, backward passes, what it waits for) to the group's
 store once a wait has lasted (:mod:`.dist_ledger`, which keeps the counts and re-exports
 these names); :func:`diagnose` reads the records of every rank that wrote one and names
-the rank that did the odd thing: a receive with no matching send, receives that wait for
-each other, a send nobody receives, or backward called a different number of times.
+the rank that did the odd thing: ranks in different steps (contexts opened with
+different ``step`` labels, paired up because a rank skipped one), a receive with no
+matching send, receives that wait for each other, a send nobody receives, or backward
+called a different number of times.
 Kept apart from the ledger because it is pure: records in, a diagnosis out, no store and
 no clock, so it is tested on records alone.
 
@@ -21,7 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Record", "diagnose"]
+__all__ = ["Record", "diagnose", "step_mismatch"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Record:
         sent, recvd: peer -> tensors sent to / received from it in the context.
         gsent, grecvd: the same, counting only tensors that require grad.
         src: in ``"recv"``, the rank a tensor is awaited from (its index is ``recvd[src]``).
+        step: the context's step label as written (``repr``; None: it has none).
     """
 
     state: str
@@ -44,17 +47,18 @@ class Record:
     gsent: Mapping[int, int] = field(default_factory=dict)
     grecvd: Mapping[int, int] = field(default_factory=dict)
     src: int = -1
+    step: str | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            [self.state, self.passes, self.sent, self.recvd, self.gsent, self.grecvd, self.src]
-        ).encode()
+        counts = [self.sent, self.recvd, self.gsent, self.grecvd]
+        return json.dumps([self.state, self.passes, *counts, self.src, self.step]).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Record:
-        state, passes, *counts, src = json.loads(data.decode())
+        state, passes, *counts, src, step = json.loads(data.decode())
         sent, recvd, gsent, grecvd = ({int(p): int(n) for p, n in c.items()} for c in counts)
-        return cls(str(state), int(passes), sent, recvd, gsent, grecvd, int(src))
+        step = None if step is None else str(step)
+        return cls(str(state), int(passes), sent, recvd, gsent, grecvd, int(src), step)
 
     def done(self) -> int:
         """Backward passes this rank finished (a rank in a pass finished the ones before)."""
@@ -73,11 +77,43 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+def _in_step(step: str | None) -> str:
+    return "a context without a step" if step is None else f"step {step}"
+
+
+def step_mismatch(steps: Mapping[int, str | None], odd: int) -> str:
+    """The message for ranks whose paired contexts have different step labels: ``steps``
+    is rank -> its context's label (``repr`` text; None: none), ``odd`` the rank named
+    first (``"rank 1 is in step 5, rank 0 in step 4 ..."``)."""
+    groups: dict[str | None, list[int]] = {}
+    for rank, step in sorted(steps.items()):
+        groups.setdefault(step, []).append(rank)
+    mine = steps[odd]
+    also = [r for r in groups[mine] if r != odd]
+    with_ = f" (with {_ranks(also)})" if also else ""
+    others = ", ".join(f"{_ranks(rs)} in {_in_step(s)}" for s, rs in groups.items() if s != mine)
+    return (
+        f"step mismatch: rank {odd}{with_} is in {_in_step(mine)}, {others} (contexts pair "
+        "up in the order each rank opens them on a group: a rank skipped a context or opened "
+        "one more; this context fails on every rank, and the next one whose steps match works)"
+    )
+
+
 def diagnose(records: Mapping[int, Record], ranks: Sequence[int]) -> tuple[int, str, str] | None:
-    """``(origin rank, where, message)`` when the records prove a deadlock; None otherwise.
+    """``(origin rank, where, message)`` when the records prove a deadlock (or ranks in
+    different steps, which no later record changes); None otherwise.
 
     ``records`` may lack ranks that wrote none yet (their state is unknown).
     """
+    steps = {rank: r.step for rank, r in records.items()}
+    if len(set(steps.values())) > 1:
+        alike: dict[str | None, int] = {}
+        for step in steps.values():
+            alike[step] = alike.get(step, 0) + 1
+        odd = min(sorted(steps), key=lambda rank: alike[steps[rank]])  # the fewest's lowest
+        r = records[odd]
+        at = {"recv": f"recv from rank {r.src}", "pass": f"backward pass {r.passes}"}
+        return odd, at.get(r.state, "context exit"), step_mismatch(steps, odd)
     finished = max((r.done() for r in records.values()), default=0)
 
     def stopped(rank: int) -> bool:  # a rank that does nothing more until the others act

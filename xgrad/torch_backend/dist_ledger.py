@@ -20,7 +20,7 @@ passes only when every send was received (the same store traffic as a plain barr
 add, then reads), and a tensor nobody received is a wait that lasts, then a diagnosis.
 
 The records and their diagnosis are :mod:`.dist_diagnose` (:class:`Record`,
-:func:`diagnose`, re-exported here).
+:func:`diagnose`, :func:`step_mismatch`, re-exported here).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from xgrad.failure import FailureChannel, KeyValueStore, RankError, error_for
-from xgrad.torch_backend.dist_diagnose import Record, diagnose
+from xgrad.torch_backend.dist_diagnose import Record, diagnose, step_mismatch
 
 __all__ = [
     "BALANCE",
@@ -40,6 +40,7 @@ __all__ = [
     "ProbingChannel",
     "Record",
     "diagnose",
+    "step_mismatch",
 ]
 
 #: seconds a state (a wait in a pass, a receive, the exit) lasts before the rank writes
@@ -63,6 +64,7 @@ class Ledger:
         release: called once, on whatever thread probes, when a failure is seen while this
             rank is in a pass: answers what peers may wait for from this rank (a peer stuck
             in a pass on a thread-free receive from this rank reads no channel).
+        step: the context's step label (``repr`` text; None: it has none), in the record.
     """
 
     def __init__(
@@ -72,8 +74,10 @@ class Ledger:
         me: int,
         ranks: Sequence[int],
         release: Callable[[], None],
+        step: str | None = None,
     ) -> None:
         self.store = store
+        self.step = step
         self.prefix = prefix
         self.me = me
         self.ranks = list(ranks)
@@ -113,7 +117,7 @@ class Ledger:
     def record(self) -> Record:
         return Record(
             self.state, self.passes, dict(self.sent), dict(self.recvd), dict(self.gsent),
-            dict(self.grecvd), self.src,
+            dict(self.grecvd), self.src, self.step,
         )  # fmt: skip
 
     def _key(self, rank: int) -> str:

@@ -3,10 +3,13 @@
 Forward, a tensor's header goes through the group's c10d store (its shape is not known
 to the receiver) and the tensor by c10d point-to-point (gloo or NCCL, the same code)::
 
-    forward   A -> B, i-th tensor:    key .../A>B/f/i = dtype, requires_grad, shape
+    forward   A -> B, i-th tensor:    key .../A>B/f/i = dtype, requires_grad, shape[|step]
 
 The receiver posts its receive only once the header shows the send was posted, so no
-receive waits for a send that a failed rank never made.
+receive waits for a send that a failed rank never made. A context opened with a step
+label writes it into every header; the receiver takes a header only when it carries its
+own context's label (or, both without one, none), so a rank that skipped a context is
+named at its first transfer, at no cost to a context without labels.
 
 Backward, everything goes by point-to-point. At the start of a pass both sides know
 every message between them: for each tensor A sent B that requires grad, one message
@@ -38,6 +41,7 @@ from xgrad.torch_backend.dist_bytes import (
     as_bytes,
     flat_bytes,
     forward_header,
+    forward_step,
     message_head,
     read_forward_header,
 )
@@ -91,6 +95,7 @@ class Link:
         group_peer: the peer's rank within ``pg``.
         seq: the context's sequence number (tags).
         device: where received tensors land (:func:`header_device`).
+        step: the context's step label, encoded (None: it has none).
     """
 
     def __init__(
@@ -103,12 +108,14 @@ class Link:
         group_peer: int,
         seq: int,
         device: torch.device,
+        step: bytes | None = None,
     ) -> None:
         self.pg = pg
         self.store = store
         self.peer = peer
         self.group_peer = group_peer
         self.device = device
+        self.step = step
         self._out = f"{prefix}/{me}>{peer}"
         self._in = f"{prefix}/{peer}>{me}"
         self._tags = (tag(seq, FORWARD), tag(seq, BACKWARD), tag(seq, GRADIENTS))
@@ -132,7 +139,7 @@ class Link:
 
     def send_tensor(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Post the send of ``t``; returns ``(work, the buffer it reads)``."""
-        head = forward_header(t)  # refuses what cannot be sent, before anything is
+        head = forward_header(t, self.step)  # refuses what cannot be sent, before anything is
         # A copy, as PyTorch's RPC serialises at the call: what the receiver gets is the
         # tensor as it was, whatever the sender writes into it before gloo reads it.
         data = torch.empty(t.shape, dtype=t.dtype, device=self.device)
@@ -157,9 +164,10 @@ class Link:
 
     def take_header(self) -> bytes | None:
         """The header of the next tensor from the peer, taken, if the peer wrote it; else
-        None. One store round trip where the store has ``compare_set`` (every c10d store):
-        a compare-and-set of a key to the value it would need to hold already returns
-        the key's value, and neither creates nor changes it; a check then a read
+        None (one that carries another step label than this context's is returned, not
+        taken). One store round trip where the store has ``compare_set`` (every c10d
+        store): a compare-and-set of a key to the value it would need to hold already
+        returns the key's value, and neither creates nor changes it; a check then a read
         otherwise. On the forward's path, a receive found its header by polling, then
         read it: one round trip fewer per received tensor."""
         key = self._peek("f")
@@ -172,7 +180,10 @@ class Link:
             value = compare_set(key, _ABSENT, _ABSENT)
             if value == _ABSENT:
                 return None
-        self._next(self._in + "f")
+        if forward_step(value) == self.step:
+            self._next(self._in + "f")
+        # else left untaken: the caller raises (a peer in another step), and the tensor
+        # counts as unreceived, its gradient answered with poison (:meth:`unreceived`)
         return value
 
     def recv_tensor(self, header: bytes) -> tuple[Any, torch.Tensor, bool]:
