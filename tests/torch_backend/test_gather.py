@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from xgrad.torch_backend.gather import ERROR, OK, gather_ranks
 
@@ -28,3 +29,22 @@ def test_reports_errors_and_kills_what_is_not_awaited() -> None:
     assert text.startswith("ValueError: rank 1 fails on purpose (hi)")
     assert 2 not in results
     assert codes == {0: 0, 1: 0, 2: None}
+
+
+def _tensors(rank: int, world: int) -> list[Any]:
+    """Returns tensors: they once travelled as shared-memory handles, which the parent
+    could no longer open once the rank had exited (``FileNotFoundError``, ``EOFError``);
+    each result is now pickled to bytes in the rank."""
+    import torch
+
+    return [torch.full((1000,), float(rank)) for _ in range(4)]
+
+
+def test_tensors_come_back_from_ranks_that_exited() -> None:
+    for _ in range(3):
+        results, codes = gather_ranks(_tensors, 3, limit=60)
+        for rank in range(3):
+            status, value = results[rank]
+            assert status == OK, value
+            assert [float(t[0]) for t in value] == [float(rank)] * 4
+            assert codes[rank] == 0

@@ -10,6 +10,7 @@ bench and the failure tests both launch through it, so they observe ranks the sa
 
 from __future__ import annotations
 
+import pickle
 import queue as queue_module
 import shutil
 import tempfile
@@ -39,7 +40,10 @@ def _child(rank: int, world: int, packed: Packed, init: str, out: Any) -> None:
     # own inside init ("connectFullMesh failed"), before ``fn`` could report anything.
     dist.barrier()
     try:
-        out.put((rank, OK, fn(rank, world, *args)))
+        # Pickled here, as plain bytes: a tensor put on the queue as it is travels as a
+        # shared-memory handle, which the parent failed to open (EOFError,
+        # FileNotFoundError) when this rank had exited before the parent read it.
+        out.put((rank, OK, pickle.dumps(fn(rank, world, *args))))
     except BaseException as exc:
         out.put((rank, ERROR, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     if dist.is_initialized():
@@ -52,7 +56,7 @@ def _drain(out: Any, results: dict[int, tuple[str, Any]], wait: float) -> bool:
         rank, status, value = out.get(timeout=wait)
     except queue_module.Empty:
         return False
-    results[rank] = (status, value)
+    results[rank] = (status, pickle.loads(value) if status == OK else value)
     return True
 
 
