@@ -100,6 +100,11 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
             ["crosscheck", "--backends", "reference", "--world-size", "100000"],
             "argument --world-size: 100000 is more than reference takes (at most 1024",
         ),
+        # Forked a gloo process per rank until memory ran out: the limit is the memory.
+        (
+            ["crosscheck", "--backends", "torch", "--world-size", "100000"],
+            "argument --world-size: 100000 is more than torch-xgrad takes (at most",
+        ),
         (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
         # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
         (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
