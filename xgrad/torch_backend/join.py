@@ -164,7 +164,7 @@ class Join(TorchJoin):
         total = self._count()
         if hooks and failed_count(hooks[0].ddp, total):  # a no_sync pass's failed step
             for hook in hooks:
-                hook.drop_failed_step()
+                hook.drop_failed_step(met=True)
             total = self._count()
         for hook in hooks:  # left with a round open: the count was this rank's part
             if counted(hook.ddp, total):  # of a failed step's round: the count is still due
