@@ -90,6 +90,12 @@ class GradientHooks(PassEnd):
         #: sends for it (join_rounds.stand_in; set by the context): given whether to read
         #: the sum, whether a synchronised pass next is the given-up step's
         self.stand_in: Callable[[bool], bool] | None = None
+        #: under xgrad's Join of several DDPs, what a step given up in a no_sync pass
+        #: does to the iteration's other DDPs (join_given_up; set by the context)
+        self.give_up: Callable[[Failure], None] | None = None
+        #: the first joinable's forward passes when this DDP's pass of a given-up
+        #: iteration was stood in for (join_given_up): that pass is refused
+        self.skipped_at: int | None = None
         #: what the reducer had learned when the current step began (restored if it fails)
         self.step_state: StepState | None = None
         self.backward_started = 0.0

@@ -6,24 +6,25 @@ autograd raised part-way). The failure is posted to the step's channel so that p
 waiting for this rank's buckets stop at once, the reducer drops the pass, and a step that
 failed anywhere moves the reductions to a fresh private group (:mod:`.ddp_failure`).
 The passes left unfinished are kept and posted by :mod:`.ddp_unfinished` (the names that
-the pipeline takes from here are re-exported).
+the pipeline takes from here are re-exported); a step begun after a failed one, or given
+up, is :mod:`.ddp_give_up`'s (re-exported).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from xgrad.callers import user_stacklevel
 from xgrad.failure import FailureChannel, error_for
-from xgrad.torch_backend.ddp_leftovers import mark_next
+from xgrad.torch_backend.ddp_give_up import abandon_step as abandon_step
+from xgrad.torch_backend.ddp_give_up import begin_next_step, recover
+from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass as give_up_cut_short_pass
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
-from xgrad.torch_backend.ddp_unfinished import post_failed_pass
 from xgrad.torch_backend.ddp_unfinished import post_failed_passes as post_failed_passes
 
 if TYPE_CHECKING:
@@ -35,14 +36,12 @@ __all__ = [
     "UNFINISHED",
     "abandon_step",
     "drop_unreduced",
+    "give_up_cut_short_pass",
     "post_failed_passes",
     "recover",
     "reduces_unsynced",
     "start_forward",
 ]
-
-#: what a ``no_sync`` pass cut short is posted as when its exception was not seen.
-_NOSYNC_CUT_SHORT = "RuntimeError: a no_sync backward pass raised an exception"
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -64,7 +63,7 @@ def start_forward(
     whose backward never reached DDP here is settled with the peers first
     (:mod:`.ddp_skipped`; not under ``join()``, whose joined ranks run no forward).
     ``accumulate``: a pass under ``no_sync`` (its gradients, or a checkpointed pass's
-    recomputed ones, are for the next synchronised step). ``gate``: :func:`_begin_step`'s.
+    recomputed ones, are for the next synchronised step). ``gate``: :func:`~.ddp_give_up.begin_next_step`'s.
     """
     if (
         hooks.sync_pending
@@ -80,20 +79,7 @@ def start_forward(
         # too and waiting out the timeout for peers that skipped nothing there.
         hooks.sync_pending = False
     if hooks.nosync_open and current_graph_task() == -1:
-        # A no_sync backward pass raised part-way: its step is given up, and the peers,
-        # which would pair its collectives with this rank's next step's (silently wrong
-        # gradients), raise it there, with its text where noted (:mod:`.ddp_cut_short`).
-        hooks.nosync_open = False
-        UNFINISHED.discard(hooks)
-        cause, hooks.cut_short = hooks.cut_short, None
-        error = abandon_step(watch, hooks, "backward", cause or _NOSYNC_CUT_SHORT, until_sync=True)
-        if error is not None:
-            warnings.warn(
-                f"DistributedDataParallel (rank {watch.channel.rank}): {error}; the step it "
-                "accumulated for is given up on every rank",
-                RuntimeWarning,
-                stacklevel=user_stacklevel(),
-            )
+        give_up_cut_short_pass(watch, hooks)
     recover(hooks, watch)
     failure, hooks.given_up = hooks.given_up, None
     if failure is not None and joining and hooks.stand_in is not None and not hooks.stand_in(sync):
@@ -111,7 +97,7 @@ def start_forward(
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
-            _begin_step(watch, hooks, joining)
+            begin_next_step(watch, hooks, joining)
             # Still prepared (a synchronised forward pass every rank left without a
             # backward: the skip round found no failure), the reducer takes this pass's
             # gradients as PyTorch's does: reduced, a step of its own (post_forward).
@@ -121,13 +107,13 @@ def start_forward(
             # its kind (an evaluation too): a rank that has joined cannot know which pass
             # comes, and begins it with its fresh group as soon as it sees the failure
             # (join_hook), as a rank that leaves join() does.
-            _begin_step(watch, hooks, joining)
+            begin_next_step(watch, hooks, joining)
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
         hooks.accumulating = False
         return
-    _begin_step(watch, hooks, joining, gate)
+    begin_next_step(watch, hooks, joining, gate)
 
 
 def reduces_unsynced(hooks: GradientHooks) -> bool:
@@ -139,7 +125,7 @@ def reduces_unsynced(hooks: GradientHooks) -> bool:
     reduces them (the accumulated ``.grad``) and finalizes; later ``no_sync`` passes stay
     local. With peers (and no ``join()``), xgrad's reducer is left prepared only where
     the skip round (:mod:`.ddp_skipped`) found that every rank skipped alike (one rank's
-    skip fails the step, and the reducer drops the pass at :func:`_begin_step`), so the
+    skip fails the step, and the reducer drops the pass at :func:`~.ddp_give_up.begin_next_step`), so the
     ranks' next passes reduce together, in a step of their own: the skipped one's
     namespace holds every rank's skip notice, which a waiting peer would take for a
     failure. Not during a synchronised backward pass (a forward pass that a checkpoint's
@@ -164,125 +150,4 @@ def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeEr
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             start()
-    return error
-
-
-def _begin_step(
-    watch: StepWatch,
-    hooks: GradientHooks,
-    joining: bool = False,
-    gate: Callable[[FailureChannel], None] | None = None,
-) -> None:
-    """Begin the next synchronised step; after a failed one, drop this rank's part of it,
-    and what the reducer learned in it (every rank learns it again alike). A join round
-    still open in the failed step (no backward pass began here) is entered with ``FAIL``
-    first, before the fresh group (:meth:`~.join_rounds.OpenRound.fail`). Under
-    ``join()`` this rank then marks that it makes the fresh group (:func:`mark_next`);
-    ``gate`` (a joined rank's, ahead of the others) may wait for their marks, or raise."""
-    failing = watch.channel.poll() is not None
-    pending = hooks.join_round
-    if pending is not None and failing:
-        hooks.join_round = None
-        pending.fail()
-    if failing and joining:
-        mark_next(watch)
-        if gate is not None:
-            gate(watch.channel)
-    failed = watch.begin_step()
-    reducer = hooks.reducer
-    assert reducer is not None
-    if failed is not None:
-        reducer.fail(failed.text())
-        recover(
-            hooks, watch, also=f"reductions moved to a fresh process group after {failed.text()}"
-        )
-        if hooks.step_state is not None:
-            reducer.restore_step_state(hooks.step_state)
-    hooks.step_state = reducer.step_state()
-
-
-def recover(hooks: GradientHooks, watch: StepWatch, also: str = "") -> None:
-    """At a forward pass: drop a backward pass that failed part-way, with a warning.
-
-    A pass whose final callback never ran was cut short by an exception (in a hook,
-    a comm hook, autograd): that is posted to the step's failure channel (peers still
-    waiting for this rank's buckets stop at once) and the pass marked failed. The
-    reducer then starts clean instead of blaming unused parameters for the
-    gradients that never came.
-    """
-    reducer = hooks.reducer
-    assert reducer is not None
-    if UNFINISHED or DROPPED:
-        post_failed_passes(hooks)
-    rank = watch.channel.rank  # the global rank, as the failures name them
-    if hooks.arrivals.log:
-        # Logged gradients of a pass no Python hook saw: marked now, so an unfinished
-        # reduction is reported by the next prepare_for_backward.
-        hooks.drain()
-    post_failed_pass(hooks, watch)
-    dropped = reducer.recover()
-    if dropped is not None or also:
-        hooks.buffer_futures.clear()  # the failed step's buffer hook: not waited for
-    # Only a pass cut short leaves .grad to fix. A step that failed in a forward pass (a
-    # bad batch skipped with ``except``) raised on every rank already: no warning more.
-    if dropped is not None:
-        warnings.warn(
-            f"DistributedDataParallel (rank {rank}): "
-            + "; ".join(x for x in (dropped, also) if x)
-            + "; .grad holds this rank's unreduced gradients of that pass: zero them "
-            "before the next step",
-            RuntimeWarning,
-            stacklevel=user_stacklevel(),
-        )
-
-
-def abandon_step(
-    watch: StepWatch,
-    hooks: GradientHooks,
-    where: str,
-    exc: BaseException | str,
-    unbegun: bool = False,
-    *,
-    until_sync: bool = False,
-) -> Any:
-    """This rank gave up the synchronised step it was in or accumulating for (a pipeline
-    step that failed around the DDP; a ``no_sync`` forward pass that raised): the DDP's
-    peers, which wait or will wait in that step's collectives, are told at once; the
-    error is returned (``None`` where there was nothing to give up).
-
-    A synchronised pass begun and not finished is posted as at a forward pass
-    (:func:`.ddp_unfinished.post_failed_pass`). A rank that only accumulated (``no_sync`` passes since
-    its last synchronised step, which began that step) posts the failure to it: the
-    peers raise it in that step's collectives, instead of pairing them with this rank's
-    next step (silently wrong gradients), and every rank replaces the private group at
-    the step after it. ``unbegun``: the caller's step (a pipeline step) failed before this
-    rank's DDP began the step its peers are in: begun now, then posted. ``until_sync``: a
-    pass of the user's accumulation raised, and the peers go on to the step's synchronised
-    pass: when this rank's next pass is that synchronised one, the step ends there, raising
-    the failure again, so that the ranks' next steps pair up (:func:`start_forward`).
-    Otherwise the step is over now (a pipeline's: every rank gave it up). ``exc`` may be
-    an exception's noted ``"Type: text"`` (a ``no_sync`` pass cut short in autograd).
-
-    A rank whose synchronised forward pass of the step ran and whose backward never
-    began (a pipeline step that failed in between) posts the failure too, and drops the
-    pass the reducer was prepared for: left so, every replica's stage could be in that
-    state at once, and the reducer, still expecting, took the next ``no_sync`` backward
-    pass for the given-up one ("prior iteration" error on every rank).
-    """
-    if hooks.finalize_queued:
-        post_failed_pass(hooks, watch)
-        return None
-    if unbegun:
-        _begin_step(watch, hooks)
-    elif hooks.sync_pending and not until_sync:
-        hooks.sync_pending = False  # no skip round: the step failed, and is posted
-        assert hooks.reducer is not None
-        hooks.reducer.drop_prepared()
-        return watch.post_here(where, exc)
-    elif not hooks.accumulating:
-        return None
-    hooks.accumulating = False  # the step (begun at the accumulation's first pass) is over
-    error = watch.post_here(where, exc)
-    if until_sync:
-        hooks.given_up = error.failure
     return error

@@ -34,7 +34,8 @@ where a rank still training raised it out of xgrad's ``Join`` (:mod:`.join_leave
 PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout). With
 several DDPs in one context, once a rank has joined, their forward passes must run in the
 context's order and each DDP's backward pass must come before the next DDP's forward
-pass, or every rank raises at once (:mod:`.join_order`).
+pass, or every rank raises at once (:mod:`.join_order`); a ``no_sync`` pass that raises
+in any of them gives up the whole iteration on its rank (:mod:`.join_given_up`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -159,6 +160,8 @@ class Join(TorchJoin):
 
     def _get_num_nonjoined_procs(self) -> float:
         hooks = [h for h in self._join_hooks if isinstance(h, DDPJoinHook)]
+        for hook in hooks:  # (all first: another DDP's gives up the first DDP's step too)
+            hook.post_cut_short()
         for hook in hooks:  # before the count, as the others' forward does it
             hook.drop_failed_step()
         total = self._count()

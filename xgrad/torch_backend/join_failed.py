@@ -15,7 +15,12 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import FailureChannel, RankError, error_for
-from xgrad.torch_backend.ddp_recover import drop_unreduced, start_forward
+from xgrad.torch_backend.ddp_recover import (
+    current_graph_task,
+    drop_unreduced,
+    give_up_cut_short_pass,
+    start_forward,
+)
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import carried, count, sum_async
 from xgrad.torch_backend.join_leave import carried_over, post_left, wait_for_next, was_carried
@@ -79,6 +84,15 @@ class FailedSteps:
                 if not met and ddp._grad_hooks.accumulating and carried(ddp):
                     return  # the failing rank's stand-in is due in this count: met first
             self._begin_due(ahead=True)
+
+    def post_cut_short(self) -> None:
+        """As this rank joins: a ``no_sync`` backward pass of its own that raised (cut
+        short: posted at the next forward pass, and none comes) gives up its step now,
+        before the count, as that forward pass would have (the count standing in for the
+        step's synchronised pass follows as the next step begins, :meth:`_begin`)."""
+        hooks = self.ddp._grad_hooks
+        if hooks.nosync_open and current_graph_task() == -1:
+            give_up_cut_short_pass(self.ddp._watch, hooks)
 
     def leave_raising(self) -> None:
         """This rank leaves ``join()`` by an exception: in a step that failed (a rank's

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.join_announce import count, sum_async
+from xgrad.torch_backend.join_given_up import give_up_cut_short, linked, refuse_skipped
 from xgrad.torch_backend.join_leave import post_left
 from xgrad.torch_backend.join_rounds import stand_in
 
@@ -127,6 +128,7 @@ class JoinOrder:
                 joinable._join_order = self
                 stand = functools.partial(stand_in, joinable) if i == 0 else None
                 joinable._grad_hooks.stand_in = stand
+        linked(self.joinables)  # a given-up no_sync pass gives up the iteration
         watch = getattr(joinables[0], "_watch", None) if joinables else None
         self.store = None if watch is None else watch.channel.store
         #: the namespace of the first joinable's step as the context began
@@ -161,9 +163,12 @@ class JoinOrder:
 
 
 def before_forward(ddp: DistributedDataParallel) -> None:
-    """What ``join_order`` checks before a DDP's forward pass under xgrad's ``Join``."""
+    """What ``join_order`` (and :mod:`.join_given_up`) checks before a DDP's forward pass
+    under xgrad's ``Join``."""
     config = ddp._join_config
     if config.enable and ddp._counted_config is config:
+        refuse_skipped(ddp)
+        give_up_cut_short(ddp)
         note_order(ddp)
         refuse_second_forward(ddp)
 

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from xgrad.failure import RankError
 from xgrad.torch_backend.join_announce import (
     ADVICE,
     Announced,
@@ -115,15 +116,30 @@ def read_announcement(ddp: DistributedDataParallel) -> None:
     """This rank's announcement under way, if any: read, and the round it calls for opened."""
     pending, ddp._announcing = ddp._announcing, None
     if pending is not None:
-        announced = pending.read()
-        if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
-            # The step is given up here, in whatever pass of it this is (with accumulation
-            # passes varying per step, a no_sync one): its accumulation ends, so that this
-            # rank's next pass begins the next step, with its fresh group, where the joined
-            # ranks wait for it, instead of reading the given-up step's failure again.
-            ddp._grad_hooks.accumulating = False
-            raise posted(ddp)
+        try:
+            announced = pending.read()
+            if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
+                raise posted(ddp)
+        except RankError:
+            _given_up(ddp)
+            raise
         open_round(ddp, announced)
+
+
+def _given_up(ddp: DistributedDataParallel) -> None:
+    """The step's failure is raised here, in whatever pass of it this is (with
+    accumulation passes varying per step, a ``no_sync`` one; read in the sum, a peer's
+    stand-in, or posted while the sum waited): its accumulation ends, so that this rank's
+    next pass begins the next step, with its fresh group, where the joined ranks wait for
+    it, instead of reading the given-up step's failure again. So does that of the other
+    DDPs of its xgrad ``Join`` whose step failed too (an iteration given up in another
+    DDP's ``no_sync`` pass, :mod:`.join_given_up`)."""
+    for peer in (ddp, *ddp._join_peers):
+        hooks, watch = getattr(peer, "_grad_hooks", None), getattr(peer, "_watch", None)
+        if hooks is None or watch is None or not hooks.accumulating:
+            continue
+        if peer is ddp or watch.channel.poll() is not None:
+            hooks.accumulating = False
 
 
 def stand_in(ddp: DistributedDataParallel, read: bool = False) -> bool:
