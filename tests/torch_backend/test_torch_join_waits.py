@@ -56,10 +56,10 @@ def _events(rank: int, world: int, variant: str) -> dict[str, Any]:
     watch, comm = ddp._watch, ddp.reducer.comm
     wait_work, allreduce = watch.wait_work, comm.allreduce
 
-    def recorded_wait(work: Any, what: str, cuda: bool = False) -> None:
+    def recorded_wait(work: Any, what: str, cuda: bool = False, **kwargs: Any) -> None:
         if what in (ANNOUNCEMENT, ROUND):
             log.append(what)
-        wait_work(work, what, cuda)
+        wait_work(work, what, cuda, **kwargs)
 
     def recorded_allreduce(buffer: torch.Tensor) -> Any:
         log.append("bucket")
