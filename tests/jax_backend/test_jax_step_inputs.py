@@ -55,10 +55,23 @@ def _max_rel(got: Any, want: Any) -> float:
 
 
 CASES = [("bfloat16", 2e-2), ("float16", 4e-3), ("float32", 1e-5), ("float64", 1e-12)]
+HOOKS: list[Any] = [None, "fp16", "bf16"]
+CAPS: list[Any] = [None, 16, 1 << 20]
+
+
+def _hooks_and_caps(case: int) -> list[tuple[Any, Any]]:
+    """The (hook, bucket cap) pairs a bucketing mode runs in dtype case ``case``: each hook
+    once and each cap once, the caps shifted by one per case (a Latin square), so that the
+    first three dtypes together run all nine pairs and every dtype meets every hook and
+    every cap. No code branches on a (dtype, hook, cap) triple: the plan only groups the
+    leaves (one collective per bucket, the same per-element arithmetic), the hook casts
+    each bucket to its dtype and back; each compiled step costs most of this test's time."""
+    return [(hook, CAPS[(case + j) % len(CAPS)]) for j, hook in enumerate(HOOKS)]
 
 
 @pytest.mark.parametrize(("dtype", "tol"), CASES)
 def test_nested_params_in_every_dtype_match_the_whole_batch(dtype: str, tol: float) -> None:
+    case = [d for d, _ in CASES].index(dtype)
     with jax.enable_x64(dtype == "float64"):
         rng = np.random.default_rng(0)
         params = _params(dtype, rng)
@@ -66,20 +79,27 @@ def test_nested_params_in_every_dtype_match_the_whole_batch(dtype: str, tol: flo
         y = jnp.asarray(rng.normal(size=(8, 2)), dtype)
         loss, grads = jax.value_and_grad(_loss)(params, x, y)
         for mode in MODES:
-            hooks: list[Any] = [None] if mode == "jit" else [None, "fp16", "bf16"]
-            caps: list[Any] = [None] if mode == "jit" else [None, 16, 1 << 20]
-            for hook in hooks:
-                for cap in caps:
-                    plan = None if cap is None else plan_for(params, bucket_cap_bytes=cap)
-                    step = data_parallel_value_and_grad(
-                        _loss, world_size=WORLD, mode=mode, hook=hook, plan=plan
-                    )
-                    value, got = step(params, x, y)
-                    where = (mode, hook, cap)
-                    # a compressing hook rounds the gradients to its own dtype first
-                    bound = tol if hook is None else max(tol, 5e-2 if hook == "bf16" else 5e-3)
-                    assert _max_rel(got, grads) <= bound, where
-                    assert abs(float(value) - float(loss)) <= 10 * tol * abs(float(loss)), where
+            pairs = [(None, None)] if mode == "jit" else _hooks_and_caps(case)
+            for hook, cap in pairs:
+                plan = None if cap is None else plan_for(params, bucket_cap_bytes=cap)
+                step = data_parallel_value_and_grad(
+                    _loss, world_size=WORLD, mode=mode, hook=hook, plan=plan
+                )
+                value, got = step(params, x, y)
+                where = (mode, hook, cap)
+                # a compressing hook rounds the gradients to its own dtype first
+                bound = tol if hook is None else max(tol, 5e-2 if hook == "bf16" else 5e-3)
+                assert _max_rel(got, grads) <= bound, where
+                assert abs(float(value) - float(loss)) <= 10 * tol * abs(float(loss)), where
+
+
+def test_the_dtype_cases_run_every_hook_with_every_cap() -> None:
+    pairs = {pair for case in range(len(CASES)) for pair in _hooks_and_caps(case)}
+    assert pairs == {(hook, cap) for hook in HOOKS for cap in CAPS}
+    for case in range(len(CASES)):
+        hooks, caps = zip(*_hooks_and_caps(case), strict=True)
+        assert sorted(map(str, hooks)) == sorted(map(str, HOOKS))
+        assert sorted(map(str, caps)) == sorted(map(str, CAPS))
 
 
 def _bn_loss(p: Any, state: Any, x: Any, y: Any) -> Any:
