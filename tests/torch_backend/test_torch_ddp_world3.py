@@ -136,14 +136,20 @@ def _backward(ddp: Any, batches: list[torch.Tensor]) -> None:
 
 
 def _true_mean(local: nn.Module, world: int) -> list[torch.Tensor]:
-    """The mean over ranks of each local gradient, in float64."""
-    means = []
-    for p in local.parameters():
-        g = (p.grad if p.grad is not None else torch.zeros_like(p)).double()
-        gathered = [torch.zeros_like(g) for _ in range(world)]
-        dist.all_gather(gathered, g)
-        means.append(sum(gathered) / world)
-    return means
+    """The mean over ranks of each local gradient, in float64.
+
+    One all-gather of every gradient raveled into one tensor (one per parameter made
+    this check a third of the test's time); each element is summed over the ranks in
+    the same order either way."""
+    params = list(local.parameters())
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).double() for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    gathered = [torch.zeros_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    mean = sum(gathered) / world
+    return [
+        m.view_as(g) for m, g in zip(mean.split([g.numel() for g in grads]), grads, strict=True)
+    ]
 
 
 def _setting(rank: int, world: int, name: str) -> dict[str, Any]:
