@@ -96,9 +96,14 @@ def gather_ranks(
             p.start()
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            if not _drain(out, results, 0.1) and all(p.exitcode is not None for p in awaited):
+            # Once every rank has reported (each reports at most once), nothing more can
+            # come: only the exits are awaited, and looked for every 10 ms.
+            every = len(results) == world
+            got = _drain(out, results, 0.01 if every else 0.1)
+            exited = all(p.exitcode is not None for p in awaited)
+            if exited and (not got or len(results) == world):
                 break
-        while _drain(out, results, 0.2):
+        while len(results) < world and _drain(out, results, 0.2):
             pass  # reports sent just before their rank exited
         codes = {r: p.exitcode for r, p in enumerate(procs)}
     finally:
