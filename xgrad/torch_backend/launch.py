@@ -33,8 +33,12 @@ STORE_ENV = "XGRAD_SPAWN_STORE"
 #: ``torch._disable_dynamo``), 1.2-2 s of CPU per rank on a small machine, the most of a
 #: short rank's run. Imported once here, a launcher whose ranks never run a DDP pays it
 #: once, at the server's start, and every DDP rank saves it (the test suite's ranks: a
-#: file of thirteen 2-rank DDP launches went from 23 s to 11 s).
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")
+#: file of thirteen 2-rank DDP launches went from 23 s to 11 s). ``__main__`` too, as
+#: multiprocessing's own default has it: a child re-imports the parent's main script
+#: unless the server already did, and under the ``pytest`` script that is pytest itself,
+#: 0.1-0.2 s of CPU per rank at every launch. (A main module run with ``-m`` is not
+#: re-imported, preloaded or not.)
+PRELOAD = ("__main__", "torch", "torch.distributed", "torch._dynamo")
 
 
 #: environment variable that picks the start method (``spawn``: fresh interpreters).
