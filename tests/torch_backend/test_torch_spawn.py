@@ -45,6 +45,46 @@ def test_a_ranks_collections_skip_what_it_started_with() -> None:
         assert frozen > 10 * tracked, (frozen, tracked)
 
 
+_IMPORT_WATCH = """
+import json, os, sys, threading
+for name in sys.argv[1].split(","):
+    __import__(name)  # the server's imports before xgrad's
+read = []
+cls = type(os.environ)
+get, has, each = cls.__getitem__, cls.__contains__, cls.__iter__
+cls.__getitem__ = lambda self, key: (read.append(key), get(self, key))[1]
+cls.__contains__ = lambda self, key: (read.append(key), has(self, key))[1]
+cls.__iter__ = lambda self: (read.append("*"), each(self))[1]
+for name in sys.argv[2].split(","):
+    __import__(name)
+print(json.dumps([read, threading.active_count()]))
+"""
+
+
+def test_the_xgrad_modules_every_rank_inherits_read_no_environment_at_import() -> None:
+    """The fork server imports xgrad's launcher modules once, with the environment it
+    started with (``launch.LAUNCHER_MODULES``): one that read a variable at import would
+    see that one in every rank, not the launching process's of the moment. Nor may they
+    start a thread: the server forks."""
+    import json
+    import subprocess
+    import sys
+
+    from xgrad.torch_backend import launch
+
+    others = [m for m in launch.PRELOAD if m not in launch.LAUNCHER_MODULES and m != "__main__"]
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_WATCH, ",".join(others), ",".join(launch.LAUNCHER_MODULES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(launch.LAUNCHER_MODULES) <= set(launch.PRELOAD)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [[], 1]
+
+
 def test_results_by_rank_after_a_real_allreduce() -> None:
     assert spawn(_sum_ranks, 3, args=(10,)) == [(0, 3.0), (10, 3.0), (20, 3.0)]
 

@@ -11,7 +11,8 @@ torch operation, so forking it is as safe as a fresh interpreter. Where there is
 What a forked child does not get from its parent, and a spawned one does, is the parent's
 environment as it is *now* (the server keeps the one it started with): so the function and
 its arguments travel pickled, and the child first takes the parent's environment, then
-unpickles them, so that a module they import reads the same variables as under ``spawn``.
+unpickles them, so that a module they import reads the same variables as under ``spawn``
+(the modules the server imports for every rank read none; see ``PRELOAD``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ STORE_ENV = "XGRAD_SPAWN_STORE"
 #: multiprocessing's own default has it: a child re-imports the parent's main script
 #: unless the server already did, and under the ``pytest`` script that is pytest itself,
 #: 0.1-0.2 s of CPU per rank at every launch. (A main module run with ``-m`` is not
-#: re-imported, preloaded or not.)
-PRELOAD = ("__main__", "torch", "torch.distributed", "torch._dynamo")
+#: re-imported, preloaded or not.) And the launchers' own modules, whose child functions
+#: each rank unpickles first: they import ``xgrad`` (some 60 modules, 0.08 s of CPU per
+#: rank at every launch, half a two-rank launch's time). They read no environment
+#: variable and start no thread when imported (the launcher's tests check both), so the
+#: server's environment and the launching process's give the same modules.
+LAUNCHER_MODULES = ("xgrad.torch_backend.gather", "xgrad.torch_backend.spawn")
+PRELOAD = ("__main__", "torch", "torch.distributed", "torch._dynamo", *LAUNCHER_MODULES)
 
 
 #: environment variable that picks the start method (``spawn``: fresh interpreters).
