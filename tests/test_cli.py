@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -87,74 +92,93 @@ def test_plan_table_shows_an_unbounded_cap_as_infinity(
     assert capsys.readouterr().out.startswith("bucket,params,bytes,limit,members\n0,")
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["plan", "--sizes", "[[1]]"], "xgrad plan: error: --sizes: size of '0' is [1]"),
-        (["plan", "--bucket-cap", "25XB"], "argument --bucket-cap/--bucket-cap-mb: '25XB' is not"),
-        (["plan", "--out", "/no/such/folder/p.json"], "argument --out: folder '/no/such/folder'"),
-        (["crosscheck", "--backends", ","], "xgrad crosscheck: error: --backends ',' names no"),
-        (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
-        # Was a thread per simulated rank until "can't start new thread", exit 1, 74 s later.
-        (
-            ["crosscheck", "--backends", "reference", "--world-size", "100000"],
-            "argument --world-size: 100000 is more than reference takes (at most 1024",
-        ),
-        # Forked a gloo process per rank until memory ran out: the limit is the memory.
-        (
-            ["crosscheck", "--backends", "torch", "--world-size", "100000"],
-            "argument --world-size: 100000 is more than torch-xgrad takes (at most",
-        ),
-        (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
-        # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
-        (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
-        # Past int64: accepted, then PyTorch's DDP failed with a page of pybind traceback.
-        (["crosscheck", "--bucket-cap", "9000000000GB"], "a size must be at most 2**63 - 1"),
-        # Was accepted, and memory grew without end.
-        (["schedule", "1f1b", "-p", "2", "-m", "1000000000"], "schedule too large: num_st"),
-        (["bench", "graph", "--nodes", "x"], "argument --nodes"),
-        (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
-        # The whole batch is made before any backend runs: NumPy's MemoryError traceback.
-        (
-            ["crosscheck", "--backends", "reference", "--batch-per-rank", "100000000000"],
-            "--world-size 2 x --batch-per-rank 100000000000 = 200000000000 samples of 'mlp'",
-        ),
-        (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
-        (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
-        # Results folders that cannot be made: refused before the run, not after it.
-        (
-            ["crosscheck", "--backends", "reference", "--out", "/proc/xg"],
-            "xgrad crosscheck: error: [Errno 2] No such file or directory: '/proc/xg'",
-        ),
-        (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/dev/null/x"], "--out: ca"),
-        # A file that cannot be written once the run is done (/proc takes no new entry).
-        (
-            [
-                "bench",
-                "graph",
-                "--nodes",
-                "8",
-                "--edges",
-                "8",
-                "--no-baseline",
-                "--json",
-                "/proc/g",
-            ],
-            "xgrad bench graph: error: [Errno 2] No such file or directory: '/proc/g'",
-        ),
-    ],
-)
-def test_bad_input_is_one_line_naming_the_option(argv: list[str], message: str) -> None:
-    """As a user runs it: no traceback, the last line names the option, exit status 2."""
-    import os
-    import subprocess
-    import sys
+#: (argv, the message the last line of stderr holds) of each bad command line.
+BAD_INPUT: list[tuple[list[str], str]] = [
+    (["plan", "--sizes", "[[1]]"], "xgrad plan: error: --sizes: size of '0' is [1]"),
+    (["plan", "--bucket-cap", "25XB"], "argument --bucket-cap/--bucket-cap-mb: '25XB' is not"),
+    (["plan", "--out", "/no/such/folder/p.json"], "argument --out: folder '/no/such/folder'"),
+    (["crosscheck", "--backends", ","], "xgrad crosscheck: error: --backends ',' names no"),
+    (["crosscheck", "--world-size", "0"], "argument --world-size: 0 is not >= 1"),
+    # Was a thread per simulated rank until "can't start new thread", exit 1, 74 s later.
+    (
+        ["crosscheck", "--backends", "reference", "--world-size", "100000"],
+        "argument --world-size: 100000 is more than reference takes (at most 1024",
+    ),
+    # Forked a gloo process per rank until memory ran out: the limit is the memory.
+    (
+        ["crosscheck", "--backends", "torch", "--world-size", "100000"],
+        "argument --world-size: 100000 is more than torch-xgrad takes (at most",
+    ),
+    (["schedule", "gpipe", "-p", "2", "-m", "2", "--costs", "F=nan"], "'F': expected a"),
+    # Each finite, their sum not (was "step time: inf", "bubble fraction: nan").
+    (["schedule", "1f1b", "-p", "2", "-m", "4", "--costs", "F=1e308,B=1e308"], "past the l"),
+    # Past int64: accepted, then PyTorch's DDP failed with a page of pybind traceback.
+    (["crosscheck", "--bucket-cap", "9000000000GB"], "a size must be at most 2**63 - 1"),
+    # Was accepted, and memory grew without end.
+    (["schedule", "1f1b", "-p", "2", "-m", "1000000000"], "schedule too large: num_st"),
+    (["bench", "graph", "--nodes", "x"], "argument --nodes"),
+    (["crosscheck", "--seed", "-1"], "argument --seed: -1 is not >= 0"),
+    # The whole batch is made before any backend runs: NumPy's MemoryError traceback.
+    (
+        ["crosscheck", "--backends", "reference", "--batch-per-rank", "100000000000"],
+        "--world-size 2 x --batch-per-rank 100000000000 = 200000000000 samples of 'mlp'",
+    ),
+    (["bench", "ddp", "--models", ","], "xgrad bench ddp: error: --models ',' names no model"),
+    (["schedule", "gpipe", "-p", "2", "-m", "2", "--png", "/no/such/dir/t.png"], "--png: "),
+    # Results folders that cannot be made: refused before the run, not after it.
+    (
+        ["crosscheck", "--backends", "reference", "--out", "/proc/xg"],
+        "xgrad crosscheck: error: [Errno 2] No such file or directory: '/proc/xg'",
+    ),
+    (["experiment", "run", "pipeline-bubble", "--quick", "--out", "/dev/null/x"], "--out: ca"),
+    # A file that cannot be written once the run is done (/proc takes no new entry).
+    (
+        [
+            "bench",
+            "graph",
+            "--nodes",
+            "8",
+            "--edges",
+            "8",
+            "--no-baseline",
+            "--json",
+            "/proc/g",
+        ],
+        "xgrad bench graph: error: [Errno 2] No such file or directory: '/proc/g'",
+    ),
+]
 
+
+def _run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "xgrad.cli", *argv], capture_output=True, text=True, env=env
     )
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs() -> Iterator[list[Future[subprocess.CompletedProcess[str]]]]:
+    """Every bad command line's run, two at a time: each is an interpreter of its own
+    (some import torch), one after the other they took most of this file's time while a
+    second core idled. Each test waits for its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = [pool.submit(_run_cli, argv) for argv, _ in BAD_INPUT]
+        yield runs
+        for run in runs:
+            run.cancel()
+
+
+@pytest.mark.parametrize(("case", "argv", "message"), [(i, *c) for i, c in enumerate(BAD_INPUT)])
+def test_bad_input_is_one_line_naming_the_option(
+    bad_input_runs: list[Future[subprocess.CompletedProcess[str]]],
+    case: int,
+    argv: list[str],
+    message: str,
+) -> None:
+    """As a user runs it: no traceback, the last line names the option, exit status 2."""
+    done = bad_input_runs[case].result(timeout=300)
+    assert done.args[3:] == argv
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert message in done.stderr.strip().splitlines()[-1], done.stderr
