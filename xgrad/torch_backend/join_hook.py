@@ -157,4 +157,6 @@ def _empty_sparse_gradient(param: torch.Tensor) -> torch.Tensor:
     """
     indices = torch.empty((1, 0), dtype=torch.int64, device=param.device)
     values = torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, param.shape)
+    # (invariants said, not checked: an empty tensor has none to break, and a tensor made
+    # without saying makes torch print a one-time warning about the user's code)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False)
