@@ -26,11 +26,11 @@ the end of ``join()``).
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import check_grads, check_trained, grads, run_steps
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -90,29 +90,26 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     model(x).pow(2).mean().backward()  # this rank's own gradient: the parameters never move
-    out: dict[str, Any] = {"local": [p.grad.clone().numpy() for p in model.parameters()]}
+    out: dict[str, Any] = {"local": grads([model])}
+
+    def step(in_forward: int, in_backward: int, i: int) -> list[Any]:
+        model.zero_grad()
+        forward[0] = rank == in_forward and i == AT
+        armed[0] = rank == in_backward and i == AT
+        ddp(x).pow(2).mean().backward()
+        return grads([model])
+
     plans = [(name, *f(world)) for name, f in SCENARIOS.items()]
     for name, batches, in_forward, in_backward in [
         *plans,
         ("after", [1] + [2] * (world - 1), -1, -1),
     ]:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ddp.join():
-                for i in range(batches[rank]):
-                    model.zero_grad()
-                    forward[0] = rank == in_forward and i == AT
-                    armed[0] = rank == in_backward and i == AT
-                    try:
-                        ddp(x).pow(2).mean().backward()
-                        steps.append([p.grad.clone().numpy() for p in model.parameters()])
-                    except (RuntimeError, ValueError) as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        out[name] = run_steps(
+            ddp.join,
+            batches[rank],
+            functools.partial(step, in_forward, in_backward),
+            catch=(RuntimeError, ValueError),
+        )
     return out
 
 
@@ -120,19 +117,6 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     world = request.param
     return world, every_rank_ok(_contexts, world, timeout=60)
-
-
-def _check_grads(results: dict[int, Any], world: int, name: str, batches: list[int]) -> None:
-    for rank, result in results.items():
-        for i, grads in enumerate(result[name]["steps"]):
-            if isinstance(grads, str):
-                continue
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -163,14 +147,9 @@ def test_the_step_raises_once_and_the_steps_after_it_train(
             assert errors == [], (name, rank, run)
             assert run["left"].startswith("RankError: rank "), (name, rank, run)
             assert int(run["left"].split()[2]) in failing, (name, rank, run)
-    _check_grads(results, world, name, batches)
+    check_grads(results, world, name, batches)
 
 
 def test_a_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -> None:
     world, results = outcome
-    batches = [1] + [2] * (world - 1)
-    for rank, result in results.items():
-        run = result["after"]
-        assert run["left"] == "left" and len(run["steps"]) == batches[rank], (rank, run)
-        assert all(not isinstance(s, str) for s in run["steps"]), (rank, run)
-    _check_grads(results, world, "after", batches)
+    check_trained(results, world, "after", [1] + [2] * (world - 1))

@@ -23,11 +23,11 @@ join context after them all, train with ``join()``'s gradients, none waiting out
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import check_grads, check_trained, grads, run_steps
 from ranks import armed_hook, armed_linear, every_rank_ok
 
 TIMEOUT = 3.0
@@ -60,33 +60,33 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     model(x).pow(2).mean().backward()  # this rank's own gradient: the parameters never move
-    out: dict[str, Any] = {"local": [p.grad.clone().numpy() for p in model.parameters()]}
+    out: dict[str, Any] = {"local": grads([model])}
     hooked, hook_armed = _hooked_ddp(model)
     plans = [
         (name, *(f(world) if callable(f) else f for f in spec)) for name, spec in SCENARIOS.items()
     ]
+
+    def step(wrapper: Any, trigger: list[bool], failing: int, at: int, i: int) -> list[Any]:
+        model.zero_grad()
+        trigger[0] = rank == failing and i == at
+        wrapper(x).pow(2).mean().backward()
+        return grads([model])
+
+    def evaluate() -> None:  # a pass right after the failed step, in ``eval``
+        with torch.no_grad():
+            ddp(x)
+
     for name, batches, failing, at in [*plans, ("even", [2] * world, -1, -1)]:
-        steps: list[Any] = []
-        started = time.monotonic()
         wrapper = hooked if name.startswith("hook") else ddp
         trigger = hook_armed if name.startswith("hook") else armed
-        try:
-            with TorchJoin([ddp]) if name == "torch_join" else wrapper.join():
-                for i in range(batches[rank]):
-                    model.zero_grad()
-                    trigger[0] = rank == failing and i == at
-                    try:
-                        wrapper(x).pow(2).mean().backward()
-                        steps.append([p.grad.clone().numpy() for p in model.parameters()])
-                    except RankError as exc:  # the failed step's; any other error leaves join()
-                        steps.append(f"{type(exc).__name__}: {exc}")
-                        if name == "eval":
-                            with torch.no_grad():
-                                ddp(x)
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        context = functools.partial(TorchJoin, [ddp]) if name == "torch_join" else wrapper.join
+        out[name] = run_steps(
+            context,
+            batches[rank],
+            functools.partial(step, wrapper, trigger, failing, at),
+            catch=(RankError,),  # the failed step's; any other error leaves join()
+            on_error=evaluate if name == "eval" else None,
+        )
     return out
 
 
@@ -105,21 +105,6 @@ def _hooked_ddp(model: Any) -> tuple[Any, list[bool]]:
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     world = request.param
     return world, every_rank_ok(_scenarios, world, timeout=90)
-
-
-def _check_grads(results: dict[int, Any], world: int, name: str, batches: list[int]) -> None:
-    """Each step a rank trained: the sum of the gradients of the ranks with a batch at that
-    step (the failed step's rank excepted, it raised there) over the world size."""
-    for rank, result in results.items():
-        for i, grads in enumerate(result[name]["steps"]):
-            if isinstance(grads, str):
-                continue
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -147,13 +132,9 @@ def test_every_rank_raises_the_failed_step_and_later_steps_train(
         others = [s for i, s in enumerate(steps) if i != at]
         assert all(not isinstance(s, str) for s in others), (name, rank, run)
         assert run["seconds"] < TIMEOUT, (name, rank, run)  # no one waited out a timeout
-    _check_grads(results, world, name, batches)
+    check_grads(results, world, name, batches)
 
 
 def test_an_even_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -> None:
     world, results = outcome
-    for rank, result in results.items():
-        run = result["even"]
-        assert run["left"] == "left" and len(run["steps"]) == 2, (rank, run)
-        assert all(not isinstance(s, str) for s in run["steps"]), (rank, run)
-    _check_grads(results, world, "even", [2] * world)
+    check_trained(results, world, "even", [2] * world)

@@ -23,12 +23,11 @@ contexts after it must train on every rank with ``join()``'s gradients.
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import all_ended, check_trained, grads, run_steps
 from ranks import armed_hook, armed_linear, every_rank_ok
 
 TIMEOUT = 3.0
@@ -68,35 +67,28 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
     _KEPT.extend([ddp, hooked])
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     model(x).pow(2).mean().backward()  # this rank's own gradient: the parameters never move
-    out: dict[str, Any] = {"local": [p.grad.clone().numpy() for p in model.parameters()]}
+    out: dict[str, Any] = {"local": grads([model])}
     store = dist.distributed_c10d._get_default_store()
     plans = [(name, f(world), world - 1) for name, f in SCENARIOS.items()]
     plans += [(name, f(world), -1) for name, f in AFTER.items()]
+
+    def step(wrapper: Any, module: Any, trigger: list[bool], failing: int, i: int) -> list[Any]:
+        module.zero_grad()
+        trigger[0] = rank == failing and i == 1
+        wrapper(x).pow(2).mean().backward()
+        return grads([module])
+
     for name, batches, failing in plans:
         wrapper, module = (hooked, hooked_model) if name.startswith("hook") else (ddp, model)
         trigger = hook_armed if name.startswith("hook") else armed
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with wrapper.join():
-                for i in range(batches[rank]):
-                    module.zero_grad()
-                    trigger[0] = rank == failing and i == 1
-                    try:
-                        wrapper(x).pow(2).mean().backward()
-                        steps.append([p.grad.clone().numpy() for p in module.parameters()])
-                    except RankError as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-                        if rank != 0 or name == "none":
-                            raise
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
-        # Alive and idle until every rank ended the scenario (none runs a DDP step).
-        store.set(f"left_raising/{name}/{rank}", b"1")
-        keys = [f"left_raising/{name}/{r}" for r in range(world)]
-        store.wait(keys, timedelta(seconds=60))
+        out[name] = run_steps(
+            wrapper.join,
+            batches[rank],
+            functools.partial(step, wrapper, module, trigger, failing),
+            catch=(RankError,),
+            reraise=rank != 0 or name == "none",
+        )
+        all_ended(store, f"left_raising/{name}", rank, world)
     return out
 
 
@@ -129,15 +121,4 @@ def test_every_rank_raises_the_step_at_once(outcome: tuple[int, dict[int, Any]],
 @pytest.mark.parametrize("name", list(AFTER))
 def test_join_contexts_after_them_train(outcome: tuple[int, dict[int, Any]], name: str) -> None:
     world, results = outcome
-    batches = AFTER[name](world)
-    for rank, result in results.items():
-        run = result[name]
-        assert run["left"] == "left" and len(run["steps"]) == batches[rank], (name, rank, run)
-        assert run["seconds"] < TIMEOUT, (name, rank, run)
-        for i, grads in enumerate(run["steps"]):
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
+    check_trained(results, world, name, AFTER[name](world), limit=TIMEOUT)

@@ -21,12 +21,11 @@ raising it, and the join contexts after it must train with ``join()``'s gradient
 
 from __future__ import annotations
 
-import time
-from datetime import timedelta
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import all_ended, check_trained, run_steps
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -88,28 +87,22 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     plans = [(name, f(world), world - 1) for name, f in SCENARIOS.items()]
     plans += [(name, f(world), -1) for name, f in AFTER.items()]
+
+    def step(failing: int, i: int) -> list[Any]:
+        model.zero_grad()
+        skip[0] = rank == failing and i == 1
+        ddp(x).pow(2).mean().backward()
+        return _grads(model)
+
     for name, batches, failing in plans:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ddp.join():
-                for i in range(batches[rank]):
-                    model.zero_grad()
-                    skip[0] = rank == failing and i == 1
-                    try:
-                        ddp(x).pow(2).mean().backward()
-                    except RuntimeError as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-                        raise
-                    steps.append(_grads(model))
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
-        # Alive and idle until every rank ended the scenario (none runs a DDP step).
-        store.set(f"left_unreduced/{name}/{rank}", b"1")
-        keys = [f"left_unreduced/{name}/{r}" for r in range(world)]
-        store.wait(keys, timedelta(seconds=60))
+        out[name] = run_steps(
+            ddp.join,
+            batches[rank],
+            functools.partial(step, failing),
+            catch=(RuntimeError,),
+            reraise=True,
+        )
+        all_ended(store, f"left_unreduced/{name}", rank, world)
     return out
 
 
@@ -143,15 +136,4 @@ def test_every_rank_raises_the_step_at_once(outcome: tuple[int, dict[int, Any]],
 @pytest.mark.parametrize("name", list(AFTER))
 def test_join_contexts_after_them_train(outcome: tuple[int, dict[int, Any]], name: str) -> None:
     world, results = outcome
-    batches = AFTER[name](world)
-    for rank, result in results.items():
-        run = result[name]
-        assert run["left"] == "left" and len(run["steps"]) == batches[rank], (name, rank, run)
-        assert run["seconds"] < TIMEOUT, (name, rank, run)
-        for i, grads in enumerate(run["steps"]):
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
+    check_trained(results, world, name, AFTER[name](world), limit=TIMEOUT)

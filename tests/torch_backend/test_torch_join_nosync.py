@@ -32,11 +32,17 @@ standing in for the pass it skips, which makes them raise the step's failure the
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import (
+    check_grads,
+    check_raised_once,
+    check_trained,
+    grads,
+    run_steps,
+)
 from ranks import armed_hook, every_rank_ok
 
 TIMEOUT = 3.0
@@ -60,7 +66,6 @@ AT = 1
 def _contexts(rank: int, world: int) -> dict[str, Any]:
     import torch
 
-    from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -85,7 +90,7 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
     ddp.register_comm_hook(None, comm_hook)
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1)
     model(x).pow(2).mean().backward()  # this rank's own gradient: the parameters never move
-    out: dict[str, Any] = {"local": [p.grad.clone().numpy() for p in model.parameters()]}
+    out: dict[str, Any] = {"local": grads([model])}
 
     def loss(pass_: str, name: str, failing: bool) -> Any:
         trip["forward"] = failing and name.replace("_even", "_forward") == f"{pass_}_forward"
@@ -93,25 +98,17 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
         trip["backward"] = failing and name == f"{pass_}_backward"
         return ddp(x).pow(2).mean()
 
+    def step(name: str, i: int) -> list[Any]:
+        model.zero_grad()
+        failing = rank == world - 1 and i == AT
+        with ddp.no_sync():
+            loss("acc", name, failing).backward()
+        loss("sync", name, failing).backward()
+        return grads([model])
+
     for name in [*WHERE, "after"]:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ddp.join():
-                for i in range(_batches(world, name)[rank]):
-                    model.zero_grad()
-                    failing = rank == world - 1 and i == AT
-                    try:
-                        with ddp.no_sync():
-                            loss("acc", name, failing).backward()
-                        loss("sync", name, failing).backward()
-                        steps.append([p.grad.clone().numpy() for p in model.parameters()])
-                    except (RankError, ValueError) as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        count = _batches(world, name)[rank]
+        out[name] = run_steps(ddp.join, count, functools.partial(step, name))
     return out
 
 
@@ -121,20 +118,9 @@ def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     return world, every_rank_ok(_contexts, world, timeout=90)
 
 
-def _check_grads(results: dict[int, Any], world: int, name: str) -> None:
-    """Each step trained: two passes' gradients of each rank with a batch then, summed,
-    over the world size (the synchronised pass reduces what the accumulation left)."""
-    batches = _batches(world, name)
-    for rank, result in results.items():
-        for i, grads in enumerate(result[name]["steps"]):
-            if isinstance(grads, str):
-                continue
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = 2 * sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
+def _twice(i: int) -> int:
+    """Each step's passes: two (the synchronised pass reduces what the accumulation left)."""
+    return 2
 
 
 @pytest.mark.parametrize("name", list(WHERE))
@@ -145,27 +131,15 @@ def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     batches, failing = _batches(world, name), world - 1
     boom = f"rank {failing} in {WHERE[name]}"
     for rank, result in results.items():
-        run = result[name]
-        steps = run["steps"]
-        assert run["seconds"] < TIMEOUT / 2, (name, rank, run)  # never a timeout
-        assert len(steps) == batches[rank], (name, rank, run)
-        errors = [i for i, s in enumerate(steps) if isinstance(s, str)]
-        if batches[rank] > AT:
-            assert errors == [AT], (name, rank, run)
-            if not (rank == failing and name == "acc_backward"):  # (autograd's own there)
-                assert boom in steps[AT], (name, rank, run)
-            assert run["left"] == "left", (name, rank, run)
-        else:  # had joined: raises it as it leaves join()
-            assert errors == [], (name, rank, run)
-            assert run["left"].startswith("RankError") and boom in run["left"], (name, rank, run)
-    _check_grads(results, world, name)
+        # (the failing rank's backward raises autograd's own error there)
+        named = not (rank == failing and name == "acc_backward")
+        label = (name, rank)
+        check_raised_once(
+            result[name], batches[rank], AT, boom, label, limit=TIMEOUT / 2, named=named
+        )
+    check_grads(results, world, name, batches, passes=_twice)
 
 
 def test_a_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -> None:
     world, results = outcome
-    for rank, result in results.items():
-        run = result["after"]
-        assert run["left"] == "left", (rank, run)
-        assert len(run["steps"]) == _batches(world)[rank], (rank, run)
-        assert all(not isinstance(s, str) for s in run["steps"]), (rank, run)
-    _check_grads(results, world, "after")
+    check_trained(results, world, "after", _batches(world), passes=_twice)

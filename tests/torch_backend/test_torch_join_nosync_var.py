@@ -35,8 +35,13 @@ import copy
 import time
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import (
+    check_after_as_pytorch,
+    nosync_step,
+    run_steps,
+    trained_after,
+)
 from ranks import armed_linear, every_rank_ok
 
 TIMEOUT = 3.0
@@ -78,7 +83,6 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
 
     _slow_joined_ranks()
@@ -88,39 +92,17 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, per_world in CASES.items():
         batches, failing, at, acc = per_world[world]
-        steps: list[str] = []
-        started = time.monotonic()
-        try:
-            with ddp.join():
-                for i in range(batches[rank]):
-                    model.zero_grad()
-                    try:
-                        for k in range(acc[i]):
-                            with ddp.no_sync():
-                                armed[0] = rank == failing and i == at and k == 0
-                                ddp(x).pow(2).mean().backward()
-                        ddp(x).pow(2).mean().backward()
-                        steps.append("ok")
-                    except (RankError, ValueError) as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+
+        def step(i: int, failing: int = failing, at: int = at, acc: Any = acc) -> str:
+            model.zero_grad()
+            return nosync_step(ddp, x, acc[i], rank == failing and i == at, armed)
+
+        out[name] = run_steps(ddp.join, batches[rank], step)
     # A join context after them, against PyTorch's DDP from the same parameters.
     reference = copy.deepcopy(model)
     theirs = TorchDDP(reference)
-    grads: dict[str, list[Any]] = {"xgrad": [], "torch": []}
-    for side, d, m in (("xgrad", ddp, model), ("torch", theirs, reference)):
-        with d.join():
-            for i in range(1 + rank):
-                m.zero_grad()
-                for _ in range(i % 2):
-                    with d.no_sync():
-                        d(x * (i + 1)).pow(2).mean().backward()
-                d(x * (i + 1)).pow(2).mean().backward()
-                grads[side].append([p.grad.clone().numpy() for p in m.parameters()])
-    out["after"] = grads
+    sides = [("xgrad", [ddp], [model], ddp.join), ("torch", [theirs], [reference], theirs.join)]
+    out["after"] = trained_after(sides, x, rank, lambda i: i % 2, lambda y: y.pow(2).mean())
     return out
 
 
@@ -152,10 +134,4 @@ def test_every_rank_raises_the_step_once_at_once_naming_the_rank(
 
 
 def test_a_join_context_after_them_trains_as_pytorch(outcome: tuple[int, dict[int, Any]]) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result["after"]["xgrad"], result["after"]["torch"]
-        assert len(ours) == len(theirs) == rank + 1
-        for a, b in zip(ours, theirs, strict=True):
-            for p, q in zip(a, b, strict=True):
-                np.testing.assert_allclose(p, q, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}")
+    check_after_as_pytorch(outcome[1], rtol=1e-6)

@@ -17,12 +17,11 @@ even inputs nobody joins: the passes go as PyTorch's (its ``Join`` works there).
 
 from __future__ import annotations
 
-import copy
-import time
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import check_as_pytorch, grads, run_steps, two_linear_ddps
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -34,52 +33,32 @@ UNEVEN = {
 EVEN = (2, 2, 2)
 
 
-def _grads(models: list[Any]) -> list[Any]:
-    return [p.grad.clone().numpy() for m in models for p in m.parameters()]
-
-
 def _contexts(rank: int, world: int) -> dict[str, Any]:
-    import torch
-    from torch import nn
     from torch.distributed.algorithms.join import Join as TorchJoin
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.join import Join
 
-    torch.manual_seed(0)
-    base = [nn.Linear(5, 5), nn.Linear(5, 2)]
-    g = torch.Generator().manual_seed(10 + rank)
-    data = [torch.randn(4, 5, generator=g) for _ in range(3)]
-    ours = [copy.deepcopy(m) for m in base]
-    d1, d2 = (DistributedDataParallel(m, timeout=TIMEOUT) for m in ours)
-    theirs = [copy.deepcopy(m) for m in base]
-    t1, t2 = (TorchDDP(m) for m in theirs)
+    data, (ours, d1, d2), (theirs, t1, t2) = two_linear_ddps(rank, TIMEOUT)
     out: dict[str, Any] = {}
 
+    def step(ddps: Any, models: list[Any], i: int) -> list[Any]:
+        for m in models:
+            m.zero_grad()
+        for ddp in ddps:  # d1 first, then d2: a backward pass each
+            ddp(data[i]).square().sum().backward()
+        return grads(models)
+
     def run(name: str, ddps: Any, models: list[Any], ctx: Any, n: int) -> None:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ctx:
-                for x in data[:n]:
-                    for m in models:
-                        m.zero_grad()
-                    for ddp in ddps:  # d1 first, then d2: a backward pass each
-                        ddp(x).square().sum().backward()
-                    steps.append(_grads(models))
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        # (nothing caught: an error leaves the context)
+        out[name] = run_steps(ctx, n, functools.partial(step, ddps, models), catch=())
 
     for name, batches in UNEVEN.items():
-        run(name, (d1, d2), ours, Join([d2, d1]), batches(world)[rank])
-    run("even", (d1, d2), ours, Join([d2, d1]), EVEN[rank])
-    run("torch_even", (t1, t2), theirs, TorchJoin([t2, t1]), EVEN[rank])
+        run(name, (d1, d2), ours, functools.partial(Join, [d2, d1]), batches(world)[rank])
+    run("even", (d1, d2), ours, functools.partial(Join, [d2, d1]), EVEN[rank])
+    run("torch_even", (t1, t2), theirs, functools.partial(TorchJoin, [t2, t1]), EVEN[rank])
     after = UNEVEN["uneven"](world)[rank]
-    run("after", (d1, d2), ours, Join([d1, d2]), after)
-    run("torch_after", (t1, t2), theirs, TorchJoin([t1, t2]), after)
+    run("after", (d1, d2), ours, functools.partial(Join, [d1, d2]), after)
+    run("torch_after", (t1, t2), theirs, functools.partial(TorchJoin, [t1, t2]), after)
     return out
 
 
@@ -104,27 +83,11 @@ def test_every_rank_raises_at_once_naming_it(
         assert len(run["steps"]) == batches[0], (name, rank, run)  # the steps all trained
 
 
-def _same(ours: list[Any], theirs: list[Any], what: str) -> None:
-    assert len(ours) == len(theirs), what
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"{what} step {i}")
-
-
 def test_with_even_inputs_they_train_as_pytorchs(outcome: tuple[int, dict[int, Any]]) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result["even"], result["torch_even"]
-        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
-        _same(ours["steps"], theirs["steps"], f"even rank {rank}")
+    check_as_pytorch(outcome[1], "even", "torch_even")
 
 
 def test_a_join_context_in_their_order_trains_as_pytorchs_after_it(
     outcome: tuple[int, dict[int, Any]],
 ) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result["after"], result["torch_after"]
-        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
-        assert ours["seconds"] < TIMEOUT, (rank, ours)
-        _same(ours["steps"], theirs["steps"], f"after rank {rank}")
+    check_as_pytorch(outcome[1], "after", "torch_after", limit=TIMEOUT)

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import time
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import check_as_pytorch, check_grads, check_raised_once, grads, run_steps
 from ranks import armed_hook, every_rank_ok
 
 TIMEOUT = 3.0
@@ -46,17 +45,12 @@ WHERE = {
 }
 
 
-def _grads(models: list[Any]) -> list[Any]:
-    return [p.grad.clone().numpy() for m in models for p in m.parameters()]
-
-
 def _contexts(rank: int, world: int, second: bool = False) -> dict[str, Any]:
     import torch
     from torch import nn
     from torch.distributed.algorithms.join import Join as TorchJoin
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.join import Join
 
@@ -79,40 +73,33 @@ def _contexts(rank: int, world: int, second: bool = False) -> dict[str, Any]:
     t1, t2 = (TorchDDP(m) for m in theirs)
     for m in base:  # this rank's own gradients: the parameters never move
         m(x).square().sum().backward()
-    out: dict[str, Any] = {"local": _grads(base)}
+    out: dict[str, Any] = {"local": grads(base)}
+
+    def step(ddps: Any, models: list[Any], fail: str, at: int, i: int) -> list[Any]:
+        for m in models:
+            m.zero_grad()
+        armed[0] = fail == "forward" and i == at
+        hook_armed[0] = fail == "hook" and i == at
+        for ddp in ddps:
+            ddp(x).square().sum().backward()
+        return grads(models)
 
     def run(
         name: str, ddps: Any, models: list[Any], ctx: Any, n: int, fail: str, at: int = AT
     ) -> None:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ctx:
-                for i in range(n):
-                    for m in models:
-                        m.zero_grad()
-                    armed[0] = fail == "forward" and i == at
-                    hook_armed[0] = fail == "hook" and i == at
-                    try:
-                        for ddp in ddps:
-                            ddp(x).square().sum().backward()
-                        steps.append(_grads(models))
-                    except (RankError, ValueError) as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        out[name] = run_steps(ctx, n, functools.partial(step, ddps, models, fail, at))
 
     n = BATCHES(world)[rank]
+    ours_join = functools.partial(Join, [d1, d2])
+    theirs_join = functools.partial(TorchJoin, [t1, t2])
     for name in WHERE:
-        run(name, (d1, d2), ours, Join([d1, d2]), n, name if rank == world - 1 else "")
-    run("after", (d1, d2), ours, Join([d1, d2]), n, "")
-    run("torch_after", (t1, t2), theirs, TorchJoin([t1, t2]), n, "")
+        run(name, (d1, d2), ours, ours_join, n, name if rank == world - 1 else "")
+    run("after", (d1, d2), ours, ours_join, n, "")
+    run("torch_after", (t1, t2), theirs, theirs_join, n, "")
     # A failure at the last iteration, then PyTorch's Join over these DDPs (see the module).
     last = "forward" if rank == world - 1 else ""
-    run("last", (d1, d2), ours, Join([d1, d2]), n, last, at=n - 1)
-    run("torch_ours", (d1, d2), ours, TorchJoin([d1, d2]), n, "")
+    run("last", (d1, d2), ours, ours_join, n, last, at=n - 1)
+    run("torch_ours", (d1, d2), ours, functools.partial(TorchJoin, [d1, d2]), n, "")
     return out
 
 
@@ -131,38 +118,12 @@ def test_every_rank_raises_it_once_and_the_iterations_after_it_train(
     batches, failing = BATCHES(world), world - 1
     boom = f"rank {failing} in {WHERE[name]}"
     for rank, result in results.items():
-        run = result[name]
-        steps = run["steps"]
-        assert run["seconds"] < TIMEOUT / 2, (rank, run)  # never a timeout
-        assert len(steps) == batches[rank], (rank, run)
-        errors = [i for i, s in enumerate(steps) if isinstance(s, str)]
-        if batches[rank] > AT:
-            assert errors == [AT] and boom in steps[AT], (rank, run)
-            assert run["left"] == "left", (rank, run)
-        else:
-            assert errors == [], (rank, run)
-            assert run["left"].startswith("RankError") and boom in run["left"], (rank, run)
-        for i, grads in enumerate(steps):
-            if isinstance(grads, str):
-                continue
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank} step {i}"
-                )
+        check_raised_once(result[name], batches[rank], AT, boom, rank, limit=TIMEOUT / 2)
+    check_grads(results, world, name, batches, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["after", "torch_ours"])
 def test_a_join_context_after_it_trains_as_pytorchs(
     outcome: tuple[int, dict[int, Any]], name: str
 ) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result[name], result["torch_after"]
-        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
-        assert ours["seconds"] < TIMEOUT, (rank, ours)
-        assert len(ours["steps"]) == len(theirs["steps"]), (rank, ours, theirs)
-        for i, (a, b) in enumerate(zip(ours["steps"], theirs["steps"], strict=True)):
-            for u, v in zip(a, b, strict=True):
-                np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6, err_msg=f"{rank} {i}")
+    check_as_pytorch(outcome[1], name, "torch_after", limit=TIMEOUT)

@@ -24,11 +24,17 @@ from __future__ import annotations
 
 import copy
 import functools
-import time
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import (
+    check_after_as_pytorch,
+    check_grads,
+    check_raised_once,
+    grads,
+    run_steps,
+    trained_after,
+)
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -66,17 +72,12 @@ CASES: dict[str, dict[int, Case]] = {
 BOOM = {"forward": "forward: ValueError: boom", "backward": "backward: ValueError: grad boom"}
 
 
-def _grads(models: list[Any]) -> list[Any]:
-    return [p.grad.clone().numpy() for m in models for p in m.parameters()]
-
-
 def _run(rank: int, world: int) -> dict[str, Any]:
     import torch
     from torch import nn
     from torch.distributed.algorithms.join import Join as TorchJoin
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.join import Join
 
@@ -101,53 +102,36 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     x = torch.arange(20.0).reshape(4, 5) * (rank + 1) / 10
     for m in base:  # this rank's own gradient of a pass: the parameters never move
         m(x).square().mean().backward()
-    out: dict[str, Any] = {"local": _grads(base)}
+    out: dict[str, Any] = {"local": grads(base)}
+
+    def step(used: list[Any], case: Case, i: int) -> list[Any]:
+        _, failing, at, acc, k_at, ddp_at, kind = case
+        for m in ours:
+            m.zero_grad()
+        for k in range(acc[i]):
+            if rank == failing and i == at and k == k_at:
+                armed[(ddp_at, kind)] = True
+            for ddp in used:
+                with ddp.no_sync():
+                    ddp(x).square().mean().backward()
+        for ddp in used:
+            ddp(x).square().mean().backward()
+        return grads(ours[: len(used)])
+
     for name, per_world in CASES.items():
-        batches, failing, at, acc, k_at, ddp_at, kind = per_world[world]
         used = ddps[:1] if name == "one_ddp" else ddps
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with Join(used):
-                for i in range(batches[rank]):
-                    for m in ours:
-                        m.zero_grad()
-                    try:
-                        for k in range(acc[i]):
-                            if rank == failing and i == at and k == k_at:
-                                armed[(ddp_at, kind)] = True
-                            for ddp in used:
-                                with ddp.no_sync():
-                                    ddp(x).square().mean().backward()
-                        for ddp in used:
-                            ddp(x).square().mean().backward()
-                        steps.append(_grads(ours[: len(used)]))
-                    except (RankError, ValueError) as exc:
-                        steps.append(f"{type(exc).__name__}: {exc}")
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+        case = per_world[world]
+        out[name] = run_steps(
+            functools.partial(Join, used), case[0][rank], functools.partial(step, used, case)
+        )
     # A join context after them, against PyTorch's Join over its DDPs, same parameters.
     theirs = [copy.deepcopy(m) for m in ours]
     torch_ddps = [TorchDDP(m) for m in theirs]
-    after: dict[str, list[Any]] = {"xgrad": [], "torch": []}
-    for side, ds, ms, context in (
-        ("xgrad", ddps, ours, Join(ddps)),
-        ("torch", torch_ddps, theirs, TorchJoin(torch_ddps)),
-    ):
-        with context:
-            for i in range(1 + rank):
-                for m in ms:
-                    m.zero_grad()
-                for _ in range(i % 2):
-                    for d in ds:
-                        with d.no_sync():
-                            d(x * (i + 1)).square().mean().backward()
-                for d in ds:
-                    d(x * (i + 1)).square().mean().backward()
-                after[side].append(_grads(ms))
-    out["after"] = after
+    sides = [
+        ("xgrad", ddps, ours, functools.partial(Join, ddps)),
+        ("torch", torch_ddps, theirs, functools.partial(TorchJoin, torch_ddps)),
+    ]
+    out["after"] = trained_after(sides, x, rank, lambda i: i % 2, lambda y: y.square().mean())
     return out
 
 
@@ -165,37 +149,16 @@ def test_every_rank_raises_the_iteration_once_at_once_naming_the_rank(
     batches, failing, at, acc, _, _, kind = CASES[name][world]
     boom = f"rank {failing} in {BOOM[kind]}"
     for rank, result in results.items():
-        run = result[name]
-        steps = run["steps"]
-        assert run["seconds"] < TIMEOUT / 2, (name, rank, run)  # never a timeout
-        assert len(steps) == batches[rank], (name, rank, run)
-        errors = [i for i, s in enumerate(steps) if isinstance(s, str)]
-        if at < batches[rank]:  # ran the iteration: raised there, once; left cleanly
-            assert errors == [at], (name, rank, run)
-            if not (rank == failing and kind == "backward"):  # (autograd's own there)
-                assert boom in steps[at], (name, rank, run)
-            assert run["left"] == "left", (name, rank, run)
-        else:  # had joined: raises it as it leaves join()
-            assert errors == [], (name, rank, run)
-            assert run["left"].startswith("RankError") and boom in run["left"], (name, rank, run)
-        for i, grads in enumerate(steps):  # the other iterations: every pass reduced
-            if isinstance(grads, str):
-                continue
-            training = [r for r in results if i < batches[r]]
-            for j, got in enumerate(grads):
-                want = (acc[i] + 1) * sum(results[r]["local"][j] for r in training) / world
-                np.testing.assert_allclose(
-                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} rank {rank} step {i}"
-                )
+        named = not (rank == failing and kind == "backward")  # (autograd's own there)
+        label = (name, rank)
+        check_raised_once(
+            result[name], batches[rank], at, boom, label, limit=TIMEOUT / 2, named=named
+        )
+    # the other iterations: every pass reduced
+    check_grads(results, world, name, batches, passes=lambda i: acc[i] + 1)
 
 
 def test_a_join_context_after_them_trains_as_pytorchs(
     outcome: tuple[int, dict[int, Any]],
 ) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result["after"]["xgrad"], result["after"]["torch"]
-        assert len(ours) == len(theirs) == rank + 1
-        for a, b in zip(ours, theirs, strict=True):
-            for p, q in zip(a, b, strict=True):
-                np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+    check_after_as_pytorch(outcome[1], rtol=1e-5)

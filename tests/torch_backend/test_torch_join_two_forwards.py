@@ -14,12 +14,11 @@ outside ``join()``, with PyTorch's gradients (its ``Join`` works there).
 
 from __future__ import annotations
 
-import copy
-import time
+import functools
 from typing import Any
 
-import numpy as np
 import pytest
+from join_cases import check_as_pytorch, grads, run_steps, two_linear_ddps
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -35,54 +34,36 @@ def _loss(d1: Any, d2: Any, x: Any, shape: str) -> Any:
     return d1(x).square().sum() + d2(x).square().sum()
 
 
-def _grads(models: list[Any]) -> list[Any]:
-    return [p.grad.clone().numpy() for m in models for p in m.parameters()]
-
-
 def _contexts(rank: int, world: int) -> dict[str, Any]:
-    import torch
-    from torch import nn
     from torch.distributed.algorithms.join import Join as TorchJoin
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.join import Join
 
-    torch.manual_seed(0)
-    base = [nn.Linear(5, 5), nn.Linear(5, 2)]
-    g = torch.Generator().manual_seed(10 + rank)
-    data = [torch.randn(4, 5, generator=g) for _ in range(3)]
-    ours = [copy.deepcopy(m) for m in base]
-    d1, d2 = (DistributedDataParallel(m, timeout=TIMEOUT) for m in ours)
-    theirs = [copy.deepcopy(m) for m in base]
-    t1, t2 = (TorchDDP(m) for m in theirs)
+    data, (ours, d1, d2), (theirs, t1, t2) = two_linear_ddps(rank, TIMEOUT)
     out: dict[str, Any] = {}
 
-    def run(name: str, ddps: Any, models: list[Any], ctx: Any, n: int, shape: str) -> None:
-        steps: list[Any] = []
-        started = time.monotonic()
-        try:
-            with ctx:
-                for x in data[:n]:
-                    for m in models:
-                        m.zero_grad()
-                    if shape == "separate":  # a backward pass per DDP
-                        for ddp in ddps:
-                            ddp(x).square().sum().backward()
-                    else:
-                        _loss(*ddps, x, shape).backward()
-                    steps.append(_grads(models))
-            left = "left"
-        except RuntimeError as exc:
-            left = f"{type(exc).__name__}: {exc}"
-        out[name] = {"steps": steps, "left": left, "seconds": time.monotonic() - started}
+    def step(ddps: Any, models: list[Any], shape: str, i: int) -> list[Any]:
+        for m in models:
+            m.zero_grad()
+        if shape == "separate":  # a backward pass per DDP
+            for ddp in ddps:
+                ddp(data[i]).square().sum().backward()
+        else:
+            _loss(*ddps, data[i], shape).backward()
+        return grads(models)
 
+    def run(name: str, ddps: Any, models: list[Any], ctx: Any, n: int, shape: str) -> None:
+        # (nothing caught: an error leaves the context)
+        out[name] = run_steps(ctx, n, functools.partial(step, ddps, models, shape), catch=())
+
+    ours_join = functools.partial(Join, [d1, d2])
+    theirs_join = functools.partial(TorchJoin, [t1, t2])
     for shape in SHAPES:
-        run(f"uneven_{shape}", (d1, d2), ours, Join([d1, d2]), UNEVEN[rank], shape)
-        run(f"even_{shape}", (d1, d2), ours, Join([d1, d2]), EVEN[rank], shape)
-        run(f"torch_even_{shape}", (t1, t2), theirs, TorchJoin([t1, t2]), EVEN[rank], shape)
-    run("after", (d1, d2), ours, Join([d1, d2]), UNEVEN[rank], "separate")
-    run("torch_after", (t1, t2), theirs, TorchJoin([t1, t2]), UNEVEN[rank], "separate")
+        run(f"uneven_{shape}", (d1, d2), ours, ours_join, UNEVEN[rank], shape)
+        run(f"even_{shape}", (d1, d2), ours, ours_join, EVEN[rank], shape)
+        run(f"torch_even_{shape}", (t1, t2), theirs, theirs_join, EVEN[rank], shape)
+    run("after", (d1, d2), ours, ours_join, UNEVEN[rank], "separate")
+    run("torch_after", (t1, t2), theirs, theirs_join, UNEVEN[rank], "separate")
     return out
 
 
@@ -111,30 +92,14 @@ def test_every_rank_raises_at_once_naming_it(
             assert len(run["steps"]) == 1, (shape, rank, run)  # the step all trained
 
 
-def _same(ours: list[Any], theirs: list[Any], what: str) -> None:
-    assert len(ours) == len(theirs), what
-    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        for x, y in zip(a, b, strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6, err_msg=f"{what} step {i}")
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_with_even_inputs_both_forwards_train_as_pytorchs(
     outcome: tuple[int, dict[int, Any]], shape: str
 ) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result[f"even_{shape}"], result[f"torch_even_{shape}"]
-        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
-        _same(ours["steps"], theirs["steps"], f"{shape} rank {rank}")
+    check_as_pytorch(outcome[1], f"even_{shape}", f"torch_even_{shape}")
 
 
 def test_a_backward_pass_per_ddp_trains_as_pytorchs_after_it(
     outcome: tuple[int, dict[int, Any]],
 ) -> None:
-    _, results = outcome
-    for rank, result in results.items():
-        ours, theirs = result["after"], result["torch_after"]
-        assert ours["left"] == theirs["left"] == "left", (rank, ours, theirs)
-        assert ours["seconds"] < TIMEOUT, (rank, ours)
-        _same(ours["steps"], theirs["steps"], f"after rank {rank}")
+    check_as_pytorch(outcome[1], "after", "torch_after", limit=TIMEOUT)
