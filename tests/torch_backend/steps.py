@@ -28,3 +28,14 @@ def recorded(record: dict[str, Any], body: Callable[[], None]) -> dict[str, Any]
     record["warning"] = " | ".join(str(w.message) for w in caught)
     record["warned_at"] = sorted({w.filename for w in caught})
     return record
+
+
+def grads_are(model: Any, expected: dict[str, Any]) -> bool:
+    """Whether every ``.grad`` of ``model`` is ``expected``'s, by name (the full batch's,
+    in the failure tests: a failed step must leave the next one right)."""
+    import torch
+
+    return all(
+        torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters()
+    )

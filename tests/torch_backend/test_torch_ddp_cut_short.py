@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from ranks import run_ranks
-from steps import recorded
+from steps import grads_are, recorded
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 SHARD = 4
@@ -63,10 +63,7 @@ def _steps(rank: int, world: int, on: str) -> list[dict[str, Any]]:
 
         def body(record: dict[str, Any] = record) -> None:
             ((ddp(xs) - ys) ** 2).mean().backward()
-            record["correct"] = all(
-                torch.allclose(p.grad, expected[n], rtol=1e-5, atol=1e-6)
-                for n, p in model.named_parameters()
-            )
+            record["correct"] = grads_are(model, expected)
 
         out.append(recorded(record, body))
     return out

@@ -22,32 +22,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from branches import Branches
 
 from xgrad.torch_backend.spawn import spawn
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 #: the no_sync passes of the first step after the validation pass, by case name.
 PASSES = {"a": ("a",), "b": ("b",), "a_then_b": ("a", "b")}
-
-
-class Branches(nn.Module):
-    """A shared layer, then branch ``a``, ``b`` or both (``"ab"``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.s = nn.Linear(4, 4)
-        self.a = nn.Linear(4, 3)
-        self.b = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
-        h = torch.tanh(self.s(x))
-        out = torch.zeros(())
-        if "a" in branch:
-            out = out + self.a(h)
-        if "b" in branch:
-            out = out + self.b(h)
-        return out
 
 
 def _steps(passes: tuple[str, ...]) -> list[list[tuple[str, bool]]]:

@@ -25,25 +25,11 @@ import time
 from typing import Any
 
 import torch
+from branches import Branches
 from ranks import run_ranks
-from torch import nn
 
 FAST = {"XGRAD_HEARTBEAT_INTERVAL": "0.1", "XGRAD_HEARTBEAT_TIMEOUT": "2"}
 TIMEOUT = 5.0
-
-
-class Branches(nn.Module):
-    """A shared layer, then branch ``a`` or ``b``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.s = nn.Linear(4, 4)
-        self.a = nn.Linear(4, 3)
-        self.b = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
-        h = torch.tanh(self.s(x))
-        return self.a(h) if branch == "a" else self.b(h)
 
 
 def _batch(rank: int, i: int) -> torch.Tensor:
