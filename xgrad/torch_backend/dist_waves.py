@@ -193,27 +193,6 @@ def run_waves(
     return state.grads
 
 
-def backward_waves(
-    pass_: ProcessPass,
-    me: int,
-    rank_graph: RankGraph,
-    roots: Sequence[torch.Tensor],
-    send_edges: Sequence[GradientEdge],
-    recvs: Sequence[tuple[torch.Tensor, Any]],
-    accumulate: Any,
-) -> dict[int, Any]:
-    """:func:`run_waves` with the pass's ending, as ``Engine.backward_distributed`` does it.
-
-    Every rank raises the first failure posted (named by rank and node); the pass is
-    finished (every rank done, every send received) or released (poison what is owed).
-    """
-    return run_worker_part(
-        pass_,
-        me,
-        lambda: run_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate),
-    )
-
-
 def hooked(rank_graph: RankGraph) -> bool:
     """Whether a leaf has tensor hooks (they must see the sum once). A received tensor's
     run where its gradient is captured, once, on the sum (:meth:`_Waves.wave`)."""
@@ -262,7 +241,14 @@ def run_pass(
         and not rank_graph.inner_hooks
         and not nodes_only(rank_graph)
     ):
-        grads = backward_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate)
+        # Ended as ``Engine.backward_distributed`` ends a pass: every rank raises the first
+        # failure posted (named by rank and node); the pass is finished (every rank done,
+        # every send received) or released (poison what is owed).
+        grads = run_worker_part(
+            pass_,
+            me,
+            lambda: run_waves(pass_, me, rank_graph, roots, send_edges, recvs, accumulate),
+        )
         return grads, under_roots(rank_graph)
     engine = Engine(accumulate=accumulate)
     for i, leaf in enumerate(rank_graph.leaves):
