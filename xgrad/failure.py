@@ -156,6 +156,10 @@ class FailureChannel:
             self._failure = Failure.from_bytes(self.store.get(f"{self.prefix}/failure/1"))
         return self._failure
 
+    def seen(self) -> Failure | None:
+        """The step's first failure if this rank read (or posted) it already: no lookup."""
+        return self._failure
+
     def others(self) -> list[Failure]:
         """The failures posted after the first, one per origin rank but the first's: those
         in the store now (lookups; a ticket whose failure is not written yet ends them).

@@ -37,6 +37,7 @@ from xgrad.torch_backend.ddp_recover import (
 from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import Row
+from xgrad.torch_backend.join_leave import training_gate
 from xgrad.torch_backend.join_notify import notify_join_context
 from xgrad.torch_backend.join_order import before_forward
 from xgrad.torch_backend.join_rounds import Announcing, announce, read_announcement
@@ -142,6 +143,7 @@ def _start(ddp: DistributedDataParallel, sync: bool) -> None:
         sync,
         ddp._join_config.enable,
         accumulate=not ddp.require_backward_grad_sync,
+        gate=training_gate(ddp),  # after a failed step: a rank that left join() raising
     )
 
 

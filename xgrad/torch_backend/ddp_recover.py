@@ -97,7 +97,7 @@ def start_forward(
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
-            begin_next_step(watch, hooks, joining)
+            begin_next_step(watch, hooks, joining, gate)
             # Still prepared (a synchronised forward pass every rank left without a
             # backward: the skip round found no failure), the reducer takes this pass's
             # gradients as PyTorch's does: reduced, a step of its own (post_forward).
@@ -107,7 +107,7 @@ def start_forward(
             # its kind (an evaluation too): a rank that has joined cannot know which pass
             # comes, and begins it with its fresh group as soon as it sees the failure
             # (join_hook), as a rank that leaves join() does.
-            begin_next_step(watch, hooks, joining)
+            begin_next_step(watch, hooks, joining, gate)
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass

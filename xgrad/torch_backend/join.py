@@ -63,6 +63,7 @@ from xgrad.torch_backend.join_announce import carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
 from xgrad.torch_backend.join_order import JoinOrder
+from xgrad.torch_backend.join_refused import again
 from xgrad.torch_backend.join_rounds import counted, failed_count
 from xgrad.torch_backend.lost_rank import transfer_failed
 
@@ -102,8 +103,11 @@ class Join(TorchJoin):
 
     def __exit__(self, type: Any, value: Any, traceback: Any) -> None:
         """PyTorch's, after telling the joined ranks when an exception leaves the block
-        in a step that failed (:mod:`.join_leave`; PyTorch's ``Join`` cannot)."""
-        if self._enable and type is not None:
+        in a step that failed (:mod:`.join_leave`; PyTorch's ``Join`` cannot). A block
+        left plainly after a refusal that ended the context here, caught inside it, is
+        left raising that refusal (:mod:`.join_refused`): the joined ranks are gone."""
+        refused = self._order.standing() if self._enable and type is None else None
+        if self._enable and (type is not None or refused is not None):
             for hook in self._join_hooks:
                 if isinstance(hook, DDPJoinHook):
                     # Best effort: the exception leaving the block is what this rank raises
@@ -111,6 +115,9 @@ class Join(TorchJoin):
                     with contextlib.suppress(Exception):
                         hook.leave_raising()
             self._order.left_refused()
+        if refused is not None:
+            self._order.forget()
+            raise again(refused)
         try:
             super().__exit__(type, value, traceback)
         finally:

@@ -16,6 +16,11 @@ in the failed step's round, or in the fresh group's making, to the DDP's timeout
   failed one, that it makes it (:func:`~.ddp_leftovers.mark_next`). A rank that makes it
   ahead of the others (one that has joined, or leaves ``join()`` plainly) marks, then
   waits for every other rank's mark (:func:`wait_for_next`): a note ends that wait.
+  So does a rank still training under xgrad's ``Join`` that caught the failure inside
+  the block and goes on with its next pass (:func:`training_gate`): making the group
+  with a rank that left raising, it waited to the group's timeout, then blamed a rank
+  that had joined (which stopped at once on the note). The marks cost nothing more:
+  making the group waits for every rank anyway.
 
 * A failure raised at the forward pass after its step (a backward pass that left buckets
   unreduced: :data:`~.ddp_pass_end.UNREDUCED`) is raised at the pass that begins the step
@@ -38,6 +43,7 @@ the joined ranks still raise only at the DDP's timeout.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +55,7 @@ from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.torch_backend.ddp_leftovers import next_marks
 
 if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp import DistributedDataParallel
     from xgrad.torch_backend.ddp_failure import StepWatch
 
 __all__ = [
@@ -59,6 +66,7 @@ __all__ = [
     "left_raising",
     "post_left",
     "raised_past",
+    "training_gate",
     "wait_count",
     "wait_for_next",
     "was_carried",
@@ -180,13 +188,20 @@ def check_left(channel: FailureChannel) -> None:
 
 
 def wait_for_next(
-    watch: StepWatch, channel: FailureChannel, kept: BaseException | None, notes: bool = True
+    watch: StepWatch,
+    channel: FailureChannel,
+    kept: BaseException | None,
+    notes: bool = True,
+    aborted: bool = False,
 ) -> None:
     """A rank that begins the step past ``channel``'s failed one ahead of the others, its
     mark written: wait until every rank has marked (each makes the fresh group now or is
     about to); a note raises the step's failure (``kept`` first) instead, unless not
     ``notes`` (the step failed before this join context: its notes were an earlier
-    context's). Bounded by the DDP's timeout; a lost peer raises too."""
+    context's). Bounded by the DDP's timeout; a lost peer raises too. ``aborted``: a
+    note of a rank that aborted the group first (``abort_group`` in its handler) ends
+    the wait instead, for :meth:`~.ddp_failure.StepWatch.begin_step` to name it (what
+    matters more: a new group is needed)."""
     marks = next_marks(channel.prefix, watch.ranks)
     store = channel.store
     before = waiting_for(COLLECTIVE)  # published with the heartbeat: a late peer is named
@@ -198,6 +213,8 @@ def wait_for_next(
             # context) marks too, after its note, and this rank's context is over.
             note = left_raising(channel) if notes else None
             if note is not None:
+                if aborted and _aborted(channel):
+                    return
                 raise raised_past(kept, channel, note)
             if marked:
                 return
@@ -208,6 +225,37 @@ def wait_for_next(
             time.sleep(watch.poll)
     finally:
         waiting_for(before)
+
+
+def _aborted(channel: FailureChannel) -> bool:
+    """Whether a peer aborted the group (read now: its abort comes before its note)."""
+    liveness = channel.liveness
+    if liveness is None:
+        return False
+    liveness.read(force=True)
+    return bool(liveness.aborted())
+
+
+def training_gate(ddp: DistributedDataParallel) -> Callable[[FailureChannel], None] | None:
+    """The gate of a rank still training in xgrad's ``Join`` (whose exit posts the notes),
+    for a pass that begins the step after a failed one (:func:`_training_gate`); ``None``
+    elsewhere (PyTorch's ``Join`` runs no hook as a rank leaves it raising: no note
+    comes). A few attribute reads a pass: the rest only after a failed step."""
+    config = ddp._join_config
+    if not config.enable or ddp._counted_config is not config or ddp._join_order is None:
+        return None
+    return functools.partial(_training_gate, ddp)
+
+
+def _training_gate(ddp: DistributedDataParallel, failed: FailureChannel) -> None:
+    """:func:`wait_for_next`: a note raises the step's failure, naming the rank that left
+    ``join()`` raising it (a step that failed before this context, whose notes were an
+    earlier one's, only waits for the marks); a peer that aborted the group is named by
+    the group's making, after it."""
+    order = ddp._join_order
+    hook = next((h for h in order.hooks if getattr(h, "ddp", None) is ddp), None)
+    entered = order.entered if hook is None else hook.entered
+    wait_for_next(ddp._watch, failed, None, failed.prefix != entered, aborted=True)
 
 
 def _timed_out(channel: FailureChannel, waited: float) -> RankError:

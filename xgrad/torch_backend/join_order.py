@@ -35,7 +35,9 @@ first joinable's step, what ran and that DDP's step before it (:func:`note_order
 joined rank whose count waits past a poll reads it (:func:`refuse_order`) and, when it
 names the step it counts for and a pass of that DDP it has not shadowed, posts the refusal to that DDP's step, where the ranks still training wait, and
 raises it; they send their part of its count as they leave ``join()``
-(:func:`left_refused`), so that no all-reduce is left pending on the join group. With
+(:func:`~.join_refused.left_refused`), so that no all-reduce is left pending on the join
+group. A rank still training that catches either refusal inside the block and goes on
+raises it again at each later pass, and as it leaves (:mod:`.join_refused`). With
 even inputs such a context pays one store write per iteration and trains as PyTorch's.
 
 Under PyTorch's ``Join`` over xgrad's DDPs none of this is seen (its context links
@@ -49,10 +51,11 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from xgrad.failure import RankError
 from xgrad.torch_backend.ddp_recover import start_forward
-from xgrad.torch_backend.join_announce import count, sum_async
 from xgrad.torch_backend.join_given_up import give_up_cut_short, linked, refuse_skipped
 from xgrad.torch_backend.join_leave import post_left
+from xgrad.torch_backend.join_refused import ORDER, left_refused, refuse_again, standing
 from xgrad.torch_backend.join_rounds import stand_in
 
 if TYPE_CHECKING:
@@ -67,9 +70,6 @@ __all__ = [
     "refuse_order",
     "refuse_second_forward",
 ]
-
-#: where the refusal of DDPs forwarded out of the context's order is posted.
-ORDER = "join order"
 
 #: what the note of a rank that refused such a forward pass says.
 STOPPED = "gave up the step: the ranks that had joined stop shadowing"
@@ -101,7 +101,9 @@ def refuse_second_forward(ddp: DistributedDataParallel) -> None:
         "losses; PyTorch's Join([d1, d2]) hangs there too). Run each DDP's backward pass "
         "before the next DDP's forward pass, or wrap the modules in one DDP"
     )
-    watch.post("join", error)  # DDP 0's step fails, where the joined ranks look
+    posted = watch.post("join", error)  # DDP 0's step fails, where the joined ranks look
+    if ddp._join_order is not None:  # and it stands here for the rest of the context
+        ddp._join_order.refused = posted
     hooks.join_round = None
     pending.fail()  # this rank's part of DDP 0's round: the joined ranks' part meets it
     post_left(watch.channel, STOPPED)
@@ -143,6 +145,10 @@ class JoinOrder:
         self.failed = False
         #: the first failure a join hook kept, raised once every post hook ran
         self.kept: BaseException | None = None
+        #: each joinable's step namespace as the context began, and the refusal that
+        #: ended the context on this rank (join_refused)
+        self.began = tuple(_prefix(j) for j in self.joinables)
+        self.refused: RankError | None = None
 
     def refuse(self) -> None:
         """:func:`refuse_order`, for this context's joined rank (its hooks: the context's)."""
@@ -154,6 +160,10 @@ class JoinOrder:
         with contextlib.suppress(Exception):
             left_refused(self.joinables)
 
+    def standing(self) -> RankError | None:
+        """:func:`~.join_refused.standing`: the refusal that ended the context here."""
+        return standing(self)
+
     def forget(self) -> None:
         """As the context ends: the key deleted, if this rank wrote it (best effort)."""
         if self.written and self.store is not None:
@@ -162,11 +172,17 @@ class JoinOrder:
                 self.store.delete_key(self.key)
 
 
+def _prefix(joinable: Any) -> str:
+    watch = getattr(joinable, "_watch", None)
+    return "" if watch is None else str(watch.channel.prefix)
+
+
 def before_forward(ddp: DistributedDataParallel) -> None:
     """What ``join_order`` (and :mod:`.join_given_up`) checks before a DDP's forward pass
     under xgrad's ``Join``."""
     config = ddp._join_config
     if config.enable and ddp._counted_config is config:
+        refuse_again(ddp)
         refuse_skipped(ddp)
         give_up_cut_short(ddp)
         note_order(ddp)
@@ -229,18 +245,3 @@ def refuse_order(order: JoinOrder, hooks: Sequence[Any]) -> None:
     else:
         start_forward(ddp._watch, ddp._grad_hooks, True, joining=True)
     raise ddp._watch.post(ORDER, error)
-
-
-def left_refused(joinables: Sequence[Any]) -> None:
-    """A rank still training that leaves xgrad's ``Join`` raising the refusal of
-    :func:`refuse_order`: its part of the joined ranks' count, which waited for the
-    first joinable's forward pass (not waited for)."""
-    first = joinables[0] if joinables else None
-    if first is None or not hasattr(first, "_join_order"):
-        return
-    for ddp in joinables:
-        failure = ddp._watch.channel.poll() if hasattr(ddp, "_watch") else None
-        if failure is not None and failure.where == ORDER:
-            if failure.rank != first._watch.channel.rank:  # (the joined rank posted it)
-                sum_async(first.process_group, count(first, 0.0))
-            return
