@@ -20,6 +20,7 @@ from xgrad.torch_backend.dist_graveyard import bury, bury_sent
 from xgrad.torch_backend.dist_hooks import Seen
 from xgrad.torch_backend.dist_inbox import Inbox
 from xgrad.torch_backend.dist_ledger import Ledger, ProbingChannel
+from xgrad.torch_backend.dist_left import context_namespace
 from xgrad.torch_backend.dist_pass import DistBackwardError, DistBackwardUnresponsiveError
 from xgrad.torch_backend.dist_self import ToSelf
 from xgrad.torch_backend.dist_watch import wait_here
@@ -63,7 +64,7 @@ class Context:
         self.timeout = timeout
         self.ranks = group_ranks(pg)
         self.me = dist.get_rank()
-        self.channel = ProbingChannel(failure_channel(pg, f"dist_autograd/{seq}"))
+        self.channel = ProbingChannel(failure_channel(pg, context_namespace(seq)))
         # The ledger calls back into the context weakly: a bound method would be a cycle,
         # and every context (its tensors, the graph they hold) would wait for the
         # collector instead of going when its block is left (full collections of about
@@ -169,7 +170,10 @@ class Context:
         for peer in self.ranks:
             if peer == self.me:
                 continue
-            link = self.link(peer, "peer")
+            try:
+                link = self.link(peer, "peer")
+            except ValueError:  # this rank destroyed the group in the context: no peer waits
+                return
             link.start_backward(owe.get(peer, ()))
             try:
                 for _ in owe.get(peer, ()):

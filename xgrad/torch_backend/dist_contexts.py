@@ -18,13 +18,20 @@ from typing import Any
 import torch.distributed as dist
 
 from xgrad.failure import RankError, check_seconds, default_seconds, describe
-from xgrad.torch_backend import dist_hooks
+from xgrad.torch_backend import dist_hooks, dist_left
 from xgrad.torch_backend.dist_context_state import Context
 from xgrad.torch_backend.dist_graveyard import bury_sent
 from xgrad.torch_backend.dist_release import release_saved
 from xgrad.torch_backend.private_groups import require_member
 
-__all__ = ["OPEN", "UnknownContextError", "current_context", "find_context", "open_context"]
+__all__ = [
+    "OPEN",
+    "UnknownContextError",
+    "current_context",
+    "find_context",
+    "leaving",
+    "open_context",
+]
 
 _ids = itertools.count(1)
 _seqs: dict[str, int] = {}
@@ -98,6 +105,14 @@ def _spend_next(what: str, exc: RuntimeError, leader: bool) -> None:
             _holders.pop(name, None)
 
 
+def leaving(name: str) -> tuple[int, int | None]:
+    """As this process leaves group ``name`` (:mod:`.dist_left`): how many contexts it
+    opened on it, and the one it is in (None: none)."""
+    with _lock:
+        seq = _seqs.get(name, 0)
+        return seq, seq if name in _holders else None
+
+
 class UnknownContextError(ValueError, RuntimeError):
     """A context id that names no open context of this process.
 
@@ -168,6 +183,7 @@ def open_context(
         _holders[name] = me
     try:
         ctx = Context(next(_ids), pg, name, seq, timeout, leader=leader, step=label)
+        dist_left.watch(name, pg, ctx.me, leaving)
     except BaseException:
         with _lock:
             _holders.pop(name, None)

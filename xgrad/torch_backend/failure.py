@@ -85,6 +85,9 @@ __all__ = [
 #: store namespace of the heartbeats (inside the group's own store namespace).
 HEARTBEAT_PREFIX = "xgrad/heartbeat"
 
+#: store namespace of the steps' failure channels (:func:`failure_channel`).
+CHANNEL_PREFIX = "xgrad/failure"
+
 #: how long exit waits, in all, for the heartbeat and waiter threads to end.
 EXIT_WAIT = 2.0
 
@@ -194,7 +197,7 @@ def failure_channel(
         interval=heartbeat_interval,
         timeout=heartbeat_timeout,
     )
-    return FailureChannel(store, f"xgrad/failure/{namespace}", me, liveness)
+    return FailureChannel(store, f"{CHANNEL_PREFIX}/{namespace}", me, liveness)
 
 
 def wait_work(

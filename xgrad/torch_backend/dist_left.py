@@ -1,0 +1,133 @@
+"""A rank that leaves a process group after its last context tells its peers so.
+
+Contexts pair up across ranks by the order each rank opens them (:mod:`.dist_contexts`).
+A rank that ran fewer contexts than its peers and then ended (its process exited, or it
+destroyed the group) left them waiting in the next one for messages that never come, and
+they named it as a rank that "stopped answering" (a heartbeat timeout later, or through
+gloo's "Connection reset by peer"), or, after a ``destroy_process_group`` with its
+heartbeat still beating, blamed the waiting rank itself. So, as it leaves, a rank posts on
+the failure channel of the group's next context that it left after N contexts; the peers
+waiting in that context raise it at their next poll of the channel.
+
+Nothing is paid per context: the post is made once per group, on the way out, by a
+wrapper of ``torch.distributed.destroy_process_group`` (before the group's connections
+close, so a peer's transfer that fails then finds it posted) and by an exit hook (a
+multiprocessing finalizer: it runs at a normal interpreter exit and where a
+multiprocessing child ends with ``os._exit``, which skips ``atexit``). Both are installed
+with the first context. A rank killed or frozen runs neither and is still named by its
+heartbeat as one that stopped answering.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing.util
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from xgrad.failure import FailureChannel
+from xgrad.torch_backend.failure import CHANNEL_PREFIX, EXIT_WAIT, guarded_store
+
+__all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "watch"]
+
+#: how a rank left, as its post words it.
+DESTROYED = "it destroyed the group with destroy_process_group"
+EXITED = "its process ended"
+
+#: as this process leaves the group of a name: (contexts it opened there, the one it is
+#: in or None) (:func:`.dist_contexts.leaving`).
+Leaving = Callable[[str], tuple[int, int | None]]
+
+#: group name -> (the group, this process's global rank, the group's context count).
+_groups: dict[str, tuple[weakref.ref[Any], int, Leaving]] = {}
+_lock = threading.Lock()
+_installed = False
+
+
+def context_namespace(seq: int) -> str:
+    """The failure channel namespace of a group's context number ``seq``."""
+    return f"dist_autograd/{seq}"
+
+
+def watch(name: str, pg: Any, me: int, leaving: Leaving) -> None:
+    """Remember that this process runs contexts on ``pg`` (named ``name``), to tell its
+    peers when it leaves; installs the hooks with the first group. A lookup after that."""
+    global _installed
+    if name in _groups and _groups[name][0]() is pg:
+        return
+    with _lock:
+        _groups[name] = (weakref.ref(pg), me, leaving)
+        if _installed:
+            return
+        _installed = True
+    _wrap_destroy()
+    multiprocessing.util.Finalize(None, leave, args=(None, EXITED), exitpriority=0)
+
+
+def _wrap_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` post the leave first (code that
+    imported the function by name before the first context gets the exit hook only)."""
+    c10d = dist.distributed_c10d
+    real = c10d.destroy_process_group
+
+    @functools.wraps(real)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        leave(args[0] if args else kwargs.get("group"), DESTROYED)
+        return real(*args, **kwargs)
+
+    for module in (dist, c10d):
+        if getattr(module, "destroy_process_group", None) is real:
+            module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
+
+
+def leave(group: Any, how: str) -> None:
+    """Post, for ``group`` (None or the default group: every group), that this process
+    left it after its contexts (``how``: :data:`DESTROYED`, :data:`EXITED`). Never
+    raises: a post that cannot be made leaves the peers to name this rank by its
+    heartbeat, as they did before."""
+    try:
+        world = group is None or group == dist.group.WORLD
+        with _lock:
+            names = [n for n, (ref, _, _) in _groups.items() if world or ref() is group]
+            entries = [(n, _groups.pop(n)) for n in names]
+        for name, (ref, me, leaving) in entries:
+            pg = ref()
+            if pg is not None and _alive(pg):
+                _post(pg, name, me, leaving, how)
+    except Exception:  # leaving goes on; a store gone already answers nothing
+        return
+
+
+def _alive(pg: Any) -> bool:
+    """Whether c10d still knows ``pg`` (not destroyed, not aborted by ``abort_group``)."""
+    try:
+        return pg in dist.distributed_c10d._world.pg_map
+    except (AttributeError, TypeError):
+        return False
+
+
+def _post(pg: Any, name: str, me: int, leaving: Leaving, how: str) -> None:
+    """Post this rank's leave on the channel of the context its peers wait for it in."""
+    count, inside = leaving(name)
+    plural = "" if count == 1 else "s"
+    if inside is None:
+        at = count + 1
+        message = (
+            f"left after {count} distributed autograd context{plural} on process group "
+            f"{name!r} ({how}): it never enters the group's context {at}, in which the "
+            "other ranks wait for it (every rank of a group must open as many contexts "
+            "as the others)"
+        )
+    else:
+        at = inside
+        message = (
+            f"left in distributed autograd context {at} on process group {name!r} ({how}) "
+            "before that context was closed"
+        )
+    store = guarded_store(pg, timeout=EXIT_WAIT)
+    channel = FailureChannel(store, f"{CHANNEL_PREFIX}/{context_namespace(at)}", me)
+    channel.post("", message, kind="unresponsive")
