@@ -169,6 +169,7 @@ def open_context(
             "Already have an autograd context id for this thread (context "
             f"{_local.context.id}); leave it before opening another"
         )
+    dist_left.refuse(name, pg, next(_ids))  # (a peer that left it: raised at once)
     me = threading.get_ident()
     with _lock:
         holder = _holders.get(name)
@@ -200,6 +201,7 @@ def open_context(
     except BaseException as exc:
         if not isinstance(exc, RankError):
             ctx.channel.post("forward", describe(exc))
+        dist_left.remember(name, pg, exc)  # (a peer's leave: each later context raises it)
         if not ctx.answered:
             # Peers in a backward pass wait on this rank's own thread-free receives,
             # which only a message ends: a failure outside a pass (this rank's, or

@@ -16,10 +16,18 @@ multiprocessing finalizer: it runs at a normal interpreter exit and where a
 multiprocessing child ends with ``os._exit``, which skips ``atexit``). Both are installed
 with the first context. A rank killed or frozen runs neither and is still named by its
 heartbeat as one that stopped answering.
+
+A peer that catches that error and opens another context on the group would wait there
+for the rank that left, and name it a heartbeat timeout later as one that stopped
+answering. So a peer keeps the error per group as its context raises it
+(:func:`remember`), and each later context it opens there raises it again at once
+(:func:`refuse`): a dict lookup per context, no store read, and none at all on a group
+where no rank left.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import multiprocessing.util
 import threading
@@ -29,10 +37,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from xgrad.failure import FailureChannel
+from xgrad.failure import FailureChannel, RankError
 from xgrad.torch_backend.failure import CHANNEL_PREFIX, EXIT_WAIT, guarded_store
 
-__all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "watch"]
+__all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "refuse", "remember", "watch"]
 
 #: how a rank left, as its post words it.
 DESTROYED = "it destroyed the group with destroy_process_group"
@@ -46,6 +54,10 @@ Leaving = Callable[[str], tuple[int, int | None]]
 _groups: dict[str, tuple[weakref.ref[Any], int, Leaving]] = {}
 _lock = threading.Lock()
 _installed = False
+#: how a leave's post begins (:func:`_post`): after its last context, or inside one.
+AFTER, INSIDE = "left after ", "left in distributed autograd context "
+#: group name -> (the group, the error a context of it raised as a peer left it).
+_gone: dict[str, tuple[weakref.ref[Any], RankError]] = {}
 
 
 def context_namespace(seq: int) -> str:
@@ -66,6 +78,34 @@ def watch(name: str, pg: Any, me: int, leaving: Leaving) -> None:
         _installed = True
     _wrap_destroy()
     multiprocessing.util.Finalize(None, leave, args=(None, EXITED), exitpriority=0)
+
+
+def remember(name: str, pg: Any, error: BaseException) -> None:
+    """As a context of ``pg`` (named ``name``) raises ``error``: kept if it is a peer's
+    leave (:func:`_post`), for :func:`refuse`."""
+    if not isinstance(error, RankError):
+        return
+    failure = error.failure
+    left = failure.message.startswith((AFTER, INSIDE))
+    if left and failure.kind == "unresponsive" and not failure.where:
+        _gone[name] = (weakref.ref(pg), error)
+
+
+def refuse(name: str, pg: Any, context_id: int) -> None:
+    """Before a context of ``pg`` (named ``name``) opens: raise the leave of a peer that
+    an earlier context of it raised (:func:`remember`) again, as context ``context_id``'s,
+    at once: that peer never answers there. A dict lookup."""
+    gone = _gone.get(name)
+    if gone is None:
+        return
+    ref, error = gone
+    if ref() is not pg:  # (a group of that name made since: a fresh start)
+        _gone.pop(name, None)
+        return
+    again = copy.copy(error)  # (the kept one's traceback stays out of this one's)
+    if hasattr(again, "context_id"):
+        again.context_id = context_id
+    raise again.with_traceback(None)
 
 
 def _wrap_destroy() -> None:
@@ -117,17 +157,14 @@ def _post(pg: Any, name: str, me: int, leaving: Leaving, how: str) -> None:
     if inside is None:
         at = count + 1
         message = (
-            f"left after {count} distributed autograd context{plural} on process group "
+            f"{AFTER}{count} distributed autograd context{plural} on process group "
             f"{name!r} ({how}): it never enters the group's context {at}, in which the "
             "other ranks wait for it (every rank of a group must open as many contexts "
             "as the others)"
         )
     else:
         at = inside
-        message = (
-            f"left in distributed autograd context {at} on process group {name!r} ({how}) "
-            "before that context was closed"
-        )
+        message = f"{INSIDE}{at} on process group {name!r} ({how}) before that context was closed"
     store = guarded_store(pg, timeout=EXIT_WAIT)
     channel = FailureChannel(store, f"{CHANNEL_PREFIX}/{context_namespace(at)}", me)
     channel.post("", message, kind="unresponsive")
