@@ -32,9 +32,10 @@ rank still training is raised there at once; a rank that has joined keeps shadow
 steps after it and raises it as it leaves ``join()`` (:mod:`.join_hook`), or at once
 where a rank still training raised it out of xgrad's ``Join`` (:mod:`.join_leave`;
 PyTorch's ``Join`` runs no hook then: its joined ranks raise at the DDP's timeout). With
-several DDPs in one context, once a rank has joined, their forward passes must run in the
-context's order and each DDP's backward pass must come before the next DDP's forward
-pass, or every rank raises at once (:mod:`.join_order`); a ``no_sync`` pass that raises
+several DDPs in one context, once a rank has joined, each DDP's backward pass must come
+before the next DDP's forward pass, or every rank raises at once (:mod:`.join_order`);
+DDPs that run different numbers of passes (gradient accumulation in one only) are
+stood in for where they run none (:mod:`.join_absent`); a ``no_sync`` pass that raises
 in any of them gives up the whole iteration on its rank (:mod:`.join_given_up`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks

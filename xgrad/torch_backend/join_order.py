@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import RankError
 from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.join_absent import stand_in_absent, stand_in_first
 from xgrad.torch_backend.join_given_up import give_up_cut_short, linked, refuse_skipped
 from xgrad.torch_backend.join_leave import post_left
 from xgrad.torch_backend.join_refused import ORDER, left_refused, refuse_again, standing
@@ -138,6 +139,8 @@ class JoinOrder:
         self.key = f"{self.entered}/join_order"
         self.firsts = 0
         self.seen: dict[int, int] = {}
+        #: the ranks still training at the first joinable's last count (join_absent)
+        self.training: int | None = None
         self.wrong = False
         self.written = False
         #: the first joinable's step failed in the iteration a joined rank shadows: its
@@ -203,8 +206,10 @@ def note_order(ddp: DistributedDataParallel) -> None:
         return
     index = order.joinables.index(ddp)
     if index == 0:
+        stand_in_absent(order)  # the later DDPs that ran no pass since its last
         order.firsts += 1
         return
+    stand_in_first(order, index)  # (a rank joined: the first's pass, and those between)
     if order.seen.get(index, 0) == order.firsts:  # (none of the first's yet: from the start)
         order.wrong = True
     if order.wrong:

@@ -118,6 +118,9 @@ def read_announcement(ddp: DistributedDataParallel) -> None:
     if pending is not None:
         try:
             announced = pending.read()
+            order = ddp._join_order
+            if pending.start and order is not None and order.joinables[0] is ddp:
+                order.training = announced.training  # (join_absent)
             if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
                 raise posted(ddp)
         except RankError:

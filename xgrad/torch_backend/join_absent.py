@@ -1,0 +1,93 @@
+"""Under xgrad's ``Join`` of several DDPs: a later DDP that runs no pass between two of the first's.
+
+A rank that has joined shadows, per count (the first joinable's forward pass), one pass
+of each DDP of the context in turn (:mod:`.join_hook`). Where the ranks still training
+run the first DDP's forward pass again before another DDP ran one (gradient
+accumulation in ``d1`` only: ``d1``'s ``no_sync`` pass, then its synchronised one, then
+``d2``'s; or all of ``d1``'s passes before ``d2``'s), the joined rank waited in that
+DDP's announcement while they waited in the first DDP's count: every rank timed out
+(PyTorch's ``Join([d1, d2])`` over its own DDPs pairs the count with the other DDP's
+collectives there, and gloo aborts the processes).
+
+The same the other way round: ``d2``'s pass again before ``d1`` ran one (``d2``
+accumulating alone, or all of ``d1``'s passes of a step before ``d2``'s): the joined rank
+counted while the ranks still training waited in ``d2``'s announcement; the join order
+refused it (:mod:`.join_order`), where it can now go on.
+
+So, once a rank has joined (the first DDP's last count said so), each rank still training
+stands in, at the first DDP's forward pass, for the pass of each later DDP that ran none
+since the first DDP's last one (:func:`stand_in_absent`): what that DDP's forward pass
+would send before its module runs when no backward pass follows (a buffer sync that is
+due, an announcement saying "under ``torch.no_grad()``", its buffer flag unchanged), read
+at once. The joined rank's hook meets it and returns, as for an evaluation pass, and
+counts with the first DDP's pass. Nothing of that DDP's step changes, on either side:
+its next real pass goes on as if none had been stood in for. Likewise, at another DDP's
+forward pass that comes again before the first's, they stand in for the first DDP's
+pass (its count, saying "under ``torch.no_grad()``") and for the DDPs between
+(:func:`stand_in_first`): the joined rank counts, shadows those as evaluation passes,
+and meets this pass in its DDP's hook. A stood-in buffer sync broadcasts what the next
+real pass broadcasts again (no rank joins in between: ranks join at counts).
+An iteration whose first DDP's step failed is skipped by every rank's hooks alike: no
+stand-in there (:mod:`.join_given_up` stands in for a given-up ``no_sync`` pass).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from xgrad.torch_backend.ddp_buffers import sync_buffers
+from xgrad.torch_backend.join_notify import notify_join_context
+from xgrad.torch_backend.join_rounds import announce, read_announcement
+from xgrad.torch_backend.join_settle import settle_next
+
+if TYPE_CHECKING:
+    from xgrad.torch_backend.join_order import JoinOrder
+
+__all__ = ["stand_in_absent", "stand_in_first"]
+
+
+def _joined(order: JoinOrder) -> bool:
+    """Whether a rank had joined at the first joinable's last count (so is in the hooks),
+    and the first joinable's step since has not failed (the joined ranks' hooks skip the
+    rest of such an iteration, as the ranks still training do: :mod:`.join_given_up`)."""
+    watch = order.joinables[0]._watch
+    if order.training is None or order.training >= watch.world:
+        return False
+    return watch.channel.poll() is None
+
+
+def stand_in_absent(order: JoinOrder, below: int | None = None) -> None:
+    """Before the first joinable's forward pass, with a rank joined at its last count:
+    stand in for the pass of each later DDP (with an index ``below``, where given) that
+    ran none since that count, in the context's order (the joined rank's hooks')."""
+    if not _joined(order):
+        return
+    for index, ddp in enumerate(order.joinables[1:below], 1):
+        if order.seen.get(index, 0) >= order.firsts or not hasattr(ddp, "_grad_hooks"):
+            continue
+        if ddp._announcing is not None or ddp._watch.deferred is not None:
+            settle_next(ddp)  # its last pass raised before reading them
+        if ddp._check_sync_bufs_pre_fwd():
+            sync_buffers(ddp)
+        announce(ddp, False, False, ddp.require_forward_param_sync)
+        read_announcement(ddp)
+        order.seen[index] = order.firsts
+
+
+def stand_in_first(order: JoinOrder, index: int) -> None:
+    """Before the forward pass of DDP ``index`` (not the first), with a rank joined: when
+    it ran one since the first joinable's last pass (``d2``'s passes of a step all after
+    ``d1``'s), stand in for the first's pass (its count, as a forward pass under
+    ``torch.no_grad()`` sends it, its buffer flag unchanged), then for the DDPs between:
+    the joined rank, waiting in its count, then shadows this pass in that DDP's hook."""
+    first: Any = order.joinables[0]
+    if order.firsts == 0 or order.seen.get(index, 0) != order.firsts or not _joined(order):
+        return
+    if first._announcing is not None or first._watch.deferred is not None:
+        settle_next(first)
+    notify_join_context(first, (False, False, first.require_forward_param_sync))
+    if first._check_sync_bufs_pre_fwd():
+        sync_buffers(first)
+    read_announcement(first)
+    order.firsts += 1
+    stand_in_absent(order, below=index)
