@@ -42,16 +42,28 @@ def _versions_kept(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
         yield
 
 
-def sync_buffers(ddp: DistributedDataParallel, src: int | None = None) -> None:
+def sync_buffers(
+    ddp: DistributedDataParallel, src: int | None = None, discard: bool = False
+) -> None:
     """Sync the buffers from group rank ``src`` (default: rank 0, or under ``join()`` the
-    last rank still training), or through the registered buffer hook."""
+    last rank still training), or through the registered buffer hook.
+
+    ``discard``: the same collectives into copies, thrown away. A pass stood in for under
+    ``join()`` (:mod:`.join_absent`) sends them only to meet the joined rank's shadow: the
+    DDP ran no pass, so its buffers stay as they are, and its next real pass broadcasts
+    those of the highest rank still training then (a stood-in broadcast kept would hand
+    the buffers of a rank that joined since to the rank that broadcasts next)."""
     ddp._assign_modules_buffers()  # a buffer the module reassigned since (PyTorch's)
     hook = getattr(ddp, "buffer_hook", None)
     if hook is None and ddp.comm.size == 1:
         return
-    with _versions_kept(ddp.modules_buffers):
+    named = ddp.named_module_buffers
+    if discard:
+        named = {name: t.detach().clone() for name, t in named.items()}
+    buffers = list(named.values()) if discard else ddp.modules_buffers
+    with _versions_kept(buffers):
         if hook is not None:
-            futures = hook.buffer_comm_hook(hook.buffer_comm_hook_state, ddp.named_module_buffers)
+            futures = hook.buffer_comm_hook(hook.buffer_comm_hook_state, named)
             if futures is not None:
                 pending = ddp._grad_hooks.buffer_futures
                 pending += [WatchedFuture(f, ddp._watch, "buffer comm hook") for f in futures]
@@ -59,7 +71,7 @@ def sync_buffers(ddp: DistributedDataParallel, src: int | None = None) -> None:
         if src is None:
             src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
         with torch.no_grad():
-            ddp.comm.broadcast_tensors(ddp.modules_buffers, src=src)
+            ddp.comm.broadcast_tensors(buffers, src=src)
 
 
 class BufferSyncDDP:

@@ -60,6 +60,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from xgrad.failure import RankError
 from xgrad.torch_backend import join_rounds
+from xgrad.torch_backend.join_absent import stand_in_absent
 from xgrad.torch_backend.join_announce import carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
@@ -119,6 +120,11 @@ class Join(TorchJoin):
         if refused is not None:
             self._order.forget()
             raise again(refused)
+        if self._enable and type is None:
+            # Its last iteration's DDPs after the last one that ran (none ran after it
+            # there: d3 skipped after d1, d2), stood in for before this rank counts, as
+            # the ranks still training do at the next forward pass (join_absent).
+            stand_in_absent(self._order)
         try:
             super().__exit__(type, value, traceback)
         finally:

@@ -24,9 +24,16 @@ counts with the first DDP's pass. Nothing of that DDP's step changes, on either 
 its next real pass goes on as if none had been stood in for. Likewise, at another DDP's
 forward pass that comes again before the first's, they stand in for the first DDP's
 pass (its count, saying "under ``torch.no_grad()``") and for the DDPs between
-(:func:`stand_in_first`): the joined rank counts, shadows those as evaluation passes,
-and meets this pass in its DDP's hook. A stood-in buffer sync broadcasts what the next
-real pass broadcasts again (no rank joins in between: ranks join at counts).
+(:func:`stand_in_before`): the joined rank counts, shadows those as evaluation passes,
+and meets this pass in its DDP's hook. With three DDPs or more, each pass fills the
+joined rank's cycle up to its own place: the DDPs before it that ran none since the
+first's pass (``d1, d3`` with ``d2`` skipped), and, where it comes again, the DDPs after
+it before the first's count; a rank that leaves the loop fills its last iteration's
+cycle before it counts (``Join.__exit__``: ``d3`` skipped in that iteration, which the
+ranks still training stand in for). A stood-in buffer sync sends the broadcast into
+copies, thrown away (:func:`~.ddp_buffers.sync_buffers`): the DDP ran no pass, and a
+rank may join before its next real one, whose broadcast comes from the highest rank
+still training then, from its own buffers (PyTorch's ``_find_common_rank``).
 An iteration whose first DDP's step failed is skipped by every rank's hooks alike: no
 stand-in there (:mod:`.join_given_up` stands in for a given-up ``no_sync`` pass).
 """
@@ -43,7 +50,7 @@ from xgrad.torch_backend.join_settle import settle_next
 if TYPE_CHECKING:
     from xgrad.torch_backend.join_order import JoinOrder
 
-__all__ = ["stand_in_absent", "stand_in_first"]
+__all__ = ["stand_in_absent", "stand_in_before"]
 
 
 def _joined(order: JoinOrder) -> bool:
@@ -56,38 +63,45 @@ def _joined(order: JoinOrder) -> bool:
     return watch.channel.poll() is None
 
 
-def stand_in_absent(order: JoinOrder, below: int | None = None) -> None:
-    """Before the first joinable's forward pass, with a rank joined at its last count:
-    stand in for the pass of each later DDP (with an index ``below``, where given) that
+def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:
+    """With a rank joined at the first joinable's last count: stand in for the pass of
+    each DDP with an index from ``start`` to ``stop`` (exclusive; default: the last) that
     ran none since that count, in the context's order (the joined rank's hooks')."""
     if not _joined(order):
         return
-    for index, ddp in enumerate(order.joinables[1:below], 1):
+    for index, ddp in enumerate(order.joinables[start:stop], start):
         if order.seen.get(index, 0) >= order.firsts or not hasattr(ddp, "_grad_hooks"):
             continue
         if ddp._announcing is not None or ddp._watch.deferred is not None:
             settle_next(ddp)  # its last pass raised before reading them
         if ddp._check_sync_bufs_pre_fwd():
-            sync_buffers(ddp)
+            sync_buffers(ddp, discard=True)
         announce(ddp, False, False, ddp.require_forward_param_sync)
         read_announcement(ddp)
         order.seen[index] = order.firsts
 
 
-def stand_in_first(order: JoinOrder, index: int) -> None:
-    """Before the forward pass of DDP ``index`` (not the first), with a rank joined: when
-    it ran one since the first joinable's last pass (``d2``'s passes of a step all after
-    ``d1``'s), stand in for the first's pass (its count, as a forward pass under
-    ``torch.no_grad()`` sends it, its buffer flag unchanged), then for the DDPs between:
-    the joined rank, waiting in its count, then shadows this pass in that DDP's hook."""
-    first: Any = order.joinables[0]
-    if order.firsts == 0 or order.seen.get(index, 0) != order.firsts or not _joined(order):
+def stand_in_before(order: JoinOrder, index: int) -> None:
+    """Before the forward pass of DDP ``index`` (not the first), with a rank joined:
+    fill the joined rank's cycle up to this DDP's place in it. When this DDP ran a pass
+    since the first joinable's last one (``d2``'s passes of a step all after ``d1``'s),
+    stand in for the DDPs after it that ran none, then for the first's pass (its count,
+    as a forward pass under ``torch.no_grad()`` sends it, its buffer flag unchanged);
+    then for the DDPs before it that ran none since (``d1, d3`` with ``d2`` skipped)."""
+    if order.firsts == 0 or not _joined(order):
         return
+    if order.seen.get(index, 0) == order.firsts:
+        stand_in_absent(order, start=index + 1)
+        _stand_in_first(order)
+    stand_in_absent(order, stop=index)
+
+
+def _stand_in_first(order: JoinOrder) -> None:
+    first: Any = order.joinables[0]
     if first._announcing is not None or first._watch.deferred is not None:
         settle_next(first)
     notify_join_context(first, (False, False, first.require_forward_param_sync))
     if first._check_sync_bufs_pre_fwd():
-        sync_buffers(first)
+        sync_buffers(first, discard=True)
     read_announcement(first)
     order.firsts += 1
-    stand_in_absent(order, below=index)

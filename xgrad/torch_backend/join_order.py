@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import RankError
 from xgrad.torch_backend.ddp_recover import start_forward
-from xgrad.torch_backend.join_absent import stand_in_absent, stand_in_first
+from xgrad.torch_backend.join_absent import stand_in_absent, stand_in_before
 from xgrad.torch_backend.join_given_up import give_up_cut_short, linked, refuse_skipped
 from xgrad.torch_backend.join_leave import post_left
 from xgrad.torch_backend.join_refused import ORDER, left_refused, refuse_again, standing
@@ -197,7 +197,7 @@ def note_order(ddp: DistributedDataParallel) -> None:
     first since its last (or none yet): out of the context's order, and so is each such
     pass after it (``d1, d2, d1, d2``: the first joinable's count comes after ``d1``'s
     pass each iteration); written to the store (the first joinable's step, this rank,
-    this DDP's index, this DDP's step before the pass) for a joined rank. Each later pass is
+    this DDP's index, its step before the one this pass is in) for a joined rank. Each later pass is
     written even where the order was wrong once only (``d2`` under ``torch.no_grad()``
     first): the forward passes alone cannot tell the two apart; the joined rank does, by
     that DDP's step (a pass it shadowed already is not waited in)."""
@@ -209,13 +209,17 @@ def note_order(ddp: DistributedDataParallel) -> None:
         stand_in_absent(order)  # the later DDPs that ran no pass since its last
         order.firsts += 1
         return
-    stand_in_first(order, index)  # (a rank joined: the first's pass, and those between)
+    stand_in_before(order, index)  # (a rank joined: the passes of the cycle before it)
     if order.seen.get(index, 0) == order.firsts:  # (none of the first's yet: from the start)
         order.wrong = True
     if order.wrong:
         first = order.joinables[0]
         rank = ddp._watch.channel.rank
-        order.store.set(order.key, f"{first._watch.step} {rank} {index} {ddp._watch.step}")
+        # The step before the one this pass is in: a pass that goes on with a step
+        # begun by a no_sync pass (a synchronised one after accumulating) is in the same
+        # step as that pass, which a joined rank that ran both has ended already.
+        own = ddp._watch.step - int(ddp._grad_hooks.accumulating)
+        order.store.set(order.key, f"{first._watch.step} {rank} {index} {own}")
         order.written = True
     order.seen[index] = order.firsts
 
