@@ -14,8 +14,11 @@ so an operation left pending by a failed step expires with it and
 ``destroy_process_group()`` returns. After a failed step every rank sees the failure in
 that step's namespace at its next synchronised forward pass, drops the private group
 (whatever was left pending on it, on any rank, goes with it) and makes a fresh one: the
-next step starts in step on every rank. The failed step's keys in the store go once every
-rank has read them (:mod:`.ddp_leftovers`).
+next step starts in step on every rank. A rank late for that fresh group, which a peer
+gave up waiting for it, raises the peer's failure instead of making it (what the peer
+left of it in the store held it for gloo's connect timeout): both make the next step's
+group alike. The failed step's keys in the store go once every rank has read them
+(:mod:`.ddp_leftovers`).
 
 This module is the watch itself: the step's channel and the private group; its bounded
 waits and what a failed wait drops are :mod:`.ddp_waits`'s. The DDP's collectives issued
@@ -25,6 +28,7 @@ behind is dropped at the next forward pass by :mod:`.ddp_recover`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +42,8 @@ from xgrad.failure import (
     describe,
     error_for,
 )
+from xgrad.failure_errors import FAILURE_KINDS
+from xgrad.heartbeat import COLLECTIVE, waiting_for
 from xgrad.local_errors import as_local
 from xgrad.raising import raise_from
 from xgrad.torch_backend.ddp_leftovers import drop_read_failures, read_failure
@@ -47,7 +53,7 @@ from xgrad.torch_backend.ddp_waits import StepWaits
 from xgrad.torch_backend.failure import check_lost, failure_channel, start_heartbeat
 from xgrad.torch_backend.group_keys import StoreKeys
 from xgrad.torch_backend.lost_rank import absent_peer, check_aborted
-from xgrad.torch_backend.private_groups import group_count, private_group
+from xgrad.torch_backend.private_groups import group_count, pass_private_group, private_group
 
 __all__ = ["StepWatch"]
 
@@ -105,10 +111,7 @@ class StepWatch(StepWaits):
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
         self.channel: FailureChannel = failure_channel(group, self._last_namespace)
-        try:
-            self.group: Any = self._private_group()
-        except RuntimeError as exc:  # c10d's "Wait timeout": a peer never came
-            raise_from(absent_peer(self.channel, "the DDP's process group", exc), exc)
+        self.group: Any = self._make_group("the DDP's process group")
 
     def current_group(self) -> Any:
         """The private group; the failure that lost it if it was dropped (never WORLD)."""
@@ -134,14 +137,42 @@ class StepWatch(StepWaits):
         self._last_namespace = self._namespace()
         return FailureChannel(old.store, base + self._last_namespace, old.rank, old.liveness)
 
-    def _private_group(self) -> Any:
-        ranks = dist.get_process_group_ranks(self.user_group or dist.group.WORLD)
-        return private_group(
-            ranks,
-            parent=self.user_group,
-            timeout=self.timeout,
-            backend=dist.get_backend(self.user_group),
-        )
+    def _make_group(self, what: str) -> Any:
+        """A new private group (``what``), or the error naming who it could not be made
+        for: a peer dead, never started, or late (c10d's "Wait timeout" says none).
+
+        While it is made, and its failure read, this rank says it waits for every rank
+        (:func:`~xgrad.heartbeat.waiting_for`): a peer that gives up then names the one
+        that waits for nobody, late, not a rank that waits here too. The heartbeats are
+        read as it begins, so a counter that stood still since shows a stopped rank.
+        """
+        if self.channel.liveness is not None:
+            self.channel.liveness.read(force=True)
+        before = waiting_for(COLLECTIVE)
+        started = time.monotonic()
+        try:
+            return private_group(
+                self.ranks,
+                parent=self.user_group,
+                timeout=self.timeout,
+                backend=dist.get_backend(self.user_group),
+            )
+        except RuntimeError as exc:  # "Wait timeout", "Connect timeout": a peer never came
+            waited = time.monotonic() - started
+            raise_from(absent_peer(self.channel, what, exc, waited), exc)
+        finally:
+            waiting_for(before)
+
+    def _unless_given_up(self) -> None:
+        """Before this rank makes the step's new group: raise the step's failure if a peer
+        already posted it (it gave the group up, waiting for this late rank), the group
+        counted as made, as the peer counted it (:func:`.pass_private_group`); both make
+        the next step's group alike, and meet there."""
+        given_up = self.channel.poll()
+        if given_up is None or given_up.kind not in FAILURE_KINDS:
+            return
+        if pass_private_group(self.ranks, parent=self.user_group):
+            raise error_for(given_up, self.channel.rank)
 
     # ----------------------------------------------------------------- steps
 
@@ -165,10 +196,8 @@ class StepWatch(StepWaits):
         self.channel = self._next_channel()
         if failed is not None or self.group is None:
             check_aborted(self.channel, "the DDP's new process group")
-            try:
-                self.group = self._private_group()
-            except RuntimeError as exc:  # c10d's "Wait timeout": a peer aborted, died
-                raise_from(absent_peer(self.channel, "the DDP's new process group", exc), exc)
+            self._unless_given_up()
+            self.group = self._make_group("the DDP's new process group")
             self.lost = None
         if failed is not None:
             read_failure(self, old)

@@ -64,6 +64,7 @@ def transfer_failed(
     *,
     prefix: str = "",
     fresh: bool = False,
+    waited: bool = False,
 ) -> RankError:
     """Post a failed send, receive or collective (``exc``) and return the error to raise.
 
@@ -80,10 +81,12 @@ def transfer_failed(
     step), so a connection its timeout closed ("caused pair closure") was closed by
     another operation of this step that timed out (the used-parameter map, waited for
     before the bucket it went out after): a timeout, whose late rank is named.
+    ``waited``: ``exc`` ended a wait that ran its whole timeout whatever its words (c10d's
+    "Wait timeout", gloo's "Connect timeout": a process group that could not be made).
     """
     channel.check(prefix=prefix)
     text = f"{type(exc).__name__}: {exc}"
-    timed_out = "timed out" in text.lower() or (fresh and _CLOSED_BY_TIMEOUT in text)
+    timed_out = waited or "timed out" in text.lower() or (fresh and _CLOSED_BY_TIMEOUT in text)
     # Who waited for nobody when the wait ran out: read before the heartbeats are watched
     # for a stop, by whose end a rank that was late (asleep, still beating) may have come
     # and wait in the collective like the rest, and be taken for on time.
@@ -139,12 +142,18 @@ def transfer_failed(
 
 
 def transfer_error(
-    channel: FailureChannel, what: str, exc: BaseException, peer: int | None, *, fresh: bool = False
+    channel: FailureChannel,
+    what: str,
+    exc: BaseException,
+    peer: int | None,
+    *,
+    fresh: bool = False,
+    waited: bool = False,
 ) -> RankError:
     """:func:`transfer_failed`, with a failure another rank posted first returned as the
     error, not raised: for a caller that wraps whichever it gets."""
     try:
-        return transfer_failed(channel, what, exc, peer, fresh=fresh)
+        return transfer_failed(channel, what, exc, peer, fresh=fresh, waited=waited)
     except RankError as posted:
         return posted
 
@@ -179,13 +188,27 @@ def silent_peer(
         time.sleep(nap)
 
 
-def absent_peer(channel: FailureChannel, what: str, exc: BaseException) -> RankError:
+def absent_peer(
+    channel: FailureChannel, what: str, exc: BaseException, waited: float | None = None
+) -> RankError:
     """Post that ``what`` (making a process group, which waits for every member through the
     store) failed with ``exc``, and return the error: naming a peer that never started its
     heartbeat (dead before, or not there: c10d says only "Wait timeout"), else one whose
-    heartbeat stopped, else this rank (as :func:`transfer_failed` does)."""
+    heartbeat stopped, else a live one late for it, else this rank (as
+    :func:`transfer_failed` does).
+
+    ``waited``: seconds the making took, its heartbeats read as it began and its makers
+    published as waiting for every rank (:data:`~xgrad.heartbeat.COLLECTIVE`). A making
+    that ran out its timeout (c10d's "Wait timeout", gloo's "Connect timeout") names at
+    once a live peer that waits for nobody (asleep in its own code): posted so before the
+    peer comes, it raises that instead of connecting to the address this rank gave up
+    (:meth:`~.ddp_failure.StepWatch.begin_step`). Read as a connection lost at once, the
+    heartbeats were watched for 1.5 heartbeat timeouts (15 s by default) past the
+    group's own timeout, and the rank that gave up named itself.
+    """
     channel.check()
     liveness = channel.liveness
+    text = f"{type(exc).__name__}: {exc}"
     if liveness is not None:
         liveness.read(force=True)
         absent = liveness.never_beat()
@@ -193,11 +216,26 @@ def absent_peer(channel: FailureChannel, what: str, exc: BaseException) -> RankE
             others = f" (also ranks {absent[1:]})" if len(absent) > 1 else ""
             message = (
                 f"never joined {what}{others}: no heartbeat from it (dead, or not started) "
-                f"while rank {channel.rank} waited: {type(exc).__name__}: {exc}"
+                f"while rank {channel.rank} waited: {text}"
             )
             failure = channel.post("", message, kind="unresponsive", rank=absent[0])
             return error_for(failure, channel.rank)
-    return transfer_error(channel, what, exc, None)
+    ran_out = waited is not None and "timeout" in text.lower()
+    if ran_out and liveness is not None and waited is not None:
+        # A counter that stood still for half the wait (two beats at least) stopped: that
+        # rank is named from the heartbeats below, not as late.
+        least = 2 * liveness.interval
+        stale = liveness.stale(older_than=min(liveness.timeout, max(waited / 2, least)))
+        late = [r for r in liveness.idle() if r not in stale] if waited / 2 >= least else []
+        if late and not stale:
+            message = (
+                f"did not answer within the timeout (rank {channel.rank} waited {waited:.3g} s "
+                f"for it in {what}; it waits for no rank: busy in its own code, or not there "
+                f"yet): {text} ({TIMED_OUT_LIVE})"
+            )
+            failure = channel.post("", message, kind="timeout", rank=late[0])
+            return error_for(failure, channel.rank)
+    return transfer_error(channel, what, exc, None, waited=ran_out)
 
 
 def check_aborted(channel: FailureChannel, what: str) -> None:

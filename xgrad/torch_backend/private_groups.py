@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-__all__ = ["gloo_twin", "group_count", "private_group", "require_member"]
+__all__ = ["gloo_twin", "group_count", "pass_private_group", "private_group", "require_member"]
 
 #: per (what is counted, group name): how many this process counted on that group.
 _COUNTS: dict[tuple[str, str], int] = {}
@@ -69,6 +69,36 @@ def private_group(
         backend=backend,
         use_local_synchronization=len(members) != dist.get_world_size(),
     )
+
+
+def pass_private_group(ranks: Sequence[int], *, parent: Any = None) -> bool:
+    """Count the private group :func:`private_group` would make now without making it: for
+    a rank that finds its peers gave that group up (they counted it, and name their next
+    one after it). False where it cannot be counted here (a group split from a default
+    group bound to a device, a PyTorch whose private c10d parts differ): make it then.
+
+    Made anyway, the group reads the address a peer that gave it up left in the store,
+    and gloo spends its connect timeout on it (10 s with a 2 s group timeout) while the
+    peer moves on to its next group; each making the one the other had left, the two
+    never met again.
+    """
+    members = sorted(ranks)
+    c10d = dist.distributed_c10d
+    try:
+        if len(members) == dist.get_world_size():
+            c10d._process_group_name(members, use_hashed_name=False)  # as new_group counts
+            return True
+        world = c10d._world
+        default = c10d._get_default_group()
+        if (
+            default.bound_device_id is not None
+            or world.pg_names.get(parent if parent is not None else default) is None
+        ):
+            return False
+    except AttributeError:
+        return False
+    group_count("private group", parent)
+    return True
 
 
 def _named_after(
