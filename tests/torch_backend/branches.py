@@ -9,13 +9,14 @@ from torch import nn
 
 
 class Branches(nn.Module):
-    """A shared layer, then branch ``a``, ``b`` or both (``"ab"``), their outputs summed."""
+    """A shared layer, then branch ``a``, ``b`` or both (``"ab"``), their outputs summed;
+    ``out``: the branches' width."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: int = 3) -> None:
         super().__init__()
         self.s = nn.Linear(4, 4)
-        self.a = nn.Linear(4, 3)
-        self.b = nn.Linear(4, 3)
+        self.a = nn.Linear(4, out)
+        self.b = nn.Linear(4, out)
 
     def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
         h = torch.tanh(self.s(x))

@@ -32,6 +32,7 @@ the rank processes: :func:`run_scenarios`) and checks them (:func:`check_scenari
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,28 +40,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from branches import Branches
+from ranks import every_rank_ok
 from torch import nn
 
 LR = 0.1
-
-
-class Branches(nn.Module):
-    """A shared layer, then branch ``a``, ``b`` or both: a branch unused on some passes."""
-
-    def __init__(self, out: int) -> None:
-        super().__init__()
-        self.s = nn.Linear(4, 4)
-        self.a = nn.Linear(4, out)
-        self.b = nn.Linear(4, out)
-
-    def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
-        h = torch.tanh(self.s(x))
-        out = torch.zeros(())
-        if "a" in branch:
-            out = out + self.a(h)
-        if "b" in branch:
-            out = out + self.b(h)
-        return out
 
 
 # Each DDP's module has its own shapes: one DDP's collectives paired with another's
@@ -210,6 +194,25 @@ def run_scenarios(
             result["torch"] = _train(s, count, rank, tddps, theirs, context)
         out[name] = result
     return out
+
+
+def _run_world(
+    scenarios: dict[str, Scenario], batches: Sequence[int], timeout: float, rank: int, world: int
+) -> dict[str, Any]:
+    return run_scenarios(scenarios, batches, rank, timeout)
+
+
+def launch(
+    scenarios: dict[str, Scenario],
+    batches: dict[int, Sequence[int]],
+    world: int,
+    timeout: float,
+    limit: float,
+) -> tuple[int, dict[int, Any]]:
+    """Every scenario at ``world`` ranks in one launch (a test module's fixture; ``limit``:
+    the launcher's, past the DDPs' ``timeout``): the world size and each rank's results."""
+    run = functools.partial(_run_world, scenarios, batches[world], timeout)
+    return world, every_rank_ok(run, world, timeout=limit)
 
 
 def reference(s: Scenario, batches: Sequence[int]) -> dict[str, Any]:

@@ -50,8 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from join_matrix import EFFECTIVE, STATIC, UNUSED, Scenario, check_scenario, run_scenarios
-from ranks import every_rank_ok
+from join_matrix import EFFECTIVE, STATIC, UNUSED, Scenario, check_scenario, launch
 
 TIMEOUT = 10.0
 BATCHES = {2: (4, 2), 3: (4, 2, 3)}
@@ -81,13 +80,9 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def _run(rank: int, world: int) -> dict[str, Any]:
-    return run_scenarios(SCENARIOS, BATCHES[world], rank, TIMEOUT)
-
-
 @pytest.fixture(scope="module", params=[2, 3])
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
-    return request.param, every_rank_ok(_run, request.param, timeout=120)
+    return launch(SCENARIOS, BATCHES, request.param, TIMEOUT, limit=120)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

@@ -44,8 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from join_matrix import EFFECTIVE, STATIC, UNUSED, Scenario, check_scenario, run_scenarios
-from ranks import every_rank_ok
+from join_matrix import EFFECTIVE, STATIC, UNUSED, Scenario, check_scenario, launch
 
 TIMEOUT = 10.0
 #: with 3 ranks, rank 1 joins at step 2, then rank 2 (the highest still training) at 3
@@ -84,13 +83,9 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def _run(rank: int, world: int) -> dict[str, Any]:
-    return run_scenarios(SCENARIOS, BATCHES[world], rank, TIMEOUT)
-
-
 @pytest.fixture(scope="module", params=[2, 3])
 def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
-    return request.param, every_rank_ok(_run, request.param, timeout=150)
+    return launch(SCENARIOS, BATCHES, request.param, TIMEOUT, limit=150)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
