@@ -14,6 +14,7 @@ no rank left, runs its context as before (nothing kept for it).
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -87,3 +88,26 @@ def test_each_later_context_on_the_group_raises_the_leave_at_once() -> None:
     assert out["first"] == out["default"] == [6.0] * 3, out
     assert out1["default"] == [], out1
     assert out["kept"] == [out["name"]], out
+
+
+def _ids(rank: int, world: int) -> list[int]:
+    """The ids of three contexts this rank opens one after another (each a step)."""
+    from xgrad.torch_backend import dist_autograd as da
+
+    ids = []
+    for _ in range(3):
+        with da.context(timeout=20) as cid:
+            ids.append(cid)
+        _step(rank, da, None)
+    return ids
+
+
+def test_the_check_for_a_peers_leave_draws_no_context_id() -> None:
+    """The check before each context draws an id only when it raises: the ids of the
+    contexts that open stay consecutive (every other one was drawn and dropped)."""
+    results, codes = run_ranks(_ids, 2, timeout=60)
+    assert set(codes.values()) == {0}, results
+    for rank in range(2):
+        word, ids = results[rank]
+        assert word == "ok", results
+        assert [b - a for a, b in itertools.pairwise(ids)] == [2, 2], ids  # a _step between

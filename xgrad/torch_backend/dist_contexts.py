@@ -169,7 +169,7 @@ def open_context(
             "Already have an autograd context id for this thread (context "
             f"{_local.context.id}); leave it before opening another"
         )
-    dist_left.refuse(name, pg, next(_ids))  # (a peer that left it: raised at once)
+    dist_left.refuse(name, pg, _ids)  # (a peer that left it: raised at once)
     me = threading.get_ident()
     with _lock:
         holder = _holders.get(name)

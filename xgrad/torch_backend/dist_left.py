@@ -32,7 +32,7 @@ import functools
 import multiprocessing.util
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -91,10 +91,11 @@ def remember(name: str, pg: Any, error: BaseException) -> None:
         _gone[name] = (weakref.ref(pg), error)
 
 
-def refuse(name: str, pg: Any, context_id: int) -> None:
+def refuse(name: str, pg: Any, ids: Iterator[int]) -> None:
     """Before a context of ``pg`` (named ``name``) opens: raise the leave of a peer that
-    an earlier context of it raised (:func:`remember`) again, as context ``context_id``'s,
-    at once: that peer never answers there. A dict lookup."""
+    an earlier context of it raised (:func:`remember`) again, at once, as the context's
+    whose id it draws from ``ids`` (only then: the ids of the contexts that open stay
+    consecutive): that peer never answers there. A dict lookup."""
     gone = _gone.get(name)
     if gone is None:
         return
@@ -104,7 +105,7 @@ def refuse(name: str, pg: Any, context_id: int) -> None:
         return
     again = copy.copy(error)  # (the kept one's traceback stays out of this one's)
     if hasattr(again, "context_id"):
-        again.context_id = context_id
+        again.context_id = next(ids)
     raise again.with_traceback(None)
 
 
