@@ -29,7 +29,7 @@ from xgrad.torch_backend.join_final import find_common_rank
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["BufferSyncDDP", "sync_buffers"]
+__all__ = ["BufferSyncDDP", "regrouped_buffers", "sync_buffers"]
 
 
 @contextlib.contextmanager
@@ -72,6 +72,18 @@ def sync_buffers(
             src = find_common_rank(ddp, ddp.comm.rank, True) if ddp._join_config.enable else 0
         with torch.no_grad():
             ddp.comm.broadcast_tensors(buffers, src=src)
+
+
+def regrouped_buffers(ddp: DistributedDataParallel) -> None:
+    """At the first pass after a failed step: the buffers are synced (where the DDP syncs
+    them), whatever the last pass left. Whether a rank's last pass reached its end (which
+    sets the flag) depends on where and when the step failed on it: one whose ``no_sync``
+    forward raised in the module kept a synchronised pass's flag while its peers kept
+    theirs, and one rank broadcast the buffers while the others did not (a broadcast
+    paired with the next collective: a gloo abort, exit -6). Synced, the replicas also
+    agree again on what the failed step left in them (running statistics of a pass some
+    ranks ran)."""
+    ddp.require_forward_param_sync = True
 
 
 class BufferSyncDDP:

@@ -24,7 +24,7 @@ from xgrad.agreement import check_agreement
 from xgrad.failure import RankError
 from xgrad.raising import raise_from
 from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
-from xgrad.torch_backend.ddp_buffers import sync_buffers
+from xgrad.torch_backend.ddp_buffers import regrouped_buffers, sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
@@ -90,6 +90,7 @@ def pre_forward(
         # step after). Every rank agrees again, on the fresh group.
         ddp._watch.regrouped = False
         ddp._agreement_pending = True
+        regrouped_buffers(ddp)
     flags = _flags(ddp, sync) if ddp._join_config.enable else None
     ddp._still_training = notify_join_context(ddp, flags)
     if sync:  # PyTorch's logger samples here, before the rebuild

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.failure import Failure
-from xgrad.torch_backend.ddp_buffers import sync_buffers
+from xgrad.torch_backend.ddp_buffers import regrouped_buffers, sync_buffers
 from xgrad.torch_backend.ddp_recover import (
     current_graph_task,
     give_up_cut_short_pass,
@@ -115,6 +115,7 @@ def skip_pass(ddp: DistributedDataParallel, refuse: bool = False) -> None:
     if ddp._watch.regrouped:
         ddp._watch.regrouped = False
         ddp._agreement_pending = True
+        regrouped_buffers(ddp)  # as a forward pass after a failed step does
     if ddp._check_sync_bufs_pre_fwd():
         sync_buffers(ddp)
     grad = torch.is_grad_enabled()
