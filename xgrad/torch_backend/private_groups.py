@@ -83,39 +83,50 @@ def pass_private_group(ranks: Sequence[int], *, parent: Any = None) -> bool:
     never met again.
     """
     members = sorted(ranks)
-    c10d = dist.distributed_c10d
-    try:
-        if len(members) == dist.get_world_size():
-            c10d._process_group_name(members, use_hashed_name=False)  # as new_group counts
-            return True
-        world = c10d._world
-        default = c10d._get_default_group()
-        if (
-            default.bound_device_id is not None
-            or world.pg_names.get(parent if parent is not None else default) is None
-        ):
+    if len(members) == dist.get_world_size():
+        try:
+            dist.distributed_c10d._process_group_name(members, use_hashed_name=False)
+        except AttributeError:  # (as new_group counts)
             return False
-    except AttributeError:
+        return True
+    if _parent_name(parent) is None:  # made by new_group, which names it itself
         return False
     group_count("private group", parent)
     return True
+
+
+def _parent_name(parent: Any) -> str | None:
+    """The name a private group of some ranks is named after (``parent``'s, ``None``: the
+    default group's), or ``None`` where such a group cannot be named here (and
+    ``new_group`` makes and names it): a default group bound to a device (its subgroups
+    are split from it with every rank), or a PyTorch whose private c10d parts differ.
+    Asked alike where a group is made (:func:`_named_after`) and where one is counted
+    without being made (:func:`pass_private_group`), so both count the same groups."""
+    c10d = dist.distributed_c10d
+    try:
+        world = c10d._world
+        default = c10d._get_default_group()
+        if default.bound_device_id is not None or default not in world.pg_map:
+            return None
+        name = world.pg_names.get(parent if parent is not None else default)
+    except (AttributeError, TypeError):
+        return None
+    return None if name is None else str(name)
 
 
 def _named_after(
     members: list[int], parent: Any, timeout: timedelta | None, backend: str | None
 ) -> Any:
     """The group of ``members`` (sorted, this rank among them) named after ``parent``, made
-    as ``new_group`` makes one; ``None`` where that cannot be done here: a default group
-    bound to a device (its subgroups are split from it with every rank), or a PyTorch
-    whose private c10d parts differ."""
+    as ``new_group`` makes one; ``None`` where that cannot be done here
+    (:func:`_parent_name`)."""
+    parent_name = _parent_name(parent)
+    if parent_name is None:
+        return None
     c10d = dist.distributed_c10d
     try:
         world = c10d._world
-        default = c10d._get_default_group()
-        if default.bound_device_id is not None:
-            return None
-        default_backend, store = world.pg_map[default]
-        parent_name = world.pg_names[parent if parent is not None else default]
+        default_backend, store = world.pg_map[c10d._get_default_group()]
         chosen = dist.Backend(backend or default_backend)
         made = group_count("private group", parent)
         group, _ = c10d._new_process_group_helper(
