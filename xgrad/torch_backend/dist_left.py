@@ -50,7 +50,7 @@ EXITED = "its process ended"
 #: in or None) (:func:`.dist_contexts.leaving`).
 Leaving = Callable[[str], tuple[int, int | None]]
 
-#: group name -> (the group, this process's global rank, the group's context count).
+#: group name -> (the group, this process's global rank, its contexts there: ``Leaving``).
 _groups: dict[str, tuple[weakref.ref[Any], int, Leaving]] = {}
 _lock = threading.Lock()
 _installed = False

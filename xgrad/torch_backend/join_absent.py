@@ -67,8 +67,13 @@ def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -
     """With a rank joined at the first joinable's last count: stand in for the pass of
     each DDP with an index from ``start`` to ``stop`` (exclusive; default: the last) that
     ran none since that count, in the context's order (the joined rank's hooks')."""
-    if not _joined(order):
-        return
+    if _joined(order):
+        _stand_in(order, start, stop)
+
+
+def _stand_in(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:
+    """:func:`stand_in_absent` once :func:`_joined` said so (a store lookup: asked once
+    per pass)."""
     for index, ddp in enumerate(order.joinables[start:stop], start):
         if order.seen.get(index, 0) >= order.firsts or not hasattr(ddp, "_grad_hooks"):
             continue
@@ -91,9 +96,9 @@ def stand_in_before(order: JoinOrder, index: int) -> None:
     if order.firsts == 0 or not _joined(order):
         return
     if order.seen.get(index, 0) == order.firsts:
-        stand_in_absent(order, start=index + 1)
+        _stand_in(order, start=index + 1)
         _stand_in_first(order)
-    stand_in_absent(order, stop=index)
+    _stand_in(order, stop=index)
 
 
 def _stand_in_first(order: JoinOrder) -> None:
