@@ -176,13 +176,16 @@ class StepWatch(StepWaits):
 
     # ----------------------------------------------------------------- steps
 
-    def begin_step(self) -> Failure | None:
+    def begin_step(self, polled: bool = False) -> Failure | None:
         """Start the next synchronised step; the previous step's failure, if it had one.
 
         Every rank calls this at the same forward pass, so every rank finds the same
-        failure and replaces its private group at the same point.
+        failure and replaces its private group at the same point. ``polled``: the caller
+        read the channel just before (:func:`~.ddp_give_up.begin_next_step`): its answer
+        stands, without another store round trip (a poll that finds nothing is not kept,
+        and under load one costs a few hundred microseconds, a step's bookkeeping twice).
         """
-        failed = self.channel.poll()
+        failed = self.channel.seen() if polled else self.channel.poll()
         self.ended_failed = failed
         if failed is not None:
             self.failed_at = self.step

@@ -73,7 +73,7 @@ def begin_next_step(
         mark_next(watch)
         if gate is not None:
             gate(watch.channel)
-    failed = watch.begin_step()
+    failed = watch.begin_step(polled=True)  # the poll above: one round trip a step
     reducer = hooks.reducer
     assert reducer is not None
     if failed is not None:
