@@ -18,6 +18,7 @@ import torch
 from torch.distributed.algorithms.join import JoinHook
 
 from xgrad.failure import RankError
+from xgrad.torch_backend.ddp_buffers import regrouped_buffers
 from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.join_failed import FailedSteps
@@ -80,6 +81,8 @@ class DDPJoinHook(FailedSteps, JoinHook):
         self._begin_deferred()
         left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
+            if ddp._watch.regrouped:  # begun ahead, after a failed step (join_failed)
+                self._regrouped()
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)
             begun, self.begun = self.begun, False
@@ -106,9 +109,8 @@ class DDPJoinHook(FailedSteps, JoinHook):
             ddp.require_forward_param_sync = heard.param_sync
             if not heard.reduce:
                 return
-            if ddp._watch.regrouped:  # a fresh group: compared again, as the others do
-                ddp._watch.regrouped = False
-                ddp._agreement_pending = True
+            if ddp._watch.regrouped:  # begun at this pass (another DDP of xgrad's Join)
+                self._regrouped()
             if heard.param_sync:
                 ddp._check_agreement()
             if ddp._join_config.is_first_joinable:
@@ -131,6 +133,16 @@ class DDPJoinHook(FailedSteps, JoinHook):
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.
             ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
+
+    def _regrouped(self) -> None:
+        """The first pass of the step after a failed one, on its fresh group: what the
+        ranks still training do at their first pass after it (:func:`~.ddp_forward.pre_forward`):
+        the agreement compared again at the step's synchronised pass, and the buffers
+        synced at this one, whatever the last pass left (:func:`~.ddp_buffers.regrouped_buffers`)."""
+        ddp = self.ddp
+        ddp._watch.regrouped = False
+        ddp._agreement_pending = True
+        regrouped_buffers(ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last; then
