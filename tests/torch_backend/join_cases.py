@@ -166,6 +166,12 @@ def trained_after(
     return out
 
 
+def two_passes(i: int) -> int:
+    """Step ``i``'s passes in the accumulation tests: a ``no_sync`` one, then the
+    synchronised one, which reduces what both left (:func:`check_grads`' ``passes``)."""
+    return 2
+
+
 def check_raised_once(
     run: Run, batches: int, at: int, boom: str, label: Any, *, limit: float, named: bool = True
 ) -> None:

@@ -42,6 +42,7 @@ from join_cases import (
     check_trained,
     grads,
     run_steps,
+    two_passes,
 )
 from ranks import armed_hook, every_rank_ok
 
@@ -118,11 +119,6 @@ def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     return world, every_rank_ok(_contexts, world, timeout=90)
 
 
-def _twice(i: int) -> int:
-    """Each step's passes: two (the synchronised pass reduces what the accumulation left)."""
-    return 2
-
-
 @pytest.mark.parametrize("name", list(WHERE))
 def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     outcome: tuple[int, dict[int, Any]], name: str
@@ -137,9 +133,9 @@ def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
         check_raised_once(
             result[name], batches[rank], AT, boom, label, limit=TIMEOUT / 2, named=named
         )
-    check_grads(results, world, name, batches, passes=_twice)
+    check_grads(results, world, name, batches, passes=two_passes)
 
 
 def test_a_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -> None:
     world, results = outcome
-    check_trained(results, world, "after", _batches(world), passes=_twice)
+    check_trained(results, world, "after", _batches(world), passes=two_passes)

@@ -26,7 +26,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from join_cases import check_grads, check_raised_once, check_trained, grads, run_steps
+from join_cases import (
+    check_grads,
+    check_raised_once,
+    check_trained,
+    grads,
+    run_steps,
+    two_passes,
+)
 from ranks import every_rank_ok
 
 TIMEOUT = 3.0
@@ -88,10 +95,6 @@ def outcome(request: pytest.FixtureRequest) -> tuple[int, dict[int, Any]]:
     return world, every_rank_ok(_contexts, world, timeout=90)
 
 
-def _twice(i: int) -> int:
-    return 2
-
-
 @pytest.mark.parametrize("name", list(WHERE))
 def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     outcome: tuple[int, dict[int, Any]], name: str
@@ -101,7 +104,7 @@ def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     for rank, result in results.items():
         boom = f"rank {failing} in {WHERE[name]}"
         check_raised_once(result[name], batches[rank], AT, boom, (name, rank), limit=TIMEOUT / 2)
-    check_grads(results, world, name, batches, passes=_twice)
+    check_grads(results, world, name, batches, passes=two_passes)
 
 
 @pytest.mark.parametrize("name", [*WHERE, "after"])
@@ -124,4 +127,4 @@ def test_the_buffers_are_synced_after_the_failed_step(
 
 def test_a_join_context_after_them_trains(outcome: tuple[int, dict[int, Any]]) -> None:
     world, results = outcome
-    check_trained(results, world, "after", _batches(world), passes=_twice)
+    check_trained(results, world, "after", _batches(world), passes=two_passes)
