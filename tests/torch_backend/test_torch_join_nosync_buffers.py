@@ -6,13 +6,16 @@ step a ``no_sync`` pass then a synchronised one. Rank 0 has one step and joins; 
 others have three, and the last rank fails at step 1, caught per step:
 
 * ``acc_forward``: its ``no_sync`` forward pass raises (in a pre-hook of the model);
-* ``sync_forward``: its synchronised forward pass raises.
+* ``acc_backward``: its ``no_sync`` backward pass raises (a hook on a weight's gradient);
+* ``sync_forward``: its synchronised forward pass raises;
+* ``sync_backward``: its synchronised backward pass raises;
+* ``sync_hook``: its communication hook raises in the synchronised backward pass.
 
 The ranks still training sync the buffers at the first pass after a failed step,
 whatever the last pass left (:func:`~xgrad.torch_backend.ddp_buffers.regrouped_buffers`);
 the joined rank's shadow did not follow (it synced only where the last pass it heard
 said so): the broadcast met its next collective, and every rank raised a timeout (3 s)
-instead of the failure, in the context and the ones after it. Now its shadow of that
+instead of the failure, in every scenario, and in the context after them. Now its shadow of that
 first pass syncs too: every rank raises the failure once (the joined one as it leaves
 ``join()``), the steps after it train with ``join()``'s gradients, the ranks still
 training enter each step's first pass with the same running statistics, and every rank
@@ -21,6 +24,7 @@ leaves ``join()`` with the same buffers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -34,11 +38,17 @@ from join_cases import (
     run_steps,
     two_passes,
 )
-from ranks import every_rank_ok
+from ranks import armed_hook, every_rank_ok
 
 TIMEOUT = 3.0
 AT = 1
-WHERE = {"acc_forward": "forward: ValueError: boom", "sync_forward": "forward: ValueError: boom"}
+WHERE = {
+    "acc_forward": "forward: ValueError: boom",
+    "acc_backward": "backward: ValueError: grad boom",
+    "sync_forward": "forward: ValueError: boom",
+    "sync_backward": "backward: ValueError: grad boom",
+    "sync_hook": "comm hook, bucket 0: ValueError: hook boom",
+}
 
 
 def _batches(world: int) -> list[int]:
@@ -52,20 +62,29 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-    trip = [False]
+    trip = {"forward": False, "backward": False}
     seen: dict[int, list[list[float]]] = {}  # per step, the running mean BatchNorm began with
     current = [0]
 
     def pre_hook(module: Any, inputs: Any) -> None:
-        if trip[0]:
-            trip[0] = False
+        if trip["forward"]:
+            trip["forward"] = False
             raise ValueError("boom")
 
+    def grad_hook(grad: torch.Tensor) -> torch.Tensor:
+        if trip["backward"]:
+            trip["backward"] = False
+            raise ValueError("grad boom")
+        return grad
+
     model.register_forward_pre_hook(pre_hook)
+    model[0].weight.register_hook(grad_hook)
     model[1].register_forward_pre_hook(
         lambda m, i: seen.setdefault(current[0], []).append(m.running_mean.tolist())
     )
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
+    comm_hook, hook_armed = armed_hook()
+    ddp.register_comm_hook(None, comm_hook)
     x = torch.arange(12.0).reshape(3, 4) * (rank + 1) + torch.tensor([0.0, 1.0, 3.0, 2.0])
     model(x).pow(2).mean().backward()  # this rank's own gradient (train mode: the batch's)
     out: dict[str, Any] = {"local": grads([model])}
@@ -74,11 +93,12 @@ def _contexts(rank: int, world: int) -> dict[str, Any]:
         model.zero_grad()
         current[0] = i
         failing = rank == world - 1 and i == AT
-        with ddp.no_sync():
-            trip[0] = failing and name == "acc_forward"
-            ddp(x).pow(2).mean().backward()
-        trip[0] = failing and name == "sync_forward"
-        ddp(x).pow(2).mean().backward()
+        for pass_ in ("acc", "sync"):
+            trip["forward"] = failing and name == f"{pass_}_forward"
+            trip["backward"] = failing and name == f"{pass_}_backward"
+            hook_armed[0] = failing and name == f"{pass_}_hook"
+            with ddp.no_sync() if pass_ == "acc" else contextlib.nullcontext():
+                ddp(x).pow(2).mean().backward()
         return grads([model])
 
     for name in [*WHERE, "after"]:
@@ -103,7 +123,12 @@ def test_every_rank_raises_the_step_once_and_the_steps_after_it_train(
     batches, failing = _batches(world), world - 1
     for rank, result in results.items():
         boom = f"rank {failing} in {WHERE[name]}"
-        check_raised_once(result[name], batches[rank], AT, boom, (name, rank), limit=TIMEOUT / 2)
+        # (the failing rank's backward raises autograd's own error there)
+        named = not (rank == failing and name.endswith("_backward"))
+        label = (name, rank)
+        check_raised_once(
+            result[name], batches[rank], AT, boom, label, limit=TIMEOUT / 2, named=named
+        )
     check_grads(results, world, name, batches, passes=two_passes)
 
 
