@@ -83,6 +83,7 @@ class DDPJoinHook(FailedSteps, JoinHook):
         while True:
             if ddp._watch.regrouped:  # begun ahead, after a failed step (join_failed)
                 self._regrouped()
+                regrouped_buffers(ddp)  # synced at this pass by the ranks still training
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)
             begun, self.begun = self.begun, False
@@ -135,14 +136,17 @@ class DDPJoinHook(FailedSteps, JoinHook):
             ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
 
     def _regrouped(self) -> None:
-        """The first pass of the step after a failed one, on its fresh group: what the
-        ranks still training do at their first pass after it (:func:`~.ddp_forward.pre_forward`):
-        the agreement compared again at the step's synchronised pass, and the buffers
-        synced at this one, whatever the last pass left (:func:`~.ddp_buffers.regrouped_buffers`)."""
+        """The step after a failed one, on its fresh group: its agreement compared again
+        at its synchronised pass, as the ranks still training do (:func:`~.ddp_forward.pre_forward`).
+
+        Begun ahead (before the top of the loop), the first pass also syncs the buffers
+        there, whatever the last pass heard said (:func:`~.ddp_buffers.regrouped_buffers`),
+        as theirs does: else their broadcast met this rank's next collective. Begun at the
+        shadow pass itself (below the buffers' turn) it does not: the flag would sync them
+        at the next pass, which theirs need not."""
         ddp = self.ddp
         ddp._watch.regrouped = False
         ddp._agreement_pending = True
-        regrouped_buffers(ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last; then
