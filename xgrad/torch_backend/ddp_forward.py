@@ -3,18 +3,15 @@
 Before the module runs: drop a failed backward pass, tell ``join()`` this rank still
 trains, sync buffers (:mod:`.ddp_buffers`), tell joined ranks what this pass is
 (:mod:`.join_rounds`), rebuild the buckets once (and re-alias gradient views), check once
-per plan that the ranks agree, move and cast the inputs. After it: find the
-unused parameters and prepare the reducer for the backward pass. The wrapper calls
-these through ``torch._dynamo.disable``-d methods (:class:`ForwardDDP`, mixed into it), so
-no collective here is traced.
+per plan that the ranks agree, move and cast the inputs. After it
+(:mod:`.ddp_post_forward`): find the unused parameters and prepare the reducer for the
+backward pass. The wrapper calls these through ``torch._dynamo.disable``-d methods
+(:class:`ForwardDDP`, mixed into it), so no collective here is traced.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,18 +20,17 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.failure import RankError
 from xgrad.raising import raise_from
-from xgrad.torch_backend.autograd_graph import find_unused_parameters, grad_accumulators
 from xgrad.torch_backend.ddp_buffers import regrouped_buffers, sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
+from xgrad.torch_backend.ddp_post_forward import post_forward
 from xgrad.torch_backend.ddp_recover import (
     abandon_step,
     drop_unreduced,
     reduces_unsynced,
     start_forward,
 )
-from xgrad.torch_backend.ddp_sink import route_outputs
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import Row
 from xgrad.torch_backend.join_leave import training_gate
@@ -48,10 +44,6 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
     from xgrad.torch_backend.ddp_logging import RuntimeLog
-
-#: per DDP searching for unused parameters: its parameters' accumulators (see
-#: :func:`~xgrad.torch_backend.autograd_graph.grad_accumulators`), held while it lives.
-_ACCUMULATORS: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
 
 
 def pre_forward(
@@ -146,53 +138,6 @@ def _start(ddp: DistributedDataParallel, sync: bool) -> None:
         accumulate=not ddp.require_backward_grad_sync,
         gate=training_gate(ddp),  # after a failed step: a rank that left join() raising
     )
-
-
-def post_forward(ddp: DistributedDataParallel, output: Any) -> Any:
-    """Everything DDP does after the module ran; returns the output (routed: ddp_sink)."""
-    read_announcement(ddp)  # under join(), sent before the module ran (join_rounds)
-    if ddp._check_sync_bufs_post_fwd():  # a buffer hook registered to run after
-        sync_buffers(ddp)
-    if ddp._delayed is not None and torch.is_grad_enabled():
-        # Before the reducer is prepared: refused as a forward pass's failure, on every
-        # rank, where the delayed gradients would go unreduced (ddp_delay).
-        wrong = ddp._delayed.wrong_dtype()
-        if wrong is not None:
-            raise_from(ddp._forward_failed(wrong), wrong)
-    hooks = ddp._grad_hooks
-    if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-        ddp.require_forward_param_sync = True
-        unused: Sequence[int] = ()
-        if ddp.find_unused_parameters and not ddp.static_graph:
-            accumulators = _ACCUMULATORS.get(ddp)
-            if accumulators is None:  # held from the first search on, as PyTorch's reducer does
-                accumulators = _ACCUMULATORS[ddp] = grad_accumulators(ddp._params)
-            unused = find_unused_parameters(
-                output, ddp._param_index, len(ddp._params), accumulators
-            )
-            output = route_outputs(output)  # a loss may leave outputs out (PyTorch's sink)
-        ddp.reducer.prepare_for_backward(unused, divisor=ddp._still_training)
-        _expect_backward(ddp)
-    elif torch.is_grad_enabled() and not hooks.accumulating and reduces_unsynced(hooks):
-        # A no_sync pass after a synchronised forward pass that every rank left without
-        # a backward: the reducer, still prepared for it, reduces this pass (PyTorch's).
-        ddp.require_forward_param_sync = False
-        _expect_backward(ddp, unsynced=True)
-    else:
-        ddp.require_forward_param_sync = False
-        hooks.wait_buffer_futures()  # no reducing backward pass to wait for them
-        hooks.nosync_pending = torch.is_grad_enabled()
-        hooks.forward_thread = threading.get_ident()  # whose backward call notes its failure
-    if ddp._delayed is not None:
-        ddp._delayed.point_grads_at_buffer()
-    return output
-
-
-def _expect_backward(ddp: DistributedDataParallel, unsynced: bool = False) -> None:
-    hooks = ddp._grad_hooks
-    hooks.expect_backward(unsynced)
-    hooks.forward_started = ddp._forward_started
-    hooks.forward_seconds = time.perf_counter() - ddp._forward_started
 
 
 def check_agreement_once(ddp: DistributedDataParallel) -> None:
