@@ -36,7 +36,9 @@ several DDPs in one context, once a rank has joined, each DDP's backward pass mu
 before the next DDP's forward pass, or every rank raises at once (:mod:`.join_order`);
 DDPs that run different numbers of passes (gradient accumulation in one only) are
 stood in for where they run none (:mod:`.join_absent`); a ``no_sync`` pass that raises
-in any of them gives up the whole iteration on its rank (:mod:`.join_given_up`).
+in any of them gives up the whole iteration on its rank (:mod:`.join_given_up`). The
+hooks of joinables that are not DDPs (an optimizer's) run once per step of the first DDP
+(:mod:`.join_others`).
 
 ``divide_by_initial_world_size=False`` divides the gradients by the number of ranks
 still training instead of the world size (PyTorch's ``div_factor``). Every wait is
@@ -65,6 +67,7 @@ from xgrad.torch_backend.join_announce import carried, count, heard
 from xgrad.torch_backend.join_hook import DDPJoinHook
 from xgrad.torch_backend.join_leave import wait_count
 from xgrad.torch_backend.join_order import JoinOrder
+from xgrad.torch_backend.join_others import once_per_step
 from xgrad.torch_backend.join_refused import again
 from xgrad.torch_backend.join_rounds import counted, failed_count
 from xgrad.torch_backend.lost_rank import transfer_failed
@@ -98,6 +101,7 @@ class Join(TorchJoin):
         super().__init__(list(joinables), enable, throw_on_early_termination, **kwargs)
         join_rounds.counting(self._joinables)  # its count is read by a rank that leaves in a round
         self._order = JoinOrder(self._joinables, self._join_hooks)  # (its DDPs' forward passes)
+        once_per_step(self._join_hooks, self._joinables, self._order)  # (an optimizer's)
         self._timeout = getattr(joinables[0], "timeout", None) if joinables else None
         # The first joinable's step watch (a DDP's): its failure channel names a peer
         # that failed, died or froze while this rank counts the ranks still training.

@@ -78,6 +78,8 @@ class DDPJoinHook(FailedSteps, JoinHook):
             if not ddp._join_config.is_first_joinable and order.failed:
                 return
             order.failed = False
+            if ddp._join_config.is_first_joinable:
+                order.stepped = False  # until a backward pass is shadowed (join_others)
         self._begin_deferred()
         left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
@@ -130,6 +132,8 @@ class DDPJoinHook(FailedSteps, JoinHook):
                 raise  # this rank's own (every rank raises it at once), or a rank lost
             self._failed_step(error, ahead=error.failure.where != UNREDUCED)
             return
+        if order is not None and ddp._join_config.is_first_joinable:
+            order.stepped = True  # the iteration's step: the other joinables' hooks run
         if ddp.reducer.needs_rebuild_order():
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.

@@ -146,6 +146,9 @@ class JoinOrder:
         #: the first joinable's step failed in the iteration a joined rank shadows: its
         #: other DDPs' hooks skip it (join_hook)
         self.failed = False
+        #: the first joinable's hook shadowed a backward pass in this iteration: the hooks
+        #: of the joinables that are not DDPs (an optimizer's) run (join_others)
+        self.stepped = False
         #: the first failure a join hook kept, raised once every post hook ran
         self.kept: BaseException | None = None
         #: each joinable's step namespace as the context began, and the refusal that
