@@ -78,6 +78,10 @@ class GradientHooks(PassEnd):
         #: no_sync passes ran since the last synchronised forward pass (the first of
         #: them began the synchronised step they accumulate for).
         self.accumulating = False
+        #: whether the last synchronised step began with no_sync passes (None: no step
+        #: yet): under xgrad's Join, a given-up iteration stands in only for such a DDP's
+        #: no_sync pass (join_given_up).
+        self.accumulated: bool | None = None
         #: set by a no_sync forward: the next gradient hook starts that pass's backward.
         self.nosync_pending = False
         #: a no_sync backward pass began and its end callback has not run: at the next

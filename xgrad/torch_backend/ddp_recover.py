@@ -112,8 +112,10 @@ def start_forward(
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
         hooks.accumulating = False
+        hooks.accumulated = True
         return
     begin_next_step(watch, hooks, joining, gate)
+    hooks.accumulated = False
 
 
 def reduces_unsynced(hooks: GradientHooks) -> bool:

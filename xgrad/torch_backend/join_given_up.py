@@ -78,7 +78,8 @@ def _in_context(ddp: DistributedDataParallel) -> bool:
 def give_up_iteration(ddp: DistributedDataParallel, failure: Failure) -> None:
     """This rank gave up its step of ``ddp`` in a ``no_sync`` pass (``failure``) and skips
     the rest of the iteration: the later DDPs' pass of this micro-batch is stood in for
-    (:func:`skip_pass`); a DDP other than the first relays the failure to the first's
+    (:func:`skip_pass`), those that accumulate (judged by their last step: one whose
+    accumulation varies from step to step is outside the rule); a DDP other than the first relays the failure to the first's
     step, accumulating, which gives it up in its place (its stand-in count follows at the
     first DDP's next pass, whose sum says whether a synchronised pass then is this
     step's, :func:`~.join_rounds.stand_in`)."""
@@ -86,7 +87,18 @@ def give_up_iteration(ddp: DistributedDataParallel, failure: Failure) -> None:
         return
     peers = _ddps(ddp._join_peers)
     index = peers.index(ddp)
+    order = ddp._join_order
+    training = None if order is None else order.training
+    joined = training is not None and training < ddp._watch.world
     for later in peers[index + 1 :]:
+        its = later._grad_hooks
+        if not joined and its.accumulated is False and not its.accumulating:
+            # Its last step had no no_sync pass (a DDP that accumulates nothing, its one
+            # pass per iteration after the others' accumulation), and no rank has joined
+            # (whose cycle the ranks still training stand in for, join_absent): they run
+            # none of it in this micro-batch, and a stand-in would meet its next real
+            # pass there, an iteration later.
+            continue
         # (a backward pass's failure is given up at the next forward pass: the pass
         # stood in for then is not the next one of that DDP's here)
         skip_pass(later, refuse=failure.where == "forward")
