@@ -12,7 +12,7 @@ others have three, and the last rank fails at step 1, caught per step:
 * ``sync_hook``: its communication hook raises in the synchronised backward pass.
 
 The ranks still training sync the buffers at the first pass after a failed step,
-whatever the last pass left (:func:`~xgrad.torch_backend.ddp_buffers.regrouped_buffers`);
+whatever the last pass left (:func:`~xgrad.torch_backend.ddp_buffers.first_pass_regrouped`);
 the joined rank's shadow did not follow (it synced only where the last pass it heard
 said so): the broadcast met its next collective, and every rank raised a timeout (3 s)
 instead of the failure, in every scenario, and in the context after them. Now its shadow of that

@@ -29,7 +29,7 @@ from xgrad.torch_backend.join_final import find_common_rank
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
 
-__all__ = ["BufferSyncDDP", "regrouped_buffers", "sync_buffers"]
+__all__ = ["BufferSyncDDP", "first_pass_regrouped", "sync_buffers"]
 
 
 @contextlib.contextmanager
@@ -74,16 +74,27 @@ def sync_buffers(
             ddp.comm.broadcast_tensors(buffers, src=src)
 
 
-def regrouped_buffers(ddp: DistributedDataParallel) -> None:
-    """At the first pass after a failed step: the buffers are synced (where the DDP syncs
-    them), whatever the last pass left. Whether a rank's last pass reached its end (which
-    sets the flag) depends on where and when the step failed on it: one whose ``no_sync``
-    forward raised in the module kept a synchronised pass's flag while its peers kept
-    theirs, and one rank broadcast the buffers while the others did not (a broadcast
-    paired with the next collective: a gloo abort, exit -6). Synced, the replicas also
-    agree again on what the failed step left in them (running statistics of a pass some
-    ranks ran)."""
-    ddp.require_forward_param_sync = True
+def first_pass_regrouped(ddp: DistributedDataParallel, buffers: bool = True) -> None:
+    """At the first pass of the step after a failed one (the fresh group made, the watch's
+    ``regrouped`` set), on every rank alike: the flag consumed, the ranks' agreement
+    compared again at the step's synchronised pass (whether a rank had finished the failed
+    step's agreement depends on when it read the failure: one whose all-gather completed
+    kept it pending while a peer had cleared it, and at the next step one all-gathered
+    while the other reduced, to the timeout), and (``buffers``) the buffers synced at this
+    pass (where the DDP syncs them), whatever the last pass left. Whether a rank's last
+    pass reached its end (which sets that flag) depends on where and when the step failed
+    on it: one whose ``no_sync`` forward raised in the module kept a synchronised pass's
+    flag while its peers kept theirs, and one rank broadcast the buffers while the others
+    did not (a broadcast paired with the next collective: a gloo abort, exit -6). Synced,
+    the replicas also agree again on what the failed step left in them (running
+    statistics of a pass some ranks ran). Nothing where the step did not follow a failed
+    one."""
+    if not ddp._watch.regrouped:
+        return
+    ddp._watch.regrouped = False
+    ddp._agreement_pending = True
+    if buffers:
+        ddp.require_forward_param_sync = True
 
 
 class BufferSyncDDP:

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from xgrad.agreement import check_agreement
 from xgrad.failure import RankError
 from xgrad.raising import raise_from
-from xgrad.torch_backend.ddp_buffers import regrouped_buffers, sync_buffers
+from xgrad.torch_backend.ddp_buffers import first_pass_regrouped, sync_buffers
 from xgrad.torch_backend.ddp_checks import fingerprint
 from xgrad.torch_backend.ddp_compile import frame_skipped, outside_dynamo, traced_module_call
 from xgrad.torch_backend.ddp_inbackward import setup_in_backward_optimizers
@@ -73,16 +73,7 @@ def pre_forward(
             ddp._watch.raised_at = ddp._watch.step  # in the step begun now (join_leave)
             raise unfinished
     _start(ddp, sync)
-    if ddp._watch.regrouped:
-        # The last step failed, as every rank saw at this step's start. Whether a rank had
-        # finished that step's agreement depends on when it read the failure (one whose
-        # all-gather had completed raised a peer's failure all the same when it read the
-        # channel first, and kept the agreement pending while the peer had cleared it: at
-        # the next step one all-gathered while the other reduced, to the timeout, every
-        # step after). Every rank agrees again, on the fresh group.
-        ddp._watch.regrouped = False
-        ddp._agreement_pending = True
-        regrouped_buffers(ddp)
+    first_pass_regrouped(ddp)  # the last step failed: agreement and buffers again
     flags = _flags(ddp, sync) if ddp._join_config.enable else None
     ddp._still_training = notify_join_context(ddp, flags)
     if sync:  # PyTorch's logger samples here, before the rebuild

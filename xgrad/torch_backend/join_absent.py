@@ -50,17 +50,21 @@ from xgrad.torch_backend.join_settle import settle_next
 if TYPE_CHECKING:
     from xgrad.torch_backend.join_order import JoinOrder
 
-__all__ = ["stand_in_absent", "stand_in_before"]
+__all__ = ["rank_joined", "stand_in_absent", "stand_in_before"]
+
+
+def rank_joined(order: JoinOrder | None) -> bool:
+    """Whether a rank had joined at the first joinable's last count (so is in the hooks)."""
+    if order is None or order.training is None:
+        return False
+    return order.training < order.joinables[0]._watch.world
 
 
 def _joined(order: JoinOrder) -> bool:
-    """Whether a rank had joined at the first joinable's last count (so is in the hooks),
-    and the first joinable's step since has not failed (the joined ranks' hooks skip the
-    rest of such an iteration, as the ranks still training do: :mod:`.join_given_up`)."""
-    watch = order.joinables[0]._watch
-    if order.training is None or order.training >= watch.world:
-        return False
-    return watch.channel.poll() is None
+    """:func:`rank_joined`, and the first joinable's step since has not failed (the joined
+    ranks' hooks skip the rest of such an iteration, as the ranks still training do:
+    :mod:`.join_given_up`)."""
+    return rank_joined(order) and order.joinables[0]._watch.channel.poll() is None
 
 
 def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:

@@ -38,13 +38,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xgrad.failure import Failure
-from xgrad.torch_backend.ddp_buffers import regrouped_buffers, sync_buffers
+from xgrad.torch_backend.ddp_buffers import first_pass_regrouped, sync_buffers
 from xgrad.torch_backend.ddp_recover import (
     current_graph_task,
     give_up_cut_short_pass,
     reduces_unsynced,
     start_forward,
 )
+from xgrad.torch_backend.join_absent import rank_joined
 from xgrad.torch_backend.join_rounds import announce, read_announcement
 from xgrad.torch_backend.join_settle import settle_next
 
@@ -87,9 +88,7 @@ def give_up_iteration(ddp: DistributedDataParallel, failure: Failure) -> None:
         return
     peers = _ddps(ddp._join_peers)
     index = peers.index(ddp)
-    order = ddp._join_order
-    training = None if order is None else order.training
-    joined = training is not None and training < ddp._watch.world
+    joined = rank_joined(ddp._join_order)
     for later in peers[index + 1 :]:
         its = later._grad_hooks
         if not joined and its.accumulated is False and not its.accumulating:
@@ -124,10 +123,7 @@ def skip_pass(ddp: DistributedDataParallel, refuse: bool = False) -> None:
     if ddp._announcing is not None or ddp._watch.deferred is not None:
         settle_next(ddp)
     start_forward(ddp._watch, hooks, False, True, accumulate=True)
-    if ddp._watch.regrouped:
-        ddp._watch.regrouped = False
-        ddp._agreement_pending = True
-        regrouped_buffers(ddp)  # as a forward pass after a failed step does
+    first_pass_regrouped(ddp)  # as a forward pass after a failed step does
     if ddp._check_sync_bufs_pre_fwd():
         sync_buffers(ddp)
     grad = torch.is_grad_enabled()

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.algorithms.join import JoinHook
 
 from xgrad.failure import RankError
-from xgrad.torch_backend.ddp_buffers import regrouped_buffers
+from xgrad.torch_backend.ddp_buffers import first_pass_regrouped
 from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_recover import start_forward
 from xgrad.torch_backend.join_failed import FailedSteps
@@ -83,9 +83,10 @@ class DDPJoinHook(FailedSteps, JoinHook):
         self._begin_deferred()
         left(ddp)  # its own pass settled; left in a round: its count was its part
         while True:
-            if ddp._watch.regrouped:  # begun ahead, after a failed step (join_failed)
-                self._regrouped()
-                regrouped_buffers(ddp)  # synced at this pass by the ranks still training
+            # Begun ahead, after a failed step (join_failed): the ranks still training
+            # sync the buffers at this pass, whatever the last pass heard said; else their
+            # broadcast met this rank's next collective.
+            first_pass_regrouped(ddp)
             ddp._check_and_sync_module_buffers()  # from a rank still training (ddp_buffers)
             heard = hear(ddp)
             begun, self.begun = self.begun, False
@@ -112,8 +113,9 @@ class DDPJoinHook(FailedSteps, JoinHook):
             ddp.require_forward_param_sync = heard.param_sync
             if not heard.reduce:
                 return
-            if ddp._watch.regrouped:  # begun at this pass (another DDP of xgrad's Join)
-                self._regrouped()
+            # Begun at this shadow pass (another DDP of xgrad's Join), below the buffers'
+            # turn: the flag would sync them at the next pass, which theirs need not.
+            first_pass_regrouped(ddp, buffers=False)
             if heard.param_sync:
                 ddp._check_agreement()
             if ddp._join_config.is_first_joinable:
@@ -138,19 +140,6 @@ class DDPJoinHook(FailedSteps, JoinHook):
             # Never trained (or not through a whole iteration): offer the definition
             # order, so this rank can take part in the rebuild the others do next.
             ddp.reducer.offer_rebuild_order(range(len(ddp.reducer.params)))
-
-    def _regrouped(self) -> None:
-        """The step after a failed one, on its fresh group: its agreement compared again
-        at its synchronised pass, as the ranks still training do (:func:`~.ddp_forward.pre_forward`).
-
-        Begun ahead (before the top of the loop), the first pass also syncs the buffers
-        there, whatever the last pass heard said (:func:`~.ddp_buffers.regrouped_buffers`),
-        as theirs does: else their broadcast met this rank's next collective. Begun at the
-        shadow pass itself (below the buffers' turn) it does not: the flag would sync them
-        at the next pass, which theirs need not."""
-        ddp = self.ddp
-        ddp._watch.regrouped = False
-        ddp._agreement_pending = True
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank takes the parameters (and buffers) of a rank that joined last; then
