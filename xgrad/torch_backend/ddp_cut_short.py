@@ -27,6 +27,20 @@ the next gradient hook queues it again on its own graph task, and the outermost 
 runs it as it returns if no hook came after (as PyTorch's reducer ends the pass at its
 last bucket, wherever that is).
 
+A backward call can also raise before any of a DDP's gradient hooks ran (a hook on the
+loss or on the model's output, a ``Function`` above the model): the pass never began for
+the DDP, and only its forward pass, with gradients on, awaits it. Left so, a ``no_sync``
+pass looked like one whose output needed no backward (legal), the step went on, and the
+rank's next synchronised pass met its peers' synchronised pass of the step before: every
+later step reduced one rank's micro-batches with another's, silently (PyTorch's DDP does
+the same); a synchronised pass was settled by a round that named no exception, and under
+``join()`` was taken for a forward pass left without its backward (a misuse error, then
+timeouts). So an exception leaving an outermost backward call also notes each DDP pass of
+that thread still awaiting its backward (:func:`_note_unreached`) as cut short at its
+start, with the exception's text; the next forward pass then posts it as any pass cut
+short. Where that DDP's backward comes after all (the exception was another graph's), its
+first gradient hook begins the pass as usual and its end clears the note.
+
 The engine is swapped only while it is torch's own; another one put in its place (by a
 profiler, a library) is left alone, and the peers then hear the generic words again.
 """
@@ -35,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +77,10 @@ _CALLS: list[int] = []
 #: the gradient hooks whose end-of-pass callback ran too early and was put off; each
 #: has it in its ``requeue``.
 PUT_OFF: set[Any] = set()
+
+#: every DDP's gradient hooks (held weakly), looked through only when a backward call
+#: raised: the passes awaiting their backward (:func:`_note_unreached`).
+HOOKS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 current_graph_task = torch._C._current_graph_task_id
 
@@ -96,9 +115,12 @@ class NotingEngine(torch._C._ImperativeEngine):
         try:
             result = super().run_backward(*args, **kwargs)
         except BaseException as exc:
-            if UNFINISHED and not isinstance(exc, RankError):
+            if not isinstance(exc, RankError):
                 with contextlib.suppress(Exception):  # what is raised stays the user's
-                    _note(exc, before, thread)
+                    if UNFINISHED:
+                        _note(exc, before, thread)
+                    if token is None:
+                        _note_unreached(exc, thread)
             if PUT_OFF and token is None:
                 _run_put_off(before, run=False)  # cut short: recovered at the next forward
             raise
@@ -151,8 +173,35 @@ def _note(exc: BaseException, before: frozenset[Any], thread: int) -> None:
             hooks.cut_short = text
 
 
-def note_backward_errors() -> None:
+def _note_unreached(exc: BaseException, thread: int) -> None:
+    """``exc`` left an outermost backward call of ``thread``: each DDP pass of that thread
+    whose forward pass ran with gradients on and none of whose gradient hooks ran since
+    is noted as cut short at its start (a synchronised one as if its end were queued, a
+    ``no_sync`` one as if open), so that the next forward pass, or another DDP's, posts
+    it (:mod:`.ddp_unfinished`). Its awaiting flag stays: a backward of the pass that
+    comes after all begins it as usual, and its end clears the note."""
+    text = ""
+    alone = all(t == thread for t in list(_CALLS))
+    for hooks in list(HOOKS):
+        if hooks in UNFINISHED or hooks.cut_short is not None:
+            continue
+        if not (alone or hooks.forward_thread == thread):
+            continue
+        if hooks.sync_pending:
+            hooks.finalize_queued = True
+        elif hooks.nosync_pending:
+            hooks.nosync_open = True
+        else:
+            continue
+        text = text or bounded(describe(exc))
+        hooks.cut_short = text
+        UNFINISHED.add(hooks)
+
+
+def note_backward_errors(hooks: Any) -> None:
     """Enter autograd through :class:`NotingEngine` from now on (once; not over an engine
-    someone else put in torch's place)."""
+    someone else put in torch's place), and look through ``hooks`` (a DDP's gradient
+    hooks) when a backward call raises."""
+    HOOKS.add(hooks)
     if type(Variable._execution_engine) is torch._C._ImperativeEngine:
         Variable._execution_engine = NotingEngine()

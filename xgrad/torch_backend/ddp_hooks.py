@@ -149,7 +149,7 @@ class GradientHooks(PassEnd):
         order is known (:mod:`.ddp_arrivals`); off, every hook is a Python one.
         """
         self.reducer = reducer
-        note_backward_errors()
+        note_backward_errors(self)
         python_hooks = [self._make_hook(i) for i in range(len(self.params))]
         self.handles = [
             p.register_post_accumulate_grad_hook(h)

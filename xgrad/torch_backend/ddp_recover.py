@@ -67,6 +67,7 @@ def start_forward(
     """
     if (
         hooks.sync_pending
+        and not hooks.finalize_queued  # noted cut short at its start: posted (recover)
         and watch.settled != watch.step
         and watch.world > 1
         and not joining

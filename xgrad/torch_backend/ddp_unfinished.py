@@ -57,6 +57,7 @@ def post_failed_pass(hooks: GradientHooks, watch: StepWatch) -> None:
     :func:`.ddp_recover.recover`."""
     if hooks.finalize_queued:
         hooks.finalize_queued = False
+        hooks.sync_pending = False  # a pass noted before its first hook (ddp_cut_short)
         UNFINISHED.discard(hooks)
         # What raised, as the peers hear a forward pass's or a comm hook's failure; the
         # generic words where it was not seen leaving autograd (:mod:`.ddp_cut_short`).
