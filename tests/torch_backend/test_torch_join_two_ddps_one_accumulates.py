@@ -8,8 +8,10 @@ that micro-batch as if ``d2`` accumulated too: with no rank joined the others ru
 ``d2`` pass there, and their next real one, an iteration later, met the stand-in: at
 three ranks with even inputs every rank raised "the ranks still training ran different
 forward passes" out of ``join()``. Now a DDP whose last step had no ``no_sync`` pass is
-not stood in for, unless a rank has joined (whose cycle the ranks still training stand
-in for anyway, :mod:`xgrad.torch_backend.join_absent`).
+not stood in for there; where a rank has joined (whose cycle the ranks still training
+stand in for, :mod:`xgrad.torch_backend.join_absent`), every rank still training stands
+in for it alike at its next pass of the first DDP, the failing rank too
+(``test_torch_join_two_ddps_joined_failure.py`` has three ranks there).
 
 Checked: every rank that ran iteration 2 raises the failure there, once, naming the
 failing rank; a rank that had joined raises it as it leaves ``join()``; the other

@@ -34,15 +34,20 @@ ranks still training stand in for). A stood-in buffer sync sends the broadcast i
 copies, thrown away (:func:`~.ddp_buffers.sync_buffers`): the DDP ran no pass, and a
 rank may join before its next real one, whose broadcast comes from the highest rank
 still training then, from its own buffers (PyTorch's ``_find_common_rank``).
-An iteration whose first DDP's step failed is skipped by every rank's hooks alike: no
-stand-in there (:mod:`.join_given_up` stands in for a given-up ``no_sync`` pass).
+An iteration whose first DDP's synchronised step failed is skipped by every rank's hooks
+alike: no stand-in there. One that failed in a ``no_sync`` pass of the first DDP is not
+(the joined ranks shadow the other DDPs after that pass's count): the ranks still
+training stand in as above, the failing rank too, at its next pass of the first DDP
+(:mod:`.join_given_up` stands in at once only for a DDP that accumulates).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from xgrad.torch_backend.ddp_buffers import sync_buffers
+from xgrad.torch_backend.ddp_buffers import first_pass_regrouped, sync_buffers
+from xgrad.torch_backend.ddp_recover import start_forward
+from xgrad.torch_backend.join_leave import training_gate
 from xgrad.torch_backend.join_notify import notify_join_context
 from xgrad.torch_backend.join_rounds import announce, read_announcement
 from xgrad.torch_backend.join_settle import settle_next
@@ -61,10 +66,18 @@ def rank_joined(order: JoinOrder | None) -> bool:
 
 
 def _joined(order: JoinOrder) -> bool:
-    """:func:`rank_joined`, and the first joinable's step since has not failed (the joined
-    ranks' hooks skip the rest of such an iteration, as the ranks still training do:
-    :mod:`.join_given_up`)."""
-    return rank_joined(order) and order.joinables[0]._watch.channel.poll() is None
+    """:func:`rank_joined`, and the joined ranks' hooks shadowed the other DDPs after the
+    first joinable's last count: they do unless that count was a synchronised pass's and
+    its step failed (they learn it in that pass's round or backward pass, and skip the
+    rest of the iteration, as the ranks still training do: :mod:`.join_given_up`). After
+    a ``no_sync`` pass's count they learn nothing more and shadow the others' passes,
+    though the step failed here since (a rank whose ``no_sync`` pass raised, its peers
+    that heard of it before their next pass): every rank still training stands in for
+    them alike, whatever it knows of the failure (knowing it or not was a race, and the
+    ranks still training stood in on some ranks and not on others)."""
+    if not rank_joined(order):
+        return False
+    return not order.reduced or order.joinables[0]._watch.channel.poll() is None
 
 
 def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:
@@ -83,6 +96,14 @@ def _stand_in(order: JoinOrder, start: int = 1, stop: int | None = None) -> None
             continue
         if ddp._announcing is not None or ddp._watch.deferred is not None:
             settle_next(ddp)  # its last pass raised before reading them
+        if ddp._watch.channel.poll() is not None:
+            # Its last step failed (its pass of the iteration before raised on a rank):
+            # the stand-in begins the next, with its fresh group, as that DDP's next pass
+            # of any kind would under join() (ddp_recover.start_forward), and as the
+            # joined rank begins it (join_failed); else it waited for the group's marks
+            # while this rank sent the announcement on the failed group.
+            start_forward(ddp._watch, ddp._grad_hooks, False, True, gate=training_gate(ddp))
+            first_pass_regrouped(ddp)
         if ddp._check_sync_bufs_pre_fwd():
             sync_buffers(ddp, discard=True)
         announce(ddp, False, False, ddp.require_forward_param_sync)

@@ -45,7 +45,7 @@ from xgrad.torch_backend.ddp_recover import (
     reduces_unsynced,
     start_forward,
 )
-from xgrad.torch_backend.join_absent import rank_joined
+from xgrad.torch_backend.ddp_unfinished import post_failed_pass
 from xgrad.torch_backend.join_rounds import announce, read_announcement
 from xgrad.torch_backend.join_settle import settle_next
 
@@ -88,15 +88,15 @@ def give_up_iteration(ddp: DistributedDataParallel, failure: Failure) -> None:
         return
     peers = _ddps(ddp._join_peers)
     index = peers.index(ddp)
-    joined = rank_joined(ddp._join_order)
     for later in peers[index + 1 :]:
         its = later._grad_hooks
-        if not joined and its.accumulated is False and not its.accumulating:
+        if its.accumulated is False and not its.accumulating:
             # Its last step had no no_sync pass (a DDP that accumulates nothing, its one
-            # pass per iteration after the others' accumulation), and no rank has joined
-            # (whose cycle the ranks still training stand in for, join_absent): they run
-            # none of it in this micro-batch, and a stand-in would meet its next real
-            # pass there, an iteration later.
+            # pass per iteration after the others' accumulation): the others run none of
+            # it in this micro-batch, and a stand-in would meet its next real pass there,
+            # an iteration later. With a rank joined, whose hooks shadow it after this
+            # micro-batch's count, every rank still training stands in for it alike at
+            # its next pass of the first DDP, this rank too (join_absent).
             continue
         # (a backward pass's failure is given up at the next forward pass: the pass
         # stood in for then is not the next one of that DDP's here)
@@ -137,17 +137,28 @@ def skip_pass(ddp: DistributedDataParallel, refuse: bool = False) -> None:
     ddp.require_forward_param_sync = False
     order = ddp._join_order
     hooks.skipped_at = order.firsts if refuse and order is not None else None
+    if order is not None and ddp in order.joinables:  # its pass since the last count
+        order.seen[order.joinables.index(ddp)] = order.firsts
 
 
 def give_up_cut_short(ddp: DistributedDataParallel) -> None:
-    """Before ``ddp``'s forward pass: another DDP of its context whose ``no_sync``
-    backward pass raised (cut short, not posted yet: that DDP's next forward pass would)
-    gives its iteration up now, before this pass sends anything."""
+    """Before ``ddp``'s forward pass: a DDP of its context whose backward pass raised (cut
+    short, not posted yet: that DDP's next forward pass would) has it posted now, before
+    this pass sends anything: another DDP's, and this one's own. A ``no_sync`` pass gives
+    its iteration up, whose stand-ins for the later DDPs (:func:`skip_pass`) then come
+    before this pass's count, where the others meet them, and tell it which ones it need
+    not stand in for; a synchronised one is posted, so that this pass does not stand in
+    for the later DDPs either, as the joined ranks, which learn of it in that pass's
+    round, do not shadow them (:mod:`.join_absent`: before, this rank waited in its
+    stand-in while the others waited for its part of the round, to the timeout)."""
     if not _in_context(ddp) or current_graph_task() != -1:
         return
     for peer in _ddps(ddp._join_peers):
-        if peer is not ddp and peer._grad_hooks.nosync_open:
-            give_up_cut_short_pass(peer._watch, peer._grad_hooks)
+        hooks = peer._grad_hooks
+        if hooks.nosync_open:
+            give_up_cut_short_pass(peer._watch, hooks)
+        elif hooks.finalize_queued:
+            post_failed_pass(hooks, peer._watch)
 
 
 def refuse_skipped(ddp: DistributedDataParallel) -> None:

@@ -39,6 +39,9 @@ def notify_join_context(ddp: DistributedDataParallel, row: Row | None = None) ->
     config = ddp._join_config
     if not (config.enable and config.is_first_joinable):
         return None
+    order = ddp._join_order
+    if order is not None and row is not None:
+        order.reduced = row[1]  # (join_absent: what the joined rank's hooks do after it)
     # These two pair with the join context's own, on the join group (not the private one).
     ones = count(ddp, 1.0, row)
     work = join_rounds.sum_async(ddp.process_group, ones)

@@ -141,6 +141,10 @@ class JoinOrder:
         self.seen: dict[int, int] = {}
         #: the ranks still training at the first joinable's last count (join_absent)
         self.training: int | None = None
+        #: this rank's last count announced a pass that may reduce (a synchronised one): a
+        #: joined rank's hooks skip the rest of its iteration if that step failed, and
+        #: after any other they shadow the other DDPs' passes, failed or not (join_absent)
+        self.reduced = False
         self.wrong = False
         self.written = False
         #: the first joinable's step failed in the iteration a joined rank shadows: its
