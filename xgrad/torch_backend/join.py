@@ -127,7 +127,11 @@ class Join(TorchJoin):
         if self._enable and type is None:
             # Its last iteration's DDPs after the last one that ran (none ran after it
             # there: d3 skipped after d1, d2), stood in for before this rank counts, as
-            # the ranks still training do at the next forward pass (join_absent).
+            # the ranks still training do at the next forward pass (join_absent), after
+            # posting a backward pass of its own that raised, which decides them there.
+            for hook in self._join_hooks:
+                if isinstance(hook, DDPJoinHook):
+                    hook.post_cut_short()
             stand_in_absent(self._order)
         try:
             super().__exit__(type, value, traceback)

@@ -69,15 +69,16 @@ def _joined(order: JoinOrder) -> bool:
     """:func:`rank_joined`, and the joined ranks' hooks shadowed the other DDPs after the
     first joinable's last count: they do unless that count was a synchronised pass's and
     its step failed (they learn it in that pass's round or backward pass, and skip the
-    rest of the iteration, as the ranks still training do: :mod:`.join_given_up`). After
-    a ``no_sync`` pass's count they learn nothing more and shadow the others' passes,
-    though the step failed here since (a rank whose ``no_sync`` pass raised, its peers
-    that heard of it before their next pass): every rank still training stands in for
-    them alike, whatever it knows of the failure (knowing it or not was a race, and the
-    ranks still training stood in on some ranks and not on others)."""
+    rest of the iteration, as the ranks still training do: :mod:`.join_given_up`), or it
+    met a peer's stand-in for a given-up step (they count again at once). After any other
+    count (a ``no_sync`` pass's) they learn nothing more and shadow the others' passes,
+    though the step failed since (a rank whose ``no_sync`` pass raised, its peers that
+    heard of it before their next pass): every rank still training stands in for them
+    alike, whatever it knows of the failure (``JoinOrder.shadows_others``; knowing it or
+    not was a race, and the ranks stood in on some ranks and not on others)."""
     if not rank_joined(order):
         return False
-    return not order.reduced or order.joinables[0]._watch.channel.poll() is None
+    return order.shadows_others or order.joinables[0]._watch.channel.poll() is None
 
 
 def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:

@@ -21,6 +21,7 @@ from xgrad.torch_backend.ddp_recover import (
     give_up_cut_short_pass,
     start_forward,
 )
+from xgrad.torch_backend.ddp_unfinished import post_failed_pass
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import carried, count, sum_async
 from xgrad.torch_backend.join_leave import carried_over, post_left, wait_for_next, was_carried
@@ -86,13 +87,23 @@ class FailedSteps:
             self._begin_due(ahead=True)
 
     def post_cut_short(self) -> None:
-        """As this rank joins: a ``no_sync`` backward pass of its own that raised (cut
-        short: posted at the next forward pass, and none comes) gives up its step now,
-        before the count, as that forward pass would have (the count standing in for the
-        step's synchronised pass follows as the next step begins, :meth:`_begin`)."""
+        """As this rank joins: a backward pass of its own that raised (cut short: posted at
+        the next forward pass, and none comes) is posted now, before the count, as that
+        forward pass would have. A ``no_sync`` one gives up its step (the count standing
+        in for the step's synchronised pass follows as the next step begins,
+        :meth:`_begin`); a synchronised one is posted to its step (:mod:`.ddp_unfinished`),
+        whose peers wait for this rank's buckets, or for its part of the step's round
+        where none of DDP's hooks ran, and the next step is begun before the count
+        (:meth:`drop_failed_step`), entering that round with ``FAIL``. Before, a rank
+        whose last synchronised backward pass raised and that then joined counted while
+        its peers waited for it, and every later step of theirs timed out."""
         hooks = self.ddp._grad_hooks
-        if hooks.nosync_open and current_graph_task() == -1:
+        if current_graph_task() != -1:
+            return
+        if hooks.nosync_open:
             give_up_cut_short_pass(self.ddp._watch, hooks)
+        elif hooks.finalize_queued:
+            post_failed_pass(hooks, self.ddp._watch)
 
     def leave_raising(self) -> None:
         """This rank leaves ``join()`` by an exception: in a step that failed (a rank's

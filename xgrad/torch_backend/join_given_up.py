@@ -153,11 +153,14 @@ def give_up_cut_short(ddp: DistributedDataParallel) -> None:
     stand-in while the others waited for its part of the round, to the timeout)."""
     if not _in_context(ddp) or current_graph_task() != -1:
         return
-    for peer in _ddps(ddp._join_peers):
+    peers = _ddps(ddp._join_peers)
+    for peer in peers:
         hooks = peer._grad_hooks
         if hooks.nosync_open:
             give_up_cut_short_pass(peer._watch, hooks)
-        elif hooks.finalize_queued:
+        elif hooks.finalize_queued and len(peers) > 1:
+            if peer._announcing is not None or peer._watch.deferred is not None:
+                settle_next(peer)  # first, as its next pass does: a failure here, not raised
             post_failed_pass(hooks, peer._watch)
 
 

@@ -41,7 +41,7 @@ def notify_join_context(ddp: DistributedDataParallel, row: Row | None = None) ->
         return None
     order = ddp._join_order
     if order is not None and row is not None:
-        order.reduced = row[1]  # (join_absent: what the joined rank's hooks do after it)
+        order.shadows_others = not row[1]  # (join_absent: the joined rank's hooks after it)
     # These two pair with the join context's own, on the join group (not the private one).
     ones = count(ddp, 1.0, row)
     work = join_rounds.sum_async(ddp.process_group, ones)

@@ -141,10 +141,12 @@ class JoinOrder:
         self.seen: dict[int, int] = {}
         #: the ranks still training at the first joinable's last count (join_absent)
         self.training: int | None = None
-        #: this rank's last count announced a pass that may reduce (a synchronised one): a
-        #: joined rank's hooks skip the rest of its iteration if that step failed, and
-        #: after any other they shadow the other DDPs' passes, failed or not (join_absent)
-        self.reduced = False
+        #: a joined rank's hooks shadow the other DDPs' passes after this rank's last count
+        #: whatever becomes of the first joinable's step: it announced a pass that does not
+        #: reduce (``no_sync``, ``torch.no_grad()``), and met no peer's stand-in for a
+        #: given-up step (after which they count again). After a synchronised pass's count
+        #: they skip the rest of the iteration if its step failed (join_absent).
+        self.shadows_others = False
         self.wrong = False
         self.written = False
         #: the first joinable's step failed in the iteration a joined rank shadows: its

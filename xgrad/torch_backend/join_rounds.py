@@ -119,9 +119,12 @@ def read_announcement(ddp: DistributedDataParallel) -> None:
         try:
             announced = pending.read()
             order = ddp._join_order
-            if pending.start and order is not None and order.joinables[0] is ddp:
+            first = pending.start and order is not None and order.joinables[0] is ddp
+            if first:
                 order.training = announced.training  # (join_absent)
             if pending.start and pending.values[0].item() >= _fail(ddp):  # a peer's stand_in
+                if first:
+                    order.shadows_others = False  # the joined ranks count again (join_absent)
                 raise posted(ddp)
         except RankError:
             _given_up(ddp)
