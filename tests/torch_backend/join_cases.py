@@ -28,6 +28,22 @@ def caught(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def first_line(exc: BaseException) -> str:
+    """:func:`caught`, its first line (a failure's "also ..." lines left out)."""
+    return caught(exc).splitlines()[0]
+
+
+def met_by_all(rank: int) -> float:
+    """An all-reduce of ``rank + 1`` on the default group, after the contexts: every rank
+    gets ``world * (world + 1) / 2`` only where no collective was left unpaired."""
+    import torch
+    import torch.distributed as dist
+
+    total = torch.full((1,), float(rank + 1))
+    dist.all_reduce(total)
+    return float(total.item())
+
+
 def grads(models: Sequence[Any]) -> list[Any]:
     """The gradients of every parameter of ``models``, in order, as arrays (one step's
     record: the tests compare them across ranks after the run)."""

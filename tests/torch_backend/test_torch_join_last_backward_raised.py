@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 import pytest
+from join_cases import first_line, met_by_all
 from ranks import every_rank_ok
 
 AT = 1
@@ -77,7 +78,6 @@ def _expected(world: int, i: int, two: bool) -> list[Any]:
 
 def _train(rank: int, world: int, where: str, two: bool) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
     from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
@@ -113,12 +113,10 @@ def _train(rank: int, world: int, where: str, two: bool) -> dict[str, Any]:
                         for p, e in zip(params, _expected(world, i, two), strict=True)
                     )
                 except (RankError, ValueError) as exc:
-                    raised[i] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    raised[i] = first_line(exc)
     except RankError as exc:
-        raised[-1] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    total = torch.full((1,), float(rank + 1))
-    dist.all_reduce(total)
-    return {"raised": raised, "right": right, "total": total.item()}
+        raised[-1] = first_line(exc)
+    return {"raised": raised, "right": right, "total": met_by_all(rank)}
 
 
 @pytest.fixture(scope="module", params=list(SCENARIOS))

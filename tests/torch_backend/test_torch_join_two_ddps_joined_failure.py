@@ -33,6 +33,7 @@ import functools
 from typing import Any
 
 import pytest
+from join_cases import first_line, met_by_all
 from ranks import every_rank_ok
 
 WORLD = 3
@@ -76,7 +77,6 @@ def _expected(i: int) -> list[Any]:
 
 def _train(rank: int, world: int, point: str, failing: int, at: int) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
 
     from xgrad.failure_errors import RankError
     from xgrad.torch_backend import DistributedDataParallel
@@ -126,12 +126,10 @@ def _train(rank: int, world: int, point: str, failing: int, at: int) -> dict[str
                         for a, b in zip(got, _expected(i), strict=True)
                     )
                 except (RankError, ValueError) as exc:
-                    raised[i] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    raised[i] = first_line(exc)
     except RankError as exc:  # the joined rank: the failure, as it leaves
-        raised[-1] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    total = torch.full((1,), float(rank + 1))
-    dist.all_reduce(total)
-    return {"raised": raised, "right": right, "total": total.item()}
+        raised[-1] = first_line(exc)
+    return {"raised": raised, "right": right, "total": met_by_all(rank)}
 
 
 @pytest.fixture(scope="module", params=list(SCENARIOS))
