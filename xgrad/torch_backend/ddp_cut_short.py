@@ -174,18 +174,17 @@ def _note(exc: BaseException, before: frozenset[Any], thread: int) -> None:
 
 
 def _note_unreached(exc: BaseException, thread: int) -> None:
-    """``exc`` left an outermost backward call of ``thread``: each DDP pass of that thread
-    whose forward pass ran with gradients on and none of whose gradient hooks ran since
+    """``exc`` left an outermost backward call of ``thread``: each DDP pass whose forward
+    pass ran on that thread with gradients on and none of whose gradient hooks ran since
     is noted as cut short at its start (a synchronised one as if its end were queued, a
     ``no_sync`` one as if open), so that the next forward pass, or another DDP's, posts
     it (:mod:`.ddp_unfinished`). Its awaiting flag stays: a backward of the pass that
     comes after all begins it as usual, and its end clears the note."""
     text = ""
-    alone = all(t == thread for t in list(_CALLS))
     for hooks in list(HOOKS):
         if hooks in UNFINISHED or hooks.cut_short is not None:
             continue
-        if not (alone or hooks.forward_thread == thread):
+        if hooks.forward_thread != thread:  # (another thread's graph raised: not this pass)
             continue
         if hooks.sync_pending:
             hooks.finalize_queued = True
