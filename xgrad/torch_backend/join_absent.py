@@ -91,7 +91,7 @@ def stand_in_absent(order: JoinOrder, start: int = 1, stop: int | None = None) -
 
 def _stand_in(order: JoinOrder, start: int = 1, stop: int | None = None) -> None:
     """:func:`stand_in_absent` once :func:`_joined` said so (a store lookup: asked once
-    per pass)."""
+    per pass; and one for each DDP stood in for, whose last step may have failed)."""
     for index, ddp in enumerate(order.joinables[start:stop], start):
         if order.seen.get(index, 0) >= order.firsts or not hasattr(ddp, "_grad_hooks"):
             continue

@@ -147,10 +147,11 @@ def give_up_cut_short(ddp: DistributedDataParallel) -> None:
     this pass sends anything: another DDP's, and this one's own. A ``no_sync`` pass gives
     its iteration up, whose stand-ins for the later DDPs (:func:`skip_pass`) then come
     before this pass's count, where the others meet them, and tell it which ones it need
-    not stand in for; a synchronised one is posted, so that this pass does not stand in
-    for the later DDPs either, as the joined ranks, which learn of it in that pass's
-    round, do not shadow them (:mod:`.join_absent`: before, this rank waited in its
-    stand-in while the others waited for its part of the round, to the timeout)."""
+    not stand in for; a synchronised one (with several DDPs) is posted, so that this
+    pass does not stand in for the later DDPs either, as the joined ranks, which learn of
+    it in that pass's round, do not shadow them (:mod:`.join_absent`: before, this rank
+    waited in its stand-in while the others waited for its part of the round, to the
+    timeout)."""
     if not _in_context(ddp) or current_graph_task() != -1:
         return
     peers = _ddps(ddp._join_peers)

@@ -141,11 +141,8 @@ class JoinOrder:
         self.seen: dict[int, int] = {}
         #: the ranks still training at the first joinable's last count (join_absent)
         self.training: int | None = None
-        #: a joined rank's hooks shadow the other DDPs' passes after this rank's last count
-        #: whatever becomes of the first joinable's step: it announced a pass that does not
-        #: reduce (``no_sync``, ``torch.no_grad()``), and met no peer's stand-in for a
-        #: given-up step (after which they count again). After a synchronised pass's count
-        #: they skip the rest of the iteration if its step failed (join_absent).
+        #: the joined ranks' hooks shadow the other DDPs after this rank's last count,
+        #: whatever becomes of the first joinable's step (join_absent._joined)
         self.shadows_others = False
         self.wrong = False
         self.written = False
