@@ -60,6 +60,12 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        if backend != "nccl":
+            # gloo connects the full mesh as the group is made: a rank whose function
+            # raised at once, and left, failed a peer still connecting to it ("Gloo
+            # connectFullMesh failed"), which then reported that as its own failure
+            # (seen once in CI under load). NCCL connects lazily, at its first collective.
+            dist.barrier()
         # Pickled here, so an unpicklable result is reported as this rank's failure.
         value = pickle.dumps(fn(rank, world_size, *args))
     except BaseException as exc:  # the parent re-raises it, naming this rank
