@@ -18,7 +18,10 @@ Checked: every rank raises at step 2 (rank 1 its own exception, the others a
 ``join()``), every other step's gradients are those of its own micro-batches on every
 rank still training (computed here from every rank's inputs), and the noting does not
 misfire: at step 1 a backward of another graph raises on rank 1 between the DDP's
-forward pass and its backward, which then runs, and the step trains.
+forward pass and its backward, which then runs, and the step trains; and a backward
+raising on another thread while a pass awaits its backward on the main thread (every
+rank left it without one, legal) fails no step (it did, with a warning, while any
+thread's exception was noted on every pass when no other backward call was under way).
 """
 
 from __future__ import annotations
@@ -138,3 +141,59 @@ def test_every_other_step_has_its_own_gradients(runs: tuple[str, dict[int, Any]]
         steps = AT if SCENARIOS[name][1] and rank == 0 else 5
         assert sorted(right) == [i for i in range(steps) if i != AT], (name, rank, right)
         assert all(right.values()), (name, rank, right)
+
+
+def _other_thread(rank: int, world: int) -> dict[str, Any]:
+    """Each rank runs a forward pass with gradients on and no backward (legal on every
+    rank: a validation loss), while another thread's backward of its own graph raises;
+    then trains a step."""
+    import contextlib
+    import threading
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model, timeout=3.0)
+    x = _inputs(rank, 0)[0]
+    ddp(x).square().mean()  # its backward never comes, on every rank
+
+    def boom(grad: Any) -> Any:
+        raise ValueError("another graph")
+
+    def other() -> None:
+        y = torch.ones(2, requires_grad=True) * 2
+        y.register_hook(boom)
+        with contextlib.suppress(ValueError):
+            y.sum().backward()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return {"error": error, "warned": warned, "grad": model.weight.grad.clone()}
+
+
+def test_another_threads_backward_raising_fails_no_pass_of_this_one() -> None:
+    # The pass awaiting its backward ran its forward on the main thread; the exception
+    # left another thread's backward call: not this pass's (ddp_cut_short), so the skip
+    # that every rank made is settled as legal (no failed step: no warning of one) and
+    # the next step trains.
+    results = every_rank_ok(_other_thread, 2, timeout=120)
+    assert [r["error"] for r in results.values()] == ["", ""], results
+    assert [r["warned"] for r in results.values()] == [[], []], results
+    import torch
+
+    assert torch.equal(results[0]["grad"], results[1]["grad"])
