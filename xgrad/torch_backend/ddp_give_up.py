@@ -23,6 +23,7 @@ from xgrad.torch_backend.ddp_unfinished import (
     post_failed_pass,
     post_failed_passes,
 )
+from xgrad.torch_backend.ddp_which_step import post_count
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -69,6 +70,9 @@ def begin_next_step(
     if pending is not None and failing:
         hooks.join_round = None
         pending.fail()
+    if failing:
+        post_count(watch, hooks)
+    hooks.nosync_passes = 0
     if failing and joining:
         mark_next(watch)
         if gate is not None:

@@ -38,6 +38,7 @@ from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED
 from xgrad.torch_backend.weak_hooks import owned_by
 
 if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_which_step import GivenUp
     from xgrad.torch_backend.join_rounds import OpenRound
 
 current_graph_task = torch._C._current_graph_task_id
@@ -90,6 +91,10 @@ class GradientHooks(PassEnd):
         #: the failure of the step this rank gave up in a no_sync pass, until the next
         #: pass: a synchronised one is that step's, where the peers raise it too.
         self.given_up: Failure | None = None
+        #: no_sync passes since the current step began; a step given up in one, while a
+        #: no_sync pass after it waits to be placed in a step (:mod:`.ddp_which_step`).
+        self.nosync_passes = 0
+        self.given_up_step: GivenUp | None = None
         #: under xgrad's Join, what a rank that skips a given-up step's synchronised pass
         #: sends for it (join_rounds.stand_in; set by the context): given whether to read
         #: the sum, whether a synchronised pass next is the given-up step's

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from xgrad.torch_backend.ddp_which_step import counts_keys
 from xgrad.torch_backend.group_keys import group_keys
 
 if TYPE_CHECKING:
@@ -73,7 +74,11 @@ def drop_read_failures(watch: StepWatch) -> None:
         tickets_keys = [f"{prefix}/failure/{t}" for t in range(1, tickets + 1)]
         # (the next marks and the carried key of a step failed outside join(), or not
         # carried over, were never written: no-ops)
-        extra = [*next_marks(prefix, watch.ranks), f"{prefix}/carried"]  # (join_leave's)
+        extra = [
+            *next_marks(prefix, watch.ranks),
+            f"{prefix}/carried",  # (join_leave's)
+            *counts_keys(prefix, watch.ranks),  # (ddp_which_step's)
+        ]
         for key in [*tickets_keys, counter, *marks, *extra]:
             store.delete_key(key)
         made.delete()  # every rank made the fresh group before it marked

@@ -26,6 +26,7 @@ from xgrad.torch_backend.ddp_skipped import settle_skipped
 from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
 from xgrad.torch_backend.ddp_unfinished import post_failed_passes as post_failed_passes
+from xgrad.torch_backend.ddp_which_step import defer, settle
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -91,13 +92,24 @@ def start_forward(
         # pass the peers raise the failure in. So does this rank, instead of beginning the
         # next step there, one pass early (each later step then paired with the peers'
         # next one: silently wrong gradients). A no_sync pass after it begins the next
-        # step (the loop skipped the rest of the failed step, a try per step).
+        # step (the loop skipped the rest of the failed step, a try per step) or goes on
+        # with the failed one (a try per micro-batch): deferred to the next synchronised
+        # pass, which settles which (ddp_which_step).
         raise error_for(failure, watch.channel.rank)
+    if sync and hooks.given_up_step is not None:
+        if joining:  # join()'s rounds place the pass
+            hooks.given_up_step = None
+        else:
+            settle(watch, hooks)  # may raise: the failed step's synchronised pass
     if not sync:
         # A no_sync pass accumulates for the next synchronised step, which begins at the
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
+            if failure is not None and not joining:
+                # the given-up step's next micro-batch, or the next step's first: the
+                # next synchronised pass tells (ddp_which_step)
+                defer(watch, hooks, failure)
             begin_next_step(watch, hooks, joining, gate)
             # Still prepared (a synchronised forward pass every rank left without a
             # backward: the skip round found no failure), the reducer takes this pass's
@@ -109,6 +121,8 @@ def start_forward(
             # comes, and begins it with its fresh group as soon as it sees the failure
             # (join_hook), as a rank that leaves join() does.
             begin_next_step(watch, hooks, joining, gate)
+        if accumulate:
+            hooks.nosync_passes += 1
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass

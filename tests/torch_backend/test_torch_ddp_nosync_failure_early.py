@@ -1,0 +1,160 @@
+"""A ``no_sync`` pass that raises early in a step of several, with a ``try`` per micro-batch.
+
+Three gloo ranks; each step accumulates ``MICRO - 1`` ``no_sync`` micro-batches, then runs
+a synchronised one. At step 2, rank 1's pass of micro-batch ``k`` (not the step's last
+``no_sync`` one) raises: in its forward pass, in its backward pass before any of DDP's
+gradient hooks (a hook on the output), or between the layers (after DDP's hooks of the
+last layer). The loop catches it per micro-batch and goes on with the step's next
+micro-batches, or per step and goes on with the next step.
+
+Before, rank 1's next ``no_sync`` pass gave the step up and was taken for the next step's
+first pass in either loop: with a ``try`` per micro-batch, rank 1's synchronised pass of
+step 2 then met its peers' of step 3, and from there every step reduced rank 1's
+micro-batches with theirs of the step before, silently, on every rank, until the last
+step timed out. Now the rank that gave a step up counts its passes until its next
+synchronised one, and compares them with the number of ``no_sync`` passes its peers made
+in that step (posted as they begin the next): no more than theirs, it is the failed
+step's synchronised pass and raises the failure there; more, it is the next step's.
+
+Checked: every rank raises at step 2 (rank 1 its own exception at the failing micro-batch
+and, per micro-batch, the failure again at its synchronised pass; the others a
+``RankError`` naming rank 1), and every other step's gradients are those of its own
+micro-batches (computed here from every rank's inputs), in both loops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from ranks import every_rank_ok
+
+WORLD = 3
+AT = 2
+STEPS = 5
+#: scenario: (micro-batches per step, the failing micro-batch, where it raises, a try
+#: per micro-batch)
+SCENARIOS = {
+    "forward, per micro-batch": (3, 0, "forward", True),
+    "before DDP, per micro-batch": (3, 0, "output", True),
+    "between layers, per micro-batch": (4, 1, "between", True),
+    "between layers, per step": (3, 0, "between", False),
+    "before DDP, per step": (4, 0, "output", False),
+}
+
+
+def _inputs(rank: int, step: int, micro: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(3, 4, generator=g)
+
+
+def _expected(model: Any, step: int, micro: int) -> list[Any]:
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    for rank in range(WORLD):
+        for k in range(micro):
+            (ref(_inputs(rank, step, k)).square().mean() / WORLD).backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+def _run(rank: int, world: int, micro: int, at: int, where: str, per_micro: bool) -> Any:
+    import contextlib
+
+    import torch
+    from torch import nn
+
+    from xgrad.failure_errors import RankError
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ddp = DistributedDataParallel(model, timeout=3.0)
+    fail = {"on": False}
+
+    def boom(*_: Any) -> Any:
+        if fail["on"]:
+            fail["on"] = False
+            raise ValueError(f"boom on rank {rank}")
+        return None
+
+    if where == "forward":
+        model[2].register_forward_pre_hook(boom)
+    elif where == "between":
+
+        def between(module: Any, inputs: Any, output: Any) -> None:
+            output.register_hook(boom)
+
+        model[1].register_forward_hook(between)
+
+    def one(step: int, k: int) -> None:
+        fail["on"] = step == AT and rank == 1 and k == at
+        sync = k == micro - 1
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            out = ddp(_inputs(rank, step, k))
+            if where == "output":
+                out.register_hook(boom)
+            out.square().mean().backward()
+
+    raised: dict[str, str] = {}
+    right: dict[int, bool] = {}
+    for step in range(STEPS):
+        ddp.zero_grad()
+        ok = True
+        for k in range(micro):
+            try:
+                one(step, k)
+            except (RankError, ValueError) as exc:
+                raised[f"{step}.{k}"] = f"{type(exc).__name__}: {exc}"
+                ok = False
+                if not per_micro:
+                    break
+        if ok:
+            expected = _expected(model, step, micro)
+            got = [p.grad for p in model.parameters()]
+            right[step] = all(
+                torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected, strict=True)
+            )
+    return {"raised": raised, "right": right}
+
+
+@pytest.fixture(scope="module", params=list(SCENARIOS))
+def runs(request: pytest.FixtureRequest) -> tuple[str, dict[int, Any]]:
+    run = functools.partial(
+        _run,
+        **dict(zip(("micro", "at", "where", "per_micro"), SCENARIOS[request.param], strict=True)),
+    )
+    return request.param, every_rank_ok(run, WORLD, timeout=120)
+
+
+def test_every_rank_raises_the_failure_in_its_step(runs: tuple[str, dict[int, Any]]) -> None:
+    name, results = runs
+    micro, at, where, per_micro = SCENARIOS[name]
+    last = f"{AT}.{micro - 1}"
+    own = results[1]["raised"]
+    first = own.pop(f"{AT}.{at}")
+    assert "boom on rank 1" in first, (name, first)
+    if where == "forward":
+        assert first.startswith("RankError") and "rank 1 in forward" in first, (name, first)
+    if per_micro:  # the failed step's synchronised pass raises the failure again
+        assert list(own) == [last], (name, own)
+        assert own[last].startswith("RankError: rank 1 in ") and "boom" in own[last], name
+    else:
+        assert own == {}, (name, own)
+    for peer in (0, 2):
+        raised = results[peer]["raised"]
+        assert list(raised) == [last], (name, peer, raised)
+        assert raised[last].startswith("RankError: rank 1 in "), (name, peer, raised)
+        assert "boom on rank 1" in raised[last], (name, peer, raised)
+
+
+def test_every_other_step_has_its_own_gradients(runs: tuple[str, dict[int, Any]]) -> None:
+    name, results = runs
+    for rank, result in results.items():
+        right = result["right"]
+        assert sorted(right) == [i for i in range(STEPS) if i != AT], (name, rank, right)
+        assert all(right.values()), (name, rank, right)
