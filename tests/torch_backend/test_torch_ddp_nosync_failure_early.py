@@ -19,7 +19,10 @@ step's synchronised pass and raises the failure there; more, it is the next step
 Checked: every rank raises at step 2 (rank 1 its own exception at the failing micro-batch
 and, per micro-batch, the failure again at its synchronised pass; the others a
 ``RankError`` naming rank 1), and every other step's gradients are those of its own
-micro-batches (computed here from every rank's inputs), in both loops.
+micro-batches (computed here from every rank's inputs), in both loops; also with two
+ranks failing at different micro-batches of the step, and with
+``find_unused_parameters``. The loops with a ``try`` per step passed before too: they
+guard that a ``no_sync`` pass after the failure is still the next step's there.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ from ranks import every_rank_ok
 WORLD = 3
 AT = 2
 STEPS = 5
-#: scenario: (micro-batches per step, the failing micro-batch, where it raises, a try
-#: per micro-batch)
-SCENARIOS = {
-    "forward, per micro-batch": (3, 0, "forward", True),
-    "before DDP, per micro-batch": (3, 0, "output", True),
-    "between layers, per micro-batch": (4, 1, "between", True),
-    "between layers, per step": (3, 0, "between", False),
-    "before DDP, per step": (4, 0, "output", False),
+#: scenario: (micro-batches per step, the failing micro-batch of each failing rank, where
+#: it raises, a try per micro-batch, find_unused_parameters)
+SCENARIOS: dict[str, tuple[int, dict[int, int], str, bool, bool]] = {
+    "forward, per micro-batch": (3, {1: 0}, "forward", True, False),
+    "before DDP, per micro-batch": (3, {1: 0}, "output", True, False),
+    "between layers, per micro-batch": (4, {1: 1}, "between", True, False),
+    "two ranks, per micro-batch": (4, {1: 0, 2: 1}, "between", True, False),
+    "unused parameters, per micro-batch": (3, {1: 0}, "between", True, True),
+    "between layers, per step": (3, {1: 0}, "between", False, False),
+    "before DDP, per step": (4, {1: 0}, "output", False, False),
 }
 
 
@@ -62,7 +67,15 @@ def _expected(model: Any, step: int, micro: int) -> list[Any]:
     return [p.grad.clone() for p in ref.parameters()]
 
 
-def _run(rank: int, world: int, micro: int, at: int, where: str, per_micro: bool) -> Any:
+def _run(
+    rank: int,
+    world: int,
+    micro: int,
+    ats: dict[int, int],
+    where: str,
+    per_micro: bool,
+    unused: bool,
+) -> Any:
     import contextlib
 
     import torch
@@ -73,7 +86,7 @@ def _run(rank: int, world: int, micro: int, at: int, where: str, per_micro: bool
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    ddp = DistributedDataParallel(model, timeout=3.0)
+    ddp = DistributedDataParallel(model, timeout=3.0, find_unused_parameters=unused)
     fail = {"on": False}
 
     def boom(*_: Any) -> Any:
@@ -92,7 +105,7 @@ def _run(rank: int, world: int, micro: int, at: int, where: str, per_micro: bool
         model[1].register_forward_hook(between)
 
     def one(step: int, k: int) -> None:
-        fail["on"] = step == AT and rank == 1 and k == at
+        fail["on"] = step == AT and ats.get(rank) == k
         sync = k == micro - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             out = ddp(_inputs(rank, step, k))
@@ -124,32 +137,30 @@ def _run(rank: int, world: int, micro: int, at: int, where: str, per_micro: bool
 
 @pytest.fixture(scope="module", params=list(SCENARIOS))
 def runs(request: pytest.FixtureRequest) -> tuple[str, dict[int, Any]]:
-    run = functools.partial(
-        _run,
-        **dict(zip(("micro", "at", "where", "per_micro"), SCENARIOS[request.param], strict=True)),
-    )
+    names = ("micro", "ats", "where", "per_micro", "unused")
+    run = functools.partial(_run, **dict(zip(names, SCENARIOS[request.param], strict=True)))
     return request.param, every_rank_ok(run, WORLD, timeout=120)
 
 
 def test_every_rank_raises_the_failure_in_its_step(runs: tuple[str, dict[int, Any]]) -> None:
     name, results = runs
-    micro, at, where, per_micro = SCENARIOS[name]
+    micro, ats, where, per_micro, _ = SCENARIOS[name]
     last = f"{AT}.{micro - 1}"
-    own = results[1]["raised"]
-    first = own.pop(f"{AT}.{at}")
-    assert "boom on rank 1" in first, (name, first)
-    if where == "forward":
-        assert first.startswith("RankError") and "rank 1 in forward" in first, (name, first)
-    if per_micro:  # the failed step's synchronised pass raises the failure again
-        assert list(own) == [last], (name, own)
-        assert own[last].startswith("RankError: rank 1 in ") and "boom" in own[last], name
-    else:
-        assert own == {}, (name, own)
-    for peer in (0, 2):
-        raised = results[peer]["raised"]
-        assert list(raised) == [last], (name, peer, raised)
-        assert raised[last].startswith("RankError: rank 1 in "), (name, peer, raised)
-        assert "boom on rank 1" in raised[last], (name, peer, raised)
+    named = tuple(f"RankError: rank {r} in " for r in ats)
+    for rank, result in results.items():
+        raised = dict(result["raised"])
+        if rank in ats:
+            first = raised.pop(f"{AT}.{ats[rank]}")
+            assert f"boom on rank {rank}" in first, (name, rank, first)
+            if where == "forward":
+                assert first.startswith("RankError") and f"rank {rank} in forward" in first
+            if not per_micro:
+                assert raised == {}, (name, rank, raised)
+                continue
+        # a peer, or a failing rank's synchronised pass of the failed step (a try per
+        # micro-batch), raises the step's failure there
+        assert list(raised) == [last], (name, rank, raised)
+        assert raised[last].startswith(named) and "boom on rank" in raised[last], (name, rank)
 
 
 def test_every_other_step_has_its_own_gradients(runs: tuple[str, dict[int, Any]]) -> None:

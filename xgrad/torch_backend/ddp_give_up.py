@@ -148,8 +148,9 @@ def abandon_step(
     rank's DDP began the step its peers are in: begun now, then posted. ``until_sync``: a
     pass of the user's accumulation raised, and the peers go on to the step's synchronised
     pass: when this rank's next pass is that synchronised one, the step ends there, raising
-    the failure again, so that the ranks' next steps pair up (:func:`start_forward`).
-    Otherwise the step is over now (a pipeline's: every rank gave it up). ``exc`` may be
+    the failure again, so that the ranks' next steps pair up (:func:`start_forward`; a
+    ``no_sync`` pass next is placed in a step at the synchronised pass after it,
+    :mod:`.ddp_which_step`). Otherwise the step is over now (a pipeline's: every rank gave it up). ``exc`` may be
     an exception's noted ``"Type: text"`` (a ``no_sync`` pass cut short in autograd).
 
     A rank whose synchronised forward pass of the step ran and whose backward never

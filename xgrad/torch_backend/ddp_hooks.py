@@ -89,7 +89,8 @@ class GradientHooks(PassEnd):
         #: forward pass, one still open raised part-way (ddp_recover.start_forward).
         self.nosync_open = False
         #: the failure of the step this rank gave up in a no_sync pass, until the next
-        #: pass: a synchronised one is that step's, where the peers raise it too.
+        #: pass: a synchronised one is that step's, where the peers raise it too (a
+        #: no_sync one defers the question: given_up_step, below).
         self.given_up: Failure | None = None
         #: no_sync passes since the current step began; a step given up in one, while a
         #: no_sync pass after it waits to be placed in a step (:mod:`.ddp_which_step`).
