@@ -169,3 +169,50 @@ def test_every_other_step_has_its_own_gradients(runs: tuple[str, dict[int, Any]]
         right = result["right"]
         assert sorted(right) == [i for i in range(STEPS) if i != AT], (name, rank, right)
         assert all(right.values()), (name, rank, right)
+
+
+def _under_join(rank: int, world: int) -> dict[str, str]:
+    """The loop with a ``try`` per micro-batch under ``join()``, no rank joined; every
+    exception kept by where it came from."""
+    import contextlib
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    warnings.simplefilter("ignore", RuntimeWarning)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(4, 2), timeout=3.0)
+    raised: dict[str, str] = {}
+
+    def boom(grad: Any) -> Any:
+        raise ValueError("boom")
+
+    with ddp.join():
+        for step in range(AT + 2):
+            for k in range(3):
+                try:
+                    with contextlib.nullcontext() if k == 2 else ddp.no_sync():
+                        out = ddp(_inputs(rank, step, k))
+                        if step == AT and rank == 1 and k == 0:
+                            out.register_hook(boom)
+                        out.square().mean().backward()
+                except Exception as exc:
+                    raised[f"{step}.{k}"] = f"{type(exc).__name__}: {exc}"
+    return raised
+
+
+def test_under_join_a_try_per_micro_batch_is_refused_with_what_to_do() -> None:
+    """Under ``join()`` every pass is counted with the peers', and the failing rank stands
+    in for the failed step's synchronised pass at its next pass (:mod:`.join_rounds`): a
+    loop that goes on with the step's remaining micro-batches runs its passes out of step
+    with its peers' from there on. Not placed as outside ``join()``; every rank raises at
+    once, saying what to do, instead of reducing mismatched passes."""
+    results = every_rank_ok(_under_join, WORLD, timeout=120)
+    for rank, raised in results.items():
+        later = [text for where, text in raised.items() if "different forward passes" in text]
+        assert later, (rank, raised)
+        assert all("end the accumulation on an error" in text for text in later), (rank, later)
+        assert all(int(where.split(".")[0]) >= AT for where in raised), (rank, raised)

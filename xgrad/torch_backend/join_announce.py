@@ -105,6 +105,21 @@ def disagreement(ranks: list[int], rows: dict[int, tuple[bool, bool, bool]]) -> 
     )
 
 
+def _after_failure(failed_at: int) -> str:
+    """What the disagreement error adds once a step of the DDP failed: a rank that went on
+    with that step's remaining ``no_sync`` micro-batches pairs its passes with its peers'
+    next ones, from then on (outside ``join()`` the DDP places them, :mod:`.ddp_which_step`;
+    here the ranks count each pass, and the failing one stood in for the step's
+    synchronised pass at its next)."""
+    if failed_at <= 0:
+        return ""
+    return (
+        "; a step of this DDP failed before: a rank that went on with a failed step's "
+        "remaining micro-batches (a try per micro-batch) runs its passes out of step with its "
+        "peers' under join(): end the accumulation on an error (a try per step)"
+    )
+
+
 def sum_async(group: Any, t: torch.Tensor) -> Any:
     """An all-reduce (sum) of ``t`` on ``group``, not waited for: the group's own call, as
     the reducer launches its buckets (``dist.all_reduce``'s checks cost as much again,
@@ -174,7 +189,7 @@ class Announcing:
             if code & 1:
                 rows[i] = (bool(code & 2), bool(code & 4), bool(code & 8))
         if len(set(rows.values())) > 1:
-            raise RuntimeError(disagreement(watch.ranks, rows))
+            raise RuntimeError(disagreement(watch.ranks, rows) + _after_failure(watch.failed_at))
         grad, reduce, param_sync = next(iter(rows.values()), (False, False, False))
         return Announced(len(rows), grad, reduce, param_sync)
 
