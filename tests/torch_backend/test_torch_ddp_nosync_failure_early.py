@@ -56,14 +56,14 @@ def _inputs(rank: int, step: int, micro: int) -> Any:
     return torch.randn(3, 4, generator=g)
 
 
-def _expected(model: Any, step: int, micro: int) -> list[Any]:
+def _expected(model: Any, step: int, micro: int, world: int) -> list[Any]:
     import copy
 
     ref = copy.deepcopy(model)
     ref.zero_grad()
-    for rank in range(WORLD):
+    for rank in range(world):
         for k in range(micro):
-            (ref(_inputs(rank, step, k)).square().mean() / WORLD).backward()
+            (ref(_inputs(rank, step, k)).square().mean() / world).backward()
     return [p.grad.clone() for p in ref.parameters()]
 
 
@@ -127,7 +127,7 @@ def _run(
                 if not per_micro:
                     break
         if ok:
-            expected = _expected(model, step, micro)
+            expected = _expected(model, step, micro, world)
             got = [p.grad for p in model.parameters()]
             right[step] = all(
                 torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected, strict=True)
@@ -216,3 +216,17 @@ def test_under_join_a_try_per_micro_batch_is_refused_with_what_to_do() -> None:
         assert later, (rank, raised)
         assert all("end the accumulation on an error" in text for text in later), (rank, later)
         assert all(int(where.split(".")[0]) >= AT for where in raised), (rank, raised)
+
+
+def test_one_rank_trains_on_after_the_failure() -> None:
+    """With one rank there is no peer's step to pair with (and no count to read): the
+    pass after the failure trains as before (it raised "max() arg is an empty sequence"
+    at the synchronised pass)."""
+    run = functools.partial(
+        _run, micro=3, ats={0: 0}, where="between", per_micro=True, unused=False
+    )
+    result = every_rank_ok(run, 1, timeout=60)[0]
+    assert list(result["raised"]) == [f"{AT}.0"], result
+    assert "boom on rank 0" in result["raised"][f"{AT}.0"], result
+    assert sorted(result["right"]) == [i for i in range(STEPS) if i != AT], result
+    assert all(result["right"].values()), result

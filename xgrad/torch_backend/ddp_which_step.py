@@ -86,6 +86,8 @@ def settle(watch: StepWatch, hooks: GradientHooks) -> None:
     store = watch.channel.store
     me = watch.channel.rank
     peers = [r for r in watch.ranks if r != me]
+    if not peers:
+        return  # one rank: no step of a peer to pair with, the pass trains as before
     keys = counts_keys(given_up.prefix, peers)
     wait_until(
         lambda: store.check(keys),
