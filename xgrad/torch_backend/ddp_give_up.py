@@ -150,8 +150,9 @@ def abandon_step(
     pass: when this rank's next pass is that synchronised one, the step ends there, raising
     the failure again, so that the ranks' next steps pair up (:func:`start_forward`; a
     ``no_sync`` pass next is placed in a step at the synchronised pass after it,
-    :mod:`.ddp_which_step`). Otherwise the step is over now (a pipeline's: every rank gave it up). ``exc`` may be
-    an exception's noted ``"Type: text"`` (a ``no_sync`` pass cut short in autograd).
+    :mod:`.ddp_which_step`). Otherwise the step is over now (a pipeline's: every rank
+    gave it up). ``exc`` may be an exception's noted ``"Type: text"`` (a ``no_sync`` pass
+    cut short in autograd).
 
     A rank whose synchronised forward pass of the step ran and whose backward never
     began (a pipeline step that failed in between) posts the failure too, and drops the

@@ -21,9 +21,11 @@ store write per rank and failed step, nothing on a good step). No more than the 
 largest count: the pass is the failed step's, and raises its failure (the step begun at
 the ``no_sync`` pass stays begun, its count restarted, so the next step's passes are
 counted from its first). More: the pass is the next step's. A loop whose next step has
-fewer micro-batches than the failed step had after its failure could be misread; the
-peers' counts are read only here, at a wait bounded by the DDP's timeout (the peers post
-them as they leave the failed step's synchronised pass, which raises at once).
+fewer micro-batches than the failed step had after its failure could be misread. The
+peers' counts are read only here, at a wait bounded by the DDP's timeout (a peer posts
+its count at its next step's first forward pass, right after the failed step's
+synchronised pass raised there); a failure of the next step posted meanwhile is raised
+from the wait (the failed step's keys may then be deleted before this rank read them).
 
 Not under ``join()``, whose rounds say which pass the peers run (:mod:`.join_rounds`).
 """
