@@ -1,10 +1,10 @@
 """A ``no_sync`` pass that raises early in a step of several, with a ``try`` per micro-batch.
 
-Three gloo ranks; each step accumulates ``MICRO - 1`` ``no_sync`` micro-batches, then runs
-a synchronised one. At step 2, rank 1's pass of micro-batch ``k`` (not the step's last
-``no_sync`` one) raises: in its forward pass, in its backward pass before any of DDP's
-gradient hooks (a hook on the output), or between the layers (after DDP's hooks of the
-last layer). The loop catches it per micro-batch and goes on with the step's next
+Three gloo ranks; each step accumulates ``micro - 1`` ``no_sync`` micro-batches, then runs
+a synchronised one. At step 2, rank 1's pass of micro-batch ``k`` (not the
+step's last ``no_sync`` one) raises: in its forward pass, in its backward pass before any
+of DDP's gradient hooks (a hook on the output), or between the layers (after DDP's hooks
+of the last layer). The loop catches it per micro-batch and goes on with the step's next
 micro-batches, or per step and goes on with the next step.
 
 Before, rank 1's next ``no_sync`` pass gave the step up and was taken for the next step's
@@ -12,23 +12,25 @@ first pass in either loop: with a ``try`` per micro-batch, rank 1's synchronised
 step 2 then met its peers' of step 3, and from there every step reduced rank 1's
 micro-batches with theirs of the step before, silently, on every rank, until the last
 step timed out. Now the rank that gave a step up counts its passes until its next
-synchronised one, and compares them with the number of ``no_sync`` passes its peers made
-in that step (posted as they begin the next): no more than theirs, it is the failed
-step's synchronised pass and raises the failure there; more, it is the next step's.
+synchronised one, and compares them with the most ``no_sync`` passes a peer made in that
+step (posted as each begins the next): as many, it is the failed step's synchronised
+pass and raises the failure there; else the next step's
+(:mod:`xgrad.torch_backend.ddp_which_step`).
 
-Checked: every rank raises at step 2 (rank 1 its own exception at the failing micro-batch
-and, per micro-batch, the failure again at its synchronised pass; the others a
-``RankError`` naming rank 1), and every other step's gradients are those of its own
-micro-batches (computed here from every rank's inputs), in both loops; also with two
-ranks failing at different micro-batches of the step, and with
-``find_unused_parameters``. The loops with a ``try`` per step passed before too: they
-guard that a ``no_sync`` pass after the failure is still the next step's there.
-"""
+Checked: every rank raises in the failing step only (rank 1 its own exception at the
+failing micro-batch and, per micro-batch, the failure again at its synchronised pass;
+the others a ``RankError`` naming rank 1), and every other step's gradients are those of
+its own micro-batches (computed here from every rank's inputs), in both loops; also with
+two ranks failing at different micro-batches of the step, with
+``find_unused_parameters``, and with a ``try`` per step whose next step is shorter. The loops
+with a ``try`` per step passed before too: they guard that a ``no_sync`` pass after the
+failure is still the next step's there. Under ``join()`` the loop is refused, saying what
+to do; one rank trains on."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from ranks import every_rank_ok
@@ -36,16 +38,34 @@ from ranks import every_rank_ok
 WORLD = 3
 AT = 2
 STEPS = 5
-#: scenario: (micro-batches per step, the failing micro-batch of each failing rank, where
-#: it raises, a try per micro-batch, find_unused_parameters)
-SCENARIOS: dict[str, tuple[int, dict[int, int], str, bool, bool]] = {
-    "forward, per micro-batch": (3, {1: 0}, "forward", True, False),
-    "before DDP, per micro-batch": (3, {1: 0}, "output", True, False),
-    "between layers, per micro-batch": (4, {1: 1}, "between", True, False),
-    "two ranks, per micro-batch": (4, {1: 0, 2: 1}, "between", True, False),
-    "unused parameters, per micro-batch": (3, {1: 0}, "between", True, True),
-    "between layers, per step": (3, {1: 0}, "between", False, False),
-    "before DDP, per step": (4, {1: 0}, "output", False, False),
+
+
+class Case(NamedTuple):
+    """Micro-batches per step, the failing micro-batch of each failing rank, where it
+    raises, a ``try`` per micro-batch (else per step), ``find_unused_parameters``, the
+    failing step, and the micro-batches of the step after it (``None``: ``micro``)."""
+
+    micro: int
+    ats: dict[int, int]
+    where: str
+    per_micro: bool
+    unused: bool = False
+    at: int = AT
+    after: int | None = None
+
+    def size(self, step: int) -> int:
+        return self.after if step == self.at + 1 and self.after is not None else self.micro
+
+
+SCENARIOS = {
+    "forward, per micro-batch": Case(3, {1: 0}, "forward", True),
+    "before DDP, per micro-batch": Case(3, {1: 0}, "output", True),
+    "between layers, per micro-batch": Case(4, {1: 1}, "between", True),
+    "two ranks, per micro-batch": Case(4, {1: 0, 2: 1}, "between", True),
+    "unused parameters, per micro-batch": Case(3, {1: 0}, "between", True, unused=True),
+    "between layers, per step": Case(3, {1: 0}, "between", False),
+    "before DDP, per step": Case(4, {1: 0}, "output", False),
+    "a shorter step next, per step": Case(4, {1: 0}, "between", False, after=2),
 }
 
 
@@ -67,15 +87,7 @@ def _expected(model: Any, step: int, micro: int, world: int) -> list[Any]:
     return [p.grad.clone() for p in ref.parameters()]
 
 
-def _run(
-    rank: int,
-    world: int,
-    micro: int,
-    ats: dict[int, int],
-    where: str,
-    per_micro: bool,
-    unused: bool,
-) -> Any:
+def _run(rank: int, world: int, case: Case) -> Any:
     import contextlib
 
     import torch
@@ -86,7 +98,7 @@ def _run(
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    ddp = DistributedDataParallel(model, timeout=3.0, find_unused_parameters=unused)
+    ddp = DistributedDataParallel(model, timeout=3.0, find_unused_parameters=case.unused)
     fail = {"on": False}
 
     def boom(*_: Any) -> Any:
@@ -95,9 +107,9 @@ def _run(
             raise ValueError(f"boom on rank {rank}")
         return None
 
-    if where == "forward":
+    if case.where == "forward":
         model[2].register_forward_pre_hook(boom)
-    elif where == "between":
+    elif case.where == "between":
 
         def between(module: Any, inputs: Any, output: Any) -> None:
             output.register_hook(boom)
@@ -105,11 +117,11 @@ def _run(
         model[1].register_forward_hook(between)
 
     def one(step: int, k: int) -> None:
-        fail["on"] = step == AT and ats.get(rank) == k
-        sync = k == micro - 1
+        fail["on"] = step == case.at and case.ats.get(rank) == k
+        sync = k == case.size(step) - 1
         with contextlib.nullcontext() if sync else ddp.no_sync():
             out = ddp(_inputs(rank, step, k))
-            if where == "output":
+            if case.where == "output":
                 out.register_hook(boom)
             out.square().mean().backward()
 
@@ -118,43 +130,44 @@ def _run(
     for step in range(STEPS):
         ddp.zero_grad()
         ok = True
-        for k in range(micro):
+        for k in range(case.size(step)):
             try:
                 one(step, k)
             except (RankError, ValueError) as exc:
                 raised[f"{step}.{k}"] = f"{type(exc).__name__}: {exc}"
                 ok = False
-                if not per_micro:
+                if not case.per_micro:
                     break
         if ok:
-            expected = _expected(model, step, micro, world)
+            expected = _expected(model, step, case.size(step), world)
             got = [p.grad for p in model.parameters()]
             right[step] = all(
                 torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected, strict=True)
             )
-    return {"raised": raised, "right": right}
+    # the failed step's keys, deleted by the lowest rank once every rank read them
+    # (the rank that placed its passes marks that after reading the counts)
+    return {"raised": raised, "right": right, "kept": len(ddp._watch.failed_steps)}
 
 
 @pytest.fixture(scope="module", params=list(SCENARIOS))
 def runs(request: pytest.FixtureRequest) -> tuple[str, dict[int, Any]]:
-    names = ("micro", "ats", "where", "per_micro", "unused")
-    run = functools.partial(_run, **dict(zip(names, SCENARIOS[request.param], strict=True)))
+    run = functools.partial(_run, case=SCENARIOS[request.param])
     return request.param, every_rank_ok(run, WORLD, timeout=120)
 
 
 def test_every_rank_raises_the_failure_in_its_step(runs: tuple[str, dict[int, Any]]) -> None:
     name, results = runs
-    micro, ats, where, per_micro, _ = SCENARIOS[name]
-    last = f"{AT}.{micro - 1}"
-    named = tuple(f"RankError: rank {r} in " for r in ats)
+    case = SCENARIOS[name]
+    last = f"{case.at}.{case.micro - 1}"
+    named = tuple(f"RankError: rank {r} in " for r in case.ats)
     for rank, result in results.items():
         raised = dict(result["raised"])
-        if rank in ats:
-            first = raised.pop(f"{AT}.{ats[rank]}")
+        if rank in case.ats:
+            first = raised.pop(f"{case.at}.{case.ats[rank]}")
             assert f"boom on rank {rank}" in first, (name, rank, first)
-            if where == "forward":
+            if case.where == "forward":
                 assert first.startswith("RankError") and f"rank {rank} in forward" in first
-            if not per_micro:
+            if not case.per_micro:
                 assert raised == {}, (name, rank, raised)
                 continue
         # a peer, or a failing rank's synchronised pass of the failed step (a try per
@@ -165,10 +178,12 @@ def test_every_rank_raises_the_failure_in_its_step(runs: tuple[str, dict[int, An
 
 def test_every_other_step_has_its_own_gradients(runs: tuple[str, dict[int, Any]]) -> None:
     name, results = runs
+    at = SCENARIOS[name].at
     for rank, result in results.items():
         right = result["right"]
-        assert sorted(right) == [i for i in range(STEPS) if i != AT], (name, rank, right)
+        assert sorted(right) == [i for i in range(STEPS) if i != at], (name, rank, right)
         assert all(right.values()), (name, rank, right)
+        assert result["kept"] == 0, (name, rank, result["kept"])
 
 
 def _under_join(rank: int, world: int) -> dict[str, str]:
@@ -222,9 +237,7 @@ def test_one_rank_trains_on_after_the_failure() -> None:
     """With one rank there is no peer's step to pair with (and no count to read): the
     pass after the failure trains as before (it raised "max() arg is an empty sequence"
     at the synchronised pass)."""
-    run = functools.partial(
-        _run, micro=3, ats={0: 0}, where="between", per_micro=True, unused=False
-    )
+    run = functools.partial(_run, case=Case(3, {0: 0}, "between", True))
     result = every_rank_ok(run, 1, timeout=60)[0]
     assert list(result["raised"]) == [f"{AT}.0"], result
     assert "boom on rank 0" in result["raised"][f"{AT}.0"], result

@@ -107,6 +107,11 @@ class StepWatch(StepWaits):
         #: fail), and the step at whose first forward pass this rank raised that step's
         #: failure (a pass that left buckets unreduced: :mod:`.join_leave`); -1: none.
         self.ended_failed: Failure | None = None
+        #: no_sync forward passes since the step began; set by a rank that gave a step up
+        #: in one: its next begin_step leaves the read mark of that step to it
+        #: (:mod:`.ddp_which_step`, which reads the peers' counts there first).
+        self.nosync_passes = 0
+        self.hold_read = False
         self.raised_at = -1
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
@@ -203,8 +208,9 @@ class StepWatch(StepWaits):
             self.group = self._make_group("the DDP's new process group")
             self.lost = None
         if failed is not None:
-            read_failure(self, old)
+            read_failure(self, old, mark=not self.hold_read)
             self.regrouped = True
+        self.hold_read = False
         return failed
 
     def post(self, where: str, exc: BaseException | str) -> RankError:

@@ -71,8 +71,8 @@ def begin_next_step(
         hooks.join_round = None
         pending.fail()
     if failing:
-        post_count(watch, hooks)
-    hooks.nosync_passes = 0
+        post_count(watch)
+    watch.nosync_passes = 0
     if failing and joining:
         mark_next(watch)
         if gate is not None:

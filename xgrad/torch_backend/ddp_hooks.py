@@ -92,9 +92,8 @@ class GradientHooks(PassEnd):
         #: pass: a synchronised one is that step's, where the peers raise it too (a
         #: no_sync one defers the question: given_up_step, below).
         self.given_up: Failure | None = None
-        #: no_sync passes since the current step began; a step given up in one, while a
-        #: no_sync pass after it waits to be placed in a step (:mod:`.ddp_which_step`).
-        self.nosync_passes = 0
+        #: a step given up in a no_sync pass, while a no_sync pass after it waits to be
+        #: placed in a step (:mod:`.ddp_which_step`).
         self.given_up_step: GivenUp | None = None
         #: under xgrad's Join, what a rank that skips a given-up step's synchronised pass
         #: sends for it (join_rounds.stand_in; set by the context): given whether to read

@@ -25,17 +25,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from xgrad.torch_backend.ddp_which_step import counts_keys
 from xgrad.torch_backend.group_keys import group_keys
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
 
-__all__ = ["drop_read_failures", "mark_next", "next_marks", "read_failure"]
+__all__ = [
+    "counts_keys",
+    "drop_read_failures",
+    "mark_next",
+    "mark_read",
+    "next_marks",
+    "read_failure",
+]
 
 
 def _marks(prefix: str, ranks: list[int]) -> list[str]:
     return [f"{prefix}/read/{r}" for r in ranks]
+
+
+def counts_keys(prefix: str, ranks: list[int]) -> list[str]:
+    """The keys of the ranks' ``no_sync`` pass counts in a failed step's namespace
+    (:mod:`.ddp_which_step`)."""
+    return [f"{prefix}/passes/{r}" for r in ranks]
 
 
 def next_marks(prefix: str, ranks: list[int]) -> list[str]:
@@ -49,13 +61,20 @@ def mark_next(watch: StepWatch) -> None:
     watch.channel.store.set(f"{watch.channel.prefix}/next/{watch.channel.rank}", b"1")
 
 
-def read_failure(watch: StepWatch, prefix: str) -> None:
+def read_failure(watch: StepWatch, prefix: str, mark: bool = True) -> None:
     """This rank read the failure of the step in namespace ``prefix`` and will not read
     that namespace again (its channel is the next step's), and made the fresh private
-    group: say so there."""
-    watch.channel.store.set(f"{prefix}/read/{watch.channel.rank}", b"1")
+    group: say so there. ``mark=False``: it still reads the ranks' pass counts there,
+    and marks it then (:func:`mark_read`, :mod:`.ddp_which_step`)."""
+    if mark:
+        mark_read(watch, prefix)
     if watch.channel.rank == watch.lowest:
         watch.failed_steps.append((prefix, group_keys(watch.group)))
+
+
+def mark_read(watch: StepWatch, prefix: str) -> None:
+    """This rank is done with the failed step's namespace ``prefix``."""
+    watch.channel.store.set(f"{prefix}/read/{watch.channel.rank}", b"1")
 
 
 def drop_read_failures(watch: StepWatch) -> None:

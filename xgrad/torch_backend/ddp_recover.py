@@ -26,7 +26,7 @@ from xgrad.torch_backend.ddp_skipped import settle_skipped
 from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
 from xgrad.torch_backend.ddp_unfinished import post_failed_passes as post_failed_passes
-from xgrad.torch_backend.ddp_which_step import defer, settle
+from xgrad.torch_backend.ddp_which_step import defer, release, settle
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -98,7 +98,7 @@ def start_forward(
         raise error_for(failure, watch.channel.rank)
     if sync and hooks.given_up_step is not None:
         if joining:  # join()'s rounds place the pass
-            hooks.given_up_step = None
+            release(watch, hooks)
         else:
             settle(watch, hooks)  # may raise: the failed step's synchronised pass
     if not sync:
@@ -122,7 +122,7 @@ def start_forward(
             # (join_hook), as a rank that leaves join() does.
             begin_next_step(watch, hooks, joining, gate)
         if accumulate:
-            hooks.nosync_passes += 1
+            watch.nosync_passes += 1
         watch.current_group()  # a lost group raises its failure again
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
