@@ -107,10 +107,11 @@ class StepWatch(StepWaits):
         #: fail), and the step at whose first forward pass this rank raised that step's
         #: failure (a pass that left buckets unreduced: :mod:`.join_leave`); -1: none.
         self.ended_failed: Failure | None = None
-        #: no_sync forward passes since the step began; set by a rank that gave a step up
-        #: in one: its next begin_step leaves the read mark of that step to it
-        #: (:mod:`.ddp_which_step`, which reads the peers' counts there first).
+        #: no_sync forward passes since the step began (posted if it fails: ddp_which_step).
         self.nosync_passes = 0
+        #: set by a rank that gave a step up in a no_sync pass: its next begin_step leaves
+        #: the read mark of that step to :mod:`.ddp_which_step` (which reads the peers'
+        #: counts there first).
         self.hold_read = False
         self.raised_at = -1
         self._last_namespace = self._namespace()

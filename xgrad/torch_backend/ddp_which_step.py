@@ -18,10 +18,10 @@ So such a pass is counted, not judged: the rank begins the next step there as be
 in the failed step, to the most ``no_sync`` passes a peer made in the failed step. Each
 rank posts its count in the failed step's namespace as it begins the next step (one
 store write per rank and failed step, nothing on a good step). As many: the pass is the
-failed step's synchronised one, and
-raises its failure (the step begun at the ``no_sync`` pass stays begun, its count
-restarted, so the next step's passes are counted from its first). Else the next step's
-(a ``try`` per step makes more; every rank failing in the step, each fewer).
+failed step's synchronised one, and raises its failure (the step begun at the
+``no_sync`` pass stays begun, its count restarted, so the next step's passes are counted
+from its first). Else the next step's (a ``try`` per step makes more; every rank failing
+in the step, each fewer).
 
 Two loops are misread: a ``try`` per step whose next step has exactly as many
 micro-batches fewer than the failed one as this rank made in it (four micro-batches, the
