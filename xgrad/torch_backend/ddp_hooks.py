@@ -134,6 +134,8 @@ class GradientHooks(PassEnd):
         #: forward pass posts for it.
         self.cut_short: str | None = None
         self.log_error: Callable[[BaseException], None] = lambda exc: None  # the DDP's log
+        #: whether the DDP is under join() now (set by the DDP: a weak reference to it)
+        self.joining: Callable[[], bool] = lambda: True
 
     def __del__(self) -> None:
         # Collected (its DDP dropped) with a step under way on this rank: a forward pass

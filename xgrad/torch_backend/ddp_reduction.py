@@ -115,6 +115,7 @@ class ReductionDDP:
         self._hook_name = "allreduce (default)" if self._casts is None else "mixed precision"
         self._grad_hooks.watch = self._watch
         self._grad_hooks.log_error = self._runtime_log.error
+        self._grad_hooks.joining = _joining(weakref.ref(self))
         # PyTorch names the parameters in its "prior iteration" error only when debugging.
         self.reducer.name_unreduced = dist.get_debug_level() != dist.DebugLevel.OFF
         if comm_hook is not None:
@@ -146,3 +147,15 @@ class ReductionDDP:
             raise
         self.static_graph = True
         warn_as_pytorch(False, True, self.find_unused_parameters)
+
+
+def _joining(ref: weakref.ref[Any]) -> Callable[[], bool]:
+    """Whether the DDP ``ref`` is under ``join()`` now (its config changes with each join
+    context made): asked by its gradient hooks, which hold it weakly (a dropped DDP is
+    freed at once), when a backward pass raised (:mod:`.ddp_cut_short`)."""
+
+    def joining() -> bool:
+        ddp = ref()
+        return ddp is None or bool(ddp._join_config.enable)
+
+    return joining
