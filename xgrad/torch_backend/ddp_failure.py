@@ -109,10 +109,6 @@ class StepWatch(StepWaits):
         self.ended_failed: Failure | None = None
         #: no_sync forward passes since the step began (posted if it fails: ddp_which_step).
         self.nosync_passes = 0
-        #: set by a rank that gave a step up in a no_sync pass: its next begin_step leaves
-        #: the read mark of that step to :mod:`.ddp_which_step` (which reads the peers'
-        #: counts there first).
-        self.hold_read = False
         self.raised_at = -1
         self._last_namespace = self._namespace()
         # The channel first: its heartbeat tells who is there when the group cannot be made.
@@ -182,7 +178,7 @@ class StepWatch(StepWaits):
 
     # ----------------------------------------------------------------- steps
 
-    def begin_step(self, polled: bool = False) -> Failure | None:
+    def begin_step(self, polled: bool = False, hold_read: bool = False) -> Failure | None:
         """Start the next synchronised step; the previous step's failure, if it had one.
 
         Every rank calls this at the same forward pass, so every rank finds the same
@@ -190,6 +186,8 @@ class StepWatch(StepWaits):
         read the channel just before (:func:`~.ddp_give_up.begin_next_step`): its answer
         stands, without another store round trip (a poll that finds nothing is not kept,
         and under load one costs a few hundred microseconds, a step's bookkeeping twice).
+        ``hold_read``: the failed step's read mark is left to :mod:`.ddp_which_step`, which
+        reads the peers' pass counts there first.
         """
         failed = self.channel.seen() if polled else self.channel.poll()
         self.ended_failed = failed
@@ -209,9 +207,8 @@ class StepWatch(StepWaits):
             self.group = self._make_group("the DDP's new process group")
             self.lost = None
         if failed is not None:
-            read_failure(self, old, mark=not self.hold_read)
+            read_failure(self, old, mark=not hold_read)
             self.regrouped = True
-        self.hold_read = False
         return failed
 
     def post(self, where: str, exc: BaseException | str) -> RankError:

@@ -58,13 +58,16 @@ def begin_next_step(
     hooks: GradientHooks,
     joining: bool = False,
     gate: Callable[[FailureChannel], None] | None = None,
+    hold_read: bool = False,
 ) -> None:
     """Begin the next synchronised step; after a failed one, drop this rank's part of it,
     and what the reducer learned in it (every rank learns it again alike). A join round
     still open in the failed step (no backward pass began here) is entered with ``FAIL``
     first, before the fresh group (:meth:`~.join_rounds.OpenRound.fail`). Under
     ``join()`` this rank then marks that it makes the fresh group (:func:`mark_next`);
-    ``gate`` (a joined rank's, ahead of the others) may wait for their marks, or raise."""
+    ``gate`` (a joined rank's, ahead of the others) may wait for their marks, or raise.
+    ``hold_read``: :meth:`~.ddp_failure.StepWatch.begin_step`'s (a step given up in a
+    ``no_sync`` pass whose next pass is being placed, :mod:`.ddp_which_step`)."""
     failing = watch.channel.poll() is not None
     pending = hooks.join_round
     if pending is not None and failing:
@@ -77,7 +80,8 @@ def begin_next_step(
         mark_next(watch)
         if gate is not None:
             gate(watch.channel)
-    failed = watch.begin_step(polled=True)  # the poll above: one round trip a step
+    # (polled: the poll above, one round trip a step)
+    failed = watch.begin_step(polled=True, hold_read=hold_read)
     reducer = hooks.reducer
     assert reducer is not None
     if failed is not None:

@@ -106,11 +106,12 @@ def start_forward(
         # accumulation's first pass on every rank alike: its collectives (a rebuild, a
         # buffer sync) and a failure in it are then that step's, where the peers look.
         if accumulate and not hooks.accumulating:
-            if failure is not None and not joining:
+            deferred = None if joining else failure
+            if deferred is not None:
                 # the given-up step's next micro-batch, or the next step's first: the
                 # next synchronised pass tells (ddp_which_step)
-                defer(watch, hooks, failure)
-            begin_next_step(watch, hooks, joining, gate)
+                defer(watch, hooks, deferred)
+            begin_next_step(watch, hooks, joining, gate, hold_read=deferred is not None)
             # Still prepared (a synchronised forward pass every rank left without a
             # backward: the skip round found no failure), the reducer takes this pass's
             # gradients as PyTorch's does: reduced, a step of its own (post_forward).

@@ -80,11 +80,10 @@ def defer(watch: StepWatch, hooks: GradientHooks, failure: Failure) -> None:
     """A ``no_sync`` pass after the one that gave the step up: which step it is in is
     settled at the next synchronised pass (:func:`settle`). Called before the pass begins
     the next step, so the channel is still the failed step's; that beginning leaves the
-    step's read mark to :func:`settle`."""
+    step's read mark to :func:`settle` (its ``hold_read``)."""
     if hooks.given_up_step is not None:  # an earlier one, never settled: superseded
         release(watch, hooks)
     hooks.given_up_step = GivenUp(failure, watch.nosync_passes, watch.channel.prefix)
-    watch.hold_read = True
 
 
 def release(watch: StepWatch, hooks: GradientHooks) -> None:
