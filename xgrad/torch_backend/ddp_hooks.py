@@ -27,6 +27,7 @@ from xgrad.failure import Failure
 from xgrad.raising import raise_from
 from xgrad.reducer import Reducer
 from xgrad.reducer_recovery import StepState
+from xgrad.torch_backend import ddp_exit
 from xgrad.torch_backend.ddp_arrivals import ArrivalLog
 from xgrad.torch_backend.ddp_compile import refuse_compiled_autograd
 from xgrad.torch_backend.ddp_cut_short import PUT_OFF, note_backward_errors
@@ -157,6 +158,7 @@ class GradientHooks(PassEnd):
         """
         self.reducer = reducer
         note_backward_errors(self)
+        ddp_exit.install()  # (what a pass leaves unfinished, posted as the process ends)
         python_hooks = [self._make_hook(i) for i in range(len(self.params))]
         self.handles = [
             p.register_post_accumulate_grad_hook(h)

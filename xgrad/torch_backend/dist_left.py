@@ -9,13 +9,11 @@ heartbeat still beating, blamed the waiting rank itself. So, as it leaves, a ran
 the failure channel of the group's next context that it left after N contexts; the peers
 waiting in that context raise it at their next poll of the channel.
 
-Nothing is paid per context: the post is made once per group, on the way out, by a
-wrapper of ``torch.distributed.destroy_process_group`` (before the group's connections
-close, so a peer's transfer that fails then finds it posted) and by an exit hook (a
-multiprocessing finalizer: it runs at a normal interpreter exit and where a
-multiprocessing child ends with ``os._exit``, which skips ``atexit``). Both are installed
-with the first context. A rank killed or frozen runs neither and is still named by its
-heartbeat as one that stopped answering.
+Nothing is paid per context: the post is made once per group, on the way out, by the
+hooks of :mod:`.leaving` (a wrapper of ``torch.distributed.destroy_process_group``, run
+before the group's connections close, and an exit hook), asked for with the first
+context. A rank killed or frozen runs neither and is still named by its heartbeat as one
+that stopped answering.
 
 A peer that catches that error and opens another context on the group would wait there
 for the rank that left, and name it a heartbeat timeout later as one that stopped
@@ -28,8 +26,6 @@ where no rank left.
 from __future__ import annotations
 
 import copy
-import functools
-import multiprocessing.util
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -39,6 +35,7 @@ import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, RankError
 from xgrad.torch_backend.failure import CHANNEL_PREFIX, EXIT_WAIT, guarded_store
+from xgrad.torch_backend.leaving import on_leave
 
 __all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "refuse", "remember", "watch"]
 
@@ -53,7 +50,6 @@ Leaving = Callable[[str], tuple[int, int | None]]
 #: group name -> (the group, this process's global rank, its contexts there: ``Leaving``).
 _groups: dict[str, tuple[weakref.ref[Any], int, Leaving]] = {}
 _lock = threading.Lock()
-_installed = False
 #: how a leave's post begins (:func:`_post`): after its last context, or inside one.
 AFTER, INSIDE = "left after ", "left in distributed autograd context "
 #: group name -> (the group, the error a context of it raised as a peer left it).
@@ -67,17 +63,17 @@ def context_namespace(seq: int) -> str:
 
 def watch(name: str, pg: Any, me: int, leaving: Leaving) -> None:
     """Remember that this process runs contexts on ``pg`` (named ``name``), to tell its
-    peers when it leaves; installs the hooks with the first group. A lookup after that."""
-    global _installed
+    peers when it leaves; asks for the leave hooks with the first group (:mod:`.leaving`).
+    A lookup after that."""
     if name in _groups and _groups[name][0]() is pg:
         return
     with _lock:
         _groups[name] = (weakref.ref(pg), me, leaving)
-        if _installed:
-            return
-        _installed = True
-    _wrap_destroy()
-    multiprocessing.util.Finalize(None, leave, args=(None, EXITED), exitpriority=0)
+    on_leave(_on_leave)
+
+
+def _on_leave(group: Any, exiting: bool) -> None:
+    leave(group, EXITED if exiting else DESTROYED)
 
 
 def remember(name: str, pg: Any, error: BaseException) -> None:
@@ -107,22 +103,6 @@ def refuse(name: str, pg: Any, ids: Iterator[int]) -> None:
     if hasattr(again, "context_id"):
         again.context_id = next(ids)
     raise again.with_traceback(None)
-
-
-def _wrap_destroy() -> None:
-    """Make ``torch.distributed.destroy_process_group`` post the leave first (code that
-    imported the function by name before the first context gets the exit hook only)."""
-    c10d = dist.distributed_c10d
-    real = c10d.destroy_process_group
-
-    @functools.wraps(real)
-    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        leave(args[0] if args else kwargs.get("group"), DESTROYED)
-        return real(*args, **kwargs)
-
-    for module in (dist, c10d):
-        if getattr(module, "destroy_process_group", None) is real:
-            module.destroy_process_group = destroy_process_group  # type: ignore[attr-defined]
 
 
 def leave(group: Any, how: str) -> None:

@@ -109,17 +109,23 @@ class Join(TorchJoin):
 
     def __exit__(self, type: Any, value: Any, traceback: Any) -> None:
         """PyTorch's, after telling the joined ranks when an exception leaves the block
-        in a step that failed (:mod:`.join_leave`; PyTorch's ``Join`` cannot). A block
+        in a step that failed (:mod:`.join_leave`; PyTorch's ``Join`` cannot), a backward
+        pass of this rank's that it cut short posted first (else the peers named this
+        rank as one that stopped answering, not its exception). A block
         left plainly after a refusal that ended the context here, caught inside it, is
         left raising that refusal (:mod:`.join_refused`): the joined ranks are gone."""
         refused = self._order.standing() if self._enable and type is None else None
+        hooks = [h for h in self._join_hooks if isinstance(h, DDPJoinHook)]
         if self._enable and (type is not None or refused is not None):
-            for hook in self._join_hooks:
-                if isinstance(hook, DDPJoinHook):
-                    # Best effort: the exception leaving the block is what this rank raises
-                    # (a group the user aborted in its handler takes no part in a round).
-                    with contextlib.suppress(Exception):
-                        hook.leave_raising()
+            # Best effort: the exception leaving the block is what this rank raises (a
+            # group the user aborted in its handler takes no part in a round). All posted
+            # first: another DDP's no_sync pass gives up the first DDP's step too.
+            for hook in hooks if type is not None else ():
+                with contextlib.suppress(Exception):
+                    hook.post_cut_short()
+            for hook in hooks:
+                with contextlib.suppress(Exception):
+                    hook.leave_raising()
             self._order.left_refused()
         if refused is not None:
             self._order.forget()
@@ -129,9 +135,8 @@ class Join(TorchJoin):
             # there: d3 skipped after d1, d2), stood in for before this rank counts, as
             # the ranks still training do at the next forward pass (join_absent), after
             # posting a backward pass of its own that raised, which decides them there.
-            for hook in self._join_hooks:
-                if isinstance(hook, DDPJoinHook):
-                    hook.post_cut_short()
+            for hook in hooks:
+                hook.post_cut_short()
             stand_in_absent(self._order)
         try:
             super().__exit__(type, value, traceback)
