@@ -1,14 +1,17 @@
-"""A rank's backward pass raises and the rank leaves its group with no forward pass after it.
+"""A rank's backward pass raises and the rank runs no forward pass after it: it leaves.
 
 Three gloo ranks train three steps of two micro-batches (a ``no_sync`` pass, then a
 synchronised one); at the last step rank 1's backward pass raises between the layers,
 in the ``no_sync`` pass or the synchronised one. Rank 1 then leaves: the exception
 uncaught (the launcher destroys the group), or caught and the loop stopped (destroyed
-too), or uncaught with the group never destroyed (the process just ends). Its pass was
+too), or uncaught with the group never destroyed (the process just ends); or it catches
+it and stays busy past the DDP's timeout (a checkpoint), the group alive. Its pass was
 posted at its next forward pass, and none came: outside ``join()`` (for a ``no_sync``
 pass) and under ``join()`` (either pass, the exception leaving the block) its peers
-waited in the step's synchronised pass until its connections closed, and named it as one
-that "stopped answering", not its exception. Now the pass is posted as rank 1 leaves
+waited in the step's synchronised pass to the timeout or until its connections closed,
+and named it as one that did not answer or "stopped answering", not its exception. Now
+the pass is posted as the exception leaves autograd outside ``join()``
+(:mod:`xgrad.torch_backend.ddp_cut_short`), as rank 1 leaves otherwise
 (:mod:`xgrad.torch_backend.ddp_exit`, on destroy or at the process's end; under
 ``join()`` as the exception leaves the block), and the peers raise
 ``rank 1 in backward: ValueError: ...`` at once, also under PyTorch's own ``Join`` (whose
@@ -87,7 +90,7 @@ def _run(rank: int, world: int, where: int, leave: str, context: str) -> dict[st
                         with sync:
                             ddp(_inputs(rank, step, micro)).square().mean().backward()
                 except Exception as exc:
-                    if rank == 1 and leave != "caught":
+                    if rank == 1 and leave not in ("caught", "busy"):
                         raise  # it leaves with it (the launcher reports it)
                     error = f"{type(exc).__name__}: {exc}"
                     break
@@ -96,10 +99,13 @@ def _run(rank: int, world: int, where: int, leave: str, context: str) -> dict[st
         if rank == 1:
             raise
         left = f"{type(exc).__name__}: {exc}"  # the context's end, after the loop's error
+    if leave == "busy" and rank == 1:
+        time.sleep(TIMEOUT + 2.0)  # busy after the loop (a checkpoint), the group alive
     return {"error": error, "left": left, "waited": time.monotonic() - started, "sums": sums}
 
 
 CASES = [
+    ("no_sync", "busy", "plain"),
     ("no_sync", "uncaught", "plain"),
     ("no_sync", "caught", "plain"),
     ("no_sync", "ends", "plain"),
@@ -119,7 +125,7 @@ def test_the_peers_raise_the_exception_as_it_leaves(where: str, leave: str, cont
     results, codes = run_ranks(run, WORLD, timeout=120)
     assert all(code == 0 for code in codes.values()), (codes, results)
     status, own = results[1]
-    if leave == "caught":
+    if leave in ("caught", "busy"):
         assert status == "ok" and own["error"] == BOOM, own
     else:
         assert status == "error" and BOOM in own, own
@@ -136,5 +142,5 @@ def test_the_peers_raise_the_exception_as_it_leaves(where: str, leave: str, cont
             assert value["left"] == "", value
         peers.append(value["sums"])
     assert len(peers[0]) == STEPS - 1 and peers[0] == peers[1], peers  # trained alike
-    if leave == "caught":
+    if leave in ("caught", "busy"):
         assert own["sums"] == peers[0], (own, peers)

@@ -57,6 +57,7 @@ import torch
 from torch.autograd.variable import Variable
 
 from xgrad.failure import RankError, describe
+from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED, post_failed_pass
 
 __all__ = ["NOTED_CHARS", "NotingEngine", "bounded", "note_backward_errors", "put_off"]
@@ -176,26 +177,31 @@ def _note(exc: BaseException, before: frozenset[Any], thread: int) -> None:
 
 
 def _post_begun(before: frozenset[Any], thread: int) -> None:
-    """The outermost backward call of ``thread`` raised: each synchronised pass it began and
-    cut short (noted by :func:`_note`) is posted now, outside ``join()``, so that the peers
-    waiting for its buckets raise this rank's exception at once. Posted at the next forward
-    pass, a rank that had none (the loop's last step, an uncaught exception) left them
-    waiting until its process ended, and then they named it as one that stopped
-    answering. Not a ``no_sync`` pass (its failure gives up the step its peers are still
-    accumulating for, at its next forward pass, which tells what the loop does next:
-    :mod:`.ddp_which_step`), nor one noted before any of its hooks ran (the exception may
-    be another graph's: :func:`_note_unreached`), nor under ``join()``, whose counts and
-    rounds order the posts."""
+    """The outermost backward call of ``thread`` raised: each pass it began and cut short
+    (noted by :func:`_note`) is posted now, outside ``join()``, so that the peers waiting
+    for its buckets raise this rank's exception at once. Posted at the next forward pass,
+    a rank that had none (the loop's last step, an uncaught exception) or that did
+    something else first (saving a checkpoint, another DDP's or the user's collectives)
+    left them waiting to the timeout or until its process ended, and then they named it
+    as one that stopped answering. A ``no_sync`` pass gives up the step its peers
+    accumulate for (:func:`~.ddp_give_up.give_up_cut_short_pass`, as the next forward
+    pass did: that pass still tells what the loop does next, :mod:`.ddp_which_step`);
+    not a pipeline stage's, which its runtime gives up with the pipeline step. Not a pass
+    noted before any of its hooks ran (the exception may be another graph's:
+    :func:`_note_unreached`), nor one under ``join()``, whose counts and rounds order the
+    posts."""
     alone = all(t == thread for t in list(_CALLS))
     for hooks in list(UNFINISHED):
         if (
             hooks not in before
-            and hooks.finalize_queued
             and hooks.cut_short is not None
             and (alone or hooks.forward_thread == thread)
             and not hooks.joining()
         ):
-            post_failed_pass(hooks, hooks.watch)
+            if hooks.finalize_queued:
+                post_failed_pass(hooks, hooks.watch)
+            elif hooks.nosync_open and not hooks.pipelined:
+                give_up_cut_short_pass(hooks.watch, hooks)
 
 
 def _note_unreached(exc: BaseException, thread: int) -> None:

@@ -137,6 +137,8 @@ class GradientHooks(PassEnd):
         self.log_error: Callable[[BaseException], None] = lambda exc: None  # the DDP's log
         #: whether the DDP is under join() now (set by the DDP: a weak reference to it)
         self.joining: Callable[[], bool] = lambda: True
+        #: a pipeline runtime drives the DDP (a stage's): it gives a failed step up itself
+        self.pipelined = False
 
     def __del__(self) -> None:
         # Collected (its DDP dropped) with a step under way on this rank: a forward pass

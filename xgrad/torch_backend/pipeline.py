@@ -211,4 +211,6 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         self.peak_held_bytes = 0
         self._devices, self._losses = {}, {}
         self._ddps = stage_ddps(self.partitions)  # told when a step fails (pipeline_ddps)
+        for ddp in self._ddps:  # (their no_sync passes cut short are given up here)
+            ddp._grad_hooks.pipelined = True
         self._ddp_steps: list[int] = []
