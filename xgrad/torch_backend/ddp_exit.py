@@ -1,41 +1,56 @@
-"""A DDP pass left unfinished on a rank that leaves its group: posted as it leaves.
+"""A rank that leaves a DDP's group tells its peers: what it left unfinished, or that it left.
 
-A backward pass that raised is posted to its step's failure channel at the rank's next
-forward pass (:mod:`.ddp_unfinished`), a synchronised one outside ``join()`` as the
-exception leaves autograd (:mod:`.ddp_cut_short`), and under xgrad's ``join()`` as the
-rank joins or leaves the context (:mod:`.join`). A rank with no forward pass after it
-whose process then ended (the exception uncaught, or caught by a loop that stops there)
-left its peers waiting in the step's synchronised pass until its connections closed, and
-they named it as one that "stopped answering", not its exception. That was the case of a
-``no_sync`` pass (its post gives up the step the peers still accumulate for, so it waits
-for the next pass, which tells what the loop does next: :mod:`.ddp_which_step`), of any
-pass under PyTorch's own ``Join`` (none of xgrad's hooks runs as it is left), and of a
-DDP collected with its step under way (:data:`~.ddp_unfinished.DROPPED`).
+A backward pass that raised is posted to its step's failure channel as the exception
+leaves autograd outside ``join()`` (:mod:`.ddp_cut_short`), under xgrad's ``join()`` as
+the rank joins or an exception leaves the block (:mod:`.join`), and else at the rank's
+next forward pass (:mod:`.ddp_unfinished`). A rank with no forward pass after it whose
+process then ended, or that destroyed the group, left its peers waiting in the step's
+synchronised pass until its connections closed, and they named it as one that "stopped
+answering", not its exception: a pass under PyTorch's own ``Join`` (none of xgrad's hooks
+runs as it is left), or a DDP collected with its step under way
+(:data:`~.ddp_unfinished.DROPPED`). So did a rank that left with nothing unfinished while
+its peers went on (inputs of different lengths without ``join()``: they waited in the
+next iteration's collectives for a rank that had ended), and one that left in the middle
+of an accumulation, or after a forward pass whose backward never came.
 
-So, as the process destroys the pass's group or ends (:mod:`.leaving`'s hooks, asked for
+So, as the process destroys a DDP's group or ends (:mod:`.leaving`'s hooks, asked for
 with the first DDP's, which run before the group's connections close and before the
-heartbeats stop, so a peer whose transfer fails then finds the post), what is left is
-posted, as :func:`.ddp_recover.start_forward` would have. It never raises: a group
-destroyed or aborted already is skipped (its peers were told then, or gave up on it),
-each store call is bounded (two seconds, as :mod:`.dist_left`'s), and a store gone already answers
-nothing (the peers then name this rank by its heartbeat, as before). Nothing is paid per
-step. A rank killed or frozen runs no hook and is still named by its heartbeat.
+heartbeats stop, so a peer whose transfer fails then finds the post), each of its DDPs on
+that group posts what it left unfinished, as :func:`.ddp_recover.start_forward` would
+have, or else a note that it left (kind ``"unresponsive"``, as :mod:`.dist_left`'s), in
+the step its peers would wait for it in: "rank 1: left after 2 iterations of the DDP
+(its process ended): it never runs iteration 3 ...". Where every rank ends alike, no one
+reads it. It never raises: a group destroyed or aborted already is skipped (its peers
+were told then, or gave up on it), each store call is bounded (two seconds, as
+:mod:`.dist_left`'s), and a store gone already answers nothing (the peers then name this
+rank by its heartbeat, as before). Nothing is paid per step: one post per DDP as the
+process leaves. A rank killed or frozen runs no hook and is still named by its heartbeat.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from xgrad.failure import FailureChannel
+from xgrad.torch_backend.ddp_cut_short import HOOKS
 from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass
-from xgrad.torch_backend.ddp_unfinished import UNFINISHED, post_dropped, post_failed_pass
+from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED, post_failed_pass
 from xgrad.torch_backend.failure import EXIT_WAIT, guarded_store
-from xgrad.torch_backend.leaving import on_leave
+from xgrad.torch_backend.leaving import how_left, on_leave
 
-__all__ = ["install", "post_left_unfinished"]
+if TYPE_CHECKING:
+    from xgrad.torch_backend.ddp_failure import StepWatch
+
+__all__ = ["GONE", "collected", "install", "post_left_unfinished"]
+
+#: the DDPs of this process collected with no step under way here: (their group, the
+#: failure channel prefix of the step after their last, that last step).
+GONE: list[tuple[Any, str, int]] = []
 
 
 def install() -> None:
@@ -44,28 +59,87 @@ def install() -> None:
     on_leave(post_left_unfinished)
 
 
+def collected(watch: StepWatch) -> None:
+    """``watch``'s DDP was collected with no step under way on this rank: where its next
+    step's note goes is kept (not the watch, whose private group would stay alive)."""
+    GONE.append((watch.user_group, watch.channel_of(watch.step + 1).prefix, watch.step))
+
+
 def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:
-    """This process leaves ``group`` (``None``: every group) and runs no forward pass
-    there any more: each DDP pass of it left unfinished is posted to its step's failure
-    channel (and, as it ends, each dropped DDP's step). ``exiting``: :data:`.leaving.Leave`'s."""
+    """This process leaves ``group`` (``None``: every group) and runs no pass there any
+    more: each DDP of it on that group tells its peers (:func:`_post_leave`), and so does
+    each one collected (with a step under way here: :data:`~.ddp_unfinished.DROPPED`;
+    else :data:`GONE`). ``exiting``: :data:`.leaving.Leave`'s."""
     every = group is None or group == dist.group.WORLD
+    how = how_left(exiting)
+
+    def ours(pg: Any) -> bool:
+        return every or pg is group
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (give_up_cut_short_pass's: no one reads it now)
-        if exiting:
-            post_dropped()
-        for hooks in list(UNFINISHED):
+        for dropped in [w for w in DROPPED if ours(w.user_group)]:
+            DROPPED.remove(dropped)  # (collected in a step: the note says which)
+            pg, prefix = dropped.user_group, dropped.channel.prefix
+            _safely(pg, _note, pg, prefix, _inside(dropped.step, how))
+        for hooks in list(HOOKS):
             watch = getattr(hooks, "watch", None)
-            if watch is None or not (every or watch.user_group is group):
-                continue
-            if not _alive(watch.user_group):
-                continue
-            with contextlib.suppress(Exception):
-                # bounded as :mod:`.dist_left`'s post: a store host frozen holds no exit long
-                watch.channel.store = guarded_store(watch.user_group, timeout=EXIT_WAIT)
-                if hooks.nosync_open:
-                    give_up_cut_short_pass(watch, hooks)
-                elif hooks.finalize_queued:
-                    post_failed_pass(hooks, watch)
+            if watch is not None and ours(watch.user_group):
+                _safely(watch.user_group, _post_leave, watch, hooks, how)
+        for gone in [g for g in GONE if ours(g[0])]:
+            GONE.remove(gone)
+            pg, prefix, step = gone
+            _safely(pg, _note, pg, prefix, _after(step, how))
+
+
+def _post_leave(watch: StepWatch, hooks: Any, how: str) -> None:
+    """Tell ``watch``'s peers that this rank left (``how``): a pass it left unfinished is
+    posted to its step, as its next forward pass would have; else the step its peers
+    would wait for it in gets a note that it left (an accumulation or a forward pass
+    awaiting its backward: the step it is in; else the next one)."""
+    pg = watch.user_group
+    if hooks in UNFINISHED and (hooks.nosync_open or hooks.finalize_queued):
+        watch.channel.store = guarded_store(pg, timeout=EXIT_WAIT)  # (as _note's)
+        if hooks.nosync_open:
+            give_up_cut_short_pass(watch, hooks)
+        else:
+            post_failed_pass(hooks, watch)
+    elif hooks.accumulating or hooks.sync_pending:
+        _note(pg, watch.channel.prefix, _inside(watch.step, how))
+    else:
+        _note(pg, watch.channel_of(watch.step + 1).prefix, _after(watch.step, how))
+
+
+def _safely(group: Any, post: Callable[..., None], *args: Any) -> None:
+    """``post(*args)``, if c10d still knows ``group``; never raises (leaving goes on)."""
+    if _alive(group):
+        with contextlib.suppress(Exception):
+            post(*args)
+
+
+def _note(group: Any, prefix: str, message: str) -> None:
+    """Post ``message`` (this rank left) to the failure channel ``prefix`` of ``group``,
+    of kind ``"unresponsive"``, each store call bounded (as :mod:`.dist_left`'s post: a
+    store host frozen holds no exit long)."""
+    store = guarded_store(group, timeout=EXIT_WAIT)
+    FailureChannel(store, prefix, dist.get_rank()).post("", message, kind="unresponsive")
+
+
+def _inside(step: int, how: str) -> str:
+    """The note of a rank that left (``how``) in iteration ``step`` of a DDP."""
+    return (
+        f"left in iteration {step} of the DDP ({how}), before its synchronised backward "
+        "pass, in which the other ranks wait for it"
+    )
+
+
+def _after(step: int, how: str) -> str:
+    """The note of a rank that left (``how``) after ``step`` iterations of a DDP."""
+    return (
+        f"left after {step} iterations of the DDP ({how}): it never runs iteration "
+        f"{step + 1}, in which the other ranks wait for it (every rank runs as many "
+        "iterations as the others: inputs of different lengths need ddp.join())"
+    )
 
 
 def _alive(group: Any) -> bool:

@@ -122,8 +122,14 @@ class StepWatch(StepWaits):
             raise error_for(self.lost.failure, self.channel.rank, also=self.lost.also)
         return self.group
 
-    def _namespace(self) -> str:
-        return f"ddp/{self.instance}/step/{self.step}"
+    def _namespace(self, step: int | None = None) -> str:
+        return f"ddp/{self.instance}/step/{self.step if step is None else step}"
+
+    def channel_of(self, step: int) -> FailureChannel:
+        """The failure channel of this DDP's step ``step`` (the current one's store)."""
+        old = self.channel
+        base = old.prefix[: len(old.prefix) - len(self._last_namespace)]
+        return FailureChannel(old.store, base + self._namespace(step), old.rank, old.liveness)
 
     def _next_channel(self) -> FailureChannel:
         """The channel of the step just begun: a new namespace on the same store.
@@ -134,10 +140,9 @@ class StepWatch(StepWaits):
         """
         # restarted if it stopped, as failure_channel does (its first beat bounded)
         start_heartbeat(self.user_group, store=self.channel.store)
-        old = self.channel
-        base = old.prefix[: len(old.prefix) - len(self._last_namespace)]
+        channel = self.channel_of(self.step)
         self._last_namespace = self._namespace()
-        return FailureChannel(old.store, base + self._last_namespace, old.rank, old.liveness)
+        return channel
 
     def _make_group(self, what: str) -> Any:
         """A new private group (``what``), or the error naming who it could not be made

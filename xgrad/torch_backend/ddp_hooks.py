@@ -146,11 +146,16 @@ class GradientHooks(PassEnd):
         # step's collectives for this rank's part: recorded, for the next forward pass or
         # DDP made here to post (not posted here: the collector runs wherever it is).
         # At the interpreter's exit (module globals cleared) there is no one to tell.
+        # With none under way, where its next step is kept for the note this rank posts
+        # as it leaves the group (ddp_exit).
         with contextlib.suppress(Exception):
+            watch = getattr(self, "watch", None)
+            if watch is None:
+                return
             if self.sync_pending or self.accumulating or self.nosync_open:
-                watch = getattr(self, "watch", None)
-                if watch is not None:
-                    DROPPED.append(watch)
+                DROPPED.append(watch)
+            else:
+                ddp_exit.collected(watch)
 
     def attach(self, reducer: Reducer, log_arrivals: bool = True) -> None:
         """Register the autograd hooks that feed ``reducer``.

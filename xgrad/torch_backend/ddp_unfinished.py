@@ -27,7 +27,6 @@ __all__ = [
     "DROPPED",
     "UNFINISHED",
     "before_wrapping",
-    "post_dropped",
     "post_failed_pass",
     "post_failed_passes",
 ]
@@ -80,24 +79,20 @@ def post_failed_passes(current: GradientHooks | None) -> None:
     """
     if current_graph_task() != -1:
         return
-    post_dropped()
-    me = threading.get_ident()
-    for hooks in list(UNFINISHED):
-        if hooks is not current and hooks.forward_thread == me:  # current None: every one
-            post_failed_pass(hooks, hooks.watch)
-
-
-def post_dropped() -> None:
-    """Each dropped DDP's step: its peers stop now, naming this rank, as for a pass that
-    raised (a rank that dropped it too waits for nothing there any more). Best effort: a
-    store gone since (its group destroyed) fails nothing of this pass."""
     while DROPPED:
+        # A dropped DDP's step: its peers stop now, naming this rank, as for a pass that
+        # raised (a rank that dropped it too waits for nothing there any more). Best
+        # effort: a store gone since (its group destroyed) fails nothing of this pass.
         watch = DROPPED.pop()
         with contextlib.suppress(Exception):
             watch.post(
                 "backward",
                 RuntimeError("the DDP was dropped before its step's backward pass ran here"),
             )
+    me = threading.get_ident()
+    for hooks in list(UNFINISHED):
+        if hooks is not current and hooks.forward_thread == me:  # current None: every one
+            post_failed_pass(hooks, hooks.watch)
 
 
 def before_wrapping() -> None:

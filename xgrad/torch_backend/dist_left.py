@@ -35,13 +35,10 @@ import torch.distributed as dist
 
 from xgrad.failure import FailureChannel, RankError
 from xgrad.torch_backend.failure import CHANNEL_PREFIX, EXIT_WAIT, guarded_store
-from xgrad.torch_backend.leaving import on_leave
+from xgrad.torch_backend.leaving import DESTROYED, EXITED, how_left, on_leave
 
 __all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "refuse", "remember", "watch"]
 
-#: how a rank left, as its post words it.
-DESTROYED = "it destroyed the group with destroy_process_group"
-EXITED = "its process ended"
 
 #: as this process leaves the group of a name: (contexts it opened there, the one it is
 #: in or None) (:func:`.dist_contexts.leaving`).
@@ -73,7 +70,7 @@ def watch(name: str, pg: Any, me: int, leaving: Leaving) -> None:
 
 
 def _on_leave(group: Any, exiting: bool) -> None:
-    leave(group, EXITED if exiting else DESTROYED)
+    leave(group, how_left(exiting))
 
 
 def remember(name: str, pg: Any, error: BaseException) -> None:

@@ -29,7 +29,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Leave", "on_leave"]
+__all__ = ["DESTROYED", "EXITED", "Leave", "how_left", "on_leave"]
+
+#: how a rank left, as the posts word it.
+DESTROYED = "it destroyed the group with destroy_process_group"
+EXITED = "its process ended"
 
 #: a hook run as this process leaves ``group`` (``None``: every group), ``exiting``: its
 #: process ends (else it destroys the group).
@@ -53,6 +57,11 @@ def on_leave(hook: Leave) -> None:
         _installed = True
     _wrap_destroy()
     multiprocessing.util.Finalize(None, _leave, args=(None, True), exitpriority=0)
+
+
+def how_left(exiting: bool) -> str:
+    """How a rank left, for its post: :data:`EXITED` or :data:`DESTROYED`."""
+    return EXITED if exiting else DESTROYED
 
 
 def _leave(group: Any, exiting: bool) -> None:

@@ -1,0 +1,126 @@
+"""A rank leaves a DDP's group with nothing unfinished while its peers go on.
+
+Three gloo ranks train a ``Linear``; rank 1 stops early and leaves: after fewer
+iterations than its peers (inputs of different lengths, without ``join()``), or in the
+middle of an iteration (after its ``no_sync`` pass, or after a forward pass whose
+backward it never runs). It destroys the group (the launcher does), its DDP still
+held, or its process just ends, its DDP collected as the loop's function returned. Its
+peers waited in their next collective until its connections closed, and named
+it as one that "stopped answering" (gloo's "Connection closed" in the text). Now it posts,
+as it leaves, a note in the step its peers wait for it in
+(:mod:`xgrad.torch_backend.ddp_exit`), and they raise ``RankUnresponsiveError`` saying
+which rank left, when, and how, at once. Also checked: when every rank ran as many
+iterations, the notes of the ranks that left first fail no one (a rank evaluating alone
+under ``torch.no_grad()`` after they left, then a last iteration on the others' group).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import pytest
+from ranks import run_ranks
+
+WORLD = 3
+TIMEOUT = 3.0
+PEER_STEPS = 4
+
+#: the DDPs a rank keeps until its group is destroyed (the launcher's destroy, after the
+#: function returned).
+_HELD: list[Any] = []
+
+
+def _run(rank: int, world: int, leave: str, how: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ddp = DistributedDataParallel(model, timeout=TIMEOUT)
+    if how == "ends" and rank == 1:  # the launcher's destroy skipped: the process ends
+        dist.destroy_process_group = lambda *args, **kwargs: None
+    else:
+        _HELD.append(ddp)
+    g = torch.Generator().manual_seed(rank)
+    error, started, done = "", 0.0, 0
+    for step in range(PEER_STEPS):
+        started = time.monotonic()
+        if rank == 1 and step == 2:
+            if leave == "no_sync":
+                with ddp.no_sync():
+                    ddp(torch.randn(3, 4, generator=g)).sum().backward()
+            elif leave == "forward":
+                ddp(torch.randn(3, 4, generator=g))
+            break  # leaves (after 2 iterations, or inside the third)
+        try:
+            ddp.zero_grad()
+            ddp(torch.randn(3, 4, generator=g)).sum().backward()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            break
+        done += 1
+    return {"error": error, "waited": time.monotonic() - started, "done": done}
+
+
+@pytest.mark.parametrize("how", ["destroyed", "ends"])
+@pytest.mark.parametrize("leave", ["after", "no_sync", "forward"])
+def test_the_peers_name_the_rank_that_left(leave: str, how: str) -> None:
+    results, codes = run_ranks(functools.partial(_run, leave=leave, how=how), WORLD, timeout=120)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert results[1][0] == "ok" and results[1][1]["done"] == 2, results[1]
+    said = (
+        "it destroyed the group with destroy_process_group"
+        if how == "destroyed"
+        else "its process ended"
+    )
+    if leave == "after":
+        expected = (
+            f"RankUnresponsiveError: rank 1: left after 2 iterations of the DDP ({said}): "
+            "it never runs iteration 3, in which the other ranks wait for it"
+        )
+    else:
+        expected = (
+            f"RankUnresponsiveError: rank 1: left in iteration 3 of the DDP ({said}), before "
+            "its synchronised backward pass, in which the other ranks wait for it"
+        )
+    for peer in (0, 2):
+        status, value = results[peer]
+        assert status == "ok", (peer, value)
+        assert value["error"].startswith(expected), (peer, value)
+        assert value["waited"] < TIMEOUT, (peer, value)  # at once, not at the timeout
+        assert value["done"] == 2, (peer, value)
+
+
+def _even(rank: int, world: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(4, 2), timeout=TIMEOUT)
+    for _ in range(2):
+        ddp(torch.ones(3, 4)).sum().backward()
+    if rank == 2:
+        return {}  # leaves first (its DDP collected; the launcher destroys the group)
+    sub = dist.new_group([0, 1])
+    dist.barrier(group=sub)  # rank 2 has left
+    time.sleep(0.5)
+    with torch.no_grad():  # rank 0 evaluates alone: no collective, no note read
+        shape = list(ddp(torch.ones(1, 4)).shape) if rank == 0 else []
+    other = DistributedDataParallel(nn.Linear(4, 2), process_group=sub, timeout=TIMEOUT)
+    other(torch.ones(3, 4)).sum().backward()  # another DDP trains on as before
+    return {"shape": shape, "grad": other.module.weight.grad.sum().item()}
+
+
+def test_ranks_that_ran_as_many_iterations_fail_no_one() -> None:
+    results, codes = run_ranks(_even, WORLD, timeout=120)
+    assert all(code == 0 for code in codes.values()), (codes, results)
+    assert results[0] == ("ok", {"shape": [1, 2], "grad": 24.0}), results[0]
+    assert results[1] == ("ok", {"shape": [], "grad": 24.0}), results[1]
