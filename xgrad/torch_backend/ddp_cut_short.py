@@ -57,8 +57,8 @@ import torch
 from torch.autograd.variable import Variable
 
 from xgrad.failure import RankError, describe
-from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass
-from xgrad.torch_backend.ddp_unfinished import UNFINISHED, post_failed_pass
+from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
+from xgrad.torch_backend.ddp_unfinished import UNFINISHED
 
 __all__ = ["NOTED_CHARS", "NotingEngine", "bounded", "note_backward_errors", "put_off"]
 
@@ -184,7 +184,7 @@ def _post_begun(before: frozenset[Any], thread: int) -> None:
     something else first (saving a checkpoint, another DDP's or the user's collectives)
     left them waiting to the timeout or until its process ended, and then they named it
     as one that stopped answering. A ``no_sync`` pass gives up the step its peers
-    accumulate for (:func:`~.ddp_give_up.give_up_cut_short_pass`, as the next forward
+    accumulate for (:func:`~.ddp_give_up.post_cut_short_pass`, as the next forward
     pass did: that pass still tells what the loop does next, :mod:`.ddp_which_step`);
     not a pipeline stage's, which its runtime gives up with the pipeline step. Not a pass
     noted before any of its hooks ran (the exception may be another graph's:
@@ -197,11 +197,9 @@ def _post_begun(before: frozenset[Any], thread: int) -> None:
             and hooks.cut_short is not None
             and (alone or hooks.forward_thread == thread)
             and not hooks.joining()
+            and not (hooks.nosync_open and hooks.pipelined)
         ):
-            if hooks.finalize_queued:
-                post_failed_pass(hooks, hooks.watch)
-            elif hooks.nosync_open and not hooks.pipelined:
-                give_up_cut_short_pass(hooks.watch, hooks)
+            post_cut_short_pass(hooks.watch, hooks)
 
 
 def _note_unreached(exc: BaseException, thread: int) -> None:

@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from xgrad.failure import FailureChannel
 from xgrad.torch_backend.ddp_cut_short import HOOKS
-from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass
-from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED, post_failed_pass
+from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
+from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED
 from xgrad.torch_backend.failure import EXIT_WAIT, guarded_store
 from xgrad.torch_backend.leaving import how_left, on_leave
 
@@ -77,7 +77,7 @@ def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:
         return every or pg is group
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (give_up_cut_short_pass's: no one reads it now)
+        warnings.simplefilter("ignore")  # (post_cut_short_pass's: no one reads it now)
         for dropped in [w for w in DROPPED if ours(w.user_group)]:
             DROPPED.remove(dropped)  # (collected in a step: the note says which)
             pg, prefix = dropped.user_group, dropped.channel.prefix
@@ -100,10 +100,7 @@ def _post_leave(watch: StepWatch, hooks: Any, how: str) -> None:
     pg = watch.user_group
     if hooks in UNFINISHED and (hooks.nosync_open or hooks.finalize_queued):
         watch.channel.store = guarded_store(pg, timeout=EXIT_WAIT)  # (as _note's)
-        if hooks.nosync_open:
-            give_up_cut_short_pass(watch, hooks)
-        else:
-            post_failed_pass(hooks, watch)
+        post_cut_short_pass(watch, hooks)
     elif hooks.accumulating or hooks.sync_pending:
         _note(pg, watch.channel.prefix, _inside(watch.step, how))
     else:

@@ -29,7 +29,13 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
     from xgrad.torch_backend.ddp_hooks import GradientHooks
 
-__all__ = ["abandon_step", "begin_next_step", "give_up_cut_short_pass", "recover"]
+__all__ = [
+    "abandon_step",
+    "begin_next_step",
+    "give_up_cut_short_pass",
+    "post_cut_short_pass",
+    "recover",
+]
 
 #: what a ``no_sync`` pass cut short is posted as when its exception was not seen.
 _NOSYNC_CUT_SHORT = "RuntimeError: a no_sync backward pass raised an exception"
@@ -51,6 +57,16 @@ def give_up_cut_short_pass(watch: StepWatch, hooks: GradientHooks) -> None:
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def post_cut_short_pass(watch: StepWatch, hooks: GradientHooks) -> None:
+    """A backward pass of this rank's cut short and not posted yet (no backward call under
+    way): a ``no_sync`` one gives up its step (:func:`give_up_cut_short_pass`), a
+    synchronised one is posted to it (:func:`.ddp_unfinished.post_failed_pass`)."""
+    if hooks.nosync_open:
+        give_up_cut_short_pass(watch, hooks)
+    elif hooks.finalize_queued:
+        post_failed_pass(hooks, watch)
 
 
 def begin_next_step(

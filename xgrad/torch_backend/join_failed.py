@@ -15,13 +15,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import FailureChannel, RankError, error_for
-from xgrad.torch_backend.ddp_recover import (
-    current_graph_task,
-    drop_unreduced,
-    give_up_cut_short_pass,
-    start_forward,
-)
-from xgrad.torch_backend.ddp_unfinished import post_failed_pass
+from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
+from xgrad.torch_backend.ddp_recover import current_graph_task, drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import carried, count, sum_async
 from xgrad.torch_backend.join_leave import carried_over, post_left, wait_for_next, was_carried
@@ -97,13 +92,8 @@ class FailedSteps:
         (:meth:`drop_failed_step`), entering that round with ``FAIL``. Before, a rank
         whose last synchronised backward pass raised and that then joined counted while
         its peers waited for it, and every later step of theirs timed out."""
-        hooks = self.ddp._grad_hooks
-        if current_graph_task() != -1:
-            return
-        if hooks.nosync_open:
-            give_up_cut_short_pass(self.ddp._watch, hooks)
-        elif hooks.finalize_queued:
-            post_failed_pass(hooks, self.ddp._watch)
+        if current_graph_task() == -1:
+            post_cut_short_pass(self.ddp._watch, self.ddp._grad_hooks)
 
     def leave_raising(self) -> None:
         """This rank leaves ``join()`` by an exception: in a step that failed (a rank's
