@@ -61,6 +61,30 @@ def armed_linear() -> tuple[Any, list[bool]]:
     return model, armed
 
 
+def armed_between(rank: int) -> tuple[Any, dict[str, bool]]:
+    """``Linear(4, 4), Tanh, Linear(4, 2)`` (seed 0) whose backward pass raises
+    ``ValueError("boom on rank R")`` between the layers (after DDP's first gradient hooks
+    ran) once each time ``armed["on"]`` is set to ``True`` (a backward pass cut short)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    armed = {"on": False}
+
+    def boom(grad: Any) -> Any:
+        if armed["on"]:
+            armed["on"] = False
+            raise ValueError(f"boom on rank {rank}")
+        return grad
+
+    def between(module: Any, inputs: Any, output: Any) -> None:
+        output.register_hook(boom)
+
+    model[1].register_forward_hook(between)
+    return model, armed
+
+
 def armed_hook() -> tuple[Any, list[bool]]:
     """A DDP communication hook that raises ``ValueError("hook boom")`` once each time
     ``armed[0]`` is set to ``True``, else PyTorch's all-reduce hook (the failure tests'

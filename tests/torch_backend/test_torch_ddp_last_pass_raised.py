@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import pytest
-from ranks import run_ranks
+from ranks import armed_between, run_ranks
 
 WORLD = 3
 STEPS = 3
@@ -37,25 +37,11 @@ def _run(rank: int, world: int, caught: bool) -> dict[str, Any]:
     import copy
 
     import torch
-    from torch import nn
 
     from xgrad.torch_backend import DistributedDataParallel
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model, armed = armed_between(rank)
     ddp = DistributedDataParallel(model, timeout=TIMEOUT)
-    armed = {"on": False}
-
-    def boom(grad: Any) -> Any:
-        if armed["on"]:
-            armed["on"] = False
-            raise ValueError(f"boom on rank {rank}")
-        return grad
-
-    def between(module: Any, inputs: Any, output: Any) -> None:
-        output.register_hook(boom)
-
-    model[1].register_forward_hook(between)
     right: list[bool] = []
     error, started = "", 0.0
     for step in range(STEPS):
