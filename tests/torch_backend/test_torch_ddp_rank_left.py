@@ -9,7 +9,10 @@ peers waited in their next collective until its connections closed, and named
 it as one that "stopped answering" (gloo's "Connection closed" in the text). Now it posts,
 as it leaves, a note in the step its peers wait for it in
 (:mod:`xgrad.torch_backend.ddp_exit`), and they raise ``RankUnresponsiveError`` saying
-which rank left, when, and how, at once. Also checked: when every rank ran as many
+which rank left, when, and how, at once; a peer left so (or by a synchronised backward
+pass that raised) then exits cleanly, where its collective left pending made gloo abort
+it at exit ("terminate called after throwing an instance of 'gloo::IoException'") when
+it did not destroy the group. Also checked: when every rank ran as many
 iterations, the notes of the ranks that left first fail no one (a rank evaluating alone
 under ``torch.no_grad()`` after they left, then a last iteration on the others' group).
 """
@@ -17,6 +20,10 @@ under ``torch.no_grad()`` after they left, then a last iteration on the others' 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from typing import Any
 
@@ -124,3 +131,73 @@ def test_ranks_that_ran_as_many_iterations_fail_no_one() -> None:
     assert all(code == 0 for code in codes.values()), (codes, results)
     assert results[0] == ("ok", {"shape": [1, 2], "grad": 24.0}), results[0]
     assert results[1] == ("ok", {"shape": [], "grad": 24.0}), results[1]
+
+
+_MAIN = textwrap.dedent(
+    """
+    import sys, time, torch, torch.distributed as dist
+    from datetime import timedelta
+    rank, init, how, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    from xgrad.torch_backend import DistributedDataParallel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    def between(module, inputs, output):
+        def boom(grad):
+            if rank == 1 and step == 2:
+                raise ValueError("boom")
+            return grad
+        output.register_hook(boom)
+    if how == "raised":
+        model[1].register_forward_hook(between)
+    ddp = DistributedDataParallel(model, timeout=timeout)
+    for step in range(2 if rank == 1 and how == "after" else 4):
+        started = time.monotonic()
+        try:
+            ddp(torch.ones(3, 4)).sum().backward()
+        except ValueError:
+            raise  # rank 1's own: its process ends with it
+        except Exception as exc:
+            print(f"{type(exc).__name__}: {exc}".splitlines()[0], time.monotonic() - started)
+            break
+    # (no destroy_process_group: the processes end as a plain script's do)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["after", "raised"])
+def test_a_peer_exits_cleanly_without_destroying_the_group(how: str, tmp_path: Any) -> None:
+    import xgrad
+
+    root = os.path.dirname(os.path.dirname(xgrad.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    init = f"file://{tmp_path}/store"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MAIN, str(rank), init, how, str(TIMEOUT)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    (out, err), code = outs[0], ranks[0].returncode
+    assert code == 0, (code, err[-3000:])  # not gloo's abort at exit (-6)
+    said, waited = out.strip().rsplit(" ", 1)
+    if how == "after":
+        assert said.startswith(
+            "RankUnresponsiveError: rank 1: left after 2 iterations of the DDP (its process ended)"
+        ), out
+    else:
+        assert said == "RankError: rank 1 in backward: ValueError: boom", out
+        assert ranks[1].returncode == 1 and "ValueError: boom" in outs[1][1], outs[1]
+    assert float(waited) < TIMEOUT, out

@@ -25,6 +25,14 @@ were told then, or gave up on it), each store call is bounded (two seconds, as
 :mod:`.dist_left`'s), and a store gone already answers nothing (the peers then name this
 rank by its heartbeat, as before). Nothing is paid per step: one post per DDP as the
 process leaves. A rank killed or frozen runs no hook and is still named by its heartbeat.
+
+As the process ends, last, it also closes the connections of each private group a wait
+of its DDPs left with a collective pending after a failure (:data:`.ddp_waits.ABANDONED`:
+a peer's post, raised at once, while this rank's part of a bucket's all-reduce was still
+out). Left so, gloo aborted the process at exit when the peer closed its end ("terminate
+called after throwing an instance of 'gloo::IoException'") in a script that did not
+destroy the group; closed here, the collective fails in its own thread, and the process
+ends with its own exit code.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from xgrad.failure import FailureChannel
 from xgrad.torch_backend.ddp_cut_short import HOOKS
 from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
 from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED
+from xgrad.torch_backend.ddp_waits import ABANDONED
+from xgrad.torch_backend.dist_watch import sever
 from xgrad.torch_backend.failure import EXIT_WAIT, guarded_store
 from xgrad.torch_backend.leaving import how_left, on_leave
 
@@ -90,6 +100,17 @@ def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:
             GONE.remove(gone)
             pg, prefix, step = gone
             _safely(pg, _note, pg, prefix, _after(step, how))
+    if exiting:  # last: a peer whose wait then fails finds the posts
+        while ABANDONED:
+            _safely(ABANDONED[-1], _sever, ABANDONED.pop())
+
+
+def _sever(group: Any) -> None:
+    """Close ``group``'s connections (a receive that times out at once): its collective
+    left pending then fails here, before the interpreter finalizes, not in gloo's thread
+    as a peer closes its end (which aborted the process)."""
+    if group.size() > 1:
+        sever(group, (group.rank() + 1) % group.size())
 
 
 def _post_leave(watch: StepWatch, hooks: Any, how: str) -> None:

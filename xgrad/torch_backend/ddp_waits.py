@@ -25,7 +25,14 @@ from xgrad.torch_backend.ddp_spin import spin_until
 from xgrad.torch_backend.failure import transfer_error
 from xgrad.torch_backend.join_leave import check_left
 
-__all__ = ["StepWaits"]
+__all__ = ["ABANDONED", "StepWaits"]
+
+#: groups a wait left with its collective pending after a failure (a peer's post: no peer
+#: matches it any more), whose connections are closed as the process ends
+#: (:mod:`.ddp_exit`): else gloo aborted the process at exit ("terminate called after
+#: throwing an instance of 'gloo::IoException'") when a peer closed its end. c10d holds
+#: them anyway (until destroyed): nothing is kept alive longer.
+ABANDONED: list[Any] = []
 
 
 class StepWaits:
@@ -64,6 +71,7 @@ class StepWaits:
         # Published with the heartbeat until the failure, if any, is worded: a peer that
         # times out meanwhile must not take this rank for one late for the collective.
         before = waiting_for(COLLECTIVE)
+        group = self.group  # (a failure may drop it)
         try:
             # A held lock the completion releases: half the cost of an Event's wait.
             done = threading.Lock()
@@ -71,6 +79,11 @@ class StepWaits:
             work.get_future().add_done_callback(lambda _: done.release())
             self.wait_event(done, what, spun=spin, posted=posted, skips=skips)
             self._finish(work, what)
+        except RankError:
+            pending = group is not None and not work.is_completed()
+            if pending and not any(g is group for g in ABANDONED):
+                ABANDONED.append(group)
+            raise
         finally:
             waiting_for(before)
 
