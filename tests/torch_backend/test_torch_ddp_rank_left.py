@@ -11,8 +11,8 @@ as it leaves, a note in the step its peers wait for it in
 (:mod:`xgrad.torch_backend.ddp_exit`), and they raise ``RankUnresponsiveError`` saying
 which rank left, when, and how, at once; a peer left so (or by a synchronised backward
 pass that raised) then exits cleanly, where its collective left pending made gloo abort
-it at exit ("terminate called after throwing an instance of 'gloo::IoException'") when
-it did not destroy the group. Also checked: when every rank ran as many
+it at exit ("terminate called after throwing an instance of 'gloo::IoException'"),
+whether it destroyed the group or not. Also checked: when every rank ran as many
 iterations, the notes of the ranks that left first fail no one (a rank evaluating alone
 under ``torch.no_grad()`` after they left, then a last iteration on the others' group).
 """
@@ -137,7 +137,7 @@ _MAIN = textwrap.dedent(
     """
     import sys, time, torch, torch.distributed as dist
     from datetime import timedelta
-    rank, init, how, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+    rank, init, how, timeout, end = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), sys.argv[5]
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
@@ -162,13 +162,16 @@ _MAIN = textwrap.dedent(
         except Exception as exc:
             print(f"{type(exc).__name__}: {exc}".splitlines()[0], time.monotonic() - started)
             break
-    # (no destroy_process_group: the processes end as a plain script's do)
+    if end == "destroyed":
+        dist.destroy_process_group()  # (else the process ends as a plain script's does)
     """
 )
 
 
-@pytest.mark.parametrize("how", ["after", "raised"])
-def test_a_peer_exits_cleanly_without_destroying_the_group(how: str, tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("how", "end"), [("after", "ends"), ("raised", "ends"), ("raised", "destroyed")]
+)
+def test_a_peer_exits_cleanly(how: str, end: str, tmp_path: Any) -> None:
     import xgrad
 
     root = os.path.dirname(os.path.dirname(xgrad.__file__))
@@ -176,7 +179,7 @@ def test_a_peer_exits_cleanly_without_destroying_the_group(how: str, tmp_path: A
     init = f"file://{tmp_path}/store"
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", _MAIN, str(rank), init, how, str(TIMEOUT)],
+            [sys.executable, "-c", _MAIN, str(rank), init, how, str(TIMEOUT), end],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

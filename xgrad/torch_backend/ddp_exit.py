@@ -26,13 +26,15 @@ were told then, or gave up on it), each store call is bounded (two seconds, as
 rank by its heartbeat, as before). Nothing is paid per step: one post per DDP as the
 process leaves. A rank killed or frozen runs no hook and is still named by its heartbeat.
 
-As the process ends, last, it also closes the connections of each private group a wait
-of its DDPs left with a collective pending after a failure (:data:`.ddp_waits.ABANDONED`:
-a peer's post, raised at once, while this rank's part of a bucket's all-reduce was still
-out). Left so, gloo aborted the process at exit when the peer closed its end ("terminate
-called after throwing an instance of 'gloo::IoException'") in a script that did not
-destroy the group; closed here, the collective fails in its own thread, and the process
-ends with its own exit code.
+As the process ends or destroys every group, last, it also closes the connections of
+each private group a wait of its DDPs left with a collective pending after a failure
+(:data:`.ddp_waits.ABANDONED`: a peer's post, raised at once, while this rank's part of a
+bucket's all-reduce was still out; every rank makes a fresh group after a failed step,
+so no one uses it again). Left so, gloo aborted the process at exit when the peer closed
+its end ("terminate called after throwing an instance of 'gloo::IoException'"), whether
+the script destroyed the group or not (destroyed, the group object lives on with its
+collective); closed here, the collective fails in its own thread, and the process ends
+with its own exit code.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:
             GONE.remove(gone)
             pg, prefix, step = gone
             _safely(pg, _note, pg, prefix, _after(step, how))
-    if exiting:  # last: a peer whose wait then fails finds the posts
+    if every:  # last: a peer whose wait then fails finds the posts
         while ABANDONED:
             _safely(ABANDONED[-1], _sever, ABANDONED.pop())
 
