@@ -31,7 +31,7 @@ __all__ = ["ABANDONED", "StepWaits"]
 #: matches it any more), whose connections are closed as the process ends
 #: (:mod:`.ddp_exit`): else gloo aborted the process at exit ("terminate called after
 #: throwing an instance of 'gloo::IoException'") when a peer closed its end. c10d holds
-#: them anyway (until destroyed): nothing is kept alive longer.
+#: them too until destroyed; this list, until the process ends or destroys every group.
 ABANDONED: list[Any] = []
 
 
