@@ -7,6 +7,9 @@ launcher is :func:`xgrad.torch_backend.gather.gather_ranks`, which the fault ben
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,3 +114,33 @@ def every_rank_ok(fn: Callable[..., Any], world: int, *, timeout: float) -> dict
     assert all(code == 0 for code in codes.values()), (codes, results)
     assert all(status == "ok" for status, _ in results.values()), results
     return {rank: value for rank, (_, value) in results.items()}
+
+
+def run_plain(
+    script: str, world: int, init: str, args: Sequence[str] = (), *, timeout: float = 120.0
+) -> list[tuple[int | None, str, str]]:
+    """Run ``python -c script RANK INIT *args`` as ``world`` plain processes (not
+    multiprocessing children: their exit is a script's, with no launcher's destroy after
+    it), this checkout on the path; each one's exit code, stdout and stderr, by rank.
+    Each is killed if it has not ended within ``timeout``."""
+    import xgrad
+
+    root = os.path.dirname(os.path.dirname(xgrad.__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(rank), init, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, out, err) for p, (out, err) in zip(ranks, outs, strict=True)]

@@ -20,15 +20,12 @@ under ``torch.no_grad()`` after they left, then a last iteration on the others' 
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
 
 import pytest
-from ranks import run_ranks
+from ranks import run_plain, run_ranks
 
 WORLD = 3
 TIMEOUT = 3.0
@@ -172,28 +169,8 @@ _MAIN = textwrap.dedent(
     ("how", "end"), [("after", "ends"), ("raised", "ends"), ("raised", "destroyed")]
 )
 def test_a_peer_exits_cleanly(how: str, end: str, tmp_path: Any) -> None:
-    import xgrad
-
-    root = os.path.dirname(os.path.dirname(xgrad.__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    init = f"file://{tmp_path}/store"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", _MAIN, str(rank), init, how, str(TIMEOUT), end],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    (out, err), code = outs[0], ranks[0].returncode
+    outs = run_plain(_MAIN, 2, f"file://{tmp_path}/store", [how, str(TIMEOUT), end])
+    code, out, err = outs[0]
     assert code == 0, (code, err[-3000:])  # not gloo's abort at exit (-6)
     said, waited = out.strip().rsplit(" ", 1)
     if how == "after":
@@ -202,5 +179,5 @@ def test_a_peer_exits_cleanly(how: str, end: str, tmp_path: Any) -> None:
         ), out
     else:
         assert said == "RankError: rank 1 in backward: ValueError: boom", out
-        assert ranks[1].returncode == 1 and "ValueError: boom" in outs[1][1], outs[1]
+        assert outs[1][0] == 1 and "ValueError: boom" in outs[1][2], outs[1]
     assert float(waited) < TIMEOUT, out

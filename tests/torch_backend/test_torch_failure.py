@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
 
-from ranks import run_ranks
+from ranks import run_plain, run_ranks
 
 HEARTBEAT = {"heartbeat_interval": 0.1, "heartbeat_timeout": 2.0}
 
@@ -115,29 +113,9 @@ def test_a_process_with_many_pipeline_runtimes_exits_promptly(tmp_path: Any) -> 
     """Each runtime keeps an idle waiter thread; exit joined them one by one with half a
     second each, so 20 runtimes held each rank's exit for 10 s (1 s now, 0.4 s of it with
     none: torch's own teardown, about 30 ms a private group)."""
-    import xgrad
-
-    root = os.path.dirname(os.path.dirname(xgrad.__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
-    init = f"file://{tmp_path}/store"
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", _MANY_RUNTIMES, str(rank), init, "20"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in ranks]
-        exited = time.time()
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(ranks, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    ranks = run_plain(_MANY_RUNTIMES, 2, f"file://{tmp_path}/store", ["20"])
+    exited = time.time()
+    for code, out, err in ranks:
+        assert code == 0, err[-3000:]
         took = exited - float(out.split()[-1])
         assert took < 5.0, took  # with room for a loaded machine
