@@ -53,7 +53,7 @@ from xgrad.torch_backend.ddp_unfinished import DROPPED, UNFINISHED
 from xgrad.torch_backend.ddp_waits import ABANDONED
 from xgrad.torch_backend.dist_watch import sever
 from xgrad.torch_backend.failure import EXIT_WAIT, guarded_store
-from xgrad.torch_backend.leaving import how_left, on_leave
+from xgrad.torch_backend.leaving import alive, every_group, how_left, on_leave
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
@@ -82,7 +82,7 @@ def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:
     more: each DDP of it on that group tells its peers (:func:`_post_leave`), and so does
     each one collected (with a step under way here: :data:`~.ddp_unfinished.DROPPED`;
     else :data:`GONE`). ``exiting``: :data:`.leaving.Leave`'s."""
-    every = group is None or group == dist.group.WORLD
+    every = every_group(group)
     how = how_left(exiting)
 
     def ours(pg: Any) -> bool:
@@ -132,7 +132,7 @@ def _post_leave(watch: StepWatch, hooks: Any, how: str) -> None:
 
 def _safely(group: Any, post: Callable[..., None], *args: Any) -> None:
     """``post(*args)``, if c10d still knows ``group``; never raises (leaving goes on)."""
-    if _alive(group):
+    if alive(group):
         with contextlib.suppress(Exception):
             post(*args)
 
@@ -160,14 +160,3 @@ def _after(step: int, how: str) -> str:
         f"{step + 1}, in which the other ranks wait for it (every rank runs as many "
         "iterations as the others: inputs of different lengths need ddp.join())"
     )
-
-
-def _alive(group: Any) -> bool:
-    """Whether c10d still knows ``group`` (``None``: the default group): not destroyed,
-    not aborted."""
-    try:
-        if group is None:
-            return dist.is_initialized()
-        return group in dist.distributed_c10d._world.pg_map
-    except (AttributeError, TypeError, RuntimeError):
-        return False

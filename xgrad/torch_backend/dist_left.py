@@ -31,11 +31,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch.distributed as dist
-
 from xgrad.failure import FailureChannel, RankError
 from xgrad.torch_backend.failure import CHANNEL_PREFIX, EXIT_WAIT, guarded_store
-from xgrad.torch_backend.leaving import DESTROYED, EXITED, how_left, on_leave
+from xgrad.torch_backend.leaving import DESTROYED, EXITED, alive, every_group, how_left, on_leave
 
 __all__ = ["DESTROYED", "EXITED", "context_namespace", "leave", "refuse", "remember", "watch"]
 
@@ -108,24 +106,16 @@ def leave(group: Any, how: str) -> None:
     raises: a post that cannot be made leaves the peers to name this rank by its
     heartbeat, as they did before."""
     try:
-        world = group is None or group == dist.group.WORLD
+        every = every_group(group)
         with _lock:
-            names = [n for n, (ref, _, _) in _groups.items() if world or ref() is group]
+            names = [n for n, (ref, _, _) in _groups.items() if every or ref() is group]
             entries = [(n, _groups.pop(n)) for n in names]
         for name, (ref, me, leaving) in entries:
             pg = ref()
-            if pg is not None and _alive(pg):
+            if pg is not None and alive(pg):
                 _post(pg, name, me, leaving, how)
     except Exception:  # leaving goes on; a store gone already answers nothing
         return
-
-
-def _alive(pg: Any) -> bool:
-    """Whether c10d still knows ``pg`` (not destroyed, not aborted by ``abort_group``)."""
-    try:
-        return pg in dist.distributed_c10d._world.pg_map
-    except (AttributeError, TypeError):
-        return False
 
 
 def _post(pg: Any, name: str, me: int, leaving: Leaving, how: str) -> None:

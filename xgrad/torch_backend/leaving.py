@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DESTROYED", "EXITED", "Leave", "how_left", "on_leave"]
+__all__ = ["DESTROYED", "EXITED", "Leave", "alive", "every_group", "how_left", "on_leave"]
 
 #: how a rank left, as the posts word it.
 DESTROYED = "it destroyed the group with destroy_process_group"
@@ -62,6 +62,23 @@ def on_leave(hook: Leave) -> None:
 def how_left(exiting: bool) -> str:
     """How a rank left, for its post: :data:`EXITED` or :data:`DESTROYED`."""
     return EXITED if exiting else DESTROYED
+
+
+def every_group(group: Any) -> bool:
+    """Whether leaving ``group`` (a hook's argument) leaves every group: ``None`` (the
+    process ends) or the default group (destroying it destroys them all)."""
+    return group is None or group == dist.group.WORLD
+
+
+def alive(group: Any) -> bool:
+    """Whether c10d still knows ``group`` (``None``: the default group): not destroyed,
+    not aborted by ``abort_group``. A hook posts nothing on a group that is gone."""
+    try:
+        if group is None:
+            return dist.is_initialized()
+        return group in dist.distributed_c10d._world.pg_map
+    except (AttributeError, TypeError, RuntimeError):
+        return False
 
 
 def _leave(group: Any, exiting: bool) -> None:
