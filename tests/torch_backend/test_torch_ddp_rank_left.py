@@ -14,7 +14,9 @@ pass that raised) then exits cleanly, where its collective left pending made glo
 it at exit ("terminate called after throwing an instance of 'gloo::IoException'"),
 whether it destroyed the group or not. Also checked: when every rank ran as many
 iterations, the notes of the ranks that left first fail no one (a rank evaluating alone
-under ``torch.no_grad()`` after they left, then a last iteration on the others' group).
+under ``torch.no_grad()`` after they left, then a last iteration on the others' group),
+and a rank whose step raised a peer's leave still evaluates alone under
+``torch.no_grad()`` (a pass that communicates nothing), raising it again at its next step.
 """
 
 from __future__ import annotations
@@ -128,6 +130,45 @@ def test_ranks_that_ran_as_many_iterations_fail_no_one() -> None:
     assert all(code == 0 for code in codes.values()), (codes, results)
     assert results[0] == ("ok", {"shape": [1, 2], "grad": 24.0}), results[0]
     assert results[1] == ("ok", {"shape": [], "grad": 24.0}), results[1]
+
+
+def _alone(rank: int, world: int, buffers: bool) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 2)] + ([nn.BatchNorm1d(2)] if buffers else [])
+    ddp = DistributedDataParallel(nn.Sequential(*layers), timeout=TIMEOUT)
+    ddp(torch.ones(3, 4)).sum().backward()
+    if rank == 1:
+        return {}  # leaves after one iteration
+    said = []
+    for grad in (True, False, True):  # its step; an evaluation alone; a step again
+        ddp.train(grad)
+        try:
+            with torch.set_grad_enabled(grad):
+                out = ddp(torch.ones(2, 4))
+            if grad:
+                out.sum().backward()
+            said.append(list(out.shape))
+        except Exception as exc:
+            said.append(f"{type(exc).__name__}: {str(exc)[:31]}")
+    return {"said": said}
+
+
+@pytest.mark.parametrize("buffers", [False, True])
+def test_a_rank_whose_peer_left_evaluates_alone(buffers: bool) -> None:
+    """After its step raised the peer's leave, a rank evaluates under ``torch.no_grad()``
+    alone (no collective: PyTorch's runs it too); its next step raises the peer's error
+    again (a rank still gone: its error, not a hang), and so does an evaluation that
+    broadcasts buffers (BatchNorm's, after a training pass), as PyTorch's would fail."""
+    results, codes = run_ranks(_alone, 2, (buffers,), timeout=120)
+    assert codes == {0: 0, 1: 0}, (codes, results)
+    gone = "RankUnresponsiveError: rank 1: left after 1 iterations"
+    evaluated = gone if buffers else [2, 2]
+    assert results[0] == ("ok", {"said": [gone, evaluated, gone]}), results[0]
 
 
 _MAIN = textwrap.dedent(

@@ -124,7 +124,12 @@ def start_forward(
             begin_next_step(watch, hooks, joining, gate)
         if accumulate:
             watch.nosync_passes += 1
-        watch.current_group()  # a lost group raises its failure again
+        if torch.is_grad_enabled():
+            # A lost group raises its failure again (a rank still dead: its error, not a
+            # hang). Not an evaluation under no_grad, which communicates nothing unless
+            # it syncs buffers or counts for join(), each through the watched group (its
+            # failure then); a rank whose peer died evaluates alone, as under PyTorch's.
+            watch.current_group()
         return
     if hooks.accumulating:  # begun at the accumulation's first pass
         hooks.accumulating = False
