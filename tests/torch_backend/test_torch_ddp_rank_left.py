@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import pytest
-from ranks import run_plain, run_ranks
+from ranks import every_rank_ok, run_plain, run_ranks
 
 WORLD = 3
 TIMEOUT = 3.0
@@ -222,3 +222,34 @@ def test_a_peer_exits_cleanly(how: str, end: str, tmp_path: Any) -> None:
         assert said == "RankError: rank 1 in backward: ValueError: boom", out
         assert outs[1][0] == 1 and "ValueError: boom" in outs[1][2], outs[1]
     assert float(waited) < TIMEOUT, out
+
+
+def _many(rank: int, world: int) -> list[int]:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from xgrad.torch_backend import DistributedDataParallel, ddp_exit
+
+    def trained_and_dropped(group: Any, count: int) -> int:
+        for _ in range(count):
+            ddp = DistributedDataParallel(nn.Linear(4, 2), process_group=group, timeout=TIMEOUT)
+            ddp(torch.ones(3, 4)).sum().backward()
+            del ddp
+            gc.collect()
+        return len(ddp_exit.GONE)
+
+    sub = dist.new_group([0, 1])
+    counts = [trained_and_dropped(None, 12), trained_and_dropped(sub, 12)]
+    dist.destroy_process_group(sub)
+    counts.append(trained_and_dropped(None, 1))
+    return counts
+
+
+def test_the_notes_of_dropped_ddps_stay_few() -> None:
+    """A loop that makes and drops DDPs (trials, retries) keeps the leave notes of the
+    last eight of each group (each a store write at exit), and none of a destroyed one."""
+    results = every_rank_ok(_many, 2, timeout=120)
+    assert results == {0: [8, 16, 8], 1: [8, 16, 8]}, results

@@ -339,6 +339,37 @@ def test_a_failed_ddp_backward_is_posted_when_the_rank_steps_a_pipeline() -> Non
     assert "bad gradient" in per_rank[1][0], per_rank[1]
 
 
+def _pipelined_counts(rank: int, world: int) -> list[int]:
+    """Two runtimes over one DDP stage (each rank's stage data-parallel on its own): how
+    many drive it, as each is made and dropped."""
+    import gc
+
+    from xgrad.torch_backend import DistributedDataParallel
+    from xgrad.torch_backend.pipeline import PipelineRuntime
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    ddp = DistributedDataParallel(nn.Linear(WIDTH, WIDTH), process_group=alone, timeout=15)
+    x = torch.ones(4, WIDTH)
+    counts = [ddp._grad_hooks.pipelined]
+    runtimes = []
+    for _ in range(2):
+        runtimes.append(PipelineRuntime(xp.gpipe(2, 2), [ddp], nn.functional.mse_loss))
+        runtimes[-1].step(x if rank == 0 else None, x if rank == 1 else None)
+        counts.append(ddp._grad_hooks.pipelined)
+    while runtimes:
+        runtimes.pop()
+        gc.collect()
+        counts.append(ddp._grad_hooks.pipelined)
+    return counts
+
+
+def test_a_ddp_is_a_pipeline_stage_while_a_runtime_drives_it() -> None:
+    """A stage's DDP leaves failed steps to the runtime that drives it
+    (``GradientHooks.pipelined``); once every such runtime is collected it is a plain
+    DDP again (before, it stayed a stage's for good)."""
+    assert spawn(_pipelined_counts, 2, timeout=120) == [[0, 1, 2, 1, 0]] * 2
+
+
 class _Counted(nn.Module):
     """A block that raises at its ``fail_at``-th forward (counted over the steps), and uses
     its ``extra`` layer only when told (unused otherwise, unknown to DDP)."""

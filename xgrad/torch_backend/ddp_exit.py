@@ -61,8 +61,13 @@ if TYPE_CHECKING:
 __all__ = ["GONE", "collected", "install", "post_left_unfinished"]
 
 #: the DDPs of this process collected with no step under way here: (their group, the
-#: failure channel prefix of the step after their last, that last step).
+#: failure channel prefix of the step after their last, that last step); on a group
+#: still alive, the last :data:`GONE_KEPT` of each group.
 GONE: list[tuple[Any, str, int]] = []
+#: how many collected DDPs of one group :data:`GONE` keeps: a loop that makes and drops
+#: DDPs without end (trials, retries) keeps a few notes, not one per DDP, each a store
+#: write at exit. A peer still in an older one's step is named by its heartbeat then.
+GONE_KEPT = 8
 
 
 def install() -> None:
@@ -73,8 +78,15 @@ def install() -> None:
 
 def collected(watch: StepWatch) -> None:
     """``watch``'s DDP was collected with no step under way on this rank: where its next
-    step's note goes is kept (not the watch, whose private group would stay alive)."""
-    GONE.append((watch.user_group, watch.channel_of(watch.step + 1).prefix, watch.step))
+    step's note goes is kept (not the watch, whose private group would stay alive).
+    Those of a destroyed group go (no one reads them), and past :data:`GONE_KEPT` of
+    one group the oldest."""
+    group = watch.user_group
+    GONE[:] = [gone for gone in GONE if alive(gone[0])]
+    GONE.append((group, watch.channel_of(watch.step + 1).prefix, watch.step))
+    same = [gone for gone in GONE if gone[0] is group]
+    if len(same) > GONE_KEPT:
+        GONE.remove(same[0])
 
 
 def post_left_unfinished(group: Any = None, exiting: bool = True) -> None:

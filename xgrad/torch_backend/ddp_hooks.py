@@ -137,8 +137,9 @@ class GradientHooks(PassEnd):
         self.log_error: Callable[[BaseException], None] = lambda exc: None  # the DDP's log
         #: whether the DDP is under join() now (set by the DDP: a weak reference to it)
         self.joining: Callable[[], bool] = lambda: True
-        #: a pipeline runtime drives the DDP (a stage's): it gives a failed step up itself
-        self.pipelined = False
+        #: how many pipeline runtimes drive the DDP (a stage's): each gives a failed step
+        #: up itself; back to 0 as they are collected (:func:`.pipeline_ddps.unpipelined`)
+        self.pipelined = 0
 
     def __del__(self) -> None:
         # Collected (its DDP dropped) with a step under way on this rank: a forward pass

@@ -10,6 +10,7 @@ aside after a failure, made anew) :mod:`~xgrad.torch_backend.pipeline_group`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from xgrad.torch_backend.pipeline_call import StepCall
 from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     stage_ddps,
+    unpipelined,
 )
 from xgrad.torch_backend.pipeline_eval import Evaluation
 from xgrad.torch_backend.pipeline_lanes import default_lanes
@@ -212,5 +214,6 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         self._devices, self._losses = {}, {}
         self._ddps = stage_ddps(self.partitions)  # told when a step fails (pipeline_ddps)
         for ddp in self._ddps:  # (their no_sync passes cut short are given up here)
-            ddp._grad_hooks.pipelined = True
+            ddp._grad_hooks.pipelined += 1
+        weakref.finalize(self, unpipelined, [weakref.ref(d._grad_hooks) for d in self._ddps])
         self._ddp_steps: list[int] = []

@@ -12,6 +12,7 @@ the DDP posts that where its peers wait.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "ddp_steps",
     "stage_ddps",
     "tell_replicas",
+    "unpipelined",
 ]
 
 
@@ -36,6 +38,16 @@ def stage_ddps(partitions: Sequence[nn.Module]) -> list[Any]:
     return [
         m for p in partitions for m in p.modules() if callable(getattr(m, "_abandon_step", None))
     ]
+
+
+def unpipelined(hooks: Sequence[weakref.ref[Any]]) -> None:
+    """A runtime driving these DDPs' gradient hooks was collected: one fewer drives each
+    (a DDP used outside a pipeline afterwards posts its passes cut short as they raise,
+    :mod:`.ddp_cut_short`, not at its next forward pass)."""
+    for ref in hooks:
+        held = ref()
+        if held is not None and held.pipelined > 0:
+            held.pipelined -= 1
 
 
 def ddp_steps(ddps: Sequence[Any]) -> list[int]:
