@@ -32,6 +32,7 @@ from xgrad.torch_backend.pipeline_call import StepCall
 from xgrad.torch_backend.pipeline_ddps import (
     data_parallel,
     stage_ddps,
+    stage_no_sync,
     unpipelined,
 )
 from xgrad.torch_backend.pipeline_eval import Evaluation
@@ -105,7 +106,9 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
             peer is named after it).
         no_sync: for data parallelism, a context factory ``no_sync(partition_index)`` under
             which forwards that must not reduce gradients run (DDP's ``no_sync``); only the
-            last microbatch's forward with gradients runs outside it.
+            last microbatch's forward with gradients runs outside it. Default, for a
+            partition holding a ``DistributedDataParallel`` (torch's or xgrad's): that
+            DDP's own, as torch's ``PipelineStage`` uses it (``pipeline_ddps.stage_no_sync``).
         reduce_grad: called as ``reduce_grad(partition_index)`` at a partition's last
             REDUCE_GRAD action (torch's lowering and :func:`~xgrad.pipeline.add_stage_ops`
             place one after a stage's last backward) to reduce its gradients (divided by
@@ -181,6 +184,7 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         self._chunk_specs = chunk_specs(
             args_chunk_spec, kwargs_chunk_spec, output_merge_spec, self.rank
         )
+        no_sync = stage_no_sync(self.partitions, self.rank, no_sync, dp_group)
         self._no_sync = no_sync
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from xgrad.pipeline import Schedule
 from xgrad.torch_backend.ddp_failure import StepWatch
@@ -28,6 +29,7 @@ __all__ = [
     "data_parallel",
     "ddp_steps",
     "stage_ddps",
+    "stage_no_sync",
     "tell_replicas",
     "unpipelined",
 ]
@@ -38,6 +40,39 @@ def stage_ddps(partitions: Sequence[nn.Module]) -> list[Any]:
     return [
         m for p in partitions for m in p.modules() if callable(getattr(m, "_abandon_step", None))
     ]
+
+
+def stage_no_sync(partitions: Sequence[nn.Module], rank: int, no_sync: Any, dp_group: Any) -> Any:
+    """The ``no_sync`` factory the runtime runs with: ``no_sync`` if given; else, where a
+    partition holds a ``DistributedDataParallel`` (PyTorch's or xgrad's), the ``no_sync``
+    of each such DDP in the partition, as torch's ``PipelineStage`` uses a DDP stage's
+    for all but the last backward on its own.
+
+    Without it, each microbatch's forward pass was a synchronised one: DDP reduced the
+    first backward pass to come and kept the later ones' gradients unreduced, which with
+    a stage's forwards ahead of its backwards (GPipe, 1F1B's first stages) left every
+    replica the same, silently wrong gradients.
+
+    Raises:
+        ValueError: a DDP stage with ``dp_group`` (two reductions of one gradient).
+    """
+    held = [[m for m in p.modules() if isinstance(m, DistributedDataParallel)] for p in partitions]
+    if not any(held) or no_sync is not None:
+        return no_sync
+    if dp_group is not None:
+        raise ValueError(
+            f"rank {rank}: partition {next(i for i, h in enumerate(held) if h)} holds a "
+            "DistributedDataParallel, which reduces its gradients itself: give dp_group "
+            "with plain modules only"
+        )
+
+    def each_ddp(index: int) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for ddp in held[index]:
+            stack.enter_context(ddp.no_sync())
+        return stack
+
+    return each_ddp
 
 
 def unpipelined(hooks: Sequence[weakref.ref[Any]]) -> None:
