@@ -6,9 +6,10 @@ forward pass was then a synchronised one: the DDP reduced the first backward pas
 come and kept the later ones' gradients unreduced, so a stage whose forward passes run
 ahead of its backward passes (GPipe's; 1F1B's first stage) got the same, silently wrong
 gradients on both replicas (relative error 0.73 here), with xgrad's DDP or PyTorch's.
-Now a partition holding a DDP runs its microbatches but the last under that DDP's
-``no_sync`` (torch's ``PipelineStage`` does the same for a DDP stage), and a DDP stage
-given ``dp_group`` too is refused (two reductions of one gradient).
+Now a partition holding a DDP runs its microbatches under that DDP's ``no_sync`` but
+the one whose backward comes last (torch's ``PipelineStage`` does the same for a DDP
+stage), and a DDP stage given ``dp_group`` too is refused (two reductions of one
+gradient).
 """
 
 from __future__ import annotations
@@ -24,64 +25,100 @@ from torch import nn  # noqa: E402
 import xgrad.pipeline as xp  # noqa: E402
 from xgrad.torch_backend.spawn import spawn  # noqa: E402
 
-M = 3
+M = 4
+CASES = [
+    ("xgrad", "gpipe"),
+    ("xgrad", "1f1b"),
+    ("xgrad", "interleaved_1f1b"),
+    ("xgrad", "looped_bfs"),
+    ("torch", "gpipe"),
+    ("torch", "looped_bfs"),
+]
+
+
+def _schedule(name: str) -> xp.Schedule:
+    return (
+        xp.make(name, 2, M, 2)
+        if name in ("interleaved_1f1b", "looped_bfs")
+        else xp.make(name, 2, M)
+    )
 
 
 def _stages(rank: int, world: int) -> dict[str, Any]:
+    """Per case (DDP, schedule): the worst relative error of this rank's stages'
+    gradients against the replicas' mean of the unpipelined model's; then two refusals."""
     from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
     pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    replica, stage = divmod(rank, 2)
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(2)]
-    gens = [torch.Generator().manual_seed(10 + r) for r in range(2)]
-    data = [
-        (torch.randn(6, 4, generator=g, dtype=torch.float64),
-         torch.randn(6, 4, generator=g, dtype=torch.float64))
-        for g in gens
-    ]  # fmt: skip
-    for x, y in data:
-        nn.functional.mse_loss(blocks[1](blocks[0](x)), y).backward()
-    want = [p.grad.clone() / 2 for p in blocks[stage].parameters()]
-    part = blocks[stage]
-    x, y = data[replica]
+    replica, place = divmod(rank, 2)
     found: dict[str, Any] = {}
-    for kind in ("xgrad", "torch"):
+    for kind, name in CASES:
+        schedule = _schedule(name)
+        n = schedule.num_stages
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double() for _ in range(n)]
+        gens = [torch.Generator().manual_seed(10 + r) for r in range(2)]
+        data = [
+            (torch.randn(8, 4, generator=g, dtype=torch.float64),
+             torch.randn(8, 4, generator=g, dtype=torch.float64))
+            for g in gens
+        ]  # fmt: skip
+        for x, y in data:
+            h = x
+            for block in blocks:
+                h = block(h)
+            nn.functional.mse_loss(h, y).backward()
+        mine = list(schedule.stages_of(place))
+        want = {s: [p.grad.clone() / 2 for p in blocks[s].parameters()] for s in mine}
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
         if kind == "xgrad":
-            ddp: nn.Module = DistributedDataParallel(part, process_group=dps[stage], timeout=20)
+            ddps = [
+                DistributedDataParallel(blocks[s], process_group=dps[place], timeout=20)
+                for s in mine
+            ]
         else:
-            ddp = nn.parallel.DistributedDataParallel(part, process_group=dps[stage])
-        for name in ("gpipe", "1f1b"):
-            part.zero_grad(set_to_none=True)
-            rt = PipelineRuntime(
-                xp.make(name, 2, M), [ddp], nn.functional.mse_loss, group=pipes[replica]
-            )
-            rt.step(x if stage == 0 else None, y if stage == 1 else None)
-            found[f"{kind} {name}"] = max(
-                float((p.grad - w).norm() / w.norm())
-                for p, w in zip(part.parameters(), want, strict=True)
-            )
-    try:
-        PipelineRuntime(
-            xp.add_stage_ops(xp.make("1f1b", 2, M)),
-            [ddp],
-            nn.functional.mse_loss,
-            group=pipes[replica],
-            dp_group=dps[stage],
+            ddps = [
+                nn.parallel.DistributedDataParallel(blocks[s], process_group=dps[place])
+                for s in mine
+            ]
+        rt = PipelineRuntime(schedule, ddps, nn.functional.mse_loss, group=pipes[replica])
+        x, y = data[replica]
+        rt.step(x if 0 in mine else None, y if n - 1 in mine else None)
+        found[f"{kind} {name}"] = max(
+            float((p.grad - w).norm() / w.norm())
+            for s in mine
+            for p, w in zip(blocks[s].parameters(), want[s], strict=True)
         )
-    except ValueError as exc:
-        found["refused"] = str(exc)
+    ddp = DistributedDataParallel(nn.Linear(4, 4), process_group=dps[place], timeout=20)
+    for why, schedule, kw in (
+        ("dp_group", xp.add_stage_ops(xp.make("1f1b", 2, M)), {"dp_group": dps[place]}),
+        ("split", xp.make("zb_h1", 2, M), {}),
+    ):
+        try:
+            PipelineRuntime(schedule, [ddp], nn.functional.mse_loss, group=pipes[replica], **kw)
+        except ValueError as exc:
+            found[why] = str(exc)
     return found
 
 
 def test_a_ddp_stage_reduces_once_per_step_without_no_sync() -> None:
-    for rank, found in enumerate(spawn(_stages, 4, timeout=150)):
-        assert found.pop("refused") == (
+    """Each schedule with whole backward passes, looped BFS too (its stages' last backward
+    is the first microbatch's: before, refused as "stage 0's last backward must be of
+    microbatch 3"), with xgrad's DDP or PyTorch's; a DDP stage with ``dp_group``, or with
+    a schedule that splits its backward, refused by name."""
+    for rank, found in enumerate(spawn(_stages, 4, timeout=170)):
+        assert found.pop("dp_group") == (
             f"rank {rank % 2}: partition 0 holds a DistributedDataParallel, which reduces "
             "its gradients itself: give dp_group with plain modules only"
         )
-        assert set(found) == {"xgrad gpipe", "xgrad 1f1b", "torch gpipe", "torch 1f1b"}
+        assert found.pop("split") == (
+            f"rank {rank % 2}: data parallelism (no_sync) needs full backward passes; "
+            "schedule 'zb_h1' splits them into I and W (reduce at REDUCE_GRAD instead: "
+            "dp_group with plain modules)"
+        )
+        assert set(found) == {f"{kind} {name}" for kind, name in CASES}
         for case, error in found.items():
             assert error < 1e-12, (rank, case, error)

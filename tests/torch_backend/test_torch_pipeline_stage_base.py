@@ -25,6 +25,8 @@ def _state(no_sync: Any = None) -> StageState:
     state.device = None
     state._devices = {}
     state._no_sync = no_sync
+    # with no_sync, each stage's synchronised microbatch: its last backward's (data_parallel)
+    state._synced = {} if no_sync is None else {0: 3, 3: 3}
     state.checkpoint = "except_last"
     state.scale_grads = True
     state._losses = {}
@@ -71,5 +73,17 @@ def test_no_sync_wraps_all_but_the_last_microbatch_and_checkpointing_follows_it(
     assert entered == [1, 1, 1]  # the last microbatch's forward synchronises
     # With data parallelism the last microbatch is recomputed too (its forward is redone
     # right before its backward); without, "except_last" keeps it.
-    assert [state._checkpointed(mb) for mb in range(4)] == [True] * 4
-    assert [_state()._checkpointed(mb) for mb in range(4)] == [True, True, True, False]
+    assert [state._checkpointed(3, mb) for mb in range(4)] == [True] * 4
+    assert [_state()._checkpointed(3, mb) for mb in range(4)] == [True, True, True, False]
+    # A stage whose last backward is another microbatch's (looped BFS: the first's)
+    # synchronises that one, and it is the one redone; the last keeps "except_last"'s.
+    state._synced = {3: 0}
+    synced = []
+    for mb in range(4):
+        before = len(entered)
+        with state._sync_context(3, mb):
+            pass
+        if len(entered) == before:
+            synced.append(mb)
+    assert synced == [0]
+    assert [state._checkpointed(3, mb) for mb in range(4)] == [True, True, True, False]

@@ -188,7 +188,7 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         self._no_sync = no_sync
         self._reduce_grad = reduce_grad
         self._dp_group = dp_group
-        self._reduce_at, self._dp = data_parallel(
+        self._reduce_at, self._dp, self._synced = data_parallel(
             self.schedule, self.rank, self._slot_of, self.timeout, no_sync, reduce_grad, dp_group
         )
         self.device = None if device is None else torch.device(device)

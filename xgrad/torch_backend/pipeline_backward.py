@@ -85,7 +85,7 @@ class BackwardPasses(StageState):
         weights: bool,
     ) -> None:
         s, mb = action.stage, action.microbatch
-        if self._checkpointed(mb):
+        if self._checkpointed(s, mb):
             self._recompute(action, slot, ys)
         elif slot.output is not None and slot.out_edges is not None:
             slot.output = None  # the edges are the graph

@@ -178,9 +178,10 @@ def data_parallel(
     no_sync: Any,
     reduce_grad: Any,
     dp_group: Any,
-) -> tuple[dict[int, int], DataParallelSteps | None]:
+) -> tuple[dict[int, int], DataParallelSteps | None, dict[int, int]]:
     """A pipeline runtime's data parallelism: where its partitions reduce (partition ->
-    stage of its last REDUCE_GRAD) and, with ``dp_group``, the steps of its all-reduces.
+    stage of its last REDUCE_GRAD), with ``dp_group`` the steps of its all-reduces, and
+    with ``no_sync`` each stage's synchronised microbatch (the others run under it).
 
     Raises:
         ValueError: ``dp_group`` with ``reduce_grad`` or ``no_sync`` (two ways to reduce),
@@ -191,8 +192,7 @@ def data_parallel(
             f"rank {rank}: dp_group reduces at REDUCE_GRAD; give it without "
             "reduce_grad and without no_sync (DDP reduces on its own)"
         )
-    if no_sync is not None:
-        check_data_parallel(schedule, rank)
+    synced = {} if no_sync is None else check_data_parallel(schedule, rank)
     reduce_at = reduce_points(schedule, rank, slot_of)
     dp = None if dp_group is None else DataParallelSteps(dp_group, timeout, len(reduce_at))
-    return reduce_at, dp
+    return reduce_at, dp, synced

@@ -39,14 +39,17 @@ __all__ = [
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
-def checkpointed(mode: str, microbatch: int, num_microbatches: int, data_parallel: bool) -> bool:
+def checkpointed(mode: str, microbatch: int, num_microbatches: int, synced: bool = False) -> bool:
     """Whether microbatch ``microbatch``'s forward is recomputed in its backward.
 
-    With data parallelism the last microbatch's forward is redone right before its backward,
-    so nothing else runs between DDP's synchronised forward and backward.
+    ``synced``: with data parallelism, the stage's synchronised microbatch (the one whose
+    backward is the stage's last, :func:`check_data_parallel`), redone right before its
+    backward so that nothing else runs between DDP's synchronised forward and backward.
     """
+    if synced:
+        return True
     if microbatch == num_microbatches - 1:
-        return mode == "always" or data_parallel
+        return mode == "always"
     return mode != "never"
 
 
@@ -152,25 +155,24 @@ def kept_buffers(
             table[name] = b
 
 
-def check_data_parallel(schedule: Schedule, rank: int) -> None:
-    """DDP reduces in the backward after its synchronised forward (the last microbatch's,
-    redone right before its backward): that must be the stage's last backward, of the last
-    microbatch, and a whole one (B, not I and W)."""
+def check_data_parallel(schedule: Schedule, rank: int) -> dict[int, int]:
+    """Each of ``rank``'s stages' synchronised microbatch under data parallelism: the one
+    whose backward is the stage's last (the last microbatch's, or the first's where the
+    schedule runs them backwards, looped BFS), all others run under ``no_sync``. DDP
+    reduces in the backward after its synchronised forward, so it must be a whole one (B,
+    not I and W). (Before, the last microbatch was taken as the synchronised one whatever
+    the order, and looped BFS was refused.)"""
     if schedule.splits_backward:
         raise ValueError(
             f"rank {rank}: data parallelism (no_sync) needs full backward passes; "
-            f"schedule {schedule.name!r} splits them into I and W"
+            f"schedule {schedule.name!r} splits them into I and W (reduce at REDUCE_GRAD "
+            "instead: dp_group with plain modules)"
         )
-    last = schedule.num_microbatches - 1
-    for s in schedule.stages_of(rank):
-        order = [
-            a.microbatch for a in schedule.compute(rank) if a.stage == s and a.kind is Kind.BACKWARD
-        ]
-        if order[-1] != last:
-            raise ValueError(
-                f"rank {rank}: with data parallelism stage {s}'s last backward must be "
-                f"of microbatch {last}, got {order[-1]}"
-            )
+    synced = {}
+    for action in schedule.compute(rank):
+        if action.kind is Kind.BACKWARD:
+            synced[action.stage] = action.microbatch  # the last one stays
+    return synced
 
 
 def _dropped(t: torch.Tensor) -> None:

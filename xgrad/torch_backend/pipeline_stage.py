@@ -67,7 +67,7 @@ class StagePasses(BackwardPasses):
                     parts.append(self._receive_forward(action, slot, src))
             x = parts[0] if len(parts) == 1 else tuple(parts)
         target = ys[mb] if ys is not None and s == sched.num_stages - 1 else None
-        graph = not self._checkpointed(mb)
+        graph = not self._checkpointed(s, mb)
         if graph:
             y = self._run_forward(s, mb, x, target)
             slot.carry = carried(y)

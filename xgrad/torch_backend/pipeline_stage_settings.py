@@ -55,6 +55,7 @@ class StageSettings:
     _dp: Any  # the data-parallel steps (pipeline_ddps.DataParallelSteps), with _dp_group
     _reduce_grad: Callable[[int], None] | None
     _reduce_at: dict[int, int]  # partition slot -> the stage of its last REDUCE_GRAD
+    _synced: dict[int, int]  # with no_sync: stage -> its synchronised microbatch
     _actions: tuple[Action, ...]  # this rank's, in order (the mode in use: pipeline_eval)
     _scaling: StepScaling | None = None  # this step's division by m (pipeline_scale)
     _points: tuple[tuple[Action, ...], dict[int, int]] | None = None  # scale_points, kept
@@ -95,17 +96,16 @@ class StageSettings:
         """Whether ``stage`` is a DDP replica (``no_sync`` given, or a DDP as its module)."""
         return self._no_sync is not None or hasattr(self._module(stage), "no_sync")
 
-    def _checkpointed(self, microbatch: int) -> bool:
+    def _checkpointed(self, stage: int, microbatch: int) -> bool:
         if self._evaluating:
             return False  # no backward: nothing to recompute
-        return checkpointed(
-            self.checkpoint, microbatch, self.schedule.num_microbatches, self._no_sync is not None
-        )
+        synced = self._synced.get(stage) == microbatch
+        return checkpointed(self.checkpoint, microbatch, self.schedule.num_microbatches, synced)
 
     @contextlib.contextmanager
     def _sync_context(self, stage: int, microbatch: int) -> Iterator[None]:
-        last = microbatch == self.schedule.num_microbatches - 1
-        if self._no_sync is None or (last and torch.is_grad_enabled()):
+        synced = self._synced.get(stage) == microbatch
+        if self._no_sync is None or (synced and torch.is_grad_enabled()):
             yield
         else:
             with self._no_sync(self._slot_of[stage]):
