@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -150,6 +151,12 @@ def test_a_wrong_backend_fails_and_a_missing_one_is_skipped(
     assert "No module named 'xgrad_no_such_module'" in report.backends[1].reason
     text = crosscheck.format_report(report)
     assert "<-- beyond tolerance" in text and text.endswith("FAIL")
+    # The step times' column says what it is (a step, not a DDP's rebuild among four).
+    assert "ms/step: mean wall time of the timed steps (1), one run each" in text
+    five = " ".join(
+        crosscheck.format_report(dataclasses.replace(report, case=Case(steps=5))).split()
+    )
+    assert "timed steps (5; 4 of a DDP's, whose first rebuilds its buckets)" in five
     json_path, csv_path = crosscheck.write_outputs(report, tmp_path)
     data = json.loads(json_path.read_text())
     assert data["ok"] is False and data["plan"]["buckets"] == [[3, 4, 5], [1, 2], [0]]

@@ -68,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seed", type=non_negative_int, default=0, help="seeds the weights and the batch"
     )
-    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per backend")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=5,
+        help="timed steps per backend (a DDP's bucket rebuild, its first, untimed where more run)",
+    )
     default = crosscheck.runner_names()
     every = crosscheck.runner_entries(check=False, every=True)
     named_only = sorted(

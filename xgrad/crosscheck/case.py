@@ -61,7 +61,8 @@ class Case:
         hook: None, ``"allreduce"``, ``"fp16"`` or ``"bf16"``.
         batch_per_rank: samples per rank; the global batch is ``world_size`` times this.
         seed: seeds weights and batch.
-        steps: timed steps per backend (after one untimed warm-up step).
+        steps: timed steps per backend (after one untimed warm-up step; a DDP's first,
+            which rebuilds its buckets, is run untimed too where more than one runs).
         timeout: seconds a multi-process backend may take before it is stopped.
         stateful: PowerSGD's multi-step mode: PyTorch's default state (error feedback,
             warm start, from the third step), carried over every step, so the gradients

@@ -114,6 +114,17 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
             "largest magnitude, is what the tolerance means"
         )
         lines += textwrap.wrap(note, 88, initial_indent="  ", subsequent_indent="    ")
+    if any(b.seconds_per_step is not None for b in report.backends):
+        # A few steps of a small model, a millisecond or so each: the runs differ by
+        # several times from one launch to the next on a busy machine (the order of two
+        # DDPs flipped in three runs of the same command), so the column orients, no more.
+        rebuilt = f"; {case.steps - 1} of a DDP's, whose first rebuilds its buckets"
+        note = (
+            f"ms/step: mean wall time of the timed steps ({case.steps}"
+            f"{rebuilt if case.steps > 1 else ''}), one run each, for orientation: "
+            "`xgrad bench ddp` compares speeds"
+        )
+        lines += textwrap.wrap(note, 88, initial_indent="  ", subsequent_indent="    ")
     if report.agreement:
         lines.append("")
         lines.append("between backends")
