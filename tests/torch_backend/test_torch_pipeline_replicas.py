@@ -7,7 +7,9 @@ live rank's failure with the origin nested in the text (``rank 3: 1REDUCE_GRAD f
 RankError: rank 1 ...``), a dead rank as a plain ``RankError`` (not a
 ``RankUnresponsiveError``); relayed as it is, every rank now names rank 1 with its kind
 (the other replica also where it reached that pipeline), and after a raise the next steps
-work.
+work. The same with each stage a DDP over its replicas instead of ``dp_group`` (a guard:
+the sweep of session 36 found these right; it found the DDP stages' default ``no_sync``
+missing, test_torch_pipeline_ddp_default).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import signal
 from typing import Any
 
+import pytest
 import torch
 from ranks import run_ranks
 from torch import nn
@@ -24,9 +27,10 @@ from torch import nn
 import xgrad.pipeline as xp
 
 
-def _replicas(rank: int, world: int, how: str) -> list[Any]:
+def _replicas(rank: int, world: int, how: str, mode: str = "dp_group") -> list[Any]:
     import torch.distributed as dist
 
+    from xgrad.torch_backend import DistributedDataParallel
     from xgrad.torch_backend.pipeline import PipelineRuntime
 
     pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -35,10 +39,16 @@ def _replicas(rank: int, world: int, how: str) -> list[Any]:
     torch.manual_seed(stage)  # the replicas of a stage start alike
     part = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).double()
     schedule = xp.add_stage_ops(xp.one_f_one_b(2, 4))
-    rt = PipelineRuntime(
-        schedule, [part], nn.functional.mse_loss, group=pipes[replica], timeout=10,
-        dp_group=dps[stage],
-    )  # fmt: skip
+    if mode == "ddp":  # a DDP stage, its own no_sync (the runtime's default)
+        ddp = DistributedDataParallel(part, process_group=dps[stage], timeout=10)
+        rt = PipelineRuntime(
+            schedule, [ddp], nn.functional.mse_loss, group=pipes[replica], timeout=10
+        )
+    else:
+        rt = PipelineRuntime(
+            schedule, [part], nn.functional.mse_loss, group=pipes[replica], timeout=10,
+            dp_group=dps[stage],
+        )  # fmt: skip
     original = type(rt)._perform
     armed = [False]
 
@@ -92,3 +102,27 @@ def test_a_rank_killed_in_one_replica_is_unresponsive_in_the_other_too() -> None
         assert kind == "RankUnresponsiveError", out[1]
         assert (origin, failure_kind) == (1, "unresponsive"), out[1]
         assert text.startswith("rank 1: stopped answering"), text
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failure_in_one_replica_of_ddp_stages_reaches_the_other(how: str) -> None:
+    """The same with each stage a DDP over its replicas (no ``no_sync`` given): the other
+    replica learns of the failure in its DDP's reduction, names rank 1 with its kind,
+    and after a raise the next step is the same as the one before."""
+    results, codes = run_ranks(_replicas, 4, (how, "ddp"), timeout=120)
+    alive = (0, 1, 2, 3) if how == "raise" else (0, 2, 3)
+    if how == "kill":
+        assert codes[1] == -signal.SIGKILL, codes
+    for rank in alive:
+        status, out = results[rank]
+        assert status == "ok", out
+        kind, origin, failure_kind, text = out[1]
+        if how == "kill":
+            assert kind == "RankUnresponsiveError", out[1]
+            assert (origin, failure_kind) == (1, "unresponsive"), out[1]
+            assert text.startswith("rank 1: stopped answering"), text
+        else:
+            assert kind.startswith("RankError"), out[1]
+            assert (origin, failure_kind) == (1, "error"), out[1]
+            assert text.startswith("rank 1: 1B2 failed: ValueError: boom"), text
+            assert out[2] == out[0], "the step after the failure differs from the one before"
