@@ -118,7 +118,7 @@ def format_report(report: Report, *, per_bucket: bool = True) -> str:
         # A few steps of a small model, a millisecond or so each: the runs differ by
         # several times from one launch to the next on a busy machine (the order of two
         # DDPs flipped in three runs of the same command), so the column orients, no more.
-        rebuilt = f"; {case.steps - 1} of a DDP's, whose first rebuilds its buckets"
+        rebuilt = "; a DDP's all but its first, which rebuilds its buckets"
         note = (
             f"ms/step: mean wall time of the timed steps ({case.steps}"
             f"{rebuilt if case.steps > 1 else ''}), one run each, for orientation: "
