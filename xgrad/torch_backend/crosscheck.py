@@ -45,8 +45,9 @@ def run_ddp(
     (after the buckets were rebuilt, where DDP rebuilds them). The first of them rebuilds
     the buckets (a one-off: PyTorch's second iteration; xgrad's also checks that the ranks
     agree on the plan), so where more than one runs it is left out of the time per step,
-    which is then the steady state's for both DDPs (with it, on two CPU cores, 5 steps of
-    the MLP read 3.5 ms for xgrad's against 1.5 ms for PyTorch's; 20, 2.4 against 2.8).
+    which is then the steady state's for both DDPs. (At the zoo's sizes a step takes a
+    millisecond or so on CPUs, mostly scheduling: the two DDPs' order flips from run to
+    run, with or without that step; ``xgrad bench ddp`` compares their speeds.)
 
     Args:
         model_name: a model of ``xgrad.models`` (built by ``xgrad.torch_backend.models``).
