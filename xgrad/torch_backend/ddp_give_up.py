@@ -33,6 +33,7 @@ __all__ = [
     "abandon_step",
     "begin_next_step",
     "give_up_cut_short_pass",
+    "given_up_key",
     "post_cut_short_pass",
     "recover",
 ]
@@ -198,4 +199,18 @@ def abandon_step(
         hooks.given_up = error.failure
         if hooks.give_up is not None:  # the other DDPs of an xgrad Join (join_given_up)
             hooks.give_up(error.failure)
+    elif hooks.joining():
+        # Given up whole (a pipeline step), no stand-in count follows: the joined ranks
+        # begin the next step at once instead of waiting for one (join_failed).
+        watch.channel.store.set(given_up_key(watch.channel.prefix), b"1")
     return error
+
+
+def given_up_key(prefix: str) -> str:
+    """The key of a step (namespace ``prefix``) a rank still training under ``join()``
+    gave up whole in an accumulation (a pipeline step that failed): its next pass sends
+    no count standing in for the step's synchronised pass, which a joined rank would
+    otherwise wait for (:meth:`~.join_failed.FailedSteps.drop_failed_step`) while that
+    pass waits for the joined rank's mark, each to the timeout. Deleted with the step's
+    other keys."""
+    return f"{prefix}/given_up"

@@ -96,6 +96,7 @@ def drop_read_failures(watch: StepWatch) -> None:
         extra = [
             *next_marks(prefix, watch.ranks),
             f"{prefix}/carried",  # (join_leave's)
+            f"{prefix}/given_up",  # (ddp_give_up's)
             *counts_keys(prefix, watch.ranks),  # (ddp_which_step's)
         ]
         for key in [*tickets_keys, counter, *marks, *extra]:

@@ -15,7 +15,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import FailureChannel, RankError, error_for
-from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
+from xgrad.torch_backend.ddp_give_up import given_up_key, post_cut_short_pass
 from xgrad.torch_backend.ddp_recover import current_graph_task, drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import carried, count, sum_async
@@ -77,7 +77,12 @@ class FailedSteps:
         if failure is not None and not was_carried(channel):
             if self.shadowed == ddp._watch.step:  # an accumulation pass's, seen after the count
                 self._keep(ddp._watch.naming_others(error_for(failure, channel.rank)))
-                if not met and ddp._grad_hooks.accumulating and carried(ddp):
+                if (
+                    not met
+                    and ddp._grad_hooks.accumulating
+                    and carried(ddp)
+                    and not channel.store.check([given_up_key(channel.prefix)])
+                ):
                     return  # the failing rank's stand-in is due in this count: met first
             self._begin_due(ahead=True)
 
