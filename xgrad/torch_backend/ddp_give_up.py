@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from xgrad.callers import user_stacklevel
 from xgrad.failure import FailureChannel
-from xgrad.torch_backend.ddp_leftovers import mark_next
+from xgrad.torch_backend.ddp_leftovers import given_up_key, mark_next
 from xgrad.torch_backend.ddp_unfinished import (
     DROPPED,
     UNFINISHED,
@@ -33,7 +33,6 @@ __all__ = [
     "abandon_step",
     "begin_next_step",
     "give_up_cut_short_pass",
-    "given_up_key",
     "post_cut_short_pass",
     "recover",
 ]
@@ -204,13 +203,3 @@ def abandon_step(
         # begin the next step at once instead of waiting for one (join_failed).
         watch.channel.store.set(given_up_key(watch.channel.prefix), b"1")
     return error
-
-
-def given_up_key(prefix: str) -> str:
-    """The key of a step (namespace ``prefix``) a rank still training under ``join()``
-    gave up whole in an accumulation (a pipeline step that failed): its next pass sends
-    no count standing in for the step's synchronised pass, which a joined rank would
-    otherwise wait for (:meth:`~.join_failed.FailedSteps.drop_failed_step`) while that
-    pass waits for the joined rank's mark, each to the timeout. Deleted with the step's
-    other keys."""
-    return f"{prefix}/given_up"

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "counts_keys",
     "drop_read_failures",
+    "given_up_key",
     "mark_next",
     "mark_read",
     "next_marks",
@@ -48,6 +49,16 @@ def counts_keys(prefix: str, ranks: list[int]) -> list[str]:
     """The keys of the ranks' ``no_sync`` pass counts in a failed step's namespace
     (:mod:`.ddp_which_step`)."""
     return [f"{prefix}/passes/{r}" for r in ranks]
+
+
+def given_up_key(prefix: str) -> str:
+    """The key of a step (namespace ``prefix``) a rank still training under ``join()``
+    gave up whole in an accumulation (a pipeline step that failed,
+    :func:`~.ddp_give_up.abandon_step`): its next pass sends no count standing in for
+    the step's synchronised pass, which a joined rank would otherwise wait for
+    (:meth:`~.join_failed.FailedSteps.drop_failed_step`) while that pass waits for the
+    joined rank's mark, each to the timeout."""
+    return f"{prefix}/given_up"
 
 
 def next_marks(prefix: str, ranks: list[int]) -> list[str]:
@@ -96,7 +107,7 @@ def drop_read_failures(watch: StepWatch) -> None:
         extra = [
             *next_marks(prefix, watch.ranks),
             f"{prefix}/carried",  # (join_leave's)
-            f"{prefix}/given_up",  # (ddp_give_up's)
+            given_up_key(prefix),  # (ddp_give_up's)
             *counts_keys(prefix, watch.ranks),  # (ddp_which_step's)
         ]
         for key in [*tickets_keys, counter, *marks, *extra]:

@@ -15,7 +15,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import FailureChannel, RankError, error_for
-from xgrad.torch_backend.ddp_give_up import given_up_key, post_cut_short_pass
+from xgrad.torch_backend.ddp_give_up import post_cut_short_pass
+from xgrad.torch_backend.ddp_leftovers import given_up_key
 from xgrad.torch_backend.ddp_recover import current_graph_task, drop_unreduced, start_forward
 from xgrad.torch_backend.group_gone import gone_error
 from xgrad.torch_backend.join_announce import carried, count, sum_async
