@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from xgrad.torch_backend.ddp_failure import StepWatch
 
 __all__ = [
+    "carried_key",
     "counts_keys",
     "drop_read_failures",
     "given_up_key",
@@ -43,6 +44,12 @@ __all__ = [
 
 def _marks(prefix: str, ranks: list[int]) -> list[str]:
     return [f"{prefix}/read/{r}" for r in ranks]
+
+
+def carried_key(prefix: str) -> str:
+    """The key of a step (namespace ``prefix``) whose failure is the step before's,
+    carried over (:func:`~.join_leave.carried_over`)."""
+    return f"{prefix}/carried"
 
 
 def counts_keys(prefix: str, ranks: list[int]) -> list[str]:
@@ -106,7 +113,7 @@ def drop_read_failures(watch: StepWatch) -> None:
         # carried over, were never written: no-ops)
         extra = [
             *next_marks(prefix, watch.ranks),
-            f"{prefix}/carried",  # (join_leave's)
+            carried_key(prefix),  # (join_leave's)
             given_up_key(prefix),  # (ddp_give_up's)
             *counts_keys(prefix, watch.ranks),  # (ddp_which_step's)
         ]

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from xgrad.failure import Failure, FailureChannel, RankError, error_for
 from xgrad.heartbeat import COLLECTIVE, waiting_for
-from xgrad.torch_backend.ddp_leftovers import next_marks
+from xgrad.torch_backend.ddp_leftovers import carried_key, next_marks
 
 if TYPE_CHECKING:
     from xgrad.torch_backend.ddp import DistributedDataParallel
@@ -104,12 +104,6 @@ def carried_over(watch: StepWatch) -> Failure | None:
     if channel.poll() is None:
         channel.relay(failure)
     return failure
-
-
-def carried_key(prefix: str) -> str:
-    """The key of a step (namespace ``prefix``) whose failure is the step before's,
-    carried over (:func:`carried_over`); deleted with the step's others."""
-    return f"{prefix}/carried"
 
 
 def was_carried(channel: FailureChannel) -> bool:
