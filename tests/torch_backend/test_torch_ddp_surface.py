@@ -174,6 +174,17 @@ def _options(rank: int, world: int) -> dict[str, Any]:
         # Compared at the first step: later steps start from parameters updated with
         # these rounded gradients, so their reference would be another run.
         out[name + "_view"] = {"xgrad": viewed[:1], "reference": rounded[:1]}
+    # A sparse gradient (its own bucket) under mixed precision: reduced in reduce_dtype as
+    # the dense ones and upcast to the parameter's dtype (assigning a bfloat16 one raised).
+    mp = _MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    ours, _, model = _train(
+        rank, _seeded(sparse=True), lambda m: DistributedDataParallel(m, mixed_precision=mp)
+    )
+    out["mixed_bf16_sparse"] = {
+        "xgrad": ours,
+        "reference": _mixed_reference(rank, _seeded(sparse=True), mp),
+        "dtype": str(model.emb.weight.grad.dtype),
+    }
     # buffer_dtype casts every buffer, BatchNorm's integer count too: PyTorch's construction
     # (which runs on the CPU) leaves the same dtypes.
     out["buffer_dtypes"] = {}
@@ -347,7 +358,9 @@ def test_mixed_precision_casts_the_buffers_pytorch_casts(results: list[dict[str,
 def test_mixed_precision_on_cpu(results: list[dict[str, Any]]) -> None:
     """PyTorch's mixed precision needs stream events (no CPU); the reference is by hand."""
     for r in results:
-        for name in ("mixed_bf16", "mixed_fp16", "mixed_bf16_view", "mixed_fp16_view"):
+        assert r["mixed_bf16_sparse"]["dtype"] == "torch.float32"
+        names = ("mixed_bf16", "mixed_fp16", "mixed_bf16_view", "mixed_fp16_view")
+        for name in (*names, "mixed_bf16_sparse"):
             ours, ref = r[name]["xgrad"], r[name]["reference"]
             for mine, want in zip(ours, ref, strict=True):
                 assert mine.keys() == want.keys()

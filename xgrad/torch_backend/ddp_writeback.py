@@ -52,8 +52,10 @@ class GradientWriteBack:
         grad = p.grad
         if view.layout is not torch.strided:
             # A sparse bucket: the reduced tensor replaces the gradient (PyTorch copies
-            # the result into the gradient tensor, which comes to the same values).
-            p.grad = view
+            # the result into the gradient tensor, which comes to the same values); under
+            # mixed precision it is upcast, as the dense gradients are, to the parameter's
+            # dtype (assigning a param_dtype gradient to a full-precision one raised).
+            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
             return
         # Under mixed precision the buckets hold param_dtype: the gradient cannot be their
         # view, so it is a full-precision copy (as PyTorch's, gradient_as_bucket_view or not).
