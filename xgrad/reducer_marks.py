@@ -103,6 +103,20 @@ class GradientMarks:
         if self.find_unused_parameters and not self.static_graph:
             self._unused.local.append(index)
 
+    def sum_used_map(self) -> None:
+        """Start the used-map sum now, if this pass's buckets skip by it: before a
+        reduction outside the buckets (DDP's ``delay_all_reduce_named_params``), which
+        every rank reaches at the same point of its backward pass.
+
+        The sum goes out at a pass's first mark otherwise, and a rank marks its first
+        gradient late when its early ones only logged their arrival (or none came before
+        the hooked one): two ranks that used different parameters entered the sum and the
+        delayed all-reduce in different orders, and gloo aborted both processes. A no-op
+        where it is out already, or where nothing skips by it.
+        """
+        if self._expect_hooks and self._skip_agreed:
+            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+
     def _begin_at(self, now: float) -> None:
         """The pass's first mark: it starts the clock and marks the unused parameters."""
         self._marked_unused = True

@@ -66,6 +66,7 @@ from xgrad.torch_backend.ddp_unfinished import before_wrapping
 from xgrad.torch_backend.ddp_watched_comm import WatchedComm
 from xgrad.torch_backend.join import JoinableDDP
 from xgrad.torch_backend.sync import broadcast_state, verify_params_across_ranks
+from xgrad.torch_backend.weak_hooks import weak_method
 
 __all__ = ["DistributedDataParallel", "IterationTimes"]
 
@@ -245,3 +246,5 @@ class DistributedDataParallel(
         self._logging_environment = environment(self.process_group)
         self._runtime_log = RuntimeLog()
         self._build_reduction(caps, plan, sparse, comm_hook, default_cap=bucket_cap_mb is None)
+        if self._delayed is not None:  # the used map first (skip_all_reduce_unused_params)
+            self._delayed.before_launch = weak_method(self.reducer.sum_used_map)

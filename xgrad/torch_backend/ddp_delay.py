@@ -36,7 +36,7 @@ gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -80,6 +80,9 @@ class DelayedAllReduce:
         self._work: CollectiveWork | None = None
         self._arrived: set[int] = set()  # ids of the delayed parameters added this pass
         self._late = False  # the hooked gradient came first: reduce at the end of the pass
+        #: called before each reduction (the DDP's: its reducer's used-map sum goes first,
+        #: :meth:`~xgrad.reducer_marks.GradientMarks.sum_used_map`).
+        self.before_launch: Callable[[], None] | None = None
         arrive, reduce = weak_method(self._arrive), weak_method(self._reduce)
         self._handles = [p.register_post_accumulate_grad_hook(arrive) for p in params]
         self._handle = hooked.register_hook(reduce)
@@ -115,6 +118,8 @@ class DelayedAllReduce:
         return grad
 
     def _launch(self) -> None:
+        if self.before_launch is not None:
+            self.before_launch()
         self.buffer.div_(self.comm.size)
         self._work = self.comm.allreduce(self.buffer)
 
