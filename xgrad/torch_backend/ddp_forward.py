@@ -28,6 +28,7 @@ from xgrad.torch_backend.ddp_post_forward import post_forward
 from xgrad.torch_backend.ddp_recover import (
     abandon_step,
     drop_unreduced,
+    raise_as_the_deferring,
     reduces_unsynced,
     start_forward,
 )
@@ -72,7 +73,10 @@ def pre_forward(
         if unfinished is not None:
             ddp._watch.raised_at = ddp._watch.step  # in the step begun now (join_leave)
             raise unfinished
+    step = ddp._watch.step
     _start(ddp, sync)
+    if torch.is_grad_enabled():  # where the ranks that deferred a failure raise it
+        raise_as_the_deferring(ddp._watch, step, ddp._join_config.enable)
     first_pass_regrouped(ddp)  # the last step failed: agreement and buffers again
     flags = _flags(ddp, sync) if ddp._join_config.enable else None
     ddp._still_training = notify_join_context(ddp, flags)

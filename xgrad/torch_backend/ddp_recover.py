@@ -22,6 +22,7 @@ from xgrad.failure import FailureChannel, error_for
 from xgrad.torch_backend.ddp_give_up import abandon_step as abandon_step
 from xgrad.torch_backend.ddp_give_up import begin_next_step, recover
 from xgrad.torch_backend.ddp_give_up import give_up_cut_short_pass as give_up_cut_short_pass
+from xgrad.torch_backend.ddp_pass_end import UNREDUCED
 from xgrad.torch_backend.ddp_skipped import settle_skipped
 from xgrad.torch_backend.ddp_unfinished import DROPPED as DROPPED
 from xgrad.torch_backend.ddp_unfinished import UNFINISHED as UNFINISHED
@@ -39,6 +40,7 @@ __all__ = [
     "drop_unreduced",
     "give_up_cut_short_pass",
     "post_failed_passes",
+    "raise_as_the_deferring",
     "recover",
     "reduces_unsynced",
     "start_forward",
@@ -157,6 +159,26 @@ def reduces_unsynced(hooks: GradientHooks) -> bool:
     reducer = hooks.reducer
     assert reducer is not None
     return reducer.expecting and not hooks.finalize_queued
+
+
+def raise_as_the_deferring(watch: StepWatch, step: int, joining: bool) -> None:
+    """After the forward pass's start: where it began the step after one whose first
+    failure was a pass left unreduced, raise that failure here too, as the ranks that
+    deferred it raise it here (:func:`drop_unreduced`).
+
+    Such a step can fail differently on two ranks: the one whose gradients never came
+    defers its error to this forward pass (PyTorch's "prior iteration" error), while a
+    peer that raised in that step's backward pass itself (its own error, a static graph
+    whose graph changed) began this step clean. Their loops were then a step apart for
+    good: this rank's next step paired with the deferring rank's step after, without a
+    word, and the last step waited out the timeout. Not under ``join()``, whose rounds
+    place the passes (:mod:`.ddp_which_step`).
+    """
+    failed = watch.ended_failed
+    if joining or watch.step == step or failed is None or failed.where != UNREDUCED:
+        return
+    watch.raised_at = watch.step  # in the step begun now, as the deferring ranks' (join_leave)
+    raise error_for(failed, watch.channel.rank)
 
 
 def drop_unreduced(hooks: GradientHooks, start: Callable[[], None]) -> RuntimeError | None:
