@@ -111,8 +111,9 @@ class GradientMarks:
         The sum goes out at a pass's first mark otherwise, and a rank marks its first
         gradient late when its early ones only logged their arrival (or none came before
         the hooked one): two ranks that used different parameters entered the sum and the
-        delayed all-reduce in different orders, and gloo aborted both processes. A no-op
-        where it is out already, or where nothing skips by it.
+        delayed all-reduce in different orders, and gloo paired the two (without a word
+        where they had the same size) or aborted both processes. A no-op where it is out
+        already, or where nothing skips by it.
         """
         if self._expect_hooks and self._skip_agreed:
             self._unused.launch(self.comm, self.ops, self.params[0], **self._search)

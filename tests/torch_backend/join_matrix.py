@@ -267,8 +267,10 @@ def reference(s: Scenario, batches: Sequence[int]) -> dict[str, Any]:
 def _close(
     got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str, exact: bool, zeros: bool
 ) -> None:
-    """``exact``: bit for bit, the same names; else within 1e-6 (``zeros``: a name missing
-    on either side is a zero gradient)."""
+    """``exact``: bit for bit, the same names; else within 1e-5 (``zeros``: a name missing
+    on either side is a zero gradient). Not 1e-6: a gradient that cancels to zero (a
+    bias before a BatchNorm, float32) is rounding noise, 1.5e-6 against 8e-8 on one
+    machine for the same code that agreed within 1e-6 on another."""
     names = sorted(set(got) | set(want)) if zeros else sorted(want)
     if not zeros:
         assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
@@ -278,7 +280,7 @@ def _close(
         if exact:
             np.testing.assert_array_equal(a, b, err_msg=f"{what} {name}")
         else:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"{what} {name}")
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"{what} {name}")
 
 
 def check_scenario(s: Scenario, name: str, batches: Sequence[int], results: dict[int, Any]) -> None:
