@@ -229,8 +229,8 @@ class GradientHooks(PassEnd):
             try:
                 reducer.mark_ready(index, param.grad)
             except Exception as exc:
-                if peer_unreduced(exc):  # seen waiting for a bucket (a hook's callbacks)
-                    me._defer(exc)
+                # seen waiting for a bucket (a hook's callbacks)
+                if peer_unreduced(exc) and me._defer(exc):
                     return
                 raise_from(me._fail(f"gradient hook of {reducer.names[index]}", exc), exc)
 
@@ -244,8 +244,7 @@ class GradientHooks(PassEnd):
         try:
             reducer.mark_many(indices, grads)
         except Exception as exc:
-            if peer_unreduced(exc):
-                self._defer(exc)
+            if peer_unreduced(exc) and self._defer(exc):
                 return
             raise_from(self._fail(f"gradient hook of {reducer.names[reducer.marking]}", exc), exc)
 

@@ -95,9 +95,7 @@ class PassEnd(GradientWriteBack):
             # A gradient refused at its copy (a static graph's first pass copies them
             # here) fails the pass as it would in its hook, not as one left unreduced.
             unreduced = not reducer.all_ready() and not isinstance(exc, GradientDtypeError)
-            if unreduced or peer_unreduced(exc):
-                self._defer(exc)
-            else:
+            if not ((unreduced or peer_unreduced(exc)) and self._defer(exc)):
                 raise_from(self._fail("reduction", exc), exc)
         finally:
             self._copy_dst.clear()
@@ -129,7 +127,7 @@ class PassEnd(GradientWriteBack):
             )
         )
 
-    def _defer(self, exc: Exception) -> None:
+    def _defer(self, exc: Exception) -> bool:
         """A pass that left buckets unreduced (gradients never came) ends here as in
         PyTorch, whose next forward pass raises its "prior iteration" error; this one's
         raises it too (:attr:`unfinished`), and the pass after starts clean on every rank.
@@ -137,14 +135,25 @@ class PassEnd(GradientWriteBack):
         Posted first, so that the peers, which wait for buckets this rank will not launch,
         stop now instead of at the timeout; they end their pass the same way and raise
         this rank's error at their next forward pass, so every rank's loop stays in step.
+
+        Returns False, deferring nothing, where the step's first failure is a peer's raise
+        (a comm hook's, a hook's): that peer raised in this pass and begins the next step
+        clean, so this rank fails the pass now too (the caller raises). Deferred, its next
+        step began one pass after the peer's, and every later step was averaged with the
+        peer's step before it, without a word.
         """
         assert self.reducer is not None
+        first = exc.failure if isinstance(exc, RankError) else None
+        if first is None:
+            first = self.watch.post(UNREDUCED, exc).failure
+        if first.kind == "error" and first.where != UNREDUCED:
+            return False
         if isinstance(exc, RankError):  # a peer's: the error it will raise too, here
             self.reducer.fail(str(exc))
             self.unfinished = error_for(exc.failure, self.watch.channel.rank, also=exc.also)
         else:
-            self.watch.post(UNREDUCED, exc)
             self.unfinished = self.reducer.prior_reduction_error()
+        return True
 
     def wait_buffer_futures(self) -> None:
         """Wait for the buffer comm hook's futures (each bounded and watched), then drop them."""
