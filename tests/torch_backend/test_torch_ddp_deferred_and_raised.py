@@ -39,10 +39,25 @@ def _uses_d(rank: int, step: int) -> bool:
     return rank == 1 if step == 1 else rank == 0
 
 
+def _is_the_mean(
+    model: nn.Module, plain: nn.Module, x: torch.Tensor, use_d: bool, world: int
+) -> list[bool]:
+    """Whether each of the DDP's gradients is the mean over the ranks of ``plain``'s
+    (the same weights, no DDP) on the same input (a missing gradient counts as zero)."""
+    import torch.distributed as dist
+
+    plain.zero_grad(set_to_none=True)
+    plain(x, use_d).square().sum().backward()
+    right = []
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        local = torch.zeros_like(q) if q.grad is None else q.grad.clone()
+        dist.all_reduce(local)
+        right.append(p.grad is not None and torch.allclose(p.grad, local / world))
+    return right
+
+
 def _run(rank: int, world: int) -> dict[str, Any]:
     import copy
-
-    import torch.distributed as dist
 
     from xgrad.torch_backend import DistributedDataParallel
 
@@ -61,12 +76,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
             continue
         outcomes.append("ok")
         if step >= 3:
-            plain.zero_grad(set_to_none=True)
-            plain(x, _uses_d(rank, step)).square().sum().backward()
-            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-                local = torch.zeros_like(q) if q.grad is None else q.grad.clone()
-                dist.all_reduce(local)
-                right.append(p.grad is not None and torch.allclose(p.grad, local / world))
+            right += _is_the_mean(model, plain, x, _uses_d(rank, step), world)
     return {"outcomes": outcomes, "right": right}
 
 
@@ -96,7 +106,6 @@ def _comm_hook_raises(rank: int, world: int) -> dict[str, Any]:
     import copy
     import time
 
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from xgrad.torch_backend import DistributedDataParallel
@@ -129,12 +138,7 @@ def _comm_hook_raises(rank: int, world: int) -> dict[str, Any]:
             continue
         outcomes.append("ok")
         if step >= 2:
-            plain.zero_grad(set_to_none=True)
-            plain(x, use_d).square().sum().backward()
-            for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-                local = q.grad.clone()
-                dist.all_reduce(local)
-                right.append(p.grad is not None and torch.allclose(p.grad, local / world))
+            right += _is_the_mean(model, plain, x, use_d, world)
     return {"outcomes": outcomes, "right": right}
 
 
