@@ -104,16 +104,17 @@ class GradientMarks:
             self._unused.local.append(index)
 
     def sum_used_map(self) -> None:
-        """Start the used-map sum now, if this pass's buckets skip by it: before a
-        reduction outside the buckets (DDP's ``delay_all_reduce_named_params``), which
-        every rank reaches at the same point of its backward pass.
+        """Start the used-map sum now, if this pass's buckets skip by it: at the pass's
+        first mark, and before a reduction outside the buckets (DDP's
+        ``delay_all_reduce_named_params``), which every rank reaches at the same point
+        of its backward pass.
 
-        The sum goes out at a pass's first mark otherwise, and a rank marks its first
-        gradient late when its early ones only logged their arrival (or none came before
-        the hooked one): two ranks that used different parameters entered the sum and the
-        delayed all-reduce in different orders, and gloo paired the two (without a word
-        where they had the same size) or aborted both processes. A no-op where it is out
-        already, or where nothing skips by it.
+        A rank marks its first gradient late when its early ones only logged their
+        arrival (or none came before the hooked one): from the first mark alone, two
+        ranks that used different parameters entered the sum and the delayed all-reduce
+        in different orders, and gloo paired the two (without a word where they had the
+        same size) or aborted both processes. A no-op where it is out already, or where
+        nothing skips by it.
         """
         if self._expect_hooks and self._skip_agreed:
             self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
@@ -122,8 +123,7 @@ class GradientMarks:
         """The pass's first mark: it starts the clock and marks the unused parameters."""
         self._marked_unused = True
         self._backward_start = now
-        if self._skip_agreed:  # the used map first, on every rank: buckets skip by it
-            self._unused.launch(self.comm, self.ops, self.params[0], **self._search)
+        self.sum_used_map()  # the used map first, on every rank: buckets skip by it
         get = self.get_grad
         for i in self._unused.local:
             self._mark(i, None if get is None else get(i), now)

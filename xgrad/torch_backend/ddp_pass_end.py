@@ -143,8 +143,9 @@ class PassEnd(GradientWriteBack):
         peer's step before it, without a word.
         """
         assert self.reducer is not None
-        first = exc.failure if isinstance(exc, RankError) else None
-        if first is None:
+        if isinstance(exc, RankError):
+            first = exc.failure
+        else:
             first = self.watch.post(UNREDUCED, exc).failure
         if first.kind == "error" and first.where != UNREDUCED:
             return False
