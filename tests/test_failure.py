@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -106,6 +107,10 @@ def test_seconds_are_checked_and_env_overrides(monkeypatch: pytest.MonkeyPatch) 
     for word in ("soon", "5", True):  # a number in a string is not one either
         with pytest.raises(TypeError, match=r"timeout=.* must be a number of seconds"):
             check_seconds("timeout", word)  # type: ignore[arg-type]
+    # torch's form of a timeout counts as its seconds; a zero one is named as given
+    assert check_seconds("timeout", timedelta(seconds=2.5)) == 2.5
+    with pytest.raises(ValueError, match=r"timeout=datetime.timedelta\(0\) must be a positive"):
+        check_seconds("timeout", timedelta(0))
     assert default_seconds("timeout") == 60.0
     monkeypatch.setenv("XGRAD_TIMEOUT", "7.5")
     assert default_seconds("timeout") == 7.5

@@ -18,7 +18,8 @@ counter (:mod:`xgrad.heartbeat`); a waiter whose peers' counters stop moving pos
 (:func:`xgrad.failure_wait.wait_until`). The records and errors are
 :mod:`xgrad.failure_errors`'s, re-exported here.
 
-All timeouts are seconds, configurable per call, with defaults that environment variables
+All timeouts are seconds (a ``datetime.timedelta``, torch's form for every distributed
+timeout, is read as its seconds), configurable per call, with defaults that environment variables
 override (``XGRAD_TIMEOUT``, ``XGRAD_HEARTBEAT_INTERVAL``, ``XGRAD_HEARTBEAT_TIMEOUT``,
 ``XGRAD_POLL_INTERVAL``). This module is backend-neutral: it imports neither torch nor jax.
 """
@@ -29,6 +30,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from xgrad.failure_errors import FAILURE_KINDS
@@ -50,6 +52,7 @@ __all__ = [
     "MemoryStore",
     "RankError",
     "RankUnresponsiveError",
+    "as_seconds",
     "check_seconds",
     "default_seconds",
     "describe",
@@ -70,14 +73,25 @@ DEFAULTS: dict[str, tuple[str, float]] = {
 }
 
 
-def check_seconds(name: str, value: float) -> float:
+def as_seconds(value: object) -> object:
+    """A ``datetime.timedelta`` as its seconds, anything else as it is (for the checks).
+
+    torch gives every distributed timeout as a timedelta (``init_process_group``,
+    ``new_group``, ``Work.wait``); a user who passed one here was refused as "not a number
+    of seconds" before session 38.
+    """
+    return value.total_seconds() if isinstance(value, timedelta) else value
+
+
+def check_seconds(name: str, value: Any) -> float:
     """``value`` as a positive, finite float; a ``ValueError`` naming ``name`` otherwise
     (a ``TypeError`` for what is not a number: a string or a bool is not one, as for the
-    DDP's ``timeout``)."""
-    if isinstance(value, (str, bytes, bool)):
+    DDP's ``timeout``). A timedelta counts as its seconds (:func:`as_seconds`)."""
+    number = as_seconds(value)
+    if isinstance(number, (str, bytes, bool)):
         raise TypeError(f"{name}={value!r} must be a number of seconds")
     try:
-        seconds = float(value)
+        seconds = float(number)
     except (TypeError, ValueError):
         raise TypeError(f"{name}={value!r} must be a number of seconds") from None
     if not math.isfinite(seconds) or seconds <= 0:

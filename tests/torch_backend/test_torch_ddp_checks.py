@@ -6,6 +6,7 @@ disagreement must raise on both ranks (no hang, no SIGABRT, no silently wrong gr
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -139,6 +140,7 @@ def test_timeout_default_and_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(TIMEOUT_ENV, "12.5")
     assert resolve_timeout(None) == 12.5
     assert resolve_timeout(3) == 3.0
+    assert resolve_timeout(timedelta(minutes=2)) == 120.0  # torch's form of a timeout
     monkeypatch.setenv(TIMEOUT_ENV, "nan")
     with pytest.raises(ValueError, match="XGRAD_DDP_TIMEOUT = nan"):
         resolve_timeout(None)

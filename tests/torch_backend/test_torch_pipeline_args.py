@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -25,9 +28,11 @@ from xgrad.torch_backend.pipeline_args import (
 )
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), "5", None])
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), "5", None, timedelta(seconds=-1)])
 def test_a_timeout_that_is_not_positive_finite_seconds_is_named(bad: object) -> None:
-    with pytest.raises(ValueError, match=f"timeout must be positive finite seconds, got {bad!r}"):
+    with pytest.raises(
+        ValueError, match=re.escape(f"timeout must be positive finite seconds, got {bad!r}")
+    ):
         check_settings("never", bad)
 
 
@@ -35,6 +40,7 @@ def test_an_unknown_checkpoint_mode_is_named() -> None:
     with pytest.raises(ValueError, match=r"checkpoint must be one of .* got 'sometimes'"):
         check_settings("sometimes", 1.0)
     assert check_settings("always", 2) == 2.0
+    assert check_settings("always", timedelta(seconds=90)) == 90.0  # torch's form of a timeout
 
 
 def test_the_schedule_must_have_the_groups_size_and_gets_its_comms() -> None:

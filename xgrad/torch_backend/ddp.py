@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -108,9 +109,9 @@ class DistributedDataParallel(
             used as given (no rebuild).
         comm_hook: a backend-neutral hook factory (``xgrad.hooks.fp16_compress_hook``),
             called with this module's ``comm``.
-        timeout: seconds any wait on a peer may block before it raises (default
-            ``$XGRAD_DDP_TIMEOUT``, else 300): reductions, the buffer broadcast, the
-            rebuild broadcast and the agreement check alike.
+        timeout: seconds (or a ``timedelta``) any wait on a peer may block before it
+            raises (default ``$XGRAD_DDP_TIMEOUT``, else 300): reductions, the buffer
+            broadcast, the rebuild broadcast and the agreement check alike.
 
     Before the first reduction and after a rebuild the ranks compare plan, parameters
     and hook (:mod:`xgrad.agreement`); ``join()`` is PyTorch's (:mod:`.join`); a failed
@@ -150,7 +151,7 @@ class DistributedDataParallel(
         first_bucket_cap_mb: float | None = None,
         plan: BucketPlan | None = None,
         comm_hook: Callable[[Comm], Hook] | None = None,
-        timeout: float | None = None,
+        timeout: float | timedelta | None = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)

@@ -18,6 +18,7 @@ import torch
 
 from xgrad.agreement import Fingerprint, data_parallel_fingerprint
 from xgrad.buckets import BucketPlan
+from xgrad.failure import as_seconds
 from xgrad.torch_backend.comm import DEFAULT_TIMEOUT_S
 from xgrad.torch_backend.sync import describe_params
 
@@ -35,15 +36,17 @@ TIMEOUT_ENV = "XGRAD_DDP_TIMEOUT"
 
 
 def _check_seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    number = as_seconds(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
+    if not math.isfinite(number) or number <= 0:
         raise ValueError(f"{name} = {value!r}: expected a finite number of seconds > 0")
-    return float(value)
+    return float(number)
 
 
 def resolve_timeout(timeout: object) -> float:
-    """``timeout=`` in seconds: the value given, else ``$XGRAD_DDP_TIMEOUT``, else 300.
+    """``timeout=`` in seconds (a ``timedelta`` too): the value given, else
+    ``$XGRAD_DDP_TIMEOUT``, else 300.
 
     ``nan``, ``inf``, zero and negative values are refused here rather than accepted and
     failing (or never failing) at the first wait.

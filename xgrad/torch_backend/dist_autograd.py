@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -73,13 +74,13 @@ DONE_VIA = os.environ.get("XGRAD_DIST_DONE", "leader")
 
 
 def context(
-    group: Any = None, timeout: float = 60.0, *, step: int | str | None = None
+    group: Any = None, timeout: float | timedelta = 60.0, *, step: int | str | None = None
 ) -> contextlib.AbstractContextManager[int]:
     """Open a distributed autograd context on ``group``; every rank of the group enters.
 
     Args:
         group: the process group (None: the default group).
-        timeout: seconds any wait of the context (a ``recv``, the backward pass) may last;
+        timeout: seconds (or a ``timedelta``) any wait of the context (a ``recv``, the backward pass) may last;
             a rank that stopped answering is named sooner, when its heartbeat stops
             (``XGRAD_HEARTBEAT_TIMEOUT``, 10 s by default).
         step: a label of the step (an int or a str) the context is for, the same on every

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -153,7 +154,7 @@ def _label(step: Any) -> str | None:
 
 @contextlib.contextmanager
 def open_context(
-    group: Any, timeout: float, *, leader: bool, step: int | str | None = None
+    group: Any, timeout: float | timedelta, *, leader: bool, step: int | str | None = None
 ) -> Iterator[int]:
     """:func:`.dist_autograd.context` (see there); ``leader``: a pass ends through the
     group's lowest rank (else every rank tells every other)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,7 +103,7 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         group: the pipeline process group (default: the default group); schedule rank r is
             group rank r.
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``.
-        timeout: seconds any receive or send may take before an error names it (a frozen
+        timeout: seconds (or a ``timedelta``) any receive or send may take before an error names it (a frozen
             peer is named after it).
         no_sync: for data parallelism, a context factory ``no_sync(partition_index)`` under
             which forwards that must not reduce gradients run (DDP's ``no_sync``); only the
@@ -156,7 +157,7 @@ class PipelineRuntime(StepLoop, Evaluation, StepCall):
         invocations: Sequence[Invocation] | None = None,
         group: Any = None,
         checkpoint: str = "except_last",
-        timeout: float = 60.0,
+        timeout: float | timedelta = 60.0,
         no_sync: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
         reduce_grad: Callable[[int], None] | None = None,
         dp_group: Any = None,

@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from xgrad.failure import as_seconds
 from xgrad.pipeline import (
     Invocation,
     Kind,
@@ -53,12 +54,14 @@ KEYWORDS_ONLY: Any = _KeywordsOnly()
 
 
 def check_settings(checkpoint: str, timeout: Any) -> float:
-    """Refuse an unknown checkpoint mode or a timeout that is not positive finite seconds."""
+    """Refuse an unknown checkpoint mode or a timeout that is not positive finite seconds
+    (a ``timedelta`` counts as its seconds)."""
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    if not isinstance(timeout, int | float) or not timeout > 0 or timeout == float("inf"):
+    seconds = as_seconds(timeout)
+    if not isinstance(seconds, int | float) or not seconds > 0 or seconds == float("inf"):
         raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
-    return float(timeout)
+    return float(seconds)
 
 
 def runtime_schedule(
