@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import xgrad.pipeline as xp
@@ -96,6 +98,11 @@ def test_bad_dags_are_refused() -> None:
         xp.placement_of(xp.dag([(0, 0), (1, 0)], [(), (1,)]))
     with pytest.raises(ValueError, match="used by no later invocation"):
         xp.placement_of(xp.dag([(0, 0), (1, 0), (0, 1)], [(), (0,), (0,)]))
+    # Refused by dag() itself: one past the end raised a bare IndexError there, and a
+    # negative one read an invocation from the end.
+    for bad in ((5,), (-1,), (0, 0)):
+        with pytest.raises(ValueError, match=re.escape(f"invocation 1: inputs {bad} must")):
+            xp.dag([(0, 0), (1, 0)], [(), bad])
     # It named a "source" mismatch of invocation None, not the input given to invocation 0.
     with pytest.raises(ValueError, match=r"invocation 0 reads the model input: inputs\[0\]"):
         xp.dag([(0, 0), (1, 0)], [(0,), (0,)])

@@ -86,6 +86,9 @@ def dag(
         raise ValueError(
             f"invocation 0 reads the model input: inputs[0] must be (), got {tuple(inputs[0])}"
         )
+    for k, ins in enumerate(inputs):
+        if k > 0:
+            _check_inputs(k, tuple(ins))
     consumers: dict[int, list[int]] = {}
     for k, ins in enumerate(inputs):
         for i in ins:
@@ -102,6 +105,15 @@ def dag(
     )
 
 
+def _check_inputs(k: int, ins: tuple[int, ...]) -> None:
+    """Invocation ``k`` may take only distinct earlier invocations (an index past the end
+    raised a bare IndexError in :func:`dag`, and a negative one read from the end)."""
+    if len(set(ins)) != len(ins) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < k for i in ins
+    ):
+        raise ValueError(f"invocation {k}: inputs {ins} must be distinct earlier orders 0..{k - 1}")
+
+
 def _check_dag(ordered: list[Invocation]) -> None:
     n = len(ordered)
     consumed: set[int] = set()
@@ -109,10 +121,8 @@ def _check_dag(ordered: list[Invocation]) -> None:
         ins = inv.inputs or ((i - 1,) if i > 0 else ())
         if i == 0 and inv.inputs:
             raise ValueError(f"invocation 0 reads the model input; got inputs {inv.inputs}")
-        if i > 0 and (len(set(ins)) != len(ins) or not all(0 <= k < i for k in ins)):
-            raise ValueError(
-                f"invocation {i}: inputs {inv.inputs} must be distinct earlier orders 0..{i - 1}"
-            )
+        if i > 0:
+            _check_inputs(i, tuple(ins))
         want = ordered[ins[0]].this if ins else None
         if inv.source != want:
             raise ValueError(
