@@ -87,7 +87,7 @@ def check_seconds(name: str, value: Any) -> float:
     """``value`` as a positive, finite float; a ``ValueError`` naming ``name`` otherwise
     (a ``TypeError`` for what is not a number: a string or a bool is not one, as for the
     DDP's ``timeout``). A timedelta counts as its seconds (:func:`as_seconds`)."""
-    number = as_seconds(value)
+    number: Any = as_seconds(value)
     if isinstance(number, (str, bytes, bool)):
         raise TypeError(f"{name}={value!r} must be a number of seconds")
     try:
